@@ -1,0 +1,22 @@
+"""nemo-rs-plugin: decoupled IS correction and rejection sampling for NeMo-RL's clipped PG loss.
+
+The core (config, math, loss) imports only torch and pydantic. ``RSClippedPGLossFn``, the
+subclass of NeMo-RL's ``ClippedPGLossFn``, is resolved lazily and needs NeMo-RL.
+"""
+
+from nemo_rs_plugin.config import ConfigError, RejectionFilter, RSClippedPGLossConfig
+from nemo_rs_plugin.distributed import SequenceGroups
+from nemo_rs_plugin.loss import LossInputs, RSClippedPGLoss, metric_normalizations
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "LossInputs",
+    "RejectionFilter",
+    "RSClippedPGLoss",
+    "RSClippedPGLossConfig",
+    "SequenceGroups",
+    "metric_normalizations",
+    "__version__",
+]

@@ -1,0 +1,426 @@
+"""Configuration of the ``rs_clipped_pg`` loss, validated once at construction.
+
+One pydantic model, :class:`RSClippedPGLossConfig`, holds every field of NeMo-RL's
+``ClippedPGLossConfig`` (same names, same defaults) plus the plugin's fields:
+
+* ``is_correction_level``: the level of the importance-sampling (IS) weight, decoupled from
+  ``sequence_level_importance_ratios`` (which keeps choosing the GSPO policy ratio only).
+* ``rejection_sampling``: an ordered list of filters (:class:`RejectionFilter`).
+* ``rejection_denominator``: what the loss divides by after rejection.
+
+NeMo-RL checks most of its combinations with ``assert`` inside the loss; here every one of
+them is a :class:`ConfigError` raised at construction, with a message that names the field,
+the value and what is allowed. Build it with :meth:`RSClippedPGLossConfig.from_any`, which
+takes a plain dict, an OmegaConf/Hydra mapping, NeMo-RL's pydantic config or any object with
+attributes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError",
+    "ISCorrectionLevel",
+    "RejectionFilter",
+    "RSClippedPGLossConfig",
+    "UPSTREAM_FIELDS",
+    "PLUGIN_FIELDS",
+]
+
+ISCorrectionLevel = Literal["token", "sequence", "sequence_mean"]
+TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
+FilterLevel = Literal["token", "sequence"]
+FilterMetric = Literal["ratio", "kl_k1", "kl_k2", "kl_k3"]
+FilterAgg = Literal["mean", "sum", "max", "min", "any"]
+
+# Aggregations allowed per metric: ratios aggregate in log space, so min/max/any are
+# well defined; KL estimators aggregate arithmetically (mean, sum, max), as in VERL/AReaL.
+_AGGS_FOR_METRIC: dict[str, tuple[str, ...]] = {
+    "ratio": ("mean", "sum", "max", "min", "any"),
+    "kl_k1": ("mean", "sum", "max"),
+    "kl_k2": ("mean", "sum", "max"),
+    "kl_k3": ("mean", "sum", "max"),
+}
+
+
+class ConfigError(ValueError):
+    """An invalid loss configuration; the message has one line per problem."""
+
+    def __init__(self, problems: list[str], prefix: str = "loss_fn"):
+        self.problems = [f"{prefix}.{p}" if prefix else p for p in problems]
+        super().__init__("invalid loss configuration:\n  " + "\n  ".join(self.problems))
+
+
+class RejectionFilter(BaseModel):
+    """One stage of rejection sampling.
+
+    A filter computes a statistic from ``d = prev_logprobs - generation_logprobs`` and keeps
+    a token (``level: token``) or a whole sequence (``level: sequence``) iff
+    ``lower <= statistic <= upper`` (a missing bound is open). Rejected units get weight 0
+    in the whole loss (policy-gradient, KL and NLL terms); denominators do not change.
+
+    Statistics (``m`` = valid-token mask of the stage, ``n = sum_t m``):
+
+    * ``ratio`` (log space): token ``exp(d)``; sequence ``mean`` = ``exp(sum_t m d / n)``
+      (geometric mean, "Geo-RS"), ``sum`` = ``exp(sum_t m d)`` (product), ``max``/``min`` =
+      extreme token ratio, ``any`` = reject when any valid token ratio is outside the bounds
+      (outlier-token veto).
+    * ``kl_k1 = -d``, ``kl_k2 = d^2 / 2``, ``kl_k3 = exp(d) - 1 - d`` (estimators of
+      KL(gen || prev) under rollout samples; VERL's direction), aggregated arithmetically by
+      ``mean``, ``sum`` or ``max``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    level: FilterLevel
+    """``token`` rejects single tokens; ``sequence`` rejects whole sequences."""
+    metric: FilterMetric = "ratio"
+    """Statistic compared with the bounds: ``ratio``, ``kl_k1``, ``kl_k2`` or ``kl_k3``."""
+    agg: Optional[FilterAgg] = None
+    """Sequence filters only: how token values are aggregated (default ``mean``)."""
+    lower: Optional[float] = None
+    """Inclusive lower bound; ``None`` leaves the low side open."""
+    upper: Optional[float] = None
+    """Inclusive upper bound; ``None`` leaves the high side open."""
+    name: Optional[str] = None
+    """Label used in metric names; default ``<level>_<metric>[_<agg>]``."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "RejectionFilter":
+        problems = _filter_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def aggregation(self) -> Optional[str]:
+        """The effective aggregation (``mean`` when a sequence filter leaves it unset)."""
+        if self.level == "token":
+            return None
+        return self.agg or "mean"
+
+    @property
+    def label(self) -> str:
+        """Name used in metric keys, e.g. ``sequence_ratio_mean``."""
+        if self.name:
+            return self.name
+        parts = [self.level, self.metric] + ([self.aggregation] if self.aggregation else [])
+        return "_".join(parts)
+
+
+def _filter_problems(f: RejectionFilter) -> list[str]:
+    problems: list[str] = []
+    if f.lower is None and f.upper is None:
+        problems.append(
+            "a filter needs at least one bound: set lower, upper or both "
+            f"(got lower=None, upper=None for level={f.level!r}, metric={f.metric!r})"
+        )
+    for side, v in (("lower", f.lower), ("upper", f.upper)):
+        if v is not None and math.isnan(v):
+            problems.append(f"{side}: got nan; allowed: a number")
+    if f.lower is not None and f.upper is not None and f.lower > f.upper:
+        problems.append(f"lower > upper: got lower={f.lower}, upper={f.upper}; need lower <= upper")
+    if f.metric == "ratio":
+        for side, v in (("lower", f.lower), ("upper", f.upper)):
+            if v is not None and v < 0:
+                problems.append(f"{side}: got {v}; a ratio bound must be >= 0")
+        if f.upper is not None and f.upper <= 0:
+            problems.append(f"upper: got {f.upper}; a ratio upper bound must be > 0")
+    if f.level == "token" and f.agg is not None:
+        problems.append(
+            f"agg: got {f.agg!r} on a token filter; agg is only allowed with level: sequence"
+        )
+    if f.level == "sequence" and f.agg is not None:
+        allowed = _AGGS_FOR_METRIC[f.metric]
+        if f.agg not in allowed:
+            problems.append(
+                f"agg: got {f.agg!r} with metric {f.metric!r}; allowed: {', '.join(allowed)}"
+            )
+    return problems
+
+
+# Fields of NeMo-RL's ClippedPGLossConfig (v0.7.0 / main), with NeMo-RL's defaults.
+UPSTREAM_FIELDS = (
+    "disable_ppo_ratio",
+    "token_level_loss",
+    "sequence_level_importance_ratios",
+    "ratio_clip_min",
+    "ratio_clip_max",
+    "ratio_clip_c",
+    "reference_policy_kl_penalty",
+    "reference_policy_kl_type",
+    "kl_input_clamp_value",
+    "kl_output_clamp_value",
+    "use_kl_in_reward",
+    "use_importance_sampling_correction",
+    "truncated_importance_sampling_type",
+    "truncated_importance_sampling_ratio",
+    "truncated_importance_sampling_ratio_min",
+    "use_on_policy_kl_approximation",
+    "force_on_policy_ratio",
+    "use_cispo",
+    "positive_example_nll_weight",
+)
+PLUGIN_FIELDS = ("is_correction_level", "rejection_sampling", "rejection_denominator")
+
+
+class RSClippedPGLossConfig(BaseModel):
+    """Validated configuration of ``rs_clipped_pg``.
+
+    With every plugin field at its default the loss is NeMo-RL's ``ClippedPGLossFn``: same
+    loss, gradient and metrics (see ``docs/configuration-reference.md``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Optional[str] = None
+    """Registry name of the loss (``rs_clipped_pg``); ``None`` when built directly."""
+
+    # --- Loss type (NeMo-RL) ---
+    disable_ppo_ratio: bool = False
+    """REINFORCE: use ``log pi`` instead of the PPO ratio."""
+    token_level_loss: bool = True
+    """Token-mean loss when true; mean of per-sequence means when false."""
+    sequence_level_importance_ratios: bool = False
+    """GSPO policy ratio ``exp(mean_t(curr - prev))``; needs ``token_level_loss: false``."""
+
+    # --- Clipping (NeMo-RL) ---
+    ratio_clip_min: float = 0.2
+    """PPO clip ``1 - ratio_clip_min``."""
+    ratio_clip_max: float = 0.2
+    """PPO clip ``1 + ratio_clip_max``."""
+    ratio_clip_c: Optional[float] = None
+    """Dual clip constant (> 1) for negative advantages; ``None`` disables it."""
+
+    # --- KL regularization (NeMo-RL) ---
+    reference_policy_kl_penalty: float = 0.01
+    """Coefficient of the KL penalty to the reference policy."""
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    """Schulman's KL estimator used for the penalty."""
+    kl_input_clamp_value: Optional[float] = 20.0
+    """Clamp of the reference log-ratio before the estimator; ``None`` disables it."""
+    kl_output_clamp_value: Optional[float] = 10.0
+    """Clamp of the per-token KL value; ``None`` disables it."""
+    use_kl_in_reward: bool = False
+    """Reinforce++: the KL goes into the reward, so the loss has no KL term."""
+
+    # --- Importance sampling correction (NeMo-RL) ---
+    use_importance_sampling_correction: bool = False
+    """Multiply the policy-gradient term by the IS weight ``pi_prev / pi_gen``."""
+    truncated_importance_sampling_type: Optional[TruncationType] = None
+    """``tis`` clamps weights to [min or 0, max]; ``icepop`` zeroes weights outside
+    [min, max]; ``seq-mask-tis`` zeroes sequences whose geometric-mean ratio is outside
+    [min, max] and keeps the other weights untruncated."""
+    truncated_importance_sampling_ratio: Optional[float] = None
+    """Upper truncation bound (> 0)."""
+    truncated_importance_sampling_ratio_min: Optional[float] = None
+    """Lower truncation bound; required for ``icepop`` and ``seq-mask-tis``."""
+
+    # --- On-policy and variants (NeMo-RL) ---
+    use_on_policy_kl_approximation: bool = False
+    """Weight the KL penalty by ``pi_curr / pi_gen`` (on-policy KL gradient)."""
+    force_on_policy_ratio: bool = False
+    """Force the PPO ratio to 1 (one update per rollout); ``prev`` becomes ``curr``."""
+    use_cispo: bool = False
+    """CISPO: ``-A * sg(clip(r)) * log pi``."""
+    positive_example_nll_weight: float = 0.0
+    """VAPO: weight of an NLL term on samples with reward > 0."""
+
+    # --- Plugin: decoupled IS level ---
+    is_correction_level: Optional[ISCorrectionLevel] = None
+    """Level of the IS weight, independent of ``sequence_level_importance_ratios``:
+    ``token`` ``exp(d_t)``, ``sequence`` ``exp(sum_t d_t)``, ``sequence_mean``
+    ``exp(mean_t d_t)``. ``None``: ``sequence`` if ``sequence_level_importance_ratios``
+    else ``token`` (NeMo-RL's behaviour). For responses of thousands of tokens pick
+    ``sequence_mean``."""
+
+    # --- Plugin: rejection sampling ---
+    rejection_sampling: tuple[RejectionFilter, ...] = Field(default_factory=tuple)
+    """Ordered filters. A sequence filter aggregates over the tokens kept by the token
+    filters listed before it; a token filter only matters on sequences kept by the
+    sequence filters before it."""
+    rejection_denominator: Literal["original", "kept"] = "original"
+    """``original`` (default; NeMo-RL, AReaL, SkyRL, TRL, slime): rejected units count in
+    the denominators. ``kept`` (VERL decoupled): the denominators shrink by the
+    microbatch's kept fraction."""
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "RSClippedPGLossConfig":
+        problems = self._problems()
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def _problems(self) -> list[str]:
+        p: list[str] = []
+        if self.sequence_level_importance_ratios and self.token_level_loss:
+            p.append(
+                "sequence_level_importance_ratios: got true with token_level_loss: true; "
+                "the GSPO ratio needs token_level_loss: false"
+            )
+        if self.ratio_clip_c is not None and not self.ratio_clip_c > 1:
+            p.append(f"ratio_clip_c: got {self.ratio_clip_c}; allowed: a number > 1, or null")
+        if self.use_cispo:
+            for field, bad in (
+                ("disable_ppo_ratio", self.disable_ppo_ratio),
+                ("force_on_policy_ratio", self.force_on_policy_ratio),
+                ("sequence_level_importance_ratios", self.sequence_level_importance_ratios),
+            ):
+                if bad:
+                    p.append(f"{field}: got true with use_cispo: true; allowed: false")
+            if self.ratio_clip_c is not None:
+                p.append(
+                    f"ratio_clip_c: got {self.ratio_clip_c} with use_cispo: true; allowed: null"
+                )
+            if not self.token_level_loss:
+                p.append("token_level_loss: got false with use_cispo: true; allowed: true")
+        t = self.truncated_importance_sampling_type
+        hi = self.truncated_importance_sampling_ratio
+        lo = self.truncated_importance_sampling_ratio_min
+        if t is None and hi is not None:
+            p.append(
+                f"truncated_importance_sampling_ratio: got {hi} with "
+                "truncated_importance_sampling_type: null; set the type "
+                "(tis, icepop, seq-mask-tis) or remove the ratio"
+            )
+        if t is not None:
+            if not self.use_importance_sampling_correction:
+                p.append(
+                    f"truncated_importance_sampling_type: got {t!r} with "
+                    "use_importance_sampling_correction: false; truncation needs "
+                    "use_importance_sampling_correction: true"
+                )
+            if hi is None or not hi > 0:
+                p.append(
+                    f"truncated_importance_sampling_ratio: got {hi} with "
+                    f"truncated_importance_sampling_type {t!r}; allowed: a number > 0"
+                )
+            if t in ("icepop", "seq-mask-tis") and lo is None:
+                p.append(
+                    f"truncated_importance_sampling_ratio_min: got null with "
+                    f"truncated_importance_sampling_type {t!r}; set a lower bound "
+                    "(reference bounds: icepop 0.5, seq-mask-tis 0.999)"
+                )
+            if lo is not None and hi is not None and lo > hi:
+                p.append(
+                    f"truncated_importance_sampling_ratio_min: got {lo} > "
+                    f"truncated_importance_sampling_ratio {hi}; need min <= max"
+                )
+            if lo is not None and lo < 0:
+                p.append(f"truncated_importance_sampling_ratio_min: got {lo}; allowed: >= 0")
+            if (
+                t == "seq-mask-tis"
+                and self.sequence_level_importance_ratios
+                and self.is_correction_level is None
+            ):
+                p.append(
+                    "truncated_importance_sampling_type: got 'seq-mask-tis' with "
+                    "sequence_level_importance_ratios: true, which ties the IS weight to "
+                    "the sequence product; set is_correction_level (token or "
+                    "sequence_mean) to combine seq-mask-tis with the GSPO ratio"
+                )
+        elif lo is not None:
+            p.append(
+                f"truncated_importance_sampling_ratio_min: got {lo} with "
+                "truncated_importance_sampling_type: null; set the type or remove it"
+            )
+        return p
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_any(cls, cfg: Any, prefix: str = "loss_fn") -> "RSClippedPGLossConfig":
+        """Build and validate from a dict, a mapping, a pydantic model or an object.
+
+        Raises:
+            ConfigError: one line per invalid field or combination, each naming the field,
+                the value and what is allowed (with a suggestion for a misspelled key).
+        """
+        if isinstance(cfg, cls):
+            return cfg
+        raw = _as_plain_dict(cfg)
+        problems: list[str] = []
+        known = set(cls.model_fields)
+        for key in raw:
+            if key not in known:
+                guess = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+                hint = f"; did you mean {guess[0]!r}?" if guess else ""
+                problems.append(
+                    f"{key}: unknown field{hint} (fields: see docs/configuration-reference.md)"
+                )
+        if problems:
+            raise ConfigError(problems, prefix)
+        try:
+            return cls(**raw)
+        except ValidationError as exc:
+            raise ConfigError(_format_validation_error(exc), prefix) from None
+
+    @property
+    def effective_is_level(self) -> str:
+        """The IS level in force: explicit, or NeMo-RL's tie to the GSPO flag."""
+        if self.is_correction_level is not None:
+            return self.is_correction_level
+        return "sequence" if self.sequence_level_importance_ratios else "token"
+
+    @property
+    def has_plugin_fields(self) -> bool:
+        """True when any plugin field differs from its default."""
+        return (
+            self.is_correction_level is not None
+            or bool(self.rejection_sampling)
+            or self.rejection_denominator != "original"
+        )
+
+
+def _as_plain_dict(cfg: Any) -> dict[str, Any]:
+    if cfg is None:
+        return {}
+    if isinstance(cfg, BaseModel):
+        data = cfg.model_dump()
+        # pydantic models with extra="allow" (NeMo-RL's) keep extras in model_extra.
+        data.update(getattr(cfg, "model_extra", None) or {})
+        return _to_builtin(data)
+    if isinstance(cfg, Mapping):
+        return _to_builtin(dict(cfg))
+    try:  # OmegaConf DictConfig without importing omegaconf
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except ImportError:
+        pass
+    if hasattr(cfg, "__dict__"):
+        return _to_builtin({k: v for k, v in vars(cfg).items() if not k.startswith("_")})
+    raise ConfigError([f": got {type(cfg).__name__}; allowed: a mapping or an object"], "loss_fn")
+
+
+def _to_builtin(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _to_builtin(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_builtin(v) for v in value]
+    if hasattr(value, "items") and hasattr(value, "keys"):  # DictConfig-like
+        return {str(k): _to_builtin(value[k]) for k in value.keys()}
+    return value
+
+
+def _format_validation_error(exc: ValidationError) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        if err["type"] == "value_error" or not loc:
+            # Our own validators already name the fields; keep their lines, prefixed with
+            # the list position for rejection filters.
+            for line in msg.split("\n"):
+                lines.append(f"{loc}: {line}" if loc and not line.startswith(loc) else line)
+        else:
+            lines.append(f"{loc}: got {err.get('input')!r}; {msg}")
+    return lines

@@ -1,0 +1,420 @@
+"""Off-policy correction: IS weights at a chosen level, truncation, and rejection sampling.
+
+Problem: the log-probs reported by the inference engine (``gen``) differ from the training
+engine's (``prev``): kernel and precision mismatch, MoE routing, staleness in async runs.
+With ``d = prev - gen`` per token, the IS weight ``pi_prev / pi_gen`` corrects the policy
+gradient; truncation bounds its variance; rejection sampling drops tokens or sequences whose
+mismatch is too large to correct.
+
+Entry points (all pure torch; no NeMo-RL, no Megatron, no ``.item()``):
+
+* :func:`token_filter_statistic`, :func:`in_bounds`: token-level building blocks.
+* :func:`compute_correction`: the whole pipeline. It computes every per-sequence statistic
+  locally, passes all of them through **one** call of
+  :func:`~nemo_rs_plugin.distributed.reduce_sequence_statistics` (one SUM and one MAX
+  all-reduce when sequences are sharded), and only then derives masks and weights.
+
+IS weights and masks are detached: they change the measure the gradient is estimated under,
+not the objective being differentiated.
+See: docs/guide.md#is-correction-level and docs/guide.md#rejection-sampling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from nemo_rs_plugin.config import RejectionFilter, RSClippedPGLossConfig
+from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
+from nemo_rs_plugin.masking import EPS, masked_extreme
+
+__all__ = [
+    "CorrectionResult",
+    "compute_correction",
+    "in_bounds",
+    "token_filter_statistic",
+    "finite_exp",
+]
+
+
+def finite_exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` with non-finite results set to 0, as NeMo-RL's ``nan_to_num`` does.
+
+    A weight that overflows float32 (``exp(x) = inf``) or comes from a NaN log-ratio gets
+    weight 0: such a unit cannot be corrected, only rejected.
+    """
+    return torch.nan_to_num(torch.exp(x), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def in_bounds(x: torch.Tensor, lower: Optional[float], upper: Optional[float]) -> torch.Tensor:
+    """Boolean ``lower <= x <= upper`` (a ``None`` bound is open; NaN is out of bounds)."""
+    keep = torch.isfinite(x) | torch.isinf(x)  # False only for NaN
+    if lower is not None:
+        keep = keep & (x >= lower)
+    if upper is not None:
+        keep = keep & (x <= upper)
+    return keep
+
+
+def token_filter_statistic(d: torch.Tensor, metric: str) -> torch.Tensor:
+    """Per-token statistic of a filter, from ``d = prev - gen``.
+
+    ``ratio`` is returned in log space (``d`` itself; bounds are compared as ``log``);
+    ``kl_k1 = -d``, ``kl_k2 = d^2/2``, ``kl_k3 = exp(d) - 1 - d`` estimate KL(gen || prev).
+    """
+    if metric == "ratio":
+        return d
+    if metric == "kl_k1":
+        return -d
+    if metric == "kl_k2":
+        return d.square() / 2
+    if metric == "kl_k3":
+        return torch.expm1(d) - d
+    raise ValueError(f"metric: got {metric!r}; allowed: ratio, kl_k1, kl_k2, kl_k3")
+
+
+def _log_bound(v: Optional[float]) -> Optional[float]:
+    if v is None:
+        return None
+    return -math.inf if v == 0 else math.log(v)
+
+
+def _filter_bounds(f: RejectionFilter) -> tuple[Optional[float], Optional[float]]:
+    """Bounds in the space the statistic lives in (log space for ratios)."""
+    if f.metric == "ratio":
+        return _log_bound(f.lower), _log_bound(f.upper)
+    return f.lower, f.upper
+
+
+@dataclass
+class CorrectionResult:
+    """What the loss needs from the correction layer; every tensor is detached.
+
+    Attributes:
+        is_weight: ``[B, T]`` or ``[B, 1]`` IS weight after truncation (1 where unused).
+        keep: ``[B, T]`` float, 1 for units kept by rejection sampling and finite inputs.
+        seq_token_count: ``[B]`` valid tokens per sequence over all ranks (``sum_t m``).
+        seq_mask_count: ``[B]`` ``token_mask`` tokens per sequence over all ranks.
+        kept_token_count: ``[]`` kept valid tokens over all ranks (for ``kept`` denominators).
+        kept_seq_count: ``[]`` kept valid sequences.
+        metrics: name -> (0-dim tensor, normalization, reduction) of the correction layer.
+    """
+
+    is_weight: torch.Tensor
+    keep: torch.Tensor
+    seq_token_count: torch.Tensor
+    seq_mask_count: torch.Tensor
+    kept_token_count: torch.Tensor
+    kept_seq_count: torch.Tensor
+    metrics: dict = field(default_factory=dict)
+
+
+class _StatPack:
+    """Collects [B] statistics to be reduced together (SUM or MAX) in one collective each."""
+
+    def __init__(self) -> None:
+        self.sum_rows: list[torch.Tensor] = []
+        self.max_rows: list[torch.Tensor] = []
+
+    def add_sum(self, row: torch.Tensor) -> int:
+        self.sum_rows.append(row)
+        return len(self.sum_rows) - 1
+
+    def add_max(self, row: torch.Tensor) -> int:
+        self.max_rows.append(row)
+        return len(self.max_rows) - 1
+
+    def reduce(self, groups: SequenceGroups) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        sums = torch.stack(self.sum_rows)  # [K, B]
+        maxima = torch.stack(self.max_rows) if self.max_rows else None  # [J, B]
+        return reduce_sequence_statistics(sums, maxima, groups)
+
+
+@dataclass
+class _SeqFilterPlan:
+    spec: RejectionFilter
+    sum_idx: int = -1
+    count_idx: int = -1
+    nonfinite_idx: int = -1
+    max_idx: int = -1
+    negmin_idx: int = -1
+
+
+def compute_correction(
+    d: torch.Tensor,  # [B, T] prev - gen, non-finite entries already replaced by 0
+    d_finite: torch.Tensor,  # [B, T] bool, False where prev - gen was not finite
+    valid: torch.Tensor,  # [B, T] float, token_mask * sample_mask
+    token_mask: torch.Tensor,  # [B, T] float
+    sample_mask: torch.Tensor,  # [B] float
+    inputs_finite: torch.Tensor,  # [B, T] bool, every log-prob input finite
+    cfg: RSClippedPGLossConfig,
+    global_valid_seqs: torch.Tensor,
+    global_valid_toks: torch.Tensor,
+    groups: SequenceGroups = NO_GROUPS,
+) -> CorrectionResult:
+    """IS weights, truncation and rejection masks for one microbatch.
+
+    Order: token filters are local decisions and run first; each sequence filter aggregates
+    over the valid tokens kept by the token filters listed *before* it (SkyRL's order when a
+    token filter comes first, VERL's when it comes after); all per-sequence statistics are
+    reduced over ``groups`` in one step; then sequence decisions, IS weights and truncation.
+
+    IS weight per level (``n_i = sum_t m_it``):
+    ``token``: ``w_it = exp(d_it)``; ``sequence``: ``w_i = exp(sum_t m_it d_it)``;
+    ``sequence_mean``: ``w_i = exp(sum_t m_it d_it / n_i)``.
+    """
+    d = d.detach()
+    valid_b = valid != 0
+    fdtype = d.dtype
+    level = cfg.effective_is_level
+    pack = _StatPack()
+
+    # ---- statistics every configuration needs: counts and the IS log-ratio sums ----
+    row_d = (d * valid).sum(-1)
+    idx_d_sum = pack.add_sum(row_d)  # sum_t m d
+    idx_n = pack.add_sum(valid.sum(-1).to(fdtype))  # n_i
+    idx_ntok = pack.add_sum(token_mask.sum(-1).to(fdtype))  # token_mask count
+    idx_nonfinite = pack.add_sum((valid_b & ~d_finite).sum(-1).to(fdtype))
+
+    # ---- token filters (local) and the per-sequence statistics of sequence filters ----
+    token_keeps: list[Optional[torch.Tensor]] = []
+    token_touch_idx: list[int] = []
+    seq_plans: list[Optional[_SeqFilterPlan]] = []
+    alive_tok = valid_b  # valid tokens kept by all token filters so far
+    for f in cfg.rejection_sampling:
+        lo, hi = _filter_bounds(f)
+        stat = token_filter_statistic(d, f.metric)
+        if f.level == "token":
+            keep_t = in_bounds(stat, lo, hi) & d_finite  # a non-finite d rejects the token
+            token_keeps.append(keep_t)
+            # Tokens this filter rejects per row, before sequence decisions are known.
+            token_touch_idx.append(pack.add_sum((alive_tok & ~keep_t).sum(-1).to(fdtype)))
+            seq_plans.append(None)
+            alive_tok = alive_tok & keep_t
+            continue
+        token_keeps.append(None)
+        token_touch_idx.append(-1)
+        plan = _SeqFilterPlan(spec=f)
+        alive_finite = alive_tok & d_finite
+        alive_f = alive_finite.to(fdtype)
+        plan.count_idx = pack.add_sum(alive_tok.sum(-1).to(fdtype))
+        plan.nonfinite_idx = pack.add_sum((alive_tok & ~d_finite).sum(-1).to(fdtype))
+        agg = f.aggregation
+        if agg in ("mean", "sum"):
+            plan.sum_idx = pack.add_sum((stat * alive_f).sum(-1))
+        if agg in ("max", "any"):
+            plan.max_idx = pack.add_max(
+                torch.where(alive_finite, stat, torch.full_like(stat, -math.inf)).amax(-1)
+            )
+        if agg in ("min", "any"):
+            plan.negmin_idx = pack.add_max(
+                torch.where(alive_finite, -stat, torch.full_like(stat, -math.inf)).amax(-1)
+            )
+        seq_plans.append(plan)
+    # Tokens that survive every token filter: their per-row count lets the ``kept``
+    # denominator be computed after sequence decisions without another collective.
+    idx_alive_tokens = pack.add_sum((alive_tok.to(fdtype) * valid).sum(-1))
+
+    # ---- the one reduction: nothing below reads a partial statistic ----
+    sums, maxima = pack.reduce(groups)
+    seq_d_sum = sums[idx_d_sum]
+    seq_n = sums[idx_n]
+    seq_ntok = sums[idx_ntok]
+    seq_nonfinite = sums[idx_nonfinite]
+    has_tokens = seq_n > 0
+
+    # ---- sequence filter decisions ----
+    seq_keeps: list[Optional[torch.Tensor]] = []
+    for plan in seq_plans:
+        if plan is None:
+            seq_keeps.append(None)
+            continue
+        f = plan.spec
+        lo, hi = _filter_bounds(f)
+        count = sums[plan.count_idx]
+        agg = f.aggregation
+        if agg == "mean":
+            keep_s = in_bounds(sums[plan.sum_idx] / (count + EPS), lo, hi)
+        elif agg == "sum":
+            keep_s = in_bounds(sums[plan.sum_idx], lo, hi)
+        elif agg == "max":
+            keep_s = in_bounds(maxima[plan.max_idx], lo, hi)
+        elif agg == "min":
+            keep_s = in_bounds(-maxima[plan.negmin_idx], lo, hi)
+        else:  # any: every valid token within the bounds
+            keep_s = in_bounds(maxima[plan.max_idx], None, hi) & in_bounds(
+                -maxima[plan.negmin_idx], lo, None
+            )
+        keep_s = keep_s & (sums[plan.nonfinite_idx] == 0)
+        # A sequence with no token left at this stage is never rejected (and never NaN).
+        keep_s = keep_s | (count == 0)
+        seq_keeps.append(keep_s)
+
+    # ---- the combined rejection mask, and per-stage metrics from the right tensors ----
+    metrics: dict = {}
+    stage_tok = valid_b.clone()
+    stage_seq = torch.ones_like(has_tokens)
+    sm = sample_mask.to(fdtype)
+    for f, keep_t, keep_s, touch_idx in zip(
+        cfg.rejection_sampling, token_keeps, seq_keeps, token_touch_idx
+    ):
+        key = f"rs/{f.label}"
+        if keep_t is not None:
+            rejected_tok = stage_tok & ~keep_t  # [B, T]
+            # Rows alive at this stage in which this filter rejected a token (all ranks).
+            rejected_rows = (stage_seq & (sums[touch_idx] > 0)).to(fdtype)
+            stage_tok = stage_tok & keep_t
+            metrics[f"{key}/token_rejected_frac"] = (
+                (rejected_tok.to(fdtype) * valid).sum() / (global_valid_toks + EPS),
+                "tokens",
+                "sum",
+            )
+            metrics[f"{key}/seq_touched_frac"] = (
+                (rejected_rows * sm).sum() / (global_valid_seqs + EPS),
+                "sequences",
+                "replicated",
+            )
+        else:
+            rejected_seq = stage_seq & ~keep_s  # [B]
+            tok_in_rejected = stage_tok & rejected_seq.unsqueeze(-1)
+            stage_seq = stage_seq & keep_s
+            stage_tok = stage_tok & keep_s.unsqueeze(-1)
+            metrics[f"{key}/seq_rejected_frac"] = (
+                (rejected_seq.to(fdtype) * sm).sum() / (global_valid_seqs + EPS),
+                "sequences",
+                "replicated",
+            )
+            metrics[f"{key}/token_rejected_frac"] = (
+                (tok_in_rejected.to(fdtype) * valid).sum() / (global_valid_toks + EPS),
+                "tokens",
+                "sum",
+            )
+
+    rejected_b = valid_b & ~stage_tok  # rejected by the filters (not by non-finite inputs)
+    keep = (stage_tok & inputs_finite).to(fdtype)  # [B, T]
+    kept_rows = sums[idx_alive_tokens] * stage_seq.to(fdtype)  # [B] kept valid tokens
+    kept_token_count = kept_rows.sum()
+    kept_seq_count = (stage_seq.to(fdtype) * sm * has_tokens.to(fdtype)).sum()
+    if cfg.rejection_sampling:
+        metrics["rs_token_rejected_frac"] = (
+            (rejected_b.to(fdtype) * valid).sum() / (global_valid_toks + EPS),
+            "tokens",
+            "sum",
+        )
+        metrics["rs_seq_rejected_frac"] = (
+            ((~stage_seq).to(fdtype) * sm).sum() / (global_valid_seqs + EPS),
+            "sequences",
+            "replicated",
+        )
+    metrics["nonfinite_log_ratio_count"] = (
+        (valid_b & ~d_finite).to(fdtype).sum(),
+        "none",
+        "sum",
+    )
+
+    # ---- IS weights at the chosen level ----
+    if level == "token":
+        raw_weight = torch.where(d_finite, finite_exp(d), torch.zeros_like(d))  # [B, T]
+    else:
+        seq_log_w = seq_d_sum if level == "sequence" else seq_d_sum / (seq_n + EPS)
+        raw_weight = torch.where(
+            seq_nonfinite == 0, finite_exp(seq_log_w), torch.zeros_like(seq_log_w)
+        ).unsqueeze(-1)  # [B, 1]
+    weight = raw_weight
+    t = cfg.truncated_importance_sampling_type
+    hi_t = cfg.truncated_importance_sampling_ratio
+    lo_t = cfg.truncated_importance_sampling_ratio_min
+    if t == "tis":
+        lo_tis = 0.0 if lo_t is None else lo_t
+        oob = ((raw_weight > hi_t) | (raw_weight < lo_tis)).to(fdtype)
+        metrics["is_oob_ratio"] = (_token_mean(oob, valid, global_valid_toks), "tokens", "sum")
+        weight = raw_weight.clamp(lo_tis, hi_t)
+    elif t == "icepop":
+        inside = (raw_weight >= lo_t) & (raw_weight <= hi_t)
+        metrics["is_oob_ratio"] = (
+            _token_mean((~inside).to(fdtype), valid, global_valid_toks),
+            "tokens",
+            "sum",
+        )
+        weight = torch.where(inside, raw_weight, torch.zeros_like(raw_weight))
+    elif t == "seq-mask-tis":
+        # NeMo-RL's rule: the geometric mean over token_mask (non-finite log-ratios as 0)
+        # decides; survivors keep the untruncated weight of the chosen level.
+        geo = torch.exp(seq_d_sum / (seq_ntok + EPS))
+        seq_in = ((geo >= lo_t) & (geo <= hi_t)).to(fdtype)  # [B]
+        metrics["is_oob_ratio"] = (
+            ((1.0 - seq_in) * sm).sum() / (global_valid_seqs + EPS),
+            "sequences",
+            "replicated",
+        )
+        weight = raw_weight * seq_in.unsqueeze(-1)
+
+    _add_weight_metrics(
+        metrics, raw_weight, weight, keep, stage_seq, valid, sm, level,
+        global_valid_seqs, global_valid_toks, has_tokens,
+    )
+    return CorrectionResult(
+        is_weight=weight,
+        keep=keep,
+        seq_token_count=seq_n,
+        seq_mask_count=seq_ntok,
+        kept_token_count=kept_token_count,
+        kept_seq_count=kept_seq_count,
+        metrics=metrics,
+    )
+
+
+def _token_mean(values: torch.Tensor, valid: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+    # values may be [B, 1] (a sequence weight): broadcast over the sequence's tokens on purpose.
+    return (values.expand_as(valid) * valid).sum() / (denom + EPS)
+
+
+def _add_weight_metrics(
+    metrics: dict,
+    raw_weight: torch.Tensor,
+    weight: torch.Tensor,
+    keep: torch.Tensor,
+    seq_kept: torch.Tensor,
+    valid: torch.Tensor,
+    sm: torch.Tensor,
+    level: str,
+    gvs: torch.Tensor,
+    gvt: torch.Tensor,
+    has_tokens: torch.Tensor,
+) -> None:
+    """IS weight statistics before and after truncation/rejection.
+
+    Per token when the weight is per token (sums of per-token terms / global_valid_toks; a
+    ``sum`` across CP ranks), per sequence otherwise (``/ global_valid_seqs``; identical on
+    every CP rank). Effective sample size ``(sum w)^2 / (n sum w^2)`` of the applied weights
+    is reported per microbatch; ``is_weight_mean^2 / is_weight_sq_mean`` gives it globally.
+    """
+    per_token = level == "token"
+    if per_token:
+        unit_mask = valid  # [B, T]
+        applied = weight * keep
+        raw = raw_weight
+        norm, red, denom = "tokens", "sum", gvt
+    else:
+        unit_mask = (sm * has_tokens.to(sm.dtype))  # [B]
+        # A sequence's weight after rejection: 0 when a sequence filter rejected it.
+        applied = weight.squeeze(-1) * seq_kept.to(weight.dtype)
+        raw = raw_weight.squeeze(-1)
+        norm, red, denom = "sequences", "replicated", gvs
+    m = unit_mask
+    metrics["is_weight_raw_mean"] = ((raw * m).sum() / (denom + EPS), norm, red)
+    metrics["is_weight_mean"] = ((applied * m).sum() / (denom + EPS), norm, red)
+    metrics["is_weight_sq_mean"] = ((applied.square() * m).sum() / (denom + EPS), norm, red)
+    metrics["is_weight_raw_min"] = (masked_extreme(raw, m, largest=False), "none", "min")
+    metrics["is_weight_raw_max"] = (masked_extreme(raw, m, largest=True), "none", "max")
+    kept_units = m * (applied > 0).to(m.dtype)
+    metrics["is_weight_min"] = (masked_extreme(applied, kept_units, largest=False), "none", "min")
+    metrics["is_weight_max"] = (masked_extreme(applied, kept_units, largest=True), "none", "max")
+    # ESS from local sums; with sharded tokens the sums are reduced with the other metrics.
+    metrics["_ess_sum_w"] = ((applied * m).sum(), "none", red)
+    metrics["_ess_sum_w2"] = ((applied.square() * m).sum(), "none", red)
+    metrics["_ess_n"] = (m.sum(), "none", red)
+

@@ -1,0 +1,413 @@
+"""``RSClippedPGLoss``: NeMo-RL's clipped PG loss with the off-policy correction layer.
+
+This is the host-independent core: it takes NeMo-RL's data dict (or any mapping with the
+same keys) and imports neither NeMo-RL nor Megatron. The NeMo-RL subclass in
+:mod:`nemo_rs_plugin.nemo_rl_adapter` only forwards to it.
+
+Loss (token-level; ``m`` valid mask, ``w`` IS weight, ``k`` rejection mask, ``N`` NeMo-RL's
+``global_valid_toks``)::
+
+    L = sum_t k_t [ w_t * pg_t + beta * kl_t ] / N  +  mu * NLL_correct
+
+and, with ``token_level_loss: false``, the mean over sequences (``/ global_valid_seqs``) of
+per-sequence token means. ``pg_t`` is the clipped objective of
+:func:`~nemo_rs_plugin.policy_loss.clipped_objective`. With no plugin field set, ``k = 1``
+and the result equals NeMo-RL's ``ClippedPGLossFn`` (loss, gradient, every metric).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+from nemo_rs_plugin.config import RSClippedPGLossConfig
+from nemo_rs_plugin.correction import compute_correction
+from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
+from nemo_rs_plugin.masking import EPS, masked_extreme, sanitize
+from nemo_rs_plugin.metrics import MetricSet
+from nemo_rs_plugin.policy_loss import (
+    clipped_objective,
+    kl_estimate,
+    kl_penalty_per_token,
+    policy_ratios,
+    positive_example_nll,
+)
+
+__all__ = ["RSClippedPGLoss", "LossInputs", "metric_normalizations"]
+
+_LOGPROB_KEYS = ("prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
+
+
+@dataclass
+class LossInputs:
+    """Aligned per-token inputs of one microbatch (position t predicts token t + 1).
+
+    All ``[B, T]`` tensors share one shape; ``sample_mask`` and ``rewards`` are ``[B]``.
+    Under context parallelism each holds the local shard of every sequence.
+    """
+
+    curr: torch.Tensor
+    prev: Optional[torch.Tensor]
+    generation: torch.Tensor
+    reference: Optional[torch.Tensor]
+    advantages: torch.Tensor
+    token_mask: torch.Tensor
+    sample_mask: torch.Tensor
+    rewards: Optional[torch.Tensor] = None
+    curr_unfiltered: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_nemo_rl(
+        cls, next_token_logprobs: torch.Tensor, data: Mapping[str, Any], need_prev: bool,
+        need_reference: bool,
+    ) -> "LossInputs":
+        """Slice NeMo-RL's ``[B, S]`` data dict to the ``[B, S-1]`` next-token positions."""
+        def col(key: str) -> torch.Tensor:
+            if key not in data:
+                raise KeyError(f"data[{key!r}] is missing; the rs_clipped_pg loss needs it")
+            return data[key][:, 1:]
+
+        unfiltered = data.get("curr_logprobs_unfiltered") if need_reference else None
+        return cls(
+            curr=next_token_logprobs,
+            prev=col("prev_logprobs") if need_prev else None,
+            generation=col("generation_logprobs"),
+            reference=col("reference_policy_logprobs") if need_reference else None,
+            advantages=col("advantages"),
+            token_mask=col("token_mask"),
+            sample_mask=data["sample_mask"],
+            rewards=data.get("rewards"),
+            curr_unfiltered=unfiltered,
+        )
+
+    def validate(self) -> None:
+        """Raise a clear error on shape or dtype mismatches."""
+        if self.curr.dim() != 2:
+            raise ValueError(
+                f"next_token_logprobs: expected [B, T], got shape {tuple(self.curr.shape)}"
+            )
+        if not self.curr.is_floating_point():
+            raise TypeError(f"next_token_logprobs: expected a float tensor, got {self.curr.dtype}")
+        shape = self.curr.shape
+        named = {
+            "prev_logprobs": self.prev,
+            "generation_logprobs": self.generation,
+            "reference_policy_logprobs": self.reference,
+            "advantages": self.advantages,
+            "token_mask": self.token_mask,
+            "curr_logprobs_unfiltered": self.curr_unfiltered,
+        }
+        for name, t in named.items():
+            if t is None:
+                continue
+            if t.shape != shape:
+                raise ValueError(
+                    f"{name}: shape {tuple(t.shape)} (after dropping position 0) does not "
+                    f"match next_token_logprobs {tuple(shape)}"
+                )
+            if name != "token_mask" and not t.is_floating_point():
+                raise TypeError(f"{name}: expected a float tensor, got {t.dtype}")
+        if self.sample_mask.shape != shape[:1]:
+            raise ValueError(
+                f"sample_mask: shape {tuple(self.sample_mask.shape)} does not match batch "
+                f"size {shape[0]}"
+            )
+        if self.rewards is not None and self.rewards.shape[:1] != shape[:1]:
+            raise ValueError(
+                f"rewards: shape {tuple(self.rewards.shape)} does not match batch size {shape[0]}"
+            )
+
+
+class RSClippedPGLoss:
+    """Clipped policy-gradient loss with decoupled IS level and composable rejection sampling.
+
+    Args:
+        cfg: anything :meth:`RSClippedPGLossConfig.from_any` accepts; validated here, once.
+    """
+
+    def __init__(self, cfg: Any = None):
+        self.cfg = RSClippedPGLossConfig.from_any(cfg if cfg is not None else {})
+        c = self.cfg
+        self.token_level_loss = c.token_level_loss
+        # use_kl_in_reward moves the KL into the reward: the loss has no KL term then.
+        self.kl_coef = 0.0 if c.use_kl_in_reward else c.reference_policy_kl_penalty
+
+    # ------------------------------------------------------------------ public API
+    def __call__(
+        self,
+        next_token_logprobs: torch.Tensor,
+        data: Mapping[str, Any],
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+        groups: SequenceGroups = NO_GROUPS,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss and metrics from NeMo-RL's data dict (``[B, S]`` tensors, logprobs ``[B, S-1]``)."""
+        inputs = LossInputs.from_nemo_rl(
+            next_token_logprobs,
+            data,
+            need_prev=not self.cfg.force_on_policy_ratio,
+            need_reference=self.kl_coef != 0,
+        )
+        return self.compute(inputs, global_valid_seqs, global_valid_toks, groups)
+
+    def metric_normalizations(self) -> dict[str, str]:
+        """Metric name -> ``tokens`` / ``sequences`` / ``none``; see :func:`metric_normalizations`."""
+        return metric_normalizations(self.cfg)
+
+    def compute(
+        self,
+        x: LossInputs,
+        global_valid_seqs: Any,
+        global_valid_toks: Any,
+        groups: SequenceGroups = NO_GROUPS,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss and metrics from aligned inputs; ``groups`` split the sequences' tokens."""
+        x.validate()
+        c = self.cfg
+        curr_raw = x.curr
+        dtype = curr_raw.dtype
+        device = curr_raw.device
+        gvs = torch.as_tensor(global_valid_seqs, dtype=dtype, device=device)
+        gvt = torch.as_tensor(global_valid_toks, dtype=dtype, device=device)
+
+        token_mask = x.token_mask.to(dtype)
+        sample_mask = x.sample_mask.to(dtype)
+        valid = token_mask * sample_mask.unsqueeze(-1)  # [B, T]
+
+        # Non-finite log-probs are replaced by 0 *before* any arithmetic, so that a token
+        # that is masked or rejected receives an exact zero gradient, never 0 * NaN.
+        curr, curr_finite = sanitize(curr_raw)
+        prev, prev_finite = (
+            (curr.detach(), curr_finite) if c.force_on_policy_ratio else sanitize(x.prev)
+        )
+        gen, gen_finite = sanitize(x.generation)
+        inputs_finite = curr_finite & prev_finite & gen_finite
+        ref = curr_unfiltered = None
+        if self.kl_coef != 0:
+            ref, ref_finite = sanitize(x.reference)
+            inputs_finite = inputs_finite & ref_finite
+            if x.curr_unfiltered is not None:
+                curr_unfiltered, unf_finite = sanitize(x.curr_unfiltered)
+                inputs_finite = inputs_finite & unf_finite
+            else:
+                curr_unfiltered = curr
+        d_finite = prev_finite & gen_finite
+        d = (prev - gen).detach()  # [B, T]
+
+        corr = compute_correction(
+            d, d_finite, valid, token_mask, sample_mask, inputs_finite, c, gvs, gvt, groups
+        )
+        keep = corr.keep  # [B, T]
+        loss_tokens = valid * keep  # [B, T] tokens that contribute to the loss
+        gvt_loss, gvs_loss = gvt, gvs
+        if c.rejection_denominator == "kept":
+            # VERL's decoupled semantics: shrink the global denominators by the kept fraction
+            # of this microbatch (over all ranks that split its sequences).
+            n_valid = corr.seq_token_count.sum()
+            n_seqs = (sample_mask * (corr.seq_token_count > 0).to(dtype)).sum()
+            gvt_loss = gvt * corr.kept_token_count / n_valid.clamp_min(EPS)
+            gvs_loss = gvs * corr.kept_seq_count / n_seqs.clamp_min(EPS)
+
+        # ---- policy-gradient term ----
+        ratios, ratios_clamped = policy_ratios(
+            curr, prev, token_mask,
+            force_on_policy=c.force_on_policy_ratio,
+            disable_ppo_ratio=c.disable_ppo_ratio,
+            sequence_level=c.sequence_level_importance_ratios,
+            clip_min=c.ratio_clip_min,
+            clip_max=c.ratio_clip_max,
+            groups=groups,
+        )
+        advantages, _ = sanitize(x.advantages.to(dtype))
+        pg = clipped_objective(
+            advantages, ratios, ratios_clamped, curr,
+            use_cispo=c.use_cispo, dual_clip_c=c.ratio_clip_c,
+        )
+        weight = corr.is_weight if c.use_importance_sampling_correction else None
+        pg_weighted = pg * weight if weight is not None else pg
+        actor_loss = self._aggregate(pg_weighted, loss_tokens, token_mask * keep, sample_mask,
+                                     corr.seq_mask_count, gvs_loss, gvt_loss, groups)
+
+        # ---- KL penalty ----
+        if self.kl_coef != 0:
+            kl_tok = self.kl_coef * kl_penalty_per_token(
+                curr_unfiltered, ref, gen,
+                kl_type=c.reference_policy_kl_type,
+                input_clamp=c.kl_input_clamp_value,
+                output_clamp=c.kl_output_clamp_value,
+                on_policy_approximation=c.use_on_policy_kl_approximation,
+            )
+            kl = self._aggregate(kl_tok, loss_tokens, token_mask * keep, sample_mask,
+                                 corr.seq_mask_count, gvs_loss, gvt_loss, groups)
+        else:
+            kl = torch.zeros((), dtype=dtype, device=device)
+
+        # ---- VAPO positive-example NLL ----
+        nll = torch.zeros((), dtype=dtype, device=device)
+        if c.positive_example_nll_weight > 0 and x.rewards is not None:
+            correct = (x.rewards > 0).to(dtype)  # [B]
+            correct_count = (corr.seq_token_count * correct).sum()
+            nll = positive_example_nll(curr, loss_tokens, correct, correct_count)
+
+        loss = actor_loss + kl + c.positive_example_nll_weight * nll
+
+        metrics = MetricSet()
+        self._upstream_metrics(metrics, loss, kl, nll, ratios, ratios_clamped, curr, prev, gen,
+                               d, valid * inputs_finite.to(dtype), sample_mask, corr, gvs, gvt)
+        metrics.update(corr.metrics)
+        return loss, metrics.finalize(groups)
+
+    # ------------------------------------------------------------------ pieces
+    def _aggregate(
+        self,
+        per_token: torch.Tensor,  # [B, T]
+        loss_tokens: torch.Tensor,  # [B, T] valid and kept
+        row_tokens: torch.Tensor,  # [B, T] token_mask and kept (NeMo-RL's per-row mask)
+        sample_mask: torch.Tensor,  # [B]
+        seq_mask_count: torch.Tensor,  # [B] token_mask count per row, all ranks
+        gvs: torch.Tensor,
+        gvt: torch.Tensor,
+        groups: SequenceGroups,
+    ) -> torch.Tensor:
+        """Token mean over ``global_valid_toks``, or mean over sequences of per-row means.
+
+        Rejected tokens are zero in the numerators only; the per-row denominator is the
+        row's full ``token_mask`` count (reduced over ``groups``), as NeMo-RL's.
+        """
+        if self.token_level_loss:
+            contrib = torch.where(loss_tokens != 0, per_token * loss_tokens, torch.zeros_like(per_token))
+            return contrib.sum() / (gvt + EPS)
+        contrib = torch.where(row_tokens != 0, per_token * row_tokens, torch.zeros_like(per_token))
+        row_sum = all_reduce_sum_with_grad(contrib.sum(-1), groups)  # [B]
+        row_mean = row_sum / (seq_mask_count + EPS)
+        loss = (row_mean * sample_mask).sum() / (gvs + EPS)
+        if groups.active:
+            # Every rank now holds the whole value; return its share so that the shares
+            # summed over the ranks (the data-parallel gradient reduction) are the loss.
+            for g in groups.groups:
+                loss = loss / torch.distributed.get_world_size(g)
+        return loss
+
+    def _upstream_metrics(
+        self,
+        metrics: MetricSet,
+        loss: torch.Tensor,
+        kl: torch.Tensor,
+        nll: torch.Tensor,
+        ratios: torch.Tensor,
+        ratios_clamped: torch.Tensor,
+        curr: torch.Tensor,
+        prev: torch.Tensor,
+        gen: torch.Tensor,
+        d: torch.Tensor,
+        mask: torch.Tensor,  # [B, T] valid tokens with finite inputs
+        sample_mask: torch.Tensor,
+        corr: Any,
+        gvs: torch.Tensor,
+        gvt: torch.Tensor,
+    ) -> None:
+        """Every metric NeMo-RL's ``ClippedPGLossFn`` returns, same names and meanings."""
+        c = self.cfg
+        grad_norm = "tokens" if self.token_level_loss else "sequences"
+
+        def token_mean(v: torch.Tensor) -> torch.Tensor:
+            return (v * mask).sum() / (gvt + EPS)
+
+        with torch.no_grad():
+            metrics.add("loss", loss, grad_norm, "sum")
+            r, rc = ratios.detach(), ratios_clamped.detach()
+            metrics.add("probs_ratio", token_mean(r), "tokens", "sum")
+            metrics.add("probs_ratio_clamped", token_mean(rc), "tokens", "sum")
+            metrics.add("probs_ratio_min", masked_extreme(r, mask, largest=False), "none", "min")
+            metrics.add("probs_ratio_max", masked_extreme(r, mask, largest=True), "none", "max")
+            metrics.add("probs_ratio_clamped_min", masked_extreme(rc, mask, largest=False), "none", "min")
+            metrics.add("probs_ratio_clamped_max", masked_extreme(rc, mask, largest=True), "none", "max")
+            kl_metric = kl / self.kl_coef if self.kl_coef != 0 else torch.zeros_like(kl)
+            metrics.add("kl_penalty", kl_metric, grad_norm, "sum")
+            metrics.add("token_mult_prob_error", token_mean(torch.exp(d.abs() * mask)), "tokens", "sum")
+            kl_type = c.reference_policy_kl_type
+            metrics.add("gen_kl_error", token_mean(kl_estimate(d, kl_type)), "tokens", "sum")
+            metrics.add("policy_kl_error", token_mean(kl_estimate(-d, kl_type)), "tokens", "sum")
+            # JSD(P_train, P_gen) with M = (P_train + P_gen) / 2, per sampled token.
+            log_mix = torch.logaddexp(prev, gen) - torch.log(torch.tensor(2.0, dtype=d.dtype))
+            kl_prev_mix = torch.expm1(prev - log_mix) - (prev - log_mix)
+            kl_gen_mix = torch.expm1(gen - log_mix) - (gen - log_mix)
+            metrics.add("js_divergence_error", token_mean(0.5 * kl_prev_mix + 0.5 * kl_gen_mix), "tokens", "sum")
+            self._sampling_importance_ratio(metrics, corr, mask, sample_mask, gvs, gvt)
+            metrics.add("num_valid_samples", sample_mask.sum(), "none", "replicated")
+            entropy = -token_mean(torch.exp(curr - gen) * curr)
+            metrics.add("approx_entropy", entropy, "tokens", "sum")
+            metrics.add("positive_nll_loss", nll, "none", "sum")
+
+    def _sampling_importance_ratio(self, metrics, corr, mask, sample_mask, gvs, gvt) -> None:
+        """``sampling_importance_ratio``: mean IS weight after truncation.
+
+        Per token when the weight is per token, per sequence otherwise. In NeMo-RL's own
+        GSPO mode (``is_correction_level`` unset) the value is NeMo-RL's, whose ``[B, 1]``
+        weight broadcasts against the ``[B]`` sample mask: ``sum_i w_i * sum_j s_j / N_seq``
+        (NeMo-RL #3753). It is reproduced for parity; ``is_weight_mean`` is the true mean.
+        """
+        w = corr.is_weight
+        if self.cfg.effective_is_level == "token":
+            value = (w * mask).sum() / (gvt + EPS)
+            metrics.add("sampling_importance_ratio", value, "tokens", "sum")
+            return
+        w_seq = w.squeeze(-1)  # [B]
+        if self.cfg.is_correction_level is None:
+            value = w_seq.sum() * sample_mask.sum() / (gvs + EPS)
+        else:
+            value = (w_seq * sample_mask).sum() / (gvs + EPS)
+        metrics.add("sampling_importance_ratio", value, "sequences", "replicated")
+
+
+def metric_normalizations(cfg: RSClippedPGLossConfig) -> dict[str, str]:
+    """Metric name -> global denominator (``tokens``, ``sequences``, ``none``), from the config.
+
+    Built from the same flags that choose the denominators, next to NeMo-RL's
+    ``metric_normalizations``; a test checks it lists exactly the keys a call returns.
+    """
+    grad = "tokens" if cfg.token_level_loss else "sequences"
+    unit = "tokens" if cfg.effective_is_level == "token" else "sequences"
+    out = {
+        "loss": grad,
+        "kl_penalty": grad,
+        "probs_ratio": "tokens",
+        "probs_ratio_clamped": "tokens",
+        "probs_ratio_min": "none",
+        "probs_ratio_max": "none",
+        "probs_ratio_clamped_min": "none",
+        "probs_ratio_clamped_max": "none",
+        "token_mult_prob_error": "tokens",
+        "gen_kl_error": "tokens",
+        "policy_kl_error": "tokens",
+        "js_divergence_error": "tokens",
+        "sampling_importance_ratio": unit,
+        "num_valid_samples": "none",
+        "approx_entropy": "tokens",
+        "positive_nll_loss": "none",
+        "nonfinite_log_ratio_count": "none",
+        "is_weight_raw_mean": unit,
+        "is_weight_mean": unit,
+        "is_weight_sq_mean": unit,
+        "is_weight_raw_min": "none",
+        "is_weight_raw_max": "none",
+        "is_weight_min": "none",
+        "is_weight_max": "none",
+        "is_ess": "none",
+    }
+    t = cfg.truncated_importance_sampling_type
+    if t is not None:
+        out["is_oob_ratio"] = "sequences" if t == "seq-mask-tis" else "tokens"
+    for f in cfg.rejection_sampling:
+        key = f"rs/{f.label}"
+        out[f"{key}/token_rejected_frac"] = "tokens"
+        if f.level == "token":
+            out[f"{key}/seq_touched_frac"] = "sequences"
+        else:
+            out[f"{key}/seq_rejected_frac"] = "sequences"
+    if cfg.rejection_sampling:
+        out["rs_token_rejected_frac"] = "tokens"
+        out["rs_seq_rejected_frac"] = "sequences"
+    return out

@@ -1,0 +1,149 @@
+"""The clipped policy-gradient objective and its KL / NLL terms, as small pure functions.
+
+Every mode of NeMo-RL's ``ClippedPGLossFn`` is one function or one argument here:
+
+* policy ratio (:func:`policy_ratios`): PPO/GRPO token ratio ``exp(curr - prev)``, GSPO
+  sequence ratio ``exp(mean_t(curr - prev))``, REINFORCE (``disable_ppo_ratio``: the "ratio"
+  is ``log pi`` itself), forced on-policy ratio ``exp(curr - sg(curr)) = 1``;
+* objective (:func:`clipped_objective`): ``max(-A r, -A clip(r, 1-eps_lo, 1+eps_hi))``,
+  CISPO ``-A sg(clip(r)) log pi``, dual clip ``min(., -c A)`` where ``A < 0``;
+* KL penalty (:func:`kl_penalty_per_token`): Schulman's k1/k2/k3 with input and output
+  clamps, optionally weighted by ``pi_curr / pi_gen`` (on-policy KL approximation);
+* VAPO positive-example NLL (:func:`positive_example_nll`).
+
+No function here imports NeMo-RL, reads a config object or calls ``.item()``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
+from nemo_rs_plugin.masking import EPS
+
+__all__ = [
+    "policy_ratios",
+    "clipped_objective",
+    "kl_estimate",
+    "kl_penalty_per_token",
+    "positive_example_nll",
+]
+
+
+def policy_ratios(
+    curr: torch.Tensor,  # [B, T]
+    prev: torch.Tensor,  # [B, T]
+    token_mask: torch.Tensor,  # [B, T]
+    *,
+    force_on_policy: bool,
+    disable_ppo_ratio: bool,
+    sequence_level: bool,
+    clip_min: float,
+    clip_max: float,
+    groups: SequenceGroups = NO_GROUPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Policy ratio ``r`` and its clamp ``clip(r, 1 - clip_min, 1 + clip_max)``, both ``[B, T]``.
+
+    GSPO: ``r_i = exp(sum_t m_t (curr_t - prev_t) / (sum_t m_t + 1e-8))`` with ``m`` the token
+    mask; both sums are all-reduced over ``groups`` (differentiably for the numerator) so a
+    CP-sharded sequence gets the ratio of the whole sequence.
+    """
+    if force_on_policy:
+        # exp(x - sg(x)) is 1 in value but keeps d/dx = 1: a truly on-policy gradient.
+        ratios = torch.exp(curr - curr.detach())
+        return ratios, ratios
+    if disable_ppo_ratio:
+        # REINFORCE: -A * log pi; NeMo-RL reports log pi under the ratio metric names.
+        return curr, curr
+    log_ratios = curr - prev
+    if sequence_level:
+        row_sum = all_reduce_sum_with_grad((log_ratios * token_mask).sum(dim=-1), groups)  # [B]
+        row_count = all_reduce_sum_with_grad(token_mask.sum(dim=-1).to(curr.dtype), groups)
+        seq_ratio = torch.exp(row_sum / (row_count + EPS)).unsqueeze(-1)  # [B, 1]
+        ratios = seq_ratio.expand_as(curr)
+    else:
+        ratios = torch.exp(log_ratios)
+    return ratios, ratios.clamp(1.0 - clip_min, 1.0 + clip_max)
+
+
+def clipped_objective(
+    advantages: torch.Tensor,  # [B, T]
+    ratios: torch.Tensor,  # [B, T]
+    ratios_clamped: torch.Tensor,  # [B, T]
+    curr: torch.Tensor,  # [B, T]
+    *,
+    use_cispo: bool,
+    dual_clip_c: Optional[float],
+) -> torch.Tensor:
+    """Per-token policy-gradient loss ``[B, T]`` (to be weighted and averaged).
+
+    PPO: ``max(-A r, -A clip(r))``. CISPO: ``-A sg(clip(r)) log pi``. Dual clip (``c > 1``):
+    where ``A < 0`` the loss is further bounded by ``-c A``.
+    """
+    if use_cispo:
+        loss = -advantages * ratios_clamped.detach() * curr
+    else:
+        loss = torch.max(-advantages * ratios, -advantages * ratios_clamped)
+    if dual_clip_c is not None:
+        loss = torch.where(advantages < 0, torch.min(loss, -advantages * dual_clip_c), loss)
+    return loss
+
+
+def kl_estimate(log_ratio: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Schulman's estimators of ``KL(p || q)`` from ``log_ratio = log q - log p`` on samples of p.
+
+    ``k1 = -log_ratio``, ``k2 = log_ratio^2 / 2``, ``k3 = exp(log_ratio) - 1 - log_ratio``.
+    """
+    if kl_type == "k1":
+        return -log_ratio
+    if kl_type == "k2":
+        return log_ratio.square() / 2
+    if kl_type == "k3":
+        return torch.exp(log_ratio) - 1 - log_ratio
+    raise ValueError(f"kl type: got {kl_type!r}; allowed: k1, k2, k3")
+
+
+def kl_penalty_per_token(
+    curr: torch.Tensor,  # [B, T] current log-probs (unfiltered by top-k/top-p)
+    reference: torch.Tensor,  # [B, T]
+    generation: torch.Tensor,  # [B, T]
+    *,
+    kl_type: str,
+    input_clamp: Optional[float],
+    output_clamp: Optional[float],
+    on_policy_approximation: bool,
+) -> torch.Tensor:
+    """Per-token ``KL(pi_curr || pi_ref)`` estimate times its sampling weight, ``[B, T]``.
+
+    The weight is ``exp(curr - gen)`` with the on-policy approximation (samples come from
+    ``pi_gen``), else ``exp(curr - sg(curr)) = 1``, which keeps the score-function gradient.
+    Where the input clamp is active the weight is detached, so the clamp stops both gradients.
+    """
+    if on_policy_approximation:
+        weights = torch.exp(curr - generation)
+    else:
+        weights = torch.exp(curr - curr.detach())
+    weights = torch.nan_to_num(weights, nan=0.0, posinf=0.0, neginf=0.0)
+    log_ratio = reference - curr
+    if input_clamp is not None:
+        clamped = log_ratio.clamp(-input_clamp, input_clamp)
+        weights = torch.where(log_ratio == clamped, weights, weights.detach())
+        log_ratio = clamped
+    kl = weights * kl_estimate(log_ratio, kl_type)
+    if output_clamp is not None:
+        kl = kl.clamp(-output_clamp, output_clamp)
+    return kl
+
+
+def positive_example_nll(
+    curr: torch.Tensor,  # [B, T]
+    mask: torch.Tensor,  # [B, T] valid (and kept) tokens
+    correct: torch.Tensor,  # [B] 1.0 where reward > 0
+    correct_token_count: torch.Tensor,  # [] tokens of correct samples (over all CP ranks)
+) -> torch.Tensor:
+    """VAPO NLL on correct samples: ``sum(-curr * m * correct) / (count + 1e-8)``, 0 if none."""
+    numerator = (-curr * mask * correct.unsqueeze(-1)).sum()
+    nll = numerator / (correct_token_count + EPS)
+    return torch.where(correct_token_count > 0, nll, torch.zeros_like(nll))
