@@ -211,8 +211,10 @@ class RSClippedPGLoss:
             gvs_loss = gvs * corr.kept_seq_count / n_seqs.clamp_min(EPS)
 
         # ---- policy-gradient term ----
+        # Tokens with a non-finite input take no part in the GSPO sequence ratio either.
+        ratio_mask = token_mask * inputs_finite.to(dtype)
         ratios, ratios_clamped = policy_ratios(
-            curr, prev, token_mask,
+            curr, prev, ratio_mask,
             force_on_policy=c.force_on_policy_ratio,
             disable_ppo_ratio=c.disable_ppo_ratio,
             sequence_level=c.sequence_level_importance_ratios,

@@ -1,0 +1,74 @@
+"""Shared helpers: NeMo-RL-shaped batches and the location of the recorded fixtures."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def fixtures_path() -> Path | None:
+    """``$NEMO_RS_FIXTURES``, else ``../shared/fixtures`` or ``shared/fixtures`` of the repo."""
+    candidates = []
+    if os.environ.get("NEMO_RS_FIXTURES"):
+        candidates.append(Path(os.environ["NEMO_RS_FIXTURES"]))
+    candidates += [REPO_ROOT.parent / "shared" / "fixtures", REPO_ROOT / "shared" / "fixtures"]
+    for c in candidates:
+        if (c / "upstream_clipped_pg_public.pt").is_file():
+            return c / "upstream_clipped_pg_public.pt"
+    return None
+
+
+def make_batch(
+    curr,
+    prev,
+    gen,
+    *,
+    advantages=None,
+    token_mask=None,
+    sample_mask=None,
+    ref=None,
+    rewards=None,
+):
+    """NeMo-RL data dict from aligned ``[B, T]`` tensors (a dummy position 0 is prepended).
+
+    Returns ``(next_token_logprobs, data, global_valid_seqs, global_valid_toks)`` with the
+    global counts equal to this batch's own.
+    """
+    curr = torch.as_tensor(curr, dtype=torch.float32)
+    prev = torch.as_tensor(prev, dtype=torch.float32)
+    gen = torch.as_tensor(gen, dtype=torch.float32)
+    B, T = curr.shape
+    advantages = torch.ones(B, T) if advantages is None else torch.as_tensor(advantages, dtype=torch.float32)
+    token_mask = torch.ones(B, T, dtype=torch.long) if token_mask is None else torch.as_tensor(token_mask).long()
+    sample_mask = torch.ones(B) if sample_mask is None else torch.as_tensor(sample_mask, dtype=torch.float32)
+    ref = prev.clone() if ref is None else torch.as_tensor(ref, dtype=torch.float32)
+
+    def pad(x):
+        return torch.cat([torch.zeros(B, 1, dtype=x.dtype), x], dim=1)
+
+    data = {
+        "input_ids": torch.zeros(B, T + 1, dtype=torch.long),
+        "advantages": pad(advantages),
+        "prev_logprobs": pad(prev),
+        "generation_logprobs": pad(gen),
+        "reference_policy_logprobs": pad(ref),
+        "token_mask": pad(token_mask),
+        "sample_mask": sample_mask,
+    }
+    if rewards is not None:
+        data["rewards"] = torch.as_tensor(rewards, dtype=torch.float32)
+    valid = token_mask.float() * sample_mask[:, None]
+    gvs = sample_mask.sum()
+    gvt = valid.sum()
+    lp = curr.clone().requires_grad_(True)
+    return lp, data, gvs, gvt
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

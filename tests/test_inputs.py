@@ -1,0 +1,120 @@
+"""Bad inputs give a clear error (shapes, dtypes, missing keys), and the metric contract
+(names, normalizations, shapes, one host transfer) holds."""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from nemo_rs_plugin import RSClippedPGLoss, metric_normalizations
+from tests.conftest import make_batch
+
+FULL = {
+    "use_importance_sampling_correction": True,
+    "is_correction_level": "sequence_mean",
+    "truncated_importance_sampling_type": "seq-mask-tis",
+    "truncated_importance_sampling_ratio": 1.5,
+    "truncated_importance_sampling_ratio_min": 0.5,
+    "positive_example_nll_weight": 0.1,
+    "rejection_sampling": [
+        {"level": "sequence", "agg": "mean", "lower": 0.5, "upper": 2.0},
+        {"level": "sequence", "agg": "any", "lower": 1e-4, "upper": 100},
+        {"level": "token", "metric": "kl_k3", "upper": 0.5},
+    ],
+}
+
+
+def batch(B=3, T=6):
+    prev = -torch.rand(B, T)
+    return make_batch(prev + 0.05 * torch.randn(B, T), prev, prev + 0.1 * torch.randn(B, T),
+                      advantages=torch.randn(B, T), rewards=torch.tensor([1.0, -1.0, 0.5])[:B])
+
+
+def test_shape_mismatch_names_the_tensor():
+    lp, data, gvs, gvt = batch()
+    data["generation_logprobs"] = data["generation_logprobs"][:, :-1]
+    with pytest.raises(ValueError, match=r"generation_logprobs: shape \(3, 5\).*next_token_logprobs \(3, 6\)"):
+        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+
+
+def test_sample_mask_and_dtype_mismatch():
+    lp, data, gvs, gvt = batch()
+    data["sample_mask"] = torch.ones(2)
+    with pytest.raises(ValueError, match="sample_mask: shape"):
+        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+    lp, data, gvs, gvt = batch()
+    data["prev_logprobs"] = data["prev_logprobs"].long()
+    with pytest.raises(TypeError, match="prev_logprobs: expected a float tensor"):
+        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+    with pytest.raises(ValueError, match=r"expected \[B, T\]"):
+        RSClippedPGLoss(FULL)(lp[0], data, gvs, gvt)
+
+
+def test_missing_key_is_named():
+    lp, data, gvs, gvt = batch()
+    del data["generation_logprobs"]
+    with pytest.raises(KeyError, match="generation_logprobs"):
+        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+
+
+@pytest.mark.parametrize("cfg", [{}, FULL, {"sequence_level_importance_ratios": True, "token_level_loss": False,
+                                             "use_importance_sampling_correction": True,
+                                             "truncated_importance_sampling_type": "tis",
+                                             "truncated_importance_sampling_ratio": 2.0}])
+def test_metric_normalizations_list_exactly_the_returned_metrics(cfg):
+    loss_fn = RSClippedPGLoss(cfg)
+    _, metrics = loss_fn(*batch())
+    assert set(metrics) == set(metric_normalizations(loss_fn.cfg))
+    assert all(isinstance(v, float) for v in metrics.values())
+
+
+def test_sequence_level_metric_is_a_per_sequence_mean_not_a_broadcast():
+    # B = 2, sequence weights w = [exp(0.1 * 5), exp(-0.1 * 5)]: mean over 2 sequences.
+    prev = torch.zeros(2, 5)
+    gen = prev - torch.tensor([[0.1], [-0.1]])
+    lp, data, gvs, gvt = make_batch(prev, prev, gen)
+    _, m = RSClippedPGLoss({"use_importance_sampling_correction": True, "is_correction_level": "sequence",
+                            "sequence_level_importance_ratios": True, "token_level_loss": False})(lp, data, gvs, gvt)
+    want = (torch.exp(torch.tensor(0.5)) + torch.exp(torch.tensor(-0.5))).item() / 2
+    assert m["sampling_importance_ratio"] == pytest.approx(want, rel=1e-6)
+
+
+def test_ess_is_one_for_uniform_weights_and_drops_with_spread():
+    prev = torch.zeros(2, 4)
+    lp, data, gvs, gvt = make_batch(prev, prev, prev)
+    _, m = RSClippedPGLoss({"use_importance_sampling_correction": True})(lp, data, gvs, gvt)
+    assert m["is_ess"] == pytest.approx(1.0)
+    gen = prev - torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    lp, data, gvs, gvt = make_batch(prev, prev, gen)
+    _, m = RSClippedPGLoss({"use_importance_sampling_correction": True})(lp, data, gvs, gvt)
+    w = torch.tensor([2.718281828] + [1.0] * 7)
+    assert m["is_ess"] == pytest.approx((w.sum() ** 2 / (8 * (w**2).sum())).item(), rel=1e-5)
+
+
+class HostSyncCounter(TorchFunctionMode):
+    """Counts tensor -> host conversions: item/tolist/bool/float/int, nonzero, boolean indexing."""
+
+    SYNCS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.SYNCS:
+            self.calls.append(name)
+        if name == "__getitem__" and len(args) > 1:
+            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx):
+                self.calls.append("boolean-index")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cfg", [{}, FULL])
+def test_one_host_transfer_per_call(cfg):
+    loss_fn = RSClippedPGLoss(cfg)
+    args = batch()
+    with HostSyncCounter() as counter:
+        loss, _ = loss_fn(*args)
+        loss.backward()
+    assert counter.calls == ["tolist"]

@@ -1,0 +1,264 @@
+"""SPEC section 2: rejection sampling, stage order, denominators, and every peer mode.
+
+Most tests call the pure correction function and compare the effective per-token weight
+(IS weight x rejection mask) with values computed by hand from the formula.
+"""
+
+import math
+
+import pytest
+import torch
+
+from nemo_rs_plugin import RSClippedPGLoss, RSClippedPGLossConfig
+from nemo_rs_plugin.correction import compute_correction
+from tests.conftest import make_batch
+
+e = math.exp
+
+# d = prev - gen, three sequences of four tokens (row 2 has one masked position).
+#   row 0: near on-policy        d = [ 0.01, -0.01, 0.02,  0.00]   mean 0.005, sum 0.02
+#   row 1: one outlier token     d = [ 0.00,  0.01, 1.20, -0.01]   mean 0.30,  sum 1.20
+#   row 2: steady drift          d = [-0.30, -0.30, -0.30,  ---]   mean -0.30, sum -0.90
+D = torch.tensor([
+    [0.01, -0.01, 0.02, 0.00],
+    [0.00, 0.01, 1.20, -0.01],
+    [-0.30, -0.30, -0.30, 0.0],
+])
+MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.float32)
+R = D.exp()
+
+
+def correction(cfg: dict, d=D, mask=MASK):
+    c = RSClippedPGLossConfig.from_any(cfg)
+    B = d.shape[0]
+    out = compute_correction(
+        d, torch.isfinite(d), mask, mask, torch.ones(B), torch.ones_like(d, dtype=torch.bool),
+        c, torch.tensor(float(B)), mask.sum(),
+    )
+    w = out.is_weight.expand_as(d) if c.use_importance_sampling_correction else torch.ones_like(d)
+    return (w * out.keep * mask), out.keep * mask
+
+
+def rows(*keep_rows):
+    """Mask with whole rows kept (1) or rejected (0)."""
+    return MASK * torch.tensor(keep_rows, dtype=torch.float32)[:, None]
+
+
+def token_w(r_fn):
+    return torch.tensor([[r_fn(float(v)) for v in row] for row in R]) * MASK
+
+
+def seq_w(values):
+    return MASK * torch.tensor(values)[:, None]
+
+
+GEO = [e(0.005), e(0.30), e(-0.30)]
+PROD = [e(0.02), e(1.20), e(-0.90)]
+IS = {"use_importance_sampling_correction": True}
+TOKEN_IS = {**IS, "is_correction_level": "token"}
+
+
+def k3(d):  # VERL's k3 of KL(gen || prev) per token
+    return math.expm1(d) - d
+
+
+PEER_MODES = {
+    # ---- NeMo-RL ----
+    "nemo_rl/tis": ({**IS, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
+                    token_w(lambda r: min(r, 2.0)), MASK),
+    "nemo_rl/icepop": ({**IS, "truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 2.0,
+                        "truncated_importance_sampling_ratio_min": 0.5},
+                       token_w(lambda r: r if 0.5 <= r <= 2.0 else 0.0), MASK),
+    # seq-mask-tis [0.99, 1.01]: only row 0 (geo 1.005) survives, with raw token weights.
+    "nemo_rl/seq-mask-tis": ({**IS, "truncated_importance_sampling_type": "seq-mask-tis",
+                              "truncated_importance_sampling_ratio": 1.01, "truncated_importance_sampling_ratio_min": 0.99},
+                             token_w(lambda r: r) * rows(1, 0, 0), MASK),
+    "nemo_rl/gspo-sequence-weight": ({**IS, "sequence_level_importance_ratios": True, "token_level_loss": False},
+                                     seq_w(PROD), MASK),
+    # ---- NeMo-RL PR #2269 ----
+    "nemo_rl_2269/sequence_mean": ({**IS, "is_correction_level": "sequence_mean"}, seq_w(GEO), MASK),
+    "nemo_rl_2269/sequence": ({**IS, "is_correction_level": "sequence"}, seq_w(PROD), MASK),
+    # ---- AReaL #1088: level x action x metric x agg ----
+    "areal/token-mask-ratio-upper5": ({**TOKEN_IS, "rejection_sampling": [{"level": "token", "upper": 5.0}]},
+                                      token_w(lambda r: r), MASK),
+    "areal/token-clamp-ratio": ({**TOKEN_IS, "truncated_importance_sampling_type": "tis",
+                                 "truncated_importance_sampling_ratio": 1.1},
+                                token_w(lambda r: min(r, 1.1)), MASK),
+    "areal/seq-mask-ratio-mean": ({**IS, "is_correction_level": "sequence_mean",
+                                   "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.9, "upper": 1.1}]},
+                                  seq_w(GEO) * rows(1, 0, 0), rows(1, 0, 0)),
+    # AReaL #1088 sequence agg=sum decides on the product, weights survivors by the geo-mean.
+    "areal/seq-mask-ratio-sum": ({**IS, "is_correction_level": "sequence_mean",
+                                  "rejection_sampling": [{"level": "sequence", "agg": "sum", "lower": 0.4, "upper": 2.0}]},
+                                 seq_w(GEO) * rows(1, 0, 1), rows(1, 0, 1)),
+    "areal/seq-mask-ratio-max": ({**TOKEN_IS, "rejection_sampling": [{"level": "sequence", "agg": "max", "upper": 2.0}]},
+                                 token_w(lambda r: r) * rows(1, 0, 1), rows(1, 0, 1)),
+    # kl_k1 mean in [-0.01, 0.01] == Geo-RS band [e^-0.01, e^0.01] on gen/prev: row 0 (mean k1 -0.005).
+    "areal/seq-mask-kl_k1-mean": ({**TOKEN_IS, "rejection_sampling": [{"level": "sequence", "metric": "kl_k1", "agg": "mean", "lower": -0.01, "upper": 0.01}]},
+                                  token_w(lambda r: r) * rows(1, 0, 0), rows(1, 0, 0)),
+    # mean k2: row0 ~5e-5, row1 0.18, row2 0.045 -> upper 0.05 keeps rows 0 and 2.
+    "areal/seq-mask-kl_k2-mean": ({"rejection_sampling": [{"level": "sequence", "metric": "kl_k2", "agg": "mean", "upper": 0.05}]},
+                                  rows(1, 0, 1), rows(1, 0, 1)),
+    # sum k3: row0 ~2e-4, row1 k3(1.2)=1.12, row2 3*k3(-0.3)=0.12 -> upper 0.5 keeps rows 0 and 2.
+    "areal/seq-mask-kl_k3-sum": ({"rejection_sampling": [{"level": "sequence", "metric": "kl_k3", "agg": "sum", "upper": 0.5}]},
+                                 rows(1, 0, 1), rows(1, 0, 1)),
+    # max k3: row1 1.12 > 1.0 rejected; row2 0.0408 kept.
+    "areal/seq-mask-kl_k3-max": ({"rejection_sampling": [{"level": "sequence", "metric": "kl_k3", "agg": "max", "upper": 1.0}]},
+                                 rows(1, 0, 1), rows(1, 0, 1)),
+    # ---- AReaL #1218: two-stage ----
+    "areal_1218/geo-rs+token-mis": ({**TOKEN_IS, "rejection_sampling": [
+        {"level": "sequence", "agg": "mean", "lower": 0.7, "upper": 1.1},  # rejects row 1 (geo 1.35)
+        {"level": "token", "lower": 0.5, "upper": 2.0}]},
+        token_w(lambda r: r) * rows(1, 0, 1), rows(1, 0, 1)),
+    "areal_1218/geo-rs+token-tis": ({**TOKEN_IS, "truncated_importance_sampling_type": "tis",
+                                     "truncated_importance_sampling_ratio": 1.005,
+                                     "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.7, "upper": 1.1}]},
+                                    token_w(lambda r: min(r, 1.005)) * rows(1, 0, 1), rows(1, 0, 1)),
+    # ---- SkyRL #849 ----
+    "skyrl/tis-token": ({**TOKEN_IS, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
+                        token_w(lambda r: min(r, 2.0)), MASK),
+    "skyrl/tis-sequence-cap5": ({**IS, "is_correction_level": "sequence", "truncated_importance_sampling_type": "tis",
+                                 "truncated_importance_sampling_ratio": 2.0},
+                                seq_w([min(p, 2.0) for p in PROD]), MASK),
+    "skyrl/geometric-mask": ({"rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}]},
+                             rows(1, 0, 0), rows(1, 0, 0)),
+    # product: row 1 e^1.2 = 3.32 > 2 and row 2 e^-0.9 = 0.41 < 0.5 are both rejected.
+    "skyrl/product-mask": ({"rejection_sampling": [{"level": "sequence", "agg": "sum", "lower": 0.5, "upper": 2.0}]},
+                           rows(1, 0, 0), rows(1, 0, 0)),
+    "skyrl/outlier-veto": ({"rejection_sampling": [{"level": "sequence", "agg": "any", "lower": 0.5, "upper": 3.0}]},
+                           rows(1, 0, 1), rows(1, 0, 1)),
+    # SkyRL order: token mask first, then the geo-mean over the *remaining* tokens -> row 1
+    # (outlier masked, remaining mean 0.0) survives the [0.99, 1.01] geo mask.
+    "skyrl/token-mask-then-geo": ({"rejection_sampling": [
+        {"level": "token", "lower": 0.5, "upper": 2.0},
+        {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}]},
+        torch.tensor([[1, 1, 1, 1], [1, 1, 0, 1], [0, 0, 0, 0]], dtype=torch.float32),
+        torch.tensor([[1, 1, 1, 1], [1, 1, 0, 1], [0, 0, 0, 0]], dtype=torch.float32)),
+    # ---- VERL rollout correction ----
+    "verl/token-is": ({**TOKEN_IS, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
+                      token_w(lambda r: min(r, 2.0)), MASK),
+    "verl/seq-is": ({**IS, "is_correction_level": "sequence", "truncated_importance_sampling_type": "tis",
+                     "truncated_importance_sampling_ratio": 2.0}, seq_w([min(p, 2.0) for p in PROD]), MASK),
+    # VERL geo_rs with the stage order of the list: geo-mean over all tokens -> row 1 rejected.
+    "verl/geo-rs-then-token-k1": ({"rejection_sampling": [
+        {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01},
+        {"level": "token", "metric": "kl_k1", "lower": math.log(0.5), "upper": math.log(2.0)}]},
+        rows(1, 0, 0), rows(1, 0, 0)),
+    "verl/seq_mean_k3": ({"rejection_sampling": [{"level": "sequence", "metric": "kl_k3", "agg": "mean", "upper": 0.01}]},
+                         rows(1, 0, 0), rows(1, 0, 0)),
+    "verl/token_k2": ({"rejection_sampling": [{"level": "token", "metric": "kl_k2", "upper": 0.1}]},
+                      token_w(lambda r: 1.0 if math.log(r) ** 2 / 2 <= 0.1 else 0.0),
+                      token_w(lambda r: 1.0 if math.log(r) ** 2 / 2 <= 0.1 else 0.0)),
+    "verl/catastrophic-veto": ({"rejection_sampling": [{"level": "sequence", "agg": "min", "lower": 0.5}]},
+                               MASK, MASK),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(PEER_MODES))
+def test_peer_mode(mode):
+    cfg, want_weight, want_keep = PEER_MODES[mode]
+    weight, keep = correction(cfg)
+    torch.testing.assert_close(keep, want_keep, rtol=0, atol=0, msg=lambda m: f"{mode} keep: {m}")
+    torch.testing.assert_close(weight, want_weight, rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode} weight: {m}")
+
+
+def test_verl_k1_band_maps_to_the_inverted_ratio_band():
+    # VERL's k1 = log(gen/prev): a band [L, U] on gen/prev keeps 1/U <= r <= 1/L.
+    L, U = 0.8, 3.0
+    via_k1 = correction({"rejection_sampling": [{"level": "token", "metric": "kl_k1", "lower": math.log(L), "upper": math.log(U)}]})[1]
+    via_ratio = correction({"rejection_sampling": [{"level": "token", "lower": 1 / U, "upper": 1 / L}]})[1]
+    torch.testing.assert_close(via_k1, via_ratio)
+    assert via_k1[1, 2] == 0 and via_k1[2, 0] == 1  # r = e^1.2 > 1.25 rejected, r = e^-0.3 > 1/3 kept
+
+
+def test_k3_direction_is_kl_gen_prev():
+    # Row 2 has r = e^-0.3: VERL's k3 = r - 1 - log r = 0.0408; AReaL's (1/r) gives 0.0499.
+    keep = correction({"rejection_sampling": [{"level": "token", "metric": "kl_k3", "upper": 0.045}]})[1]
+    assert keep[2, 0] == 1
+    assert k3(-0.3) < 0.045 < e(0.3) - 1 - 0.3
+
+
+# -------------------------------------------------------------------------- loss level
+def reinforce_grad(cfg, d=D, mask=MASK):
+    """REINFORCE makes pg_t = -A curr_t, so d loss / d curr_t = -(w_t k_t) / N: the weights."""
+    prev = torch.full_like(d, -1.0)
+    lp, data, gvs, gvt = make_batch(prev, prev, prev - d, token_mask=mask)
+    full = {"disable_ppo_ratio": True, "reference_policy_kl_penalty": 0.0, **cfg}
+    loss, metrics = RSClippedPGLoss(full)(lp, data, gvs, gvt)
+    loss.backward()
+    return lp.grad, gvt, loss, metrics
+
+
+def test_two_stage_geo_rs_token_mis_gives_per_token_weights_on_survivors():
+    cfg, want, _ = PEER_MODES["areal_1218/geo-rs+token-mis"]
+    grad, gvt, _, _ = reinforce_grad(cfg)
+    torch.testing.assert_close(-grad * gvt, want, rtol=1e-5, atol=1e-6)
+    # Not the sequence weight broadcast: row 0's token weights differ from each other.
+    assert len({round(float(v), 6) for v in -grad[0] * gvt}) == 4
+
+
+def test_two_stage_geo_rs_token_tis_gives_per_token_weights_on_survivors():
+    cfg, want, _ = PEER_MODES["areal_1218/geo-rs+token-tis"]
+    grad, gvt, _, _ = reinforce_grad(cfg)
+    torch.testing.assert_close(-grad * gvt, want, rtol=1e-5, atol=1e-6)
+
+
+def test_rejection_changes_no_denominator_and_rejected_units_get_zero_gradient():
+    cfg = {"rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.7, "upper": 1.1},
+                                  {"level": "token", "lower": 0.5, "upper": 1.015}]}
+    grad, gvt, loss, metrics = reinforce_grad(cfg)
+    keep = correction(cfg)[1]
+    # Row 1 rejected whole; row 0 token 2 (r = e^0.02 > 1.015) rejected.
+    assert keep.tolist() == [[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 1, 0]]
+    assert gvt.item() == 11  # the original count
+    assert torch.equal(grad[keep == 0], torch.zeros(int((keep == 0).sum())))
+    torch.testing.assert_close(-grad * gvt, keep)
+    # pg_t = -A * curr_t = 1 on every kept token: the loss is (kept tokens) / (all 11).
+    assert loss.item() == pytest.approx(6 / 11, rel=1e-6)
+    assert metrics["rs/sequence_ratio_mean/seq_rejected_frac"] == pytest.approx(1 / 3)
+    assert metrics["rs/sequence_ratio_mean/token_rejected_frac"] == pytest.approx(4 / 11)
+    assert metrics["rs/token_ratio/token_rejected_frac"] == pytest.approx(1 / 11)
+    assert metrics["rs/token_ratio/seq_touched_frac"] == pytest.approx(1 / 3)
+    assert metrics["rs_token_rejected_frac"] == pytest.approx(5 / 11)
+    assert metrics["rs_seq_rejected_frac"] == pytest.approx(1 / 3)
+
+
+def test_rejection_also_zeroes_kl_and_nll_terms():
+    prev = torch.full_like(D, -1.0)
+    ref = prev - 0.5
+    cfg = {"rejection_sampling": [{"level": "sequence", "agg": "max", "upper": 2.0}],
+           "positive_example_nll_weight": 0.5, "reference_policy_kl_penalty": 0.1}
+    lp, data, gvs, gvt = make_batch(prev, prev, prev - D, token_mask=MASK, ref=ref, rewards=[1.0, 1.0, 1.0])
+    loss, _ = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    loss.backward()
+    assert torch.all(lp.grad[1] == 0)  # row 1 (outlier token) rejected everywhere
+    assert torch.all(lp.grad[0] != 0)
+
+
+def test_kept_denominator_divides_by_the_kept_count():
+    cfg = {"rejection_sampling": [{"level": "sequence", "agg": "max", "upper": 2.0}]}
+    g_orig, gvt, _, _ = reinforce_grad(cfg)
+    g_kept, _, _, _ = reinforce_grad({**cfg, "rejection_denominator": "kept"})
+    # 11 valid tokens, 7 kept (rows 0 and 2): gradients grow by 11/7.
+    torch.testing.assert_close(g_kept, g_orig * 11 / 7)
+
+
+def test_empty_sequence_is_never_rejected_and_never_nan():
+    mask = MASK.clone()
+    mask[1] = 0
+    _, keep = correction({"rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}]}, mask=mask)
+    weight, _ = correction({**IS, "is_correction_level": "sequence_mean"}, mask=mask)
+    assert torch.isfinite(weight).all()
+    assert keep[0].sum() == 4
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_log_ratio_rejects_its_sequence_or_token(bad):
+    d = D.clone()
+    d[0, 1] = bad
+    seq_keep = correction({"rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.5, "upper": 2.0}]}, d=d)[1]
+    assert seq_keep[0].sum() == 0 and seq_keep[2].sum() == 3
+    tok_keep = correction({"rejection_sampling": [{"level": "token", "lower": 0.1, "upper": 10.0}]}, d=d)[1]
+    assert tok_keep[0].tolist() == [1, 0, 1, 1]
+    seq_w_, _ = correction({**IS, "is_correction_level": "sequence_mean"}, d=d)
+    assert seq_w_[0].sum() == 0 and torch.isfinite(seq_w_).all()
