@@ -1,0 +1,132 @@
+"""Time the rs_clipped_pg loss (forward + backward) on CPU and print ratios.
+
+Configurations, each timed at B x S = 8 x 8k, 8 x 32k and 4 x 64k:
+  upstream-equivalent   NeMo-RL's defaults with IS correction + token TIS (no plugin field)
+  seq_mean+seq-mask-tis is_correction_level: sequence_mean with seq-mask-tis
+  rs-pipeline-3         Geo-RS + outlier veto + token kl_k3 filter, sequence_mean weights
+and NeMo-RL's own ClippedPGLossFn on the upstream-equivalent config when it is importable
+(PYTHONPATH pointing at a NeMo-RL checkout). Every time is reported as a ratio to the
+upstream-equivalent configuration measured in the same process.
+
+Targets: rs-pipeline-3 <= 1.15x upstream-equivalent; upstream-equivalent <= 1.05x NeMo-RL.
+
+Usage: python benchmarks/bench_loss.py [--repeats 5] [--sizes 8x8192,8x32768,4x65536]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from nemo_rs_plugin import RSClippedPGLoss
+
+UPSTREAM = {
+    "use_importance_sampling_correction": True,
+    "truncated_importance_sampling_type": "tis",
+    "truncated_importance_sampling_ratio": 2.0,
+}
+CONFIGS = {
+    "upstream-equivalent": UPSTREAM,
+    "seq_mean+seq-mask-tis": {
+        "use_importance_sampling_correction": True,
+        "is_correction_level": "sequence_mean",
+        "truncated_importance_sampling_type": "seq-mask-tis",
+        "truncated_importance_sampling_ratio": 1.002,
+        "truncated_importance_sampling_ratio_min": 0.999,
+    },
+    "rs-pipeline-3": {
+        "use_importance_sampling_correction": True,
+        "is_correction_level": "sequence_mean",
+        "rejection_sampling": [
+            {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.999, "upper": 1.002},
+            {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 100},
+            {"level": "token", "metric": "kl_k3", "upper": 0.5},
+        ],
+    },
+}
+
+
+def make_batch(B: int, S: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    prev = -torch.rand(B, S, generator=g) * 2
+    gen = prev + 0.02 * torch.randn(B, S, generator=g)
+    curr = prev + 0.01 * torch.randn(B, S, generator=g)
+    token_mask = torch.ones(B, S, dtype=torch.long)
+    token_mask[:, : S // 16] = 0  # prompt
+    for i in range(B):  # ragged response lengths
+        token_mask[i, S - (i * S) // (4 * B) :] = 0
+    data = {
+        "input_ids": torch.zeros(B, S, dtype=torch.long),
+        "advantages": torch.randn(B, 1, generator=g).expand(B, S).contiguous(),
+        "prev_logprobs": prev,
+        "generation_logprobs": gen * token_mask,
+        "reference_policy_logprobs": prev + 0.05 * torch.randn(B, S, generator=g),
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(B),
+    }
+    lp = curr[:, 1:].contiguous()
+    valid = token_mask[:, 1:].float()
+    return lp, data, torch.tensor(float(B)), valid.sum()
+
+
+def time_loss(loss_fn, batch, repeats: int) -> float:
+    lp0, data, gvs, gvt = batch
+    samples = []
+    for i in range(repeats + 1):
+        lp = lp0.clone().requires_grad_(True)
+        t0 = time.perf_counter()
+        loss, _ = loss_fn(lp, data, gvs, gvt)
+        loss.backward()
+        dt = time.perf_counter() - t0
+        if i:  # first call warms up allocators
+            samples.append(dt)
+    return statistics.median(samples)
+
+
+def nemo_rl_loss():
+    try:
+        from nemo_rl.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+    except Exception as exc:  # NeMo-RL is optional here
+        print(f"NeMo-RL not importable ({type(exc).__name__}: {exc}); skipping its column")
+        return None
+    fn = ClippedPGLossFn(ClippedPGLossConfig(**UPSTREAM))
+
+    def call(lp, data, gvs, gvt):
+        return fn(lp, BatchedDataDict(data), gvs, gvt)
+
+    return call
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sizes", default="8x8192,8x32768,4x65536")
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    host = nemo_rl_loss()
+    losses = {name: RSClippedPGLoss(cfg) for name, cfg in CONFIGS.items()}
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, median of {args.repeats}")
+    header = f"{'B x S':>10} | {'config':<22} | {'ms':>8} | ratio to upstream-equivalent"
+    print(header)
+    print("-" * len(header))
+    for size in args.sizes.split(","):
+        B, S = (int(v) for v in size.lower().split("x"))
+        batch = make_batch(B, S)
+        base = time_loss(losses["upstream-equivalent"], batch, args.repeats)
+        rows = [("upstream-equivalent", base)]
+        for name in list(CONFIGS)[1:]:
+            rows.append((name, time_loss(losses[name], batch, args.repeats)))
+        if host is not None:
+            rows.append(("NeMo-RL ClippedPGLossFn", time_loss(host, batch, args.repeats)))
+        for name, t in rows:
+            print(f"{size:>10} | {name:<22} | {t * 1e3:8.1f} | {t / base:5.2f}x")
+        if host is not None:
+            print(f"{size:>10} | upstream-equivalent / NeMo-RL = {base / rows[-1][1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

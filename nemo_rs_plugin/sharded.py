@@ -1,0 +1,166 @@
+"""The sharded input path: the loss on a rank's local logits shard, with no all-gather.
+
+NeMo-RL all-gathers CP-sharded log-probs before its loss. This path instead takes the local
+logits ``[B, S/cp, V/tp]``, computes next-token log-probs with a vocab-parallel log-softmax
+over the TP group, cuts the (full-sequence) data tensors to the same CP layout, and lets the
+loss all-reduce only its O(batch) per-sequence statistics.
+
+Scaling, and why it agrees with NeMo-RL's Megatron loop (``LossPostProcessor``):
+NeMo-RL's gathered path evaluates the full loss ``L`` on every CP rank, with only the rank's
+own chunk carrying gradient, and divides it by ``cp`` (``cp_normalize``); the extra
+``* num_microbatches / cp`` it applies only cancels Megatron's own averaging. So rank ``r``
+back-propagates ``dL/dz_r / cp`` into its logits ``z_r``.
+Here rank ``r`` returns a *share* ``L_r`` with ``sum_r L_r = L``: the token-level loss is the
+sum over local tokens divided by ``global_valid_toks``; replicated sequence-level terms are
+divided by ``cp``. Every statistic that carries gradient across ranks goes through a SUM
+all-reduce whose backward sums the gradients, so ``d(sum_r' L_r')/dz_r = dL/dz_r`` reaches
+rank ``r``. After NeMo-RL's ``/ cp`` the gradient is ``dL/dz_r / cp`` again: the same as the
+gathered path (``tests/test_distributed.py`` compares them). The *metrics* are reduced over
+the CP group, so every rank reports the full-batch values; the returned loss tensor is the
+share, used only for backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from nemo_rs_plugin.distributed import SequenceGroups, group_is_active
+from nemo_rs_plugin.loss import LossInputs, RSClippedPGLoss
+from nemo_rs_plugin.parallel_layout import cp_shard, packed_cp_positions, shift_left
+from nemo_rs_plugin.vocab_parallel import target_logprobs
+
+__all__ = ["sharded_loss", "sharded_loss_inputs"]
+
+_ALIGNED_KEYS = {
+    "prev": "prev_logprobs",
+    "generation": "generation_logprobs",
+    "reference": "reference_policy_logprobs",
+    "advantages": "advantages",
+    "token_mask": "token_mask",
+    "curr_unfiltered": "curr_logprobs_unfiltered",
+}
+
+
+def _size_rank(group: Any) -> tuple[int, int]:
+    if not group_is_active(group):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def sharded_loss_inputs(
+    logits: torch.Tensor,
+    data: Mapping[str, Any],
+    *,
+    cp_group: Any = None,
+    tp_group: Any = None,
+    vocab_size: Optional[int] = None,
+    cu_seqlens_padded: Optional[Sequence[int]] = None,
+) -> LossInputs:
+    """Aligned local inputs from a logits shard and NeMo-RL's full-sequence data dict.
+
+    Args:
+        logits: ``[B, S/cp, V/tp]`` (unpacked) or ``[1, T_packed/cp, V/tp]`` (packed).
+        data: NeMo-RL's data dict with ``[B, S]`` tensors, identical on every rank.
+        cp_group, tp_group: the context- and tensor-parallel groups (or ``None``).
+        vocab_size: full vocabulary size, checked against the TP sharding when given.
+        cu_seqlens_padded: for packed logits, the cumulative padded sequence lengths.
+
+    Position ``t`` of every returned tensor holds the prediction of token ``t + 1`` of the
+    full sequence (data shifted left *before* sharding); the last position of each sequence
+    has ``token_mask = 0``.
+    """
+    cp, cp_rank = _size_rank(cp_group)
+    input_ids = data["input_ids"]
+    B, S = input_ids.shape
+    targets = shift_left(input_ids)
+    aligned = {
+        name: shift_left(data[key]) for name, key in _ALIGNED_KEYS.items() if key in data
+    }
+    if cu_seqlens_padded is None:
+        if S % (2 * cp) != 0:
+            raise ValueError(
+                f"input_ids: sequence length {S} is not divisible by 2 * cp = {2 * cp}; "
+                "pad sequences to a multiple of 2 * cp for the sharded loss path"
+            )
+        if logits.shape[:2] != (B, S // cp):
+            raise ValueError(
+                f"logits shard {tuple(logits.shape)} does not match [B, S/cp] = [{B}, {S // cp}] "
+                f"for sequences of {S} tokens on a CP group of {cp} ranks"
+            )
+        local_logits = logits
+        def shard(x: torch.Tensor) -> torch.Tensor:
+            return cp_shard(x, cp, cp_rank)
+    else:
+        local_logits, shard = _packed_layout(logits, cu_seqlens_padded, cp, cp_rank, B, S)
+    curr = target_logprobs(local_logits, shard(targets), tp_group, vocab_size)
+    parts = {name: shard(t) for name, t in aligned.items()}
+    return LossInputs(
+        curr=curr,
+        prev=parts.get("prev"),
+        generation=parts["generation"],
+        reference=parts.get("reference"),
+        advantages=parts["advantages"],
+        token_mask=parts["token_mask"],
+        sample_mask=data["sample_mask"],
+        rewards=data.get("rewards"),
+        curr_unfiltered=parts.get("curr_unfiltered"),
+    )
+
+
+def _packed_layout(logits, cu_seqlens_padded, cp, cp_rank, B, S):
+    """Per-sequence rows of a packed local shard, and the matching cut of [B, S] data."""
+    positions = packed_cp_positions(cu_seqlens_padded, cp, cp_rank)
+    if len(positions) != B:
+        raise ValueError(
+            f"cu_seqlens_padded describes {len(positions)} sequences but the batch has {B}"
+        )
+    local_lengths = [len(p) for p in positions]
+    if logits.shape[0] != 1 or logits.shape[1] != sum(local_lengths):
+        raise ValueError(
+            f"packed logits shard {tuple(logits.shape)} does not match [1, {sum(local_lengths)}] "
+            f"implied by cu_seqlens_padded on a CP group of {cp} ranks"
+        )
+    width = max(local_lengths) if local_lengths else 0
+    offsets = torch.tensor([0] + local_lengths[:-1]).cumsum(0)
+    col = torch.arange(width)
+    lengths = torch.tensor(local_lengths)
+    in_seq = col.unsqueeze(0) < lengths.unsqueeze(1)  # [B, width]
+    packed_idx = torch.where(in_seq, offsets.unsqueeze(1) + col.unsqueeze(0), 0)
+    local_logits = logits[0][packed_idx.to(logits.device)]  # [B, width, V_local]
+    seq_len_max = max(int(p.max()) + 1 for p in positions) if positions else 0
+    gather_pos = torch.zeros(B, width, dtype=torch.long)
+    for i, p in enumerate(positions):
+        gather_pos[i, : len(p)] = p
+
+    def shard(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] < seq_len_max:  # padded packed segments may be longer than S
+            x = torch.cat([x, x.new_zeros(x.shape[0], seq_len_max - x.shape[1])], dim=1)
+        out = x.gather(1, gather_pos.to(x.device))
+        return out * in_seq.to(x.device, x.dtype) if x.is_floating_point() else out * in_seq.to(x.device)
+
+    return local_logits, shard
+
+
+def sharded_loss(
+    loss_fn: RSClippedPGLoss,
+    logits: torch.Tensor,
+    data: Mapping[str, Any],
+    global_valid_seqs: Any,
+    global_valid_toks: Any,
+    *,
+    cp_group: Any = None,
+    tp_group: Any = None,
+    vocab_size: Optional[int] = None,
+    cu_seqlens_padded: Optional[Sequence[int]] = None,
+    tokens_split_over_tp: bool = False,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """This rank's loss share and the (group-identical) metrics; see the module docstring."""
+    inputs = sharded_loss_inputs(
+        logits, data, cp_group=cp_group, tp_group=tp_group, vocab_size=vocab_size,
+        cu_seqlens_padded=cu_seqlens_padded,
+    )
+    groups = SequenceGroups.of(cp_group, tp_group if tokens_split_over_tp else None)
+    return loss_fn.compute(inputs, global_valid_seqs, global_valid_toks, groups)

@@ -1,0 +1,60 @@
+"""Tensor/context parallelism on CPU with gloo: sharded results equal unsharded ones.
+
+World size 2 is CP2; world size 4 is TP2 x CP2 (vocab-parallel logits). Each rank compares
+its loss share (summed over CP), metrics, logits and log-prob gradients, rejection masks and
+IS weights with the single-process computation on the full batch (rel 1e-5).
+"""
+
+import pytest
+import torch
+
+from nemo_rs_plugin.distributed import SequenceGroups, reduce_sequence_statistics
+from nemo_rs_plugin.parallel_layout import cp_shard, cp_unshard
+from tests import distributed_cases as cases
+from tests.distributed_harness import run_world
+
+pytestmark = pytest.mark.distributed
+
+
+def test_cp2_sharded_equals_unsharded():
+    run_world(2, cases.check_sharded_equals_unsharded, 1)
+
+
+def test_tp2_cp2_sharded_equals_unsharded():
+    run_world(4, cases.check_sharded_equals_unsharded, 2)
+
+
+def test_statistic_is_reduced_before_any_mask():
+    run_world(2, cases.check_statistic_reduced_before_masking)
+
+
+def test_packed_sequences_under_cp2():
+    run_world(2, cases.check_packed_sequences)
+
+
+def test_bad_groups_and_shapes_fail_clearly():
+    run_world(2, cases.check_bad_groups)
+
+
+def test_cp_layout_roundtrip_and_chunk_order():
+    x = torch.arange(16).reshape(1, 16)
+    shards = [cp_shard(x, 2, r) for r in range(2)]
+    assert shards[0].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]  # chunks 0 and 3
+    assert shards[1].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]  # chunks 1 and 2
+    assert torch.equal(cp_unshard(shards), x)
+    with pytest.raises(ValueError, match="not divisible by 2 \\* cp = 4"):
+        cp_shard(torch.zeros(1, 10), 2, 0)
+
+
+def test_no_collective_without_groups(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a collective was issued without a group")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", fail)
+    sums, maxima = reduce_sequence_statistics(torch.ones(3, 2), torch.ones(1, 2), SequenceGroups())
+    assert sums.sum() == 6
+    from tests.test_inputs import FULL, batch
+    from nemo_rs_plugin import RSClippedPGLoss
+
+    loss, _ = RSClippedPGLoss(FULL)(*batch())
+    loss.backward()
