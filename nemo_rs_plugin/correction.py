@@ -33,6 +33,8 @@ from nemo_rs_plugin.masking import EPS, masked_extreme
 
 __all__ = [
     "CorrectionResult",
+    "is_weights",
+    "truncate_weights",
     "compute_correction",
     "in_bounds",
     "token_filter_statistic",
@@ -315,42 +317,12 @@ def compute_correction(
         "sum",
     )
 
-    # ---- IS weights at the chosen level ----
-    if level == "token":
-        raw_weight = torch.where(d_finite, finite_exp(d), torch.zeros_like(d))  # [B, T]
-    else:
-        seq_log_w = seq_d_sum if level == "sequence" else seq_d_sum / (seq_n + EPS)
-        raw_weight = torch.where(
-            seq_nonfinite == 0, finite_exp(seq_log_w), torch.zeros_like(seq_log_w)
-        ).unsqueeze(-1)  # [B, 1]
-    weight = raw_weight
-    t = cfg.truncated_importance_sampling_type
-    hi_t = cfg.truncated_importance_sampling_ratio
-    lo_t = cfg.truncated_importance_sampling_ratio_min
-    if t == "tis":
-        lo_tis = 0.0 if lo_t is None else lo_t
-        oob = ((raw_weight > hi_t) | (raw_weight < lo_tis)).to(fdtype)
-        metrics["is_oob_ratio"] = (_token_mean(oob, valid, global_valid_toks), "tokens", "sum")
-        weight = raw_weight.clamp(lo_tis, hi_t)
-    elif t == "icepop":
-        inside = (raw_weight >= lo_t) & (raw_weight <= hi_t)
-        metrics["is_oob_ratio"] = (
-            _token_mean((~inside).to(fdtype), valid, global_valid_toks),
-            "tokens",
-            "sum",
-        )
-        weight = torch.where(inside, raw_weight, torch.zeros_like(raw_weight))
-    elif t == "seq-mask-tis":
-        # NeMo-RL's rule: the geometric mean over token_mask (non-finite log-ratios as 0)
-        # decides; survivors keep the untruncated weight of the chosen level.
-        geo = torch.exp(seq_d_sum / (seq_ntok + EPS))
-        seq_in = ((geo >= lo_t) & (geo <= hi_t)).to(fdtype)  # [B]
-        metrics["is_oob_ratio"] = (
-            ((1.0 - seq_in) * sm).sum() / (global_valid_seqs + EPS),
-            "sequences",
-            "replicated",
-        )
-        weight = raw_weight * seq_in.unsqueeze(-1)
+    # ---- IS weights at the chosen level, then truncation ----
+    raw_weight = is_weights(level, d, d_finite, seq_d_sum, seq_n, seq_nonfinite)
+    weight, trunc_metrics = truncate_weights(
+        raw_weight, cfg, seq_d_sum, seq_ntok, valid, sm, global_valid_seqs, global_valid_toks
+    )
+    metrics.update(trunc_metrics)
 
     _add_weight_metrics(
         metrics, raw_weight, weight, keep, stage_seq, valid, sm, level,
@@ -365,6 +337,65 @@ def compute_correction(
         kept_seq_count=kept_seq_count,
         metrics=metrics,
     )
+
+
+def is_weights(
+    level: str,
+    d: torch.Tensor,  # [B, T]
+    d_finite: torch.Tensor,  # [B, T] bool
+    seq_d_sum: torch.Tensor,  # [B] sum_t m d, reduced over ranks
+    seq_n: torch.Tensor,  # [B] n_i, reduced over ranks
+    seq_nonfinite: torch.Tensor,  # [B] valid tokens with non-finite d, reduced over ranks
+) -> torch.Tensor:
+    """Untruncated IS weight: ``[B, T]`` for ``token``, ``[B, 1]`` for the sequence levels.
+
+    ``token``: ``exp(d_t)``; ``sequence``: ``exp(sum_t m d)``; ``sequence_mean``:
+    ``exp(sum_t m d / n)``. A non-finite log-ratio gives weight 0 (its token, or its sequence).
+    """
+    if level == "token":
+        return torch.where(d_finite, finite_exp(d), torch.zeros_like(d))
+    seq_log_w = seq_d_sum if level == "sequence" else seq_d_sum / (seq_n + EPS)
+    w = torch.where(seq_nonfinite == 0, finite_exp(seq_log_w), torch.zeros_like(seq_log_w))
+    return w.unsqueeze(-1)
+
+
+def truncate_weights(
+    raw_weight: torch.Tensor,  # [B, T] or [B, 1]
+    cfg: RSClippedPGLossConfig,
+    seq_d_sum: torch.Tensor,  # [B]
+    seq_ntok: torch.Tensor,  # [B] token_mask count
+    valid: torch.Tensor,  # [B, T]
+    sm: torch.Tensor,  # [B]
+    gvs: torch.Tensor,
+    gvt: torch.Tensor,
+) -> tuple[torch.Tensor, dict]:
+    """NeMo-RL's truncation on the chosen level, and ``is_oob_ratio`` from the raw weights.
+
+    ``tis``: ``clamp(w, min or 0, max)``; ``icepop``: ``w`` inside ``[min, max]``, else 0;
+    ``seq-mask-tis``: sequences whose geometric mean ``exp(sum_t m d / n)`` is outside
+    ``[min, max]`` get 0, the others keep the untruncated weight.
+    """
+    t = cfg.truncated_importance_sampling_type
+    hi = cfg.truncated_importance_sampling_ratio
+    lo = cfg.truncated_importance_sampling_ratio_min
+    fdtype = raw_weight.dtype
+    if t is None:
+        return raw_weight, {}
+    if t == "tis":
+        lo = 0.0 if lo is None else lo
+        oob = ((raw_weight > hi) | (raw_weight < lo)).to(fdtype)
+        return raw_weight.clamp(lo, hi), {"is_oob_ratio": (_token_mean(oob, valid, gvt), "tokens", "sum")}
+    if t == "icepop":
+        inside = (raw_weight >= lo) & (raw_weight <= hi)
+        oob = (~inside).to(fdtype)
+        weight = torch.where(inside, raw_weight, torch.zeros_like(raw_weight))
+        return weight, {"is_oob_ratio": (_token_mean(oob, valid, gvt), "tokens", "sum")}
+    # seq-mask-tis: NeMo-RL's rule, the geometric mean over token_mask (non-finite
+    # log-ratios counted as 0) decides; survivors keep the untruncated weight.
+    geo = torch.exp(seq_d_sum / (seq_ntok + EPS))
+    seq_in = ((geo >= lo) & (geo <= hi)).to(fdtype)  # [B]
+    oob_frac = ((1.0 - seq_in) * sm).sum() / (gvs + EPS)
+    return raw_weight * seq_in.unsqueeze(-1), {"is_oob_ratio": (oob_frac, "sequences", "replicated")}
 
 
 def _token_mean(values: torch.Tensor, valid: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
