@@ -20,7 +20,7 @@ Entry points:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -146,7 +146,3 @@ def all_reduce_metrics(
     """
     return reduce_sequence_statistics(summed, maxed, groups)
 
-
-def split_stack(stacked: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Unstack ``[K, ...]`` into a dict keyed by ``names`` (views, no copy)."""
-    return {name: stacked[i] for i, name in enumerate(names)}

@@ -6,37 +6,11 @@ that results match NeMo-RL's loss to float precision.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 
-__all__ = ["EPS", "masked_sum", "masked_mean", "masked_extreme", "sanitize"]
+__all__ = ["EPS", "masked_extreme", "sanitize"]
 
 EPS = 1e-8
-
-Number = Union[float, torch.Tensor]
-
-
-def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """``sum(values * mask)`` over ``dim`` (all elements when ``None``)."""
-    prod = values * mask
-    return prod.sum() if dim is None else prod.sum(dim=dim)
-
-
-def masked_mean(
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    dim: Optional[int] = None,
-    denominator: Optional[Number] = None,
-) -> torch.Tensor:
-    """``sum(values * mask) / (denominator + 1e-8)``; the denominator defaults to ``sum(mask)``.
-
-    Passing NeMo-RL's ``global_valid_toks`` / ``global_valid_seqs`` as ``denominator`` makes
-    per-microbatch values sum to the global mean over all microbatches.
-    """
-    if denominator is None:
-        denominator = mask.sum() if dim is None else mask.sum(dim=dim)
-    return masked_sum(values, mask, dim) / (denominator + EPS)
 
 
 def masked_extreme(values: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
