@@ -72,18 +72,24 @@ def make_batch(B: int, S: int, seed: int = 0):
     return lp, data, torch.tensor(float(B)), valid.sum()
 
 
-def time_loss(loss_fn, batch, repeats: int) -> float:
+def time_losses(loss_fns: dict, batch, repeats: int) -> dict:
+    """Median forward+backward time per loss, measured round-robin.
+
+    Interleaving the candidates within each repeat keeps slow drifts of a shared machine
+    (other processes, frequency changes) from biasing one candidate against another.
+    """
     lp0, data, gvs, gvt = batch
-    samples = []
-    for i in range(repeats + 1):
-        lp = lp0.clone().requires_grad_(True)
-        t0 = time.perf_counter()
-        loss, _ = loss_fn(lp, data, gvs, gvt)
-        loss.backward()
-        dt = time.perf_counter() - t0
-        if i:  # first call warms up allocators
-            samples.append(dt)
-    return statistics.median(samples)
+    samples: dict = {name: [] for name in loss_fns}
+    for i in range(repeats + 2):
+        for name, fn in loss_fns.items():
+            lp = lp0.clone().requires_grad_(True)
+            t0 = time.perf_counter()
+            loss, _ = fn(lp, data, gvs, gvt)
+            loss.backward()
+            dt = time.perf_counter() - t0
+            if i >= 2:  # the first calls warm up allocators and caches
+                samples[name].append(dt)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def nemo_rl_loss():
@@ -103,29 +109,29 @@ def nemo_rl_loss():
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--sizes", default="8x8192,8x32768,4x65536")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     host = nemo_rl_loss()
     losses = {name: RSClippedPGLoss(cfg) for name, cfg in CONFIGS.items()}
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, median of {args.repeats}")
-    header = f"{'B x S':>10} | {'config':<22} | {'ms':>8} | ratio to upstream-equivalent"
+    header = f"{'B x S':>10} | {'config':<23} | {'ms':>8} | ratio to upstream-equivalent"
     print(header)
     print("-" * len(header))
     for size in args.sizes.split(","):
         B, S = (int(v) for v in size.lower().split("x"))
         batch = make_batch(B, S)
-        base = time_loss(losses["upstream-equivalent"], batch, args.repeats)
-        rows = [("upstream-equivalent", base)]
-        for name in list(CONFIGS)[1:]:
-            rows.append((name, time_loss(losses[name], batch, args.repeats)))
+        candidates = dict(losses)
         if host is not None:
-            rows.append(("NeMo-RL ClippedPGLossFn", time_loss(host, batch, args.repeats)))
-        for name, t in rows:
-            print(f"{size:>10} | {name:<22} | {t * 1e3:8.1f} | {t / base:5.2f}x")
+            candidates["NeMo-RL ClippedPGLossFn"] = host
+        times = time_losses(candidates, batch, args.repeats)
+        base = times["upstream-equivalent"]
+        for name, t in times.items():
+            print(f"{size:>10} | {name:<23} | {t * 1e3:8.1f} | {t / base:5.2f}x")
         if host is not None:
-            print(f"{size:>10} | upstream-equivalent / NeMo-RL = {base / rows[-1][1]:.2f}x")
+            ratio = base / times["NeMo-RL ClippedPGLossFn"]
+            print(f"{size:>10} | upstream-equivalent / NeMo-RL = {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -98,19 +98,26 @@ class CorrectionResult:
     Attributes:
         is_weight: ``[B, T]`` or ``[B, 1]`` IS weight after truncation (1 where unused).
         keep: ``[B, T]`` float, 1 for units kept by rejection sampling and finite inputs.
-        seq_token_count: ``[B]`` valid tokens per sequence over all ranks (``sum_t m``).
+        keep_b: the same, boolean and restricted to valid tokens.
+        loss_tokens: ``[B, T]`` ``valid * keep``, the tokens that reach the loss.
+        seq_token_count: ``[B]`` valid tokens per sequence over all ranks (``sum_t m``);
+            ``None`` when :func:`needs_sequence_statistics` is false, like the next three.
         seq_mask_count: ``[B]`` ``token_mask`` tokens per sequence over all ranks.
         kept_token_count: ``[]`` kept valid tokens over all ranks (for ``kept`` denominators).
         kept_seq_count: ``[]`` kept valid sequences.
+        valid_b: ``[B, T]`` bool, valid tokens.
         metrics: name -> (0-dim tensor, normalization, reduction) of the correction layer.
     """
 
     is_weight: torch.Tensor
     keep: torch.Tensor
-    seq_token_count: torch.Tensor
-    seq_mask_count: torch.Tensor
-    kept_token_count: torch.Tensor
-    kept_seq_count: torch.Tensor
+    keep_b: torch.Tensor
+    loss_tokens: torch.Tensor
+    seq_token_count: Optional[torch.Tensor]
+    seq_mask_count: Optional[torch.Tensor]
+    kept_token_count: Optional[torch.Tensor]
+    kept_seq_count: Optional[torch.Tensor]
+    valid_b: torch.Tensor
     metrics: dict = field(default_factory=dict)
 
 
@@ -145,6 +152,22 @@ class _SeqFilterPlan:
     negmin_idx: int = -1
 
 
+def needs_sequence_statistics(cfg: RSClippedPGLossConfig) -> bool:
+    """Whether anything in this configuration reads a per-sequence statistic.
+
+    NeMo-RL's default (token IS level, token-level loss, no filter) reads none, and then no
+    per-sequence sum is computed or reduced at all.
+    """
+    return (
+        cfg.effective_is_level != "token"
+        or cfg.truncated_importance_sampling_type == "seq-mask-tis"
+        or bool(cfg.rejection_sampling)
+        or not cfg.token_level_loss
+        or cfg.positive_example_nll_weight > 0
+        or cfg.rejection_denominator == "kept"
+    )
+
+
 def compute_correction(
     d: torch.Tensor,  # [B, T] prev - gen, non-finite entries already replaced by 0
     d_finite: torch.Tensor,  # [B, T] bool, False where prev - gen was not finite
@@ -174,12 +197,13 @@ def compute_correction(
     level = cfg.effective_is_level
     pack = _StatPack()
 
-    # ---- statistics every configuration needs: counts and the IS log-ratio sums ----
-    row_d = (d * valid).sum(-1)
-    idx_d_sum = pack.add_sum(row_d)  # sum_t m d
-    idx_n = pack.add_sum(valid.sum(-1).to(fdtype))  # n_i
-    idx_ntok = pack.add_sum(token_mask.sum(-1).to(fdtype))  # token_mask count
-    idx_nonfinite = pack.add_sum((valid_b & ~d_finite).sum(-1).to(fdtype))
+    # ---- per-sequence counts and IS log-ratio sums, when something reads them ----
+    seq_stats = needs_sequence_statistics(cfg)
+    if seq_stats:
+        idx_d_sum = pack.add_sum((d * valid).sum(-1))  # sum_t m d
+        idx_n = pack.add_sum(valid.sum(-1).to(fdtype))  # n_i
+        idx_ntok = pack.add_sum(token_mask.sum(-1).to(fdtype))  # token_mask count
+        idx_nonfinite = pack.add_sum((valid_b & ~d_finite).sum(-1).to(fdtype))
 
     # ---- token filters (local) and the per-sequence statistics of sequence filters ----
     token_keeps: list[Optional[torch.Tensor]] = []
@@ -216,17 +240,21 @@ def compute_correction(
                 torch.where(alive_finite, -stat, torch.full_like(stat, -math.inf)).amax(-1)
             )
         seq_plans.append(plan)
-    # Tokens that survive every token filter: their per-row count lets the ``kept``
-    # denominator be computed after sequence decisions without another collective.
-    idx_alive_tokens = pack.add_sum((alive_tok.to(fdtype) * valid).sum(-1))
+    if seq_stats:
+        # Tokens that survive every token filter: their per-row count lets the ``kept``
+        # denominator be computed after sequence decisions without another collective.
+        idx_alive_tokens = pack.add_sum((alive_tok.to(fdtype) * valid).sum(-1))
 
     # ---- the one reduction: nothing below reads a partial statistic ----
-    sums, maxima = pack.reduce(groups)
-    seq_d_sum = sums[idx_d_sum]
-    seq_n = sums[idx_n]
-    seq_ntok = sums[idx_ntok]
-    seq_nonfinite = sums[idx_nonfinite]
-    has_tokens = seq_n > 0
+    if seq_stats:
+        sums, maxima = pack.reduce(groups)
+        seq_d_sum = sums[idx_d_sum]
+        seq_n = sums[idx_n]
+        seq_ntok = sums[idx_ntok]
+        seq_nonfinite = sums[idx_nonfinite]
+        has_tokens = seq_n > 0
+    else:
+        sums = maxima = seq_d_sum = seq_n = seq_ntok = seq_nonfinite = has_tokens = None
 
     # ---- sequence filter decisions ----
     seq_keeps: list[Optional[torch.Tensor]] = []
@@ -257,8 +285,8 @@ def compute_correction(
 
     # ---- the combined rejection mask, and per-stage metrics from the right tensors ----
     metrics: dict = {}
-    stage_tok = valid_b.clone()
-    stage_seq = torch.ones_like(has_tokens)
+    stage_tok = valid_b
+    stage_seq = torch.ones(valid.shape[0], dtype=torch.bool, device=valid.device)
     sm = sample_mask.to(fdtype)
     for f, keep_t, keep_s, touch_idx in zip(
         cfg.rejection_sampling, token_keeps, seq_keeps, token_touch_idx
@@ -295,12 +323,20 @@ def compute_correction(
                 "sum",
             )
 
-    rejected_b = valid_b & ~stage_tok  # rejected by the filters (not by non-finite inputs)
-    keep = (stage_tok & inputs_finite).to(fdtype)  # [B, T]
-    kept_rows = sums[idx_alive_tokens] * stage_seq.to(fdtype)  # [B] kept valid tokens
-    kept_token_count = kept_rows.sum()
-    kept_seq_count = (stage_seq.to(fdtype) * sm * has_tokens.to(fdtype)).sum()
+    keep_b = stage_tok & inputs_finite  # [B, T]
+    keep = keep_b.to(fdtype)
+    loss_tokens = valid * keep  # [B, T] valid tokens that reach the loss
+    if seq_stats:
+        kept_rows = sums[idx_alive_tokens] * stage_seq.to(fdtype)  # [B] kept valid tokens
+        kept_token_count = kept_rows.sum()
+        kept_seq_count = (stage_seq.to(fdtype) * sm * has_tokens.to(fdtype)).sum()
+        # Reduced already: identical on every rank.
+        nonfinite = (seq_nonfinite.sum(), "none", "replicated")
+    else:
+        kept_token_count = kept_seq_count = None
+        nonfinite = ((valid_b & ~d_finite).sum().to(fdtype), "none", "sum")
     if cfg.rejection_sampling:
+        rejected_b = valid_b & ~stage_tok  # rejected by the filters (not by non-finite inputs)
         metrics["rs_token_rejected_frac"] = (
             (rejected_b.to(fdtype) * valid).sum() / (global_valid_toks + EPS),
             "tokens",
@@ -311,11 +347,7 @@ def compute_correction(
             "sequences",
             "replicated",
         )
-    metrics["nonfinite_log_ratio_count"] = (
-        (valid_b & ~d_finite).to(fdtype).sum(),
-        "none",
-        "sum",
-    )
+    metrics["nonfinite_log_ratio_count"] = nonfinite
 
     # ---- IS weights at the chosen level, then truncation ----
     raw_weight = is_weights(level, d, d_finite, seq_d_sum, seq_n, seq_nonfinite)
@@ -325,16 +357,19 @@ def compute_correction(
     metrics.update(trunc_metrics)
 
     _add_weight_metrics(
-        metrics, raw_weight, weight, keep, stage_seq, valid, sm, level,
+        metrics, raw_weight, weight, loss_tokens, stage_seq, valid, valid_b, sm, level,
         global_valid_seqs, global_valid_toks, has_tokens,
     )
     return CorrectionResult(
         is_weight=weight,
         keep=keep,
+        keep_b=keep_b,
+        loss_tokens=loss_tokens,
         seq_token_count=seq_n,
         seq_mask_count=seq_ntok,
         kept_token_count=kept_token_count,
         kept_seq_count=kept_seq_count,
+        valid_b=valid_b,
         metrics=metrics,
     )
 
@@ -353,7 +388,7 @@ def is_weights(
     ``exp(sum_t m d / n)``. A non-finite log-ratio gives weight 0 (its token, or its sequence).
     """
     if level == "token":
-        return torch.where(d_finite, finite_exp(d), torch.zeros_like(d))
+        return finite_exp(d) * d_finite
     seq_log_w = seq_d_sum if level == "sequence" else seq_d_sum / (seq_n + EPS)
     w = torch.where(seq_nonfinite == 0, finite_exp(seq_log_w), torch.zeros_like(seq_log_w))
     return w.unsqueeze(-1)
@@ -407,9 +442,10 @@ def _add_weight_metrics(
     metrics: dict,
     raw_weight: torch.Tensor,
     weight: torch.Tensor,
-    keep: torch.Tensor,
+    loss_tokens: torch.Tensor,
     seq_kept: torch.Tensor,
     valid: torch.Tensor,
+    valid_b: torch.Tensor,
     sm: torch.Tensor,
     level: str,
     gvs: torch.Tensor,
@@ -423,29 +459,31 @@ def _add_weight_metrics(
     every CP rank). Effective sample size ``(sum w)^2 / (n sum w^2)`` of the applied weights
     is reported per microbatch; ``is_weight_mean^2 / is_weight_sq_mean`` gives it globally.
     """
-    per_token = level == "token"
-    if per_token:
-        unit_mask = valid  # [B, T]
-        applied = weight * keep
+    if level == "token":
+        unit_mask, unit_b = valid, valid_b  # [B, T]
+        weighted = weight * loss_tokens  # applied weight x valid mask, rejected units 0
         raw = raw_weight
         norm, red, denom = "tokens", "sum", gvt
     else:
-        unit_mask = (sm * has_tokens.to(sm.dtype))  # [B]
+        unit_mask = sm * has_tokens.to(sm.dtype)  # [B]
+        unit_b = unit_mask != 0
         # A sequence's weight after rejection: 0 when a sequence filter rejected it.
-        applied = weight.squeeze(-1) * seq_kept.to(weight.dtype)
+        weighted = weight.squeeze(-1) * seq_kept.to(weight.dtype) * unit_mask
         raw = raw_weight.squeeze(-1)
         norm, red, denom = "sequences", "replicated", gvs
-    m = unit_mask
-    metrics["is_weight_raw_mean"] = ((raw * m).sum() / (denom + EPS), norm, red)
-    metrics["is_weight_mean"] = ((applied * m).sum() / (denom + EPS), norm, red)
-    metrics["is_weight_sq_mean"] = ((applied.square() * m).sum() / (denom + EPS), norm, red)
-    metrics["is_weight_raw_min"] = (masked_extreme(raw, m, largest=False), "none", "min")
-    metrics["is_weight_raw_max"] = (masked_extreme(raw, m, largest=True), "none", "max")
-    kept_units = m * (applied > 0).to(m.dtype)
+    applied = weight if level == "token" else weight.squeeze(-1)
+    sum_w = weighted.sum()
+    sum_w2 = (weighted * applied).sum()
+    metrics["is_weight_raw_mean"] = ((raw * unit_mask).sum() / (denom + EPS), norm, red)
+    metrics["is_weight_mean"] = (sum_w / (denom + EPS), norm, red)
+    metrics["is_weight_sq_mean"] = (sum_w2 / (denom + EPS), norm, red)
+    metrics["is_weight_raw_min"] = (masked_extreme(raw, unit_b, largest=False), "none", "min")
+    metrics["is_weight_raw_max"] = (masked_extreme(raw, unit_b, largest=True), "none", "max")
+    kept_units = weighted > 0
     metrics["is_weight_min"] = (masked_extreme(applied, kept_units, largest=False), "none", "min")
     metrics["is_weight_max"] = (masked_extreme(applied, kept_units, largest=True), "none", "max")
-    # ESS from local sums; with sharded tokens the sums are reduced with the other metrics.
-    metrics["_ess_sum_w"] = ((applied * m).sum(), "none", red)
-    metrics["_ess_sum_w2"] = ((applied.square() * m).sum(), "none", red)
-    metrics["_ess_n"] = (m.sum(), "none", red)
+    # ESS from sums; with sharded tokens they are reduced with the other metrics first.
+    metrics["_ess_sum_w"] = (sum_w, "none", red)
+    metrics["_ess_sum_w2"] = (sum_w2, "none", red)
+    metrics["_ess_n"] = (unit_mask.sum(), "none", red)
 

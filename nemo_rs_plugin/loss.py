@@ -25,7 +25,7 @@ import torch
 from nemo_rs_plugin.config import RSClippedPGLossConfig
 from nemo_rs_plugin.correction import compute_correction
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
-from nemo_rs_plugin.masking import EPS, masked_extreme, sanitize
+from nemo_rs_plugin.masking import EPS, all_finite, masked_extreme, sanitize
 from nemo_rs_plugin.metrics import MetricSet
 from nemo_rs_plugin.policy_loss import (
     clipped_objective,
@@ -172,35 +172,38 @@ class RSClippedPGLoss:
         gvs = torch.as_tensor(global_valid_seqs, dtype=dtype, device=device)
         gvt = torch.as_tensor(global_valid_toks, dtype=dtype, device=device)
 
-        token_mask = x.token_mask.to(dtype)
+        token_mask = x.token_mask  # integer or float; products promote to the float dtype
         sample_mask = x.sample_mask.to(dtype)
         valid = token_mask * sample_mask.unsqueeze(-1)  # [B, T]
 
         # Non-finite log-probs are replaced by 0 *before* any arithmetic, so that a token
         # that is masked or rejected receives an exact zero gradient, never 0 * NaN.
-        curr, curr_finite = sanitize(curr_raw)
-        prev, prev_finite = (
-            (curr.detach(), curr_finite) if c.force_on_policy_ratio else sanitize(x.prev)
-        )
-        gen, gen_finite = sanitize(x.generation)
-        inputs_finite = curr_finite & prev_finite & gen_finite
+        curr = sanitize(curr_raw)
+        prev_raw = curr_raw.detach() if c.force_on_policy_ratio else x.prev
+        prev = curr.detach() if c.force_on_policy_ratio else sanitize(prev_raw)
+        gen = sanitize(x.generation)
+        d_raw = (prev_raw - x.generation).detach()  # [B, T]
+        d_finite = torch.isfinite(d_raw)
+        d = torch.where(d_finite, d_raw, 0.0)
+        checked = [curr_raw, d_raw]
         ref = curr_unfiltered = None
         if self.kl_coef != 0:
-            ref, ref_finite = sanitize(x.reference)
-            inputs_finite = inputs_finite & ref_finite
+            ref = sanitize(x.reference)
+            checked.append(x.reference)
             if x.curr_unfiltered is not None:
-                curr_unfiltered, unf_finite = sanitize(x.curr_unfiltered)
-                inputs_finite = inputs_finite & unf_finite
+                curr_unfiltered = sanitize(x.curr_unfiltered)
+                checked.append(x.curr_unfiltered)
             else:
                 curr_unfiltered = curr
-        d_finite = prev_finite & gen_finite
-        d = (prev - gen).detach()  # [B, T]
+        inputs_finite = all_finite(*checked)  # [B, T] every log-prob input finite
 
         corr = compute_correction(
             d, d_finite, valid, token_mask, sample_mask, inputs_finite, c, gvs, gvt, groups
         )
         keep = corr.keep  # [B, T]
-        loss_tokens = valid * keep  # [B, T] tokens that contribute to the loss
+        loss_tokens = corr.loss_tokens  # [B, T] tokens that contribute to the loss
+        # NeMo-RL's sequence-level aggregation averages each row over token_mask.
+        agg_mask = loss_tokens if self.token_level_loss else token_mask * keep
         gvt_loss, gvs_loss = gvt, gvs
         if c.rejection_denominator == "kept":
             # VERL's decoupled semantics: shrink the global denominators by the kept fraction
@@ -212,7 +215,7 @@ class RSClippedPGLoss:
 
         # ---- policy-gradient term ----
         # Tokens with a non-finite input take no part in the GSPO sequence ratio either.
-        ratio_mask = token_mask * inputs_finite.to(dtype)
+        ratio_mask = token_mask * inputs_finite if c.sequence_level_importance_ratios else token_mask
         ratios, ratios_clamped = policy_ratios(
             curr, prev, ratio_mask,
             force_on_policy=c.force_on_policy_ratio,
@@ -222,15 +225,15 @@ class RSClippedPGLoss:
             clip_max=c.ratio_clip_max,
             groups=groups,
         )
-        advantages, _ = sanitize(x.advantages.to(dtype))
+        advantages = sanitize(x.advantages.to(dtype))
         pg = clipped_objective(
             advantages, ratios, ratios_clamped, curr,
             use_cispo=c.use_cispo, dual_clip_c=c.ratio_clip_c,
         )
         weight = corr.is_weight if c.use_importance_sampling_correction else None
         pg_weighted = pg * weight if weight is not None else pg
-        actor_loss = self._aggregate(pg_weighted, loss_tokens, token_mask * keep, sample_mask,
-                                     corr.seq_mask_count, gvs_loss, gvt_loss, groups)
+        actor_loss = self._aggregate(pg_weighted, agg_mask, sample_mask, corr.seq_mask_count,
+                                     gvs_loss, gvt_loss, groups)
 
         # ---- KL penalty ----
         if self.kl_coef != 0:
@@ -241,8 +244,8 @@ class RSClippedPGLoss:
                 output_clamp=c.kl_output_clamp_value,
                 on_policy_approximation=c.use_on_policy_kl_approximation,
             )
-            kl = self._aggregate(kl_tok, loss_tokens, token_mask * keep, sample_mask,
-                                 corr.seq_mask_count, gvs_loss, gvt_loss, groups)
+            kl = self._aggregate(kl_tok, agg_mask, sample_mask, corr.seq_mask_count,
+                                 gvs_loss, gvt_loss, groups)
         else:
             kl = torch.zeros((), dtype=dtype, device=device)
 
@@ -256,17 +259,22 @@ class RSClippedPGLoss:
         loss = actor_loss + kl + c.positive_example_nll_weight * nll
 
         metrics = MetricSet()
+        # Metrics average over valid tokens whose inputs are all finite; without filters these
+        # are exactly the tokens that reach the loss.
+        if c.rejection_sampling:
+            usable, usable_b = valid * inputs_finite, corr.valid_b & inputs_finite
+        else:
+            usable, usable_b = loss_tokens, corr.keep_b
         self._upstream_metrics(metrics, loss, kl, nll, ratios, ratios_clamped, curr, prev, gen,
-                               d, valid * inputs_finite.to(dtype), sample_mask, corr, gvs, gvt)
+                               d, usable, usable_b, sample_mask, corr, gvs, gvt)
         metrics.update(corr.metrics)
         return loss, metrics.finalize(groups)
 
     # ------------------------------------------------------------------ pieces
     def _aggregate(
         self,
-        per_token: torch.Tensor,  # [B, T]
-        loss_tokens: torch.Tensor,  # [B, T] valid and kept
-        row_tokens: torch.Tensor,  # [B, T] token_mask and kept (NeMo-RL's per-row mask)
+        per_token: torch.Tensor,  # [B, T] finite (inputs sanitized, log-ratios clamped)
+        mask: torch.Tensor,  # [B, T] valid (token-level) or token_mask (sequence-level), kept
         sample_mask: torch.Tensor,  # [B]
         seq_mask_count: torch.Tensor,  # [B] token_mask count per row, all ranks
         gvs: torch.Tensor,
@@ -278,10 +286,9 @@ class RSClippedPGLoss:
         Rejected tokens are zero in the numerators only; the per-row denominator is the
         row's full ``token_mask`` count (reduced over ``groups``), as NeMo-RL's.
         """
+        contrib = per_token * mask
         if self.token_level_loss:
-            contrib = torch.where(loss_tokens != 0, per_token * loss_tokens, torch.zeros_like(per_token))
             return contrib.sum() / (gvt + EPS)
-        contrib = torch.where(row_tokens != 0, per_token * row_tokens, torch.zeros_like(per_token))
         row_sum = all_reduce_sum_with_grad(contrib.sum(-1), groups)  # [B]
         row_mean = row_sum / (seq_mask_count + EPS)
         loss = (row_mean * sample_mask).sum() / (gvs + EPS)
@@ -305,6 +312,7 @@ class RSClippedPGLoss:
         gen: torch.Tensor,
         d: torch.Tensor,
         mask: torch.Tensor,  # [B, T] valid tokens with finite inputs
+        mask_b: torch.Tensor,  # [B, T] the same, boolean
         sample_mask: torch.Tensor,
         corr: Any,
         gvs: torch.Tensor,
@@ -322,10 +330,15 @@ class RSClippedPGLoss:
             r, rc = ratios.detach(), ratios_clamped.detach()
             metrics.add("probs_ratio", token_mean(r), "tokens", "sum")
             metrics.add("probs_ratio_clamped", token_mean(rc), "tokens", "sum")
-            metrics.add("probs_ratio_min", masked_extreme(r, mask, largest=False), "none", "min")
-            metrics.add("probs_ratio_max", masked_extreme(r, mask, largest=True), "none", "max")
-            metrics.add("probs_ratio_clamped_min", masked_extreme(rc, mask, largest=False), "none", "min")
-            metrics.add("probs_ratio_clamped_max", masked_extreme(rc, mask, largest=True), "none", "max")
+            r_min = masked_extreme(r, mask_b, largest=False)
+            r_max = masked_extreme(r, mask_b, largest=True)
+            metrics.add("probs_ratio_min", r_min, "none", "min")
+            metrics.add("probs_ratio_max", r_max, "none", "max")
+            # The clamp is monotonic, so the extremes of clip(r) are clip(extremes of r);
+            # the empty-mask sentinels (+-inf) stay as they are.
+            rc_min, rc_max = self._clamped_extremes(r_min, r_max)
+            metrics.add("probs_ratio_clamped_min", rc_min, "none", "min")
+            metrics.add("probs_ratio_clamped_max", rc_max, "none", "max")
             kl_metric = kl / self.kl_coef if self.kl_coef != 0 else torch.zeros_like(kl)
             metrics.add("kl_penalty", kl_metric, grad_norm, "sum")
             metrics.add("token_mult_prob_error", token_mean(torch.exp(d.abs() * mask)), "tokens", "sum")
@@ -342,6 +355,16 @@ class RSClippedPGLoss:
             entropy = -token_mean(torch.exp(curr - gen) * curr)
             metrics.add("approx_entropy", entropy, "tokens", "sum")
             metrics.add("positive_nll_loss", nll, "none", "sum")
+
+    def _clamped_extremes(self, r_min: torch.Tensor, r_max: torch.Tensor):
+        c = self.cfg
+        if c.force_on_policy_ratio or c.disable_ppo_ratio:
+            return r_min, r_max  # no clamp in these modes
+        lo, hi = 1.0 - c.ratio_clip_min, 1.0 + c.ratio_clip_max
+        return (
+            torch.where(torch.isinf(r_min), r_min, r_min.clamp(lo, hi)),
+            torch.where(torch.isinf(r_max), r_max, r_max.clamp(lo, hi)),
+        )
 
     def _sampling_importance_ratio(self, metrics, corr, mask, sample_mask, gvs, gvt) -> None:
         """``sampling_importance_ratio``: mean IS weight after truncation.

@@ -24,12 +24,19 @@ from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum
 from nemo_rs_plugin.masking import EPS
 
 __all__ = [
+    "LOG_RATIO_CLAMP",
     "policy_ratios",
     "clipped_objective",
     "kl_estimate",
     "kl_penalty_per_token",
     "positive_example_nll",
 ]
+
+
+# Policy log-ratios are clamped to +-20 before exp (exp(20) ~ 4.9e8, VERL's SAFETY_BOUND):
+# beyond that the ratio is meaningless, and an overflowed exp would turn the masked
+# multiplications of the loss (inf * 0) and their gradients into NaN.
+LOG_RATIO_CLAMP = 20.0
 
 
 def policy_ratios(
@@ -61,10 +68,10 @@ def policy_ratios(
     if sequence_level:
         row_sum = all_reduce_sum_with_grad((log_ratios * token_mask).sum(dim=-1), groups)  # [B]
         row_count = all_reduce_sum_with_grad(token_mask.sum(dim=-1).to(curr.dtype), groups)
-        seq_ratio = torch.exp(row_sum / (row_count + EPS)).unsqueeze(-1)  # [B, 1]
-        ratios = seq_ratio.expand_as(curr)
+        seq_log_ratio = (row_sum / (row_count + EPS)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        ratios = torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(curr)  # [B, T]
     else:
-        ratios = torch.exp(log_ratios)
+        ratios = torch.exp(log_ratios.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     return ratios, ratios.clamp(1.0 - clip_min, 1.0 + clip_max)
 
 
