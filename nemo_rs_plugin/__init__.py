@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "RSClippedPGLossFn",
     "LossInputs",
     "RejectionFilter",
     "RSClippedPGLoss",
@@ -20,3 +21,13 @@ __all__ = [
     "metric_normalizations",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # The NeMo-RL subclass needs NeMo-RL; import it only when asked for, so that the core
+    # stays usable without NeMo-RL (the ImportError explains how NeMo-RL is installed).
+    if name == "RSClippedPGLossFn":
+        from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
+
+        return RSClippedPGLossFn
+    raise AttributeError(f"module 'nemo_rs_plugin' has no attribute {name!r}")

@@ -1,0 +1,128 @@
+"""Start-up hook of nemo-rs-plugin (run from ``nemo_rs_plugin.pth``; standard library only).
+
+It registers an import hook and returns: nothing is imported until NeMo-RL's own setup
+modules are. When ``nemo_rl.algorithms.grpo``, ``nemo_rl.algorithms.ppo`` or
+``nemo_rl.algorithms.single_controller_utils.setup`` finishes importing, the name
+``ClippedPGLossFn`` in that module is replaced by a selector that builds the loss named by
+``loss_fn.name`` (NeMo-RL's own loss when there is no name); ``nemo_rl.utils.config`` gets the
+``loss_fn: <name>`` shorthand. The same moment the plugin is put on ``PYTHONPATH`` (through a
+directory holding only a link to the package) so that Ray workers in NeMo-RL's per-worker
+virtual environments can unpickle the loss.
+
+Set ``NEMO_RS_PLUGIN_DISABLE=1`` to switch all of this off.
+"""
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+DISABLE_ENV = "NEMO_RS_PLUGIN_DISABLE"
+WORKER_PATH_ENV = "NEMO_RS_PLUGIN_WORKER_PATH"
+LOSS_MODULES = (
+    "nemo_rl.algorithms.grpo",
+    "nemo_rl.algorithms.ppo",
+    "nemo_rl.algorithms.single_controller_utils.setup",
+)
+CONFIG_MODULE = "nemo_rl.utils.config"
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Delegates to the real loader, then patches the freshly executed module."""
+
+    def __init__(self, loader, fullname):
+        self._loader = loader
+        self._fullname = fullname
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _patch(self._fullname, module)
+
+    def __getattr__(self, name):  # get_source, is_package, get_code, ...
+        return getattr(self._loader, name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader of NeMo-RL's setup modules."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in LOSS_MODULES and fullname != CONFIG_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None:
+            return None
+        spec.loader = _PatchingLoader(spec.loader, fullname)
+        return spec
+
+
+def _patch(fullname, module):
+    # The heavy imports (torch, pydantic, NeMo-RL's loss) happen here, after NeMo-RL itself
+    # imported them; errors propagate so a broken install is reported where it happens.
+    from nemo_rs_plugin import nemo_rl_adapter
+
+    if fullname == CONFIG_MODULE:
+        nemo_rl_adapter.patch_config_loader(module)
+    else:
+        nemo_rl_adapter.install_into(module)
+        expose_to_workers()
+
+
+def expose_to_workers():
+    """Put a directory holding only a link to this package on ``PYTHONPATH``.
+
+    NeMo-RL passes the driver's environment to its Ray workers, whose virtual environments
+    are built from NeMo-RL's lockfile and do not contain the plugin; with this they can
+    unpickle the loss without a rebuild. The directory must be visible to every node (as
+    NeMo-RL's own ``NEMO_RL_VENV_DIR`` must): set ``NEMO_RS_PLUGIN_WORKER_PATH`` to choose it.
+    Returns the directory, or ``None`` when the package location is unknown.
+    """
+    spec = importlib.util.find_spec("nemo_rs_plugin")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package_dir = os.path.realpath(list(spec.submodule_search_locations)[0])
+    base = os.environ.get(WORKER_PATH_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "nemo_rs_plugin", "worker-path"
+    )
+    import zlib  # a stable name per install location (hash() is salted per process)
+
+    shim = os.path.join(base, format(zlib.crc32(package_dir.encode()), "08x"))
+    link = os.path.join(shim, "nemo_rs_plugin")
+    try:
+        os.makedirs(shim, exist_ok=True)
+        if os.path.realpath(link) != package_dir:
+            tmp = f"{link}.{os.getpid()}.tmp"
+            os.symlink(package_dir, tmp)
+            os.replace(tmp, link)
+    except OSError:
+        return None
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if shim not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join(parts + [shim])
+    return shim
+
+
+def install():
+    """Register the import hook once per interpreter (idempotent)."""
+    if os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    if any(isinstance(f, _Finder) for f in sys.meta_path):
+        return False
+    sys.meta_path.insert(0, _Finder())
+    # NeMo-RL imported before the hook (an unusual start-up order): patch in place.
+    for name in LOSS_MODULES + (CONFIG_MODULE,):
+        if name in sys.modules:
+            _patch(name, sys.modules[name])
+    return True
+
+
+install()

@@ -1,0 +1,297 @@
+"""The thin NeMo-RL adapter: ``RSClippedPGLossFn`` and the seam that lets recipes select it.
+
+* :class:`RSClippedPGLossFn` subclasses NeMo-RL's ``ClippedPGLossFn`` (``isinstance``,
+  ``loss_type``, ``input_type``, ``metric_normalizations``, ``use_fused_linear_logprobs``,
+  pickling) and forwards ``__call__`` to the host-independent :class:`~nemo_rs_plugin.loss.
+  RSClippedPGLoss`.
+* :class:`ClippedPGLossSelector` stands in for the name ``ClippedPGLossFn`` inside NeMo-RL's
+  GRPO, PPO and single-controller setup modules (installed by :func:`install_into` when those
+  modules are imported; see ``_nemo_rs_plugin_hook``). ``ClippedPGLossFn(loss_config, ...)``
+  there builds the class named by ``loss_config.name``; without a name it builds NeMo-RL's
+  own loss, exactly as before.
+* :func:`patch_config_loader` adds the shorthand ``loss_fn: rs_clipped_pg`` to NeMo-RL's
+  ``load_config``.
+
+Supported hosts: NeMo-RL v0.6.0 (TypedDict config), v0.7.0 and main (pydantic config), all
+with the loss in ``nemo_rl.algorithms.loss`` taking next-token log-probs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any, Mapping, Optional
+
+try:
+    from nemo_rl.algorithms.loss import ClippedPGLossFn
+    from nemo_rl.algorithms.loss.interfaces import LossInputType
+except ImportError as exc:  # pragma: no cover - exercised where NeMo-RL is absent
+    raise ImportError(
+        "RSClippedPGLossFn needs NeMo-RL, which is not importable here "
+        f"({exc}). NeMo-RL is not on PyPI: install it from its git repository "
+        "(git clone https://github.com/NVIDIA-NeMo/RL && uv sync, or use its container), "
+        "or point PYTHONPATH at a checkout. The core loss, nemo_rs_plugin.RSClippedPGLoss, "
+        "works without it."
+    ) from exc
+
+from nemo_rs_plugin.config import PLUGIN_FIELDS, UPSTREAM_FIELDS, ConfigError, RSClippedPGLossConfig
+from nemo_rs_plugin.loss import RSClippedPGLoss, metric_normalizations
+from nemo_rs_plugin.registry import get_loss_class
+
+__all__ = [
+    "RSClippedPGLossFn",
+    "ClippedPGLossSelector",
+    "SUPPORTED_NEMO_RL",
+    "host_api",
+    "install_into",
+    "patch_config_loader",
+]
+
+SUPPORTED_NEMO_RL = "NeMo-RL v0.6.0, v0.7.0 and main"
+
+try:  # v0.7.0 has no MetricNormalizer; main does
+    from nemo_rl.algorithms.loss.interfaces import MetricNormalizer
+except ImportError:  # pragma: no cover - depends on the host version
+    MetricNormalizer = None  # type: ignore[assignment,misc]
+
+
+def host_api() -> str:
+    """``"pydantic"`` (v0.7.0, main) or ``"typeddict"`` (v0.6.0) config API of the host.
+
+    Raises:
+        ImportError: the host's loss API is not one of the supported ones.
+    """
+    from nemo_rl.algorithms import loss as host_loss
+
+    cfg_cls = getattr(host_loss, "ClippedPGLossConfig", None)
+    params = list(inspect.signature(ClippedPGLossFn.__call__).parameters)
+    version = _host_version()
+    if cfg_cls is None or params[1:2] != ["next_token_logprobs"]:
+        raise ImportError(
+            f"NeMo-RL {version} is not supported by nemo-rs-plugin: its ClippedPGLossFn does "
+            f"not take next-token log-probs. Supported: {SUPPORTED_NEMO_RL}."
+        )
+    try:
+        from pydantic import BaseModel
+
+        if isinstance(cfg_cls, type) and issubclass(cfg_cls, BaseModel):
+            return "pydantic"
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(cfg_cls, type) and issubclass(cfg_cls, dict):
+        return "typeddict"
+    raise ImportError(
+        f"NeMo-RL {version}: unrecognised ClippedPGLossConfig ({cfg_cls!r}). "
+        f"Supported: {SUPPORTED_NEMO_RL}."
+    )
+
+
+def _host_version() -> str:
+    try:
+        import nemo_rl
+
+        return str(getattr(nemo_rl, "__version__", "unknown"))
+    except Exception:  # pragma: no cover
+        return "unknown"
+
+
+def _host_accepts_fused_flag() -> bool:
+    return "use_fused_linear_logprobs" in inspect.signature(ClippedPGLossFn.__init__).parameters
+
+
+class RSClippedPGLossFn(ClippedPGLossFn):
+    """NeMo-RL's clipped PG loss with decoupled IS level and composable rejection sampling.
+
+    Formula, fields and metrics: :mod:`nemo_rs_plugin.loss` and ``docs/guide.md``. With no
+    plugin field set every output equals NeMo-RL's ``ClippedPGLossFn`` on the same inputs.
+
+    Args:
+        cfg: ``loss_fn`` section (NeMo-RL's pydantic config, a dict, or any mapping);
+            validated here, at construction.
+        use_fused_linear_logprobs: as NeMo-RL's (``prepare_loss_input`` reads it).
+    """
+
+    def __init__(self, cfg: Any, use_fused_linear_logprobs: bool = False):
+        api = host_api()
+        config = RSClippedPGLossConfig.from_any(cfg)
+        host_cfg = _host_config(config, api)
+        if _host_accepts_fused_flag():
+            super().__init__(host_cfg, use_fused_linear_logprobs=use_fused_linear_logprobs)
+        else:
+            super().__init__(host_cfg)
+        self.use_fused_linear_logprobs = use_fused_linear_logprobs
+        # The host saw truncation disabled (its asserts reject some decoupled-level
+        # combinations); expose the real values to code that reads these attributes.
+        self.truncated_importance_sampling_type = config.truncated_importance_sampling_type
+        self.truncated_importance_sampling_ratio = config.truncated_importance_sampling_ratio
+        self.truncated_importance_sampling_ratio_min = (
+            config.truncated_importance_sampling_ratio_min
+        )
+        self.rs_config = config
+        self.core = RSClippedPGLoss(config)
+        self.input_type = LossInputType.LOGPROB
+        if MetricNormalizer is not None:
+            self.metric_normalizations = {
+                k: MetricNormalizer(v) for k, v in metric_normalizations(config).items()
+            }
+
+    def __call__(
+        self,
+        next_token_logprobs: Any,
+        data: Mapping[str, Any],
+        global_valid_seqs: Any,
+        global_valid_toks: Any,
+    ) -> tuple[Any, dict]:
+        """Same signature and return as NeMo-RL's ``ClippedPGLossFn.__call__``."""
+        return self.core(next_token_logprobs, data, global_valid_seqs, global_valid_toks)
+
+
+def _host_config(config: RSClippedPGLossConfig, api: str) -> Any:
+    """The host's config for ``super().__init__``: NeMo-RL's fields, truncation off."""
+    fields = {k: getattr(config, k) for k in UPSTREAM_FIELDS}
+    fields.update(
+        truncated_importance_sampling_type=None,
+        truncated_importance_sampling_ratio=None,
+        truncated_importance_sampling_ratio_min=None,
+    )
+    if api == "pydantic":
+        from nemo_rl.algorithms.loss import ClippedPGLossConfig
+
+        return ClippedPGLossConfig(**fields)
+    return fields
+
+
+# ----------------------------------------------------------------------------- selection
+def loss_name_of(cfg: Any) -> Optional[str]:
+    """``loss_fn.name`` from a pydantic config, a mapping or an object; ``None`` if unset."""
+    if isinstance(cfg, str):
+        return cfg
+    if isinstance(cfg, Mapping):
+        return cfg.get("name")
+    return getattr(cfg, "name", None)
+
+
+def _keys_of(cfg: Any) -> list[str]:
+    if isinstance(cfg, Mapping):
+        return [str(k) for k in cfg]
+    extra = getattr(cfg, "model_extra", None) or {}
+    return list(extra)
+
+
+def check_host_loss_config(cfg: Any) -> None:
+    """Reject plugin fields (or near-misspellings of them) under NeMo-RL's own loss."""
+    problems = []
+    for key in _keys_of(cfg):
+        if key in PLUGIN_FIELDS:
+            problems.append(
+                f"{key}: a nemo-rs-plugin field under NeMo-RL's own loss, which would ignore "
+                "it; add `name: rs_clipped_pg` to loss_fn"
+            )
+        elif key not in UPSTREAM_FIELDS and key != "name":
+            guess = difflib.get_close_matches(key, PLUGIN_FIELDS, n=1, cutoff=0.75)
+            if guess:
+                problems.append(
+                    f"{key}: unknown field; did you mean {guess[0]!r} (with `name: rs_clipped_pg`)?"
+                )
+    if problems:
+        raise ConfigError(problems)
+
+
+class ClippedPGLossSelector:
+    """Stands in for ``ClippedPGLossFn`` in NeMo-RL's setup modules.
+
+    Calling it builds the loss named by ``cfg.name`` (via the registry), or NeMo-RL's own
+    class when no name is set. ``isinstance``/``issubclass`` checks and attribute access
+    behave as with NeMo-RL's class.
+    """
+
+    def __init__(self, original: type):
+        self.original = original
+
+    def __call__(self, cfg: Any, *args: Any, **kwargs: Any) -> Any:
+        name = loss_name_of(cfg)
+        if name is None:
+            check_host_loss_config(cfg)
+            return self.original(cfg, *args, **kwargs)
+        target = get_loss_class(name)
+        if target is self.original and not _host_accepts_fused_flag():
+            kwargs.pop("use_fused_linear_logprobs", None)
+        return target(cfg, *args, **kwargs)
+
+    def __instancecheck__(self, obj: Any) -> bool:
+        return isinstance(obj, self.original)
+
+    def __subclasscheck__(self, cls: type) -> bool:
+        return issubclass(cls, self.original)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.original, attr)
+
+    def __repr__(self) -> str:
+        return f"<nemo-rs-plugin selector for {self.original.__module__}.ClippedPGLossFn>"
+
+
+def install_into(module: Any) -> bool:
+    """Replace ``module.ClippedPGLossFn`` by a selector; returns whether anything changed."""
+    current = getattr(module, "ClippedPGLossFn", None)
+    if current is None or isinstance(current, ClippedPGLossSelector):
+        return False
+    module.ClippedPGLossFn = ClippedPGLossSelector(current)
+    return True
+
+
+# ----------------------------------------------------------------------------- shorthand
+SHORTHAND_HELP = (
+    "loss_fn: write the mapping form,\n"
+    "  loss_fn:\n"
+    "    name: rs_clipped_pg\n"
+    "    # ...plugin fields (is_correction_level, rejection_sampling)\n"
+    "the shorthand `loss_fn: rs_clipped_pg` cannot be merged with a loss_fn mapping "
+    "inherited through `defaults`."
+)
+
+
+def patch_config_loader(module: Any) -> bool:
+    """Wrap ``module.load_config`` so ``loss_fn: <name>`` becomes ``loss_fn: {name: <name>}``."""
+    original = getattr(module, "load_config", None)
+    if original is None or getattr(original, "_nemo_rs_wrapped", False):
+        return False
+
+    def load_config(config_path: Any, *args: Any, **kwargs: Any) -> Any:
+        config = original(config_path, *args, **kwargs)
+        loss = config.get("loss_fn") if hasattr(config, "get") else None
+        if isinstance(loss, str):
+            # OmegaConf lets a string replace an inherited mapping silently, which would
+            # drop the parent's loss settings: refuse, and show the mapping form.
+            if _inherits_loss_mapping(config_path, original):
+                raise ConfigError([SHORTHAND_HELP])
+            config["loss_fn"] = {"name": loss}
+        return config
+
+    load_config._nemo_rs_wrapped = True  # type: ignore[attr-defined]
+    load_config.__doc__ = original.__doc__
+    load_config.__wrapped__ = original  # type: ignore[attr-defined]
+    module.load_config = load_config
+    return True
+
+
+def _inherits_loss_mapping(config_path: Any, load: Any) -> bool:
+    """Whether any recipe named in ``defaults`` of ``config_path`` defines a loss_fn mapping."""
+    import os
+
+    import yaml
+
+    with open(config_path) as fh:
+        raw = yaml.safe_load(fh) or {}
+    defaults = raw.get("defaults") if isinstance(raw, dict) else None
+    if not defaults:
+        return False
+    if isinstance(defaults, str):
+        defaults = [defaults]
+    base = os.path.dirname(os.path.abspath(str(config_path)))
+    for parent in defaults:
+        path = parent if os.path.isabs(str(parent)) else os.path.join(base, str(parent))
+        parent_cfg = load(path)
+        if hasattr(parent_cfg.get("loss_fn"), "keys"):
+            return True
+    return False

@@ -1,0 +1,138 @@
+"""Scripts run in a fresh interpreter by the activation tests (``python host_scripts.py NAME``).
+
+Each prints one JSON line. The interpreter gets NeMo-RL (real or one of tests/fake_hosts) on
+PYTHONPATH and the plugin from its own installation, so the .pth start-up hook is exercised
+exactly as a user's ``python examples/run_grpo.py`` would.
+"""
+
+import json
+import os
+import pickle
+import sys
+
+
+def startup():
+    names = [type(f).__name__ for f in sys.meta_path]
+    return {"finder": "_Finder" in names, "torch": "torch" in sys.modules,
+            "pydantic": "pydantic" in sys.modules, "nemo_rs_plugin": "nemo_rs_plugin" in sys.modules}
+
+
+def _batch():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    B, S = 3, 9
+    prev = -torch.rand(B, S, generator=g)
+    data = {"input_ids": torch.zeros(B, S, dtype=torch.long), "advantages": torch.randn(B, S, generator=g),
+            "prev_logprobs": prev, "generation_logprobs": prev + 0.05 * torch.randn(B, S, generator=g),
+            "reference_policy_logprobs": prev + 0.1, "token_mask": torch.ones(B, S, dtype=torch.long),
+            "sample_mask": torch.ones(B)}
+    lp = prev[:, 1:] + 0.02 * torch.randn(B, S - 1, generator=g)
+    return lp, data, torch.tensor(3.0), torch.tensor(float(B * (S - 1)))
+
+
+PLUGIN_CFG = {"name": "rs_clipped_pg", "use_importance_sampling_correction": True,
+              "is_correction_level": "sequence_mean",
+              "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.5, "upper": 2.0}]}
+
+
+def select():
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.algorithms.loss import ClippedPGLossConfig
+
+    original = grpo.ClippedPGLossFn
+    plugin = grpo.build_loss(ClippedPGLossConfig(**PLUGIN_CFG), use_fused_linear_logprobs=True)
+    own = grpo.build_loss(ClippedPGLossConfig())
+    restored = pickle.loads(pickle.dumps(plugin))
+    lp, data, gvs, gvt = _batch()
+    loss, metrics = plugin(lp, data, gvs, gvt)
+    loss2, _ = restored(lp, data, gvs, gvt)
+    from nemo_rs_plugin import RSClippedPGLoss
+
+    core_loss, _ = RSClippedPGLoss({k: v for k, v in PLUGIN_CFG.items() if k != "name"})(lp, data, gvs, gvt)
+    return {
+        "selector": type(original).__name__,
+        "plugin_type": type(plugin).__name__,
+        "plugin_is_host_instance": isinstance(plugin, original),
+        "own_type_module": type(own).__module__,
+        "own_is_host_class": type(own) is getattr(original, "original", original),
+        "level": plugin.rs_config.is_correction_level,
+        "fused": plugin.use_fused_linear_logprobs,
+        "input_type": str(plugin.input_type),
+        "normalizer": str(plugin.metric_normalizations.get("rs/sequence_ratio_mean/seq_rejected_frac")),
+        "loss_equal_core": float(loss) == float(core_loss),
+        "pickle_equal": float(loss) == float(loss2),
+        "n_metrics": len(metrics),
+    }
+
+
+def errors():
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.algorithms.loss import ClippedPGLossConfig
+
+    out = {}
+    for label, cfg in {
+        "unknown_name": {"name": "rs_clipped"},
+        "plugin_field_without_name": {"is_correction_level": "sequence_mean"},
+        "misspelled_without_name": {"is_corection_level": "sequence_mean"},
+        "misspelled_with_name": {"name": "rs_clipped_pg", "rejection_sampling_": []},
+    }.items():
+        try:
+            grpo.build_loss(ClippedPGLossConfig(**cfg))
+            out[label] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the message is what is tested
+            out[label] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def unsupported():
+    try:
+        from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
+
+        RSClippedPGLossFn({"name": "rs_clipped_pg"})
+        return {"error": "no error"}
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def shorthand():
+    from nemo_rl.utils import config as host_config
+
+    out = {}
+    for recipe in sys.argv[2:]:
+        try:
+            cfg = host_config.load_config(recipe)
+            out[os.path.basename(recipe)] = {"loss_fn": dict(cfg["loss_fn"])}
+        except Exception as exc:  # noqa: BLE001
+            out[os.path.basename(recipe)] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def driver_pickle():
+    """The driver side of the Ray-worker test: build, pickle, report the env a worker gets."""
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.algorithms.loss import ClippedPGLossConfig
+
+    loss_fn = grpo.build_loss(ClippedPGLossConfig(**PLUGIN_CFG))
+    with open(sys.argv[2], "wb") as fh:
+        pickle.dump(loss_fn, fh)
+    lp, data, gvs, gvt = _batch()
+    loss, _ = loss_fn(lp, data, gvs, gvt)
+    # NeMo-RL hands the driver's environment to its workers (init_ray: env_vars=os.environ).
+    return {"loss": float(loss), "worker_env": dict(os.environ)}
+
+
+def worker_unpickle():
+    spec_before = "nemo_rs_plugin" in sys.modules
+    with open(sys.argv[2], "rb") as fh:
+        loss_fn = pickle.load(fh)
+    lp, data, gvs, gvt = _batch()
+    loss, _ = loss_fn(lp, data, gvs, gvt)
+    import nemo_rs_plugin
+
+    return {"loss": float(loss), "preloaded": spec_before, "plugin_from": os.path.abspath(nemo_rs_plugin.__file__),
+            "type": type(loss_fn).__name__}
+
+
+if __name__ == "__main__":
+    print(json.dumps(globals()[sys.argv[1]]()))

@@ -1,0 +1,154 @@
+"""Activation on install, selection by ``loss_fn.name``, errors, shorthand and Ray workers.
+
+These run against tests/fake_hosts (written for these tests; no NeMo-RL code) in fresh
+interpreters, so they run in CI without NeMo-RL; tests/test_nemo_rl_host.py repeats the
+important ones against the real NeMo-RL where it is importable.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE = Path(__file__).resolve().parent / "fake_hosts"
+
+
+def plugin_installed() -> bool:
+    site = Path(sysconfig.get_paths()["purelib"])
+    return (site / "nemo_rs_plugin.pth").is_file()
+
+
+needs_install = pytest.mark.skipif(not plugin_installed(), reason="nemo-rs-plugin is not pip-installed here")
+
+
+SCRIPTS = Path(__file__).resolve().parent / "host_scripts.py"
+
+
+def run_script(name, *args, host="supported", python=sys.executable, env=None, cwd=None):
+    """Run tests/host_scripts.py by path: the repository root is not on sys.path, so the
+    plugin is imported from wherever it is installed (or not at all)."""
+    env = dict(os.environ if env is None else env)
+    paths = [str(FAKE / host)] if host else []
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([python, str(SCRIPTS), name, *args], capture_output=True, text=True,
+                          env=env, cwd=cwd or Path(SCRIPTS).parent.parent.parent, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_install
+def test_startup_hook_imports_nothing_heavy():
+    out = run_script("startup", host=None)
+    assert out == {"finder": True, "torch": False, "pydantic": False, "nemo_rs_plugin": False}
+
+
+@needs_install
+def test_environment_variable_disables_activation():
+    env = dict(os.environ, NEMO_RS_PLUGIN_DISABLE="1")
+    assert run_script("startup", host=None, env=env)["finder"] is False
+    out = run_script("errors", env=env)
+    # NeMo-RL's own (fake) loss is built: a plugin name means nothing without the plugin.
+    assert out["unknown_name"] == "no error"
+
+
+@needs_install
+def test_name_selects_the_plugin_and_no_name_keeps_nemo_rl():
+    out = run_script("select")
+    assert out["selector"] == "ClippedPGLossSelector"
+    assert out["plugin_type"] == "RSClippedPGLossFn" and out["plugin_is_host_instance"]
+    assert out["own_is_host_class"] and out["own_type_module"] == "nemo_rl.algorithms.loss"
+    assert out["level"] == "sequence_mean" and out["fused"] is True
+    assert out["input_type"] == "LossInputType.LOGPROB"
+    assert out["normalizer"] == "MetricNormalizer.SEQUENCES"
+    assert out["loss_equal_core"] and out["pickle_equal"]
+
+
+@needs_install
+def test_bad_loss_sections_fail_at_construction_with_the_fix():
+    out = run_script("errors")
+    assert "known losses: clipped_pg, rs_clipped_pg" in out["unknown_name"]
+    assert "is_correction_level: a nemo-rs-plugin field under NeMo-RL's own loss" in out["plugin_field_without_name"]
+    assert "add `name: rs_clipped_pg`" in out["plugin_field_without_name"]
+    assert "did you mean 'is_correction_level'" in out["misspelled_without_name"]
+    assert "rejection_sampling_: unknown field; did you mean 'rejection_sampling'?" in out["misspelled_with_name"]
+
+
+@needs_install
+def test_unsupported_host_version_is_named():
+    out = run_script("unsupported", host="unsupported")
+    assert "NeMo-RL 0.3.1+fake is not supported" in out["error"]
+    assert "v0.6.0, v0.7.0 and main" in out["error"]
+
+
+@needs_install
+def test_shorthand_and_its_limit(tmp_path):
+    (tmp_path / "base.yaml").write_text("loss_fn:\n  reference_policy_kl_penalty: 0.0\n")
+    (tmp_path / "short.yaml").write_text("loss_fn: rs_clipped_pg\n")
+    (tmp_path / "inherits.yaml").write_text("defaults: base.yaml\nloss_fn: rs_clipped_pg\n")
+    (tmp_path / "mapping.yaml").write_text("defaults: base.yaml\nloss_fn:\n  name: rs_clipped_pg\n")
+    out = run_script("shorthand", *(str(tmp_path / n) for n in ("short.yaml", "inherits.yaml", "mapping.yaml")))
+    assert out["short.yaml"] == {"loss_fn": {"name": "rs_clipped_pg"}}
+    assert "name: rs_clipped_pg" in out["inherits.yaml"]["error"] and "defaults" in out["inherits.yaml"]["error"]
+    assert out["mapping.yaml"] == {"loss_fn": {"reference_policy_kl_penalty": 0.0, "name": "rs_clipped_pg"}}
+
+
+def _deps_dir() -> str:
+    import torch
+
+    return str(Path(torch.__file__).resolve().parents[1])
+
+
+def _make_venv(path: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
+                   capture_output=True, timeout=300)
+    python = path / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    # The dependencies (torch, pydantic, ...) as a plain path: .pth files there are not run,
+    # so no other installation of the plugin can activate in this venv.
+    Path(site, "deps.pth").write_text(_deps_dir() + "\n")
+    return python
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("editable", [False, True], ids=["regular", "editable"])
+def test_activation_works_for_regular_and_editable_installs(tmp_path, editable):
+    python = _make_venv(tmp_path / "venv")
+    # This interpreter's pip installs into the venv; the build uses the setuptools visible
+    # there (through deps.pth), so nothing is downloaded.
+    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+           "--no-build-isolation", "--no-index"]
+    cmd += ["-e", str(REPO)] if editable else [str(REPO)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = run_script("startup", host=None, python=str(python), env=env, cwd=tmp_path)
+    assert out == {"finder": True, "torch": False, "pydantic": False, "nemo_rs_plugin": False}
+    out = run_script("select", python=str(python), env=env, cwd=tmp_path)
+    assert out["plugin_type"] == "RSClippedPGLossFn" and out["loss_equal_core"]
+
+
+@pytest.mark.slow
+@needs_install
+def test_ray_worker_env_unpickles_the_loss_without_the_plugin_installed(tmp_path):
+    pickled = tmp_path / "loss.pkl"
+    env = dict(os.environ, NEMO_RS_PLUGIN_WORKER_PATH=str(tmp_path / "worker-path"))
+    driver = run_script("driver_pickle", str(pickled), env=env)
+    # A worker venv as NeMo-RL builds one: its own interpreter and site-packages (NeMo-RL's
+    # lockfile dependencies, not the plugin), started with the driver's environment.
+    worker_python = _make_venv(tmp_path / "worker-venv")
+    worker_env = dict(driver["worker_env"])
+    probe = subprocess.run([str(worker_python), "-c", "import importlib.util as u; print(u.find_spec('nemo_rs_plugin') is None)"],
+                           capture_output=True, text=True, cwd=tmp_path,
+                           env={k: v for k, v in worker_env.items() if k != "PYTHONPATH"})
+    if probe.stdout.strip() != "True":
+        pytest.skip("the dependency directory holds a regular install of the plugin: no clean worker venv")
+    out = run_script("worker_unpickle", str(pickled), python=str(worker_python), env=worker_env, cwd=tmp_path)
+    assert out["type"] == "RSClippedPGLossFn" and not out["preloaded"]
+    assert out["loss"] == driver["loss"]
+    assert out["plugin_from"].startswith(str(tmp_path / "worker-path")), out["plugin_from"]
