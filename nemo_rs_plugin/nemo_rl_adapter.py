@@ -113,6 +113,8 @@ class RSClippedPGLossFn(ClippedPGLossFn):
 
     def __init__(self, cfg: Any, use_fused_linear_logprobs: bool = False):
         api = host_api()
+        if api == "typeddict":
+            cfg = _v06_semantics(cfg)
         config = RSClippedPGLossConfig.from_any(cfg)
         host_cfg = _host_config(config, api)
         if _host_accepts_fused_flag():
@@ -144,6 +146,23 @@ class RSClippedPGLossFn(ClippedPGLossFn):
     ) -> tuple[Any, dict]:
         """Same signature and return as NeMo-RL's ``ClippedPGLossFn.__call__``."""
         return self.core(next_token_logprobs, data, global_valid_seqs, global_valid_toks)
+
+
+def _v06_semantics(cfg: Any) -> Any:
+    """NeMo-RL v0.6.0 enables truncation only when ``truncated_importance_sampling_ratio`` is
+    set (its recipes carry ``truncated_importance_sampling_type: tis`` with a null ratio, and
+    it ignores the type then); later versions reject that combination. Read such a v0.6.0
+    section the way v0.6.0 does."""
+    if not isinstance(cfg, Mapping):
+        return cfg
+    if cfg.get("truncated_importance_sampling_ratio") is None and (
+        cfg.get("truncated_importance_sampling_type") is not None
+        or cfg.get("truncated_importance_sampling_ratio_min") is not None
+    ):
+        cfg = dict(cfg)
+        cfg["truncated_importance_sampling_type"] = None
+        cfg["truncated_importance_sampling_ratio_min"] = None
+    return cfg
 
 
 def _host_config(config: RSClippedPGLossConfig, api: str) -> Any:

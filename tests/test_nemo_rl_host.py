@@ -1,0 +1,76 @@
+"""The plugin against the real NeMo-RL: recipe loading, input preparation, parity.
+
+Runs for each checkout in ``$NEMO_RS_NEMO_RL_CHECKOUTS`` (paths separated by ``os.pathsep``,
+e.g. v0.6.0, v0.7.0 and main), or for the NeMo-RL importable in this environment; skips
+cleanly when there is none. Each check runs in a fresh interpreter with that checkout on
+PYTHONPATH, so the installed start-up hook activates the plugin as in a real run.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import fixtures_path
+from tests.test_activation import plugin_installed
+
+SCRIPTS = Path(__file__).resolve().parent / "nemo_rl_scripts.py"
+
+
+def _hosts():
+    env = os.environ.get("NEMO_RS_NEMO_RL_CHECKOUTS")
+    if env:
+        return [p for p in env.split(os.pathsep) if p]
+    return [""] if importlib.util.find_spec("nemo_rl") is not None else []
+
+
+HOSTS = _hosts()
+pytestmark = [
+    pytest.mark.skipif(not HOSTS, reason="NeMo-RL is not importable (set NEMO_RS_NEMO_RL_CHECKOUTS)"),
+    pytest.mark.skipif(not plugin_installed(), reason="nemo-rs-plugin is not pip-installed here"),
+]
+
+
+def run(host, name, *args):
+    env = dict(os.environ)
+    if host:
+        env["PYTHONPATH"] = os.pathsep.join([host] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, str(SCRIPTS), name, *args], capture_output=True, text=True, env=env,
+                          timeout=900, cwd=SCRIPTS.parent.parent.parent)
+    if proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr and "nemo_rl" not in proc.stderr.splitlines()[-1]:
+        pytest.skip(f"NeMo-RL at {host or 'this environment'} lacks a dependency: {proc.stderr.splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_recipe_through_nemo_rl_config_loading_builds_the_plugin(host, tmp_path):
+    out = run(host, "recipe", str(tmp_path))
+    assert out["type"] == "RSClippedPGLossFn" and out["is_host_instance"]
+    assert out["level"] == "sequence_mean" and out["filters"] == 2
+    assert out["ratio_clip_max"] == 0.28  # the Hydra override
+    assert out["inherited_kl_penalty"] == 0.01  # from grpo_math_1B.yaml through defaults
+    assert out["own_type"].endswith("loss_functions.ClippedPGLossFn")
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_inside_nemo_rl_input_preparation_and_packing(host):
+    out = run(host, "prepare")
+    for mode in ("unpacked", "packed"):
+        loss_diff, metric_diffs = out[mode]
+        assert loss_diff < 1e-6, (mode, loss_diff)
+        assert all(v < 1e-5 for v in metric_diffs.values()), (mode, metric_diffs)
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_fixture_parity_through_the_subclass(host):
+    fx = fixtures_path()
+    if fx is None:
+        pytest.skip("shared/fixtures not found")
+    out = run(host, "parity", str(fx))
+    assert out["type"] == "RSClippedPGLossFn"
+    assert out["cases"] == 120 and out["failures"] == []
