@@ -49,8 +49,12 @@ _AGGS_FOR_METRIC: dict[str, tuple[str, ...]] = {
 }
 
 
-class ConfigError(ValueError):
-    """An invalid loss configuration; the message has one line per problem."""
+class ConfigError(ValueError, AssertionError):
+    """An invalid loss configuration; the message has one line per problem.
+
+    A ``ValueError``; also an ``AssertionError`` because NeMo-RL raises that for the same
+    invalid combinations, and code written against NeMo-RL may catch it.
+    """
 
     def __init__(self, problems: list[str], prefix: str = "loss_fn"):
         self.problems = [f"{prefix}.{p}" if prefix else p for p in problems]
