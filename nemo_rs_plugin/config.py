@@ -171,7 +171,12 @@ UPSTREAM_FIELDS = (
     "use_cispo",
     "positive_example_nll_weight",
 )
-PLUGIN_FIELDS = ("is_correction_level", "rejection_sampling", "rejection_denominator")
+PLUGIN_FIELDS = (
+    "is_correction_level",
+    "rejection_sampling",
+    "rejection_denominator",
+    "sharded_logits_input",
+)
 
 
 class RSClippedPGLossConfig(BaseModel):
@@ -253,6 +258,13 @@ class RSClippedPGLossConfig(BaseModel):
     """``original`` (default; NeMo-RL, AReaL, SkyRL, TRL, slime): rejected units count in
     the denominators. ``kept`` (VERL decoupled): the denominators shrink by the
     microbatch's kept fraction."""
+
+    # --- Plugin: input path ---
+    sharded_logits_input: bool = False
+    """Megatron backend: take the local logits shard ``[B, S/cp, V/tp]`` (NeMo-RL's
+    ``LossInputType.LOGIT``) instead of all-gathered log-probs; log-probs come from a
+    vocab-parallel log-softmax and only O(batch) per-sequence statistics are all-reduced
+    over the CP group. See docs/parallelism.md."""
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "RSClippedPGLossConfig":
@@ -378,6 +390,7 @@ class RSClippedPGLossConfig(BaseModel):
             self.is_correction_level is not None
             or bool(self.rejection_sampling)
             or self.rejection_denominator != "original"
+            or self.sharded_logits_input
         )
 
 

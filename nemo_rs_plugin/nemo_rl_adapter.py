@@ -131,7 +131,13 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         )
         self.rs_config = config
         self.core = RSClippedPGLoss(config)
-        self.input_type = LossInputType.LOGPROB
+        if config.sharded_logits_input and use_fused_linear_logprobs:
+            raise ConfigError([
+                "sharded_logits_input: got true with policy.megatron_cfg.use_fused_linear_logprobs"
+                " true; the fused path returns gathered log-probs, set one of them to false"
+            ])
+        # See: docs/parallelism.md#sharded-input
+        self.input_type = LossInputType.LOGIT if config.sharded_logits_input else LossInputType.LOGPROB
         if MetricNormalizer is not None:
             self.metric_normalizations = {
                 k: MetricNormalizer(v) for k, v in metric_normalizations(config).items()
@@ -139,13 +145,52 @@ class RSClippedPGLossFn(ClippedPGLossFn):
 
     def __call__(
         self,
-        next_token_logprobs: Any,
-        data: Mapping[str, Any],
-        global_valid_seqs: Any,
-        global_valid_toks: Any,
+        next_token_logprobs: Any = None,
+        data: Optional[Mapping[str, Any]] = None,
+        global_valid_seqs: Any = None,
+        global_valid_toks: Any = None,
+        logits: Any = None,
     ) -> tuple[Any, dict]:
-        """Same signature and return as NeMo-RL's ``ClippedPGLossFn.__call__``."""
-        return self.core(next_token_logprobs, data, global_valid_seqs, global_valid_toks)
+        """NeMo-RL's ``ClippedPGLossFn.__call__``; with ``sharded_logits_input``, ``logits``.
+
+        The sharded path reads the TP and CP groups from megatron-core's ``parallel_state``
+        (NeMo-RL's Megatron worker initialises it) and returns this rank's loss share; see
+        :mod:`nemo_rs_plugin.sharded` for why NeMo-RL's ``/ cp`` post-processing then gives the
+        gathered path's gradients.
+        """
+        if data is None:
+            raise TypeError("rs_clipped_pg: the data dict is required")
+        if not self.rs_config.sharded_logits_input:
+            if next_token_logprobs is None:
+                raise TypeError(
+                    "rs_clipped_pg: next_token_logprobs is required (input_type LOGPROB); set "
+                    "sharded_logits_input: true to pass logits"
+                )
+            return self.core(next_token_logprobs, data, global_valid_seqs, global_valid_toks)
+        if logits is None:
+            raise TypeError("rs_clipped_pg with sharded_logits_input: logits are required")
+        from nemo_rs_plugin.sharded import sharded_loss
+
+        tp_group, cp_group = megatron_groups()
+        return sharded_loss(
+            self.core, logits, data, global_valid_seqs, global_valid_toks,
+            cp_group=cp_group, tp_group=tp_group, pad_to_shard=True,
+        )
+
+
+def megatron_groups() -> tuple[Any, Any]:
+    """``(tp_group, cp_group)`` from megatron-core's ``parallel_state``, or ``(None, None)``
+    when megatron-core is absent or not initialised (single process, DTensor backend)."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        return None, None
+    if not parallel_state.model_parallel_is_initialized():
+        return None, None
+    return (
+        parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_context_parallel_group(),
+    )
 
 
 def _v06_semantics(cfg: Any) -> Any:

@@ -58,6 +58,7 @@ def sharded_loss_inputs(
     tp_group: Any = None,
     vocab_size: Optional[int] = None,
     cu_seqlens_padded: Optional[Sequence[int]] = None,
+    pad_to_shard: bool = False,
 ) -> LossInputs:
     """Aligned local inputs from a logits shard and NeMo-RL's full-sequence data dict.
 
@@ -67,12 +68,17 @@ def sharded_loss_inputs(
         cp_group, tp_group: the context- and tensor-parallel groups (or ``None``).
         vocab_size: full vocabulary size, checked against the TP sharding when given.
         cu_seqlens_padded: for packed logits, the cumulative padded sequence lengths.
+        pad_to_shard: zero-pad (mask) the data to ``S/cp * cp`` positions when it is
+            shorter, as when NeMo-RL's packing wrapper passes one padded sequence's logits
+            with that sequence's unpadded data.
 
     Position ``t`` of every returned tensor holds the prediction of token ``t + 1`` of the
     full sequence (data shifted left *before* sharding); the last position of each sequence
     has ``token_mask = 0``.
     """
     cp, cp_rank = _size_rank(cp_group)
+    if pad_to_shard and cu_seqlens_padded is None:
+        data = _pad_sequences(data, logits.shape[1] * cp)
     input_ids = data["input_ids"]
     B, S = input_ids.shape
     targets = shift_left(input_ids)
@@ -108,6 +114,21 @@ def sharded_loss_inputs(
         rewards=data.get("rewards"),
         curr_unfiltered=parts.get("curr_unfiltered"),
     )
+
+
+def _pad_sequences(data: Mapping[str, Any], length: int) -> dict:
+    """Zero-pad every ``[B, S]`` tensor of ``data`` to ``length`` positions (masked out)."""
+    S = data["input_ids"].shape[1]
+    if S >= length:
+        return dict(data)
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == S:
+            pad = value.new_zeros((value.shape[0], length - S) + tuple(value.shape[2:]))
+            out[key] = torch.cat([value, pad], dim=1)
+        else:
+            out[key] = value
+    return out
 
 
 def _packed_layout(logits, cu_seqlens_padded, cp, cp_rank, B, S):
@@ -156,11 +177,12 @@ def sharded_loss(
     vocab_size: Optional[int] = None,
     cu_seqlens_padded: Optional[Sequence[int]] = None,
     tokens_split_over_tp: bool = False,
+    pad_to_shard: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """This rank's loss share and the (group-identical) metrics; see the module docstring."""
     inputs = sharded_loss_inputs(
         logits, data, cp_group=cp_group, tp_group=tp_group, vocab_size=vocab_size,
-        cu_seqlens_padded=cu_seqlens_padded,
+        cu_seqlens_padded=cu_seqlens_padded, pad_to_shard=pad_to_shard,
     )
     groups = SequenceGroups.of(cp_group, tp_group if tokens_split_over_tp else None)
     return loss_fn.compute(inputs, global_valid_seqs, global_valid_toks, groups)

@@ -134,5 +134,58 @@ def worker_unpickle():
             "type": type(loss_fn).__name__}
 
 
+def sharded_adapter():
+    """sharded_logits_input: LOGIT input, single rank and with megatron groups forwarded."""
+    import types
+
+    import torch
+
+    from nemo_rs_plugin import RSClippedPGLoss, sharded
+    from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
+
+    cfg = {k: v for k, v in PLUGIN_CFG.items() if k != "name"}
+    loss_fn = RSClippedPGLossFn({**cfg, "sharded_logits_input": True})
+    g = torch.Generator().manual_seed(1)
+    B, S, V = 3, 8, 11
+    logits = torch.randn(B, S, V, generator=g)
+    _, data, gvs, gvt = _batch()
+    data = {k: (v[:, :S] if v.dim() == 2 else v) for k, v in data.items()}
+    data["input_ids"] = torch.randint(0, V, (B, S), generator=g)
+    gvt = torch.tensor(float(B * (S - 1)))
+    lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, data["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    ref_loss, _ = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    loss, _ = loss_fn(logits=logits, data=data, global_valid_seqs=gvs, global_valid_toks=gvt)
+    # NeMo-RL's packing wrapper passes a padded sequence's logits with its unpadded data.
+    short = {k: (v[:, : S - 3] if v.dim() == 2 else v) for k, v in data.items()}
+    padded_loss, _ = loss_fn(logits=logits, data=short, global_valid_seqs=gvs, global_valid_toks=gvt)
+    lp_short = lp[:, : S - 4]
+    ref_short, _ = RSClippedPGLoss(cfg)(lp_short, short, gvs, gvt)
+    # Plumbing: the groups come from megatron-core's parallel_state when it is initialised.
+    seen = {}
+    tp, cp = object(), object()
+    stub = types.ModuleType("megatron.core.parallel_state")
+    stub.model_parallel_is_initialized = lambda: True
+    stub.get_tensor_model_parallel_group = lambda: tp
+    stub.get_context_parallel_group = lambda: cp
+    core_mod = types.ModuleType("megatron.core")
+    core_mod.parallel_state = stub
+    sys.modules.update({"megatron": types.ModuleType("megatron"), "megatron.core": core_mod,
+                        "megatron.core.parallel_state": stub})
+
+    def record(*args, **kwargs):
+        seen.update(cp=kwargs["cp_group"] is cp, tp=kwargs["tp_group"] is tp)
+        return torch.zeros(()), {}
+
+    sharded.sharded_loss = record
+    loss_fn(logits=logits, data=data, global_valid_seqs=gvs, global_valid_toks=gvt)
+    errors = {}
+    try:
+        RSClippedPGLossFn({**cfg, "sharded_logits_input": True}, use_fused_linear_logprobs=True)
+    except Exception as exc:  # noqa: BLE001
+        errors["fused"] = str(exc)
+    return {"input_type": str(loss_fn.input_type), "diff": abs(float(loss) - float(ref_loss)),
+            "padded_diff": abs(float(padded_loss) - float(ref_short)), "groups": seen, "errors": errors}
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]]()))

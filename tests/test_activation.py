@@ -152,3 +152,12 @@ def test_ray_worker_env_unpickles_the_loss_without_the_plugin_installed(tmp_path
     assert out["type"] == "RSClippedPGLossFn" and not out["preloaded"]
     assert out["loss"] == driver["loss"]
     assert out["plugin_from"].startswith(str(tmp_path / "worker-path")), out["plugin_from"]
+
+
+@needs_install
+def test_sharded_logits_input_through_the_adapter():
+    out = run_script("sharded_adapter")
+    assert out["input_type"] == "LossInputType.LOGIT"
+    assert out["diff"] < 1e-6 and out["padded_diff"] < 1e-6
+    assert out["groups"] == {"cp": True, "tp": True}
+    assert "use_fused_linear_logprobs" in out["errors"]["fused"]

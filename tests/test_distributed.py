@@ -36,6 +36,13 @@ def test_bad_groups_and_shapes_fail_clearly():
     run_world(2, cases.check_bad_groups)
 
 
+def test_adapter_sharded_path_matches_nemo_rl_gathered_gradients():
+    from pathlib import Path
+
+    fake = str(Path(__file__).resolve().parent / "fake_hosts" / "supported")
+    run_world(2, cases.check_adapter_matches_nemo_rl_cp_scaling, fake)
+
+
 def test_cp_layout_roundtrip_and_chunk_order():
     x = torch.arange(16).reshape(1, 16)
     shards = [cp_shard(x, 2, r) for r in range(2)]
