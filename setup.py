@@ -15,14 +15,22 @@ HERE = Path(__file__).resolve().parent
 
 
 class BuildPyWithPth(build_py):
-    """Regular wheel: copy the .pth into the build root, so it lands in site-packages."""
+    """Regular wheel: the .pth at the build root (so it lands in site-packages), and the
+    recipes as package data (``nemo_rs_plugin/recipes/``; a source tree reads ``recipes/``)."""
 
     def run(self):
         super().run()
         shutil.copy(HERE / PTH, Path(self.build_lib) / PTH)
+        target = Path(self.build_lib) / "nemo_rs_plugin" / "recipes"
+        target.mkdir(parents=True, exist_ok=True)
+        for recipe in sorted((HERE / "recipes").glob("*.yaml")):
+            shutil.copy(recipe, target / recipe.name)
 
     def get_outputs(self, include_bytecode=True):
-        return super().get_outputs(include_bytecode) + [str(Path(self.build_lib) / PTH)]
+        extra = [str(Path(self.build_lib) / PTH)]
+        extra += [str(Path(self.build_lib) / "nemo_rs_plugin" / "recipes" / p.name)
+                  for p in sorted((HERE / "recipes").glob("*.yaml"))]
+        return super().get_outputs(include_bytecode) + extra
 
 
 cmdclass = {"build_py": BuildPyWithPth}

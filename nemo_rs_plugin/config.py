@@ -80,7 +80,7 @@ class RejectionFilter(BaseModel):
       ``mean``, ``sum`` or ``max``.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     level: FilterLevel
     """``token`` rejects single tokens; ``sequence`` rejects whole sequences."""
@@ -186,7 +186,7 @@ class RSClippedPGLossConfig(BaseModel):
     loss, gradient and metrics (see ``docs/configuration-reference.md``).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     name: Optional[str] = None
     """Registry name of the loss (``rs_clipped_pg``); ``None`` when built directly."""

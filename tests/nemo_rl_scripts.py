@@ -131,5 +131,31 @@ def parity():
     return {"cases": len(fx["cases"]), "failures": failures, "type": type(loss_fn).__name__}
 
 
+def recipes_load():
+    """Every shipped recipe through NeMo-RL's loader, MasterConfig and GRPO's construction."""
+    from omegaconf import OmegaConf
+
+    import nemo_rl
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.utils import config as host_config
+
+    from nemo_rs_plugin.recipes import export_recipes
+
+    if hasattr(host_config, "register_omegaconf_resolvers"):
+        host_config.register_omegaconf_resolvers()
+    checkout = os.path.dirname(os.path.dirname(nemo_rl.__file__))
+    out = {}
+    for path in export_recipes(sys.argv[2], checkout):
+        try:
+            cfg = OmegaConf.to_container(host_config.load_config(str(path)), resolve=True)
+            master = grpo.MasterConfig(**cfg) if hasattr(grpo.MasterConfig, "model_validate") else cfg
+            loss_cfg = master.loss_fn if hasattr(master, "loss_fn") else master["loss_fn"]
+            loss_fn = grpo.ClippedPGLossFn(loss_cfg)
+            out[path.name] = type(loss_fn).__name__
+        except Exception as exc:  # noqa: BLE001 - reported per recipe
+            out[path.name] = f"{type(exc).__name__}: {exc}"[:600]
+    return out
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]]()))

@@ -74,3 +74,10 @@ def test_fixture_parity_through_the_subclass(host):
     out = run(host, "parity", str(fx))
     assert out["type"] == "RSClippedPGLossFn"
     assert out["cases"] == 120 and out["failures"] == []
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_shipped_recipes_load_with_nemo_rl(host, tmp_path):
+    out = run(host, "recipes_load", str(tmp_path))
+    assert len(out) >= 5
+    assert all(v == "RSClippedPGLossFn" for v in out.values()), out

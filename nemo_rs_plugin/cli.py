@@ -1,0 +1,158 @@
+"""``nemo-rs``: check a recipe's correction, simulate corrections, export recipes.
+
+Subcommands:
+
+* ``nemo-rs simulate``: run correction configurations through the real loss on a synthetic
+  training/inference mismatch (default: NeMo-RL PR #2269's 9k tokens at 2%) or on
+  log-probs saved from a run (``--from``); prints a table, can write CSV/JSON/PNG.
+* ``nemo-rs check RECIPE [overrides]``: validate the loss section, print the pipeline in
+  words, warn about legal but likely wrong settings. Exit 2 on errors, one line each.
+* ``nemo-rs recipes``: list the shipped recipes, or copy them next to a NeMo-RL checkout.
+* ``nemo-rs reference``: print the configuration reference (docs/configuration-reference.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main"]
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from nemo_rs_plugin import simulate as sim
+
+    configs = dict(sim.DEFAULT_CONFIGS)
+    if args.configs:
+        unknown = [c for c in args.configs if c not in configs]
+        if unknown:
+            print(f"error: unknown configuration(s) {', '.join(unknown)}; known: {', '.join(configs)}",
+                  file=sys.stderr)
+            return 2
+        configs = {c: configs[c] for c in args.configs}
+    if args.from_file:
+        try:
+            batches = [sim.load_batch(args.from_file)]
+        except sim.BatchFormatError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        source = f"{args.from_file}: {batches[0]['prev_logprobs'].shape[0]} sequences"
+    else:
+        model = sim.MismatchModel(responses=args.responses, length=args.length, mismatch=args.mismatch,
+                                  outlier_rate=args.outlier_rate, staleness=args.staleness, seed=args.seed)
+        batches = [sim.synthetic_batch(model, step) for step in range(args.steps)]
+        source = (f"synthetic: {args.responses} responses x {args.steps} steps of {args.length // 2}-"
+                  f"{args.length} tokens, {args.mismatch:g} per-token mismatch, outlier rate "
+                  f"{args.outlier_rate:g}, staleness {args.staleness:g}")
+    print(source)
+    rows = sim.run(configs, batches, progress=sim.progress_bar)
+    print(sim.format_table(rows))
+    if args.csv:
+        sim.write_csv(rows, args.csv)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"source": source, "rows": rows}, fh, indent=2)
+    if args.plot:
+        try:
+            sim.write_plot(rows, args.plot)
+        except ImportError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from nemo_rs_plugin.check import check_recipe
+
+    report = check_recipe(args.recipe, args.overrides, args.nemo_rl, args.mismatch, args.response_tokens)
+    for line in report.errors:
+        print(f"error: {line}", file=sys.stderr)
+    if report.errors:
+        return 2
+    print(f"{args.recipe}: valid")
+    for note in report.notes:
+        print(f"note: {note}")
+    print("correction pipeline:")
+    for line in report.pipeline:
+        print(f"  {line}")
+    for warning in report.warnings:
+        print(f"warning: {warning}")
+    return 0
+
+
+def _cmd_recipes(args: argparse.Namespace) -> int:
+    from nemo_rs_plugin.recipes import export_recipes, list_recipes
+
+    if args.out:
+        for path in export_recipes(args.out, args.nemo_rl):
+            print(path)
+        return 0
+    for path in list_recipes():
+        print(path)
+    return 0
+
+
+def _cmd_reference(args: argparse.Namespace) -> int:
+    from nemo_rs_plugin.reference import render_reference
+
+    sys.stdout.write(render_reference())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nemo-rs", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("simulate", help="run corrections through the real loss on a mismatch")
+    s.add_argument("--from", dest="from_file", metavar="FILE",
+                   help="per-token log-probs from a run (JSONL or torch file; docs/cli.md)")
+    s.add_argument("--responses", type=int, default=16, help="sequences per batch (default 16)")
+    s.add_argument("--length", type=int, default=9000, help="longest response in tokens (default 9000)")
+    s.add_argument("--mismatch", type=float, default=0.02, help="per-token log-prob noise std (default 0.02)")
+    s.add_argument("--outlier-rate", type=float, default=0.0, help="fraction of MoE-routing outlier tokens")
+    s.add_argument("--staleness", type=float, default=0.0, help="per-sequence log-ratio shift scale (async)")
+    s.add_argument("--steps", type=int, default=4, help="batches to average over (default 4)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--configs", nargs="+", metavar="NAME", help="subset of the built-in configurations")
+    s.add_argument("--csv", metavar="FILE")
+    s.add_argument("--json", metavar="FILE")
+    s.add_argument("--plot", metavar="FILE.png", help="bar charts (needs matplotlib)")
+    s.set_defaults(func=_cmd_simulate)
+
+    c = sub.add_parser("check", help="validate a recipe's loss_fn and explain it")
+    c.add_argument("recipe")
+    c.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. loss_fn.ratio_clip_max=0.28")
+    c.add_argument("--nemo-rl", metavar="PATH", help="NeMo-RL checkout, to load the recipe with its loader")
+    c.add_argument("--mismatch", type=float, default=0.02,
+                   help="per-token mismatch you see (std of prev - gen), for the rejection estimate")
+    c.add_argument("--response-tokens", type=int, help="typical response length (default: from the recipe)")
+    c.set_defaults(func=_cmd_check)
+
+    r = sub.add_parser("recipes", help="list the shipped recipes, or export them")
+    r.add_argument("--out", metavar="DIR", help="copy the recipes into DIR")
+    r.add_argument("--nemo-rl", metavar="PATH", help="rewrite their defaults to this NeMo-RL checkout")
+    r.set_defaults(func=_cmd_recipes)
+
+    f = sub.add_parser("reference", help="print the configuration reference (Markdown)")
+    f.set_defaults(func=_cmd_reference)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``nemo-rs`` console script."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Hydra-style overrides may come after options (check RECIPE --nemo-rl X a.b=1).
+    overrides = [a for a in extra if "=" in a or a.startswith("~")]
+    unknown = [a for a in extra if a not in overrides]
+    if unknown or (overrides and args.command != "check"):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+    if overrides:
+        args.overrides = list(args.overrides) + overrides
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

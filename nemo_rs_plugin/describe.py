@@ -1,0 +1,94 @@
+"""The correction pipeline of a config, in words (for ``nemo-rs check`` and logs)."""
+
+from __future__ import annotations
+
+from nemo_rs_plugin.config import RejectionFilter, RSClippedPGLossConfig
+
+__all__ = ["describe_pipeline", "describe_filter"]
+
+_AGG_WORDS = {
+    "mean": "the geometric mean of its token ratios (Geo-RS)",
+    "sum": "the product of its token ratios",
+    "max": "its largest token ratio",
+    "min": "its smallest token ratio",
+    "any": "every one of its token ratios (outlier-token veto)",
+}
+_KL_WORDS = {"kl_k1": "k1 = -d", "kl_k2": "k2 = d^2/2", "kl_k3": "k3 = exp(d)-1-d"}
+
+
+def _bounds(f: RejectionFilter) -> str:
+    lo = "-inf" if f.lower is None else f"{f.lower:g}"
+    hi = "+inf" if f.upper is None else f"{f.upper:g}"
+    return f"[{lo}, {hi}]"
+
+
+def describe_filter(f: RejectionFilter) -> str:
+    """One filter as a sentence, e.g. 'reject a sequence unless the geometric mean ... is in [..]'."""
+    if f.level == "token":
+        what = "its ratio pi_prev/pi_gen" if f.metric == "ratio" else f"its KL estimate {_KL_WORDS[f.metric]}"
+        return f"reject a token unless {what} is in {_bounds(f)}"
+    agg = f.aggregation
+    if f.metric == "ratio":
+        what = _AGG_WORDS[agg]
+    else:
+        what = f"the {agg} over its tokens of the KL estimate {_KL_WORDS[f.metric]}"
+    return f"reject a sequence unless {what} is in {_bounds(f)}"
+
+
+def describe_pipeline(cfg: RSClippedPGLossConfig) -> list[str]:
+    """Numbered lines: policy ratio, IS weight, truncation, filters, denominators."""
+    lines = []
+    if cfg.force_on_policy_ratio:
+        ratio = "forced to 1 (on-policy; one update per rollout)"
+    elif cfg.disable_ppo_ratio:
+        ratio = "none: REINFORCE, -A * log pi"
+    elif cfg.sequence_level_importance_ratios:
+        ratio = "GSPO sequence ratio exp(mean_t(curr - prev))"
+    elif cfg.use_cispo:
+        ratio = "CISPO: -A * sg(clip(r)) * log pi with the token ratio r"
+    else:
+        ratio = "PPO/GRPO token ratio exp(curr - prev)"
+    clip = f", clipped to [1-{cfg.ratio_clip_min:g}, 1+{cfg.ratio_clip_max:g}]"
+    if cfg.ratio_clip_c is not None:
+        clip += f", dual clip c={cfg.ratio_clip_c:g}"
+    lines.append(f"policy ratio: {ratio}{clip if not (cfg.force_on_policy_ratio or cfg.disable_ppo_ratio) else ''}")
+    level = cfg.effective_is_level
+    formula = {"token": "exp(d_t) per token", "sequence": "exp(sum_t d_t) per sequence (product)",
+               "sequence_mean": "exp(mean_t d_t) per sequence (geometric mean)"}[level]
+    source = "set" if cfg.is_correction_level is not None else "NeMo-RL's default for this ratio"
+    if cfg.use_importance_sampling_correction:
+        lines.append(f"IS weight ({source}): {level}, {formula}, d = prev - gen")
+    else:
+        lines.append(f"IS weight: off (use_importance_sampling_correction: false); {level} weights are only reported")
+    t = cfg.truncated_importance_sampling_type
+    if t == "tis":
+        lo = cfg.truncated_importance_sampling_ratio_min or 0.0
+        lines.append(f"truncation: clamp the weight to [{lo:g}, {cfg.truncated_importance_sampling_ratio:g}] (TIS)")
+    elif t == "icepop":
+        lines.append(
+            f"truncation: weight 0 outside [{cfg.truncated_importance_sampling_ratio_min:g}, "
+            f"{cfg.truncated_importance_sampling_ratio:g}] (icepop / MIS)"
+        )
+    elif t == "seq-mask-tis":
+        lines.append(
+            "truncation: weight 0 for sequences whose geometric-mean ratio is outside "
+            f"[{cfg.truncated_importance_sampling_ratio_min:g}, {cfg.truncated_importance_sampling_ratio:g}]"
+            ", others untruncated (seq-mask-tis)"
+        )
+    else:
+        lines.append("truncation: none")
+    if cfg.rejection_sampling:
+        for i, f in enumerate(cfg.rejection_sampling, 1):
+            lines.append(f"rejection stage {i}: {describe_filter(f)}")
+    else:
+        lines.append("rejection sampling: none")
+    denom = ("the valid tokens/sequences before rejection (rejected units count as 0)"
+             if cfg.rejection_denominator == "original"
+             else "the kept tokens/sequences (VERL decoupled semantics)")
+    loss = "token mean" if cfg.token_level_loss else "mean over sequences of token means"
+    lines.append(f"loss: {loss}, divided by {denom}")
+    if cfg.reference_policy_kl_penalty and not cfg.use_kl_in_reward:
+        lines.append(f"KL penalty: {cfg.reference_policy_kl_penalty:g} x {cfg.reference_policy_kl_type}")
+    if cfg.sharded_logits_input:
+        lines.append("input: local logits shard (TP/CP), statistics all-reduced, no all-gather")
+    return [f"{i}. {line}" for i, line in enumerate(lines, 1)]

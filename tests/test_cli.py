@@ -1,0 +1,160 @@
+"""The nemo-rs command: simulate, check, recipes, reference; bad input gives clear lines."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from nemo_rs_plugin.check import check_recipe
+from nemo_rs_plugin.cli import main
+from nemo_rs_plugin.recipes import export_recipes, list_recipes
+from nemo_rs_plugin.reference import render_reference
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args):
+    """The console entry point in a fresh interpreter: exit code, stdout, stderr."""
+    proc = subprocess.run([sys.executable, "-m", "nemo_rs_plugin.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_simulate_default_reproduces_pr_2269(tmp_path):
+    out = tmp_path / "rows.json"
+    assert main(["simulate", "--steps", "1", "--json", str(out), "--csv", str(tmp_path / "rows.csv")]) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    # 9k tokens at 2% mismatch: exp(sum) spreads over orders of magnitude, exp(mean) does not.
+    assert rows["sequence"]["ess"] < 0.6 and rows["sequence"]["is_weight_min"] < 0.1
+    assert rows["sequence+tis2"]["is_weight_mean"] < 0.8  # a hidden learning-rate cut
+    assert abs(rows["sequence_mean"]["is_weight_mean"] - 1) < 0.005
+    assert rows["sequence_mean"]["ess"] > 0.999
+    assert (tmp_path / "rows.csv").read_text().startswith("config,is_weight_mean")
+
+
+def test_simulate_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plot.png"
+    assert main(["simulate", "--steps", "1", "--length", "500", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_rejection_reacts_to_outliers_and_staleness(tmp_path):
+    out = tmp_path / "rows.json"
+    main(["simulate", "--steps", "1", "--length", "2000", "--outlier-rate", "0.001", "--staleness", "0.02",
+          "--configs", "uncorrected", "seqmean+geo-rs+veto", "--json", str(out)])
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["seqmean+geo-rs+veto"]["seq_rejected"] > 0.2
+    assert rows["uncorrected"]["seq_rejected"] == 0
+
+
+def test_simulate_from_jsonl_and_torch(tmp_path, capsys):
+    records = [{"prev_logprobs": [-1.0, -0.5, -0.2], "generation_logprobs": [-1.0, -0.52, -0.19], "advantage": 1.0},
+               {"prev_logprobs": [-0.3, -0.4], "generation_logprobs": [-0.31, -0.38], "token_mask": [0, 1]}]
+    path = tmp_path / "run.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    assert main(["simulate", "--from", str(path), "--configs", "token", "sequence_mean"]) == 0
+    assert "2 sequences" in capsys.readouterr().out
+    pt = tmp_path / "run.pt"
+    torch.save({"prev_logprobs": torch.zeros(2, 4), "generation_logprobs": torch.full((2, 4), -0.01),
+                "token_mask": torch.ones(2, 4, dtype=torch.long), "advantages": torch.ones(2)}, pt)
+    assert main(["simulate", "--from", str(pt), "--configs", "token"]) == 0
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('{"prev_logprobs": [0.1], "generation_logprobs": [0.1]}\n{"prev_logprobs": [0.1]}', ":2: field 'generation_logprobs' is missing"),
+    ('{"prev_logprobs": [0.1, 0.2], "generation_logprobs": [0.1]}', ":1: field 'generation_logprobs' has 1 values, expected 2"),
+    ('{"prev_logprobs": "x", "generation_logprobs": [0.1]}', ":1: field 'prev_logprobs' must be a list of numbers"),
+    ('{"prev_logprobs": [0.1], "generation_logprobs": [0.1]}\nnot json', ":2: record is not valid JSON"),
+])
+def test_simulate_from_malformed_names_record_and_field(tmp_path, content, needle):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    code, _, err = run_cli("simulate", "--from", str(path))
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_check_bad_input_one_line_per_problem_exit_2(tmp_path):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("loss_fn:\n  name: rs_clipped_pg\n   is_correction_level: x\n")
+    no_loss = tmp_path / "noloss.yaml"
+    no_loss.write_text("grpo:\n  num_prompts_per_step: 8\n")
+    invalid = tmp_path / "invalid.yaml"
+    invalid.write_text(yaml.safe_dump({"loss_fn": {"name": "rs_clipped_pg", "is_correction_level": "seq",
+                                                   "rejection_sampling": [{"level": "token", "agg": "mean", "upper": 2}]}}))
+    cases = {  # recipe: (number of problems, what the lines say)
+        str(tmp_path / "missing.yaml"): (1, ["missing.yaml: no such file"]),
+        str(bad_yaml): (1, ["bad.yaml:3:", "invalid YAML"]),
+        str(no_loss): (1, ["loss_fn: missing"]),
+        str(invalid): (2, ["loss_fn.is_correction_level: got 'seq'",
+                           "loss_fn.rejection_sampling.0: agg: got 'mean' on a token filter"]),
+    }
+    for recipe, (count, needles) in cases.items():
+        code, out, err = run_cli("check", recipe)
+        assert code == 2, (recipe, out, err)
+        assert "Traceback" not in err
+        lines = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(lines) == count, err
+        for needle in needles:
+            assert needle in err, (needle, err)
+
+
+@pytest.mark.parametrize("recipe", list_recipes(), ids=lambda p: p.name)
+def test_every_shipped_recipe_passes_validation(recipe):
+    report = check_recipe(str(recipe))
+    assert report.errors == [], report.errors
+    assert report.config is not None and report.config.name == "rs_clipped_pg"
+    assert report.config.use_importance_sampling_correction
+    text = recipe.read_text()
+    assert text.startswith("#") and "Launch" in text  # the header says how to run it
+    assert not [w for w in report.warnings if "would reject" in w], report.warnings
+
+
+def test_check_prints_the_pipeline_and_warnings(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "grpo": {"async_grpo": {"enabled": True}},
+        "policy": {"generation": {"max_new_tokens": 9000}},
+        "loss_fn": {"name": "rs_clipped_pg", "sequence_level_importance_ratios": True, "token_level_loss": False,
+                    "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.9999, "upper": 1.0001}]},
+    }))
+    assert main(["check", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    assert "GSPO sequence ratio" in out and "the geometric mean of its token ratios (Geo-RS) is in [0.9999, 1.0001]" in out
+    assert "async_grpo.enabled is true but loss_fn.use_importance_sampling_correction is false" in out
+    assert "would reject" in out
+    recipe.write_text(yaml.safe_dump({
+        "policy": {"generation": {"max_new_tokens": 9000}},
+        "loss_fn": {"name": "rs_clipped_pg", "use_importance_sampling_correction": True,
+                    "sequence_level_importance_ratios": True, "token_level_loss": False},
+    }))
+    assert main(["check", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    assert "is_correction_level is sequence" in out and "use is_correction_level: sequence_mean" in out
+
+
+def test_check_applies_overrides(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("loss_fn:\n  name: rs_clipped_pg\n")
+    assert main(["check", str(recipe), "loss_fn.is_correction_level=sequence_mean",
+                 "loss_fn.use_importance_sampling_correction=true"]) == 0
+    assert "sequence_mean, exp(mean_t d_t)" in capsys.readouterr().out
+    assert main(["check", str(recipe), "loss_fn.ratio_clip_c=0.5"]) == 2
+
+
+def test_recipes_export_rewrites_defaults(tmp_path):
+    checkout = tmp_path / "RL"
+    out = export_recipes(str(tmp_path / "out"), str(checkout))
+    assert len(out) == len(list_recipes()) >= 5
+    for path in out:
+        defaults = yaml.safe_load(path.read_text())["defaults"]
+        assert defaults.startswith(str(checkout.resolve() / "examples" / "configs")), defaults
+
+
+def test_configuration_reference_is_current():
+    doc = (REPO / "docs" / "configuration-reference.md").read_text()
+    assert doc == render_reference(), "docs are stale: run `nemo-rs reference > docs/configuration-reference.md`"
