@@ -29,7 +29,7 @@ import torch
 
 from nemo_rs_plugin.config import RejectionFilter, RSClippedPGLossConfig
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
-from nemo_rs_plugin.masking import EPS, masked_extreme
+from nemo_rs_plugin.masking import EPS, masked_extreme, outside
 
 __all__ = [
     "CorrectionResult",
@@ -98,26 +98,24 @@ class CorrectionResult:
     Attributes:
         is_weight: ``[B, T]`` or ``[B, 1]`` IS weight after truncation (1 where unused).
         keep: ``[B, T]`` float, 1 for units kept by rejection sampling and finite inputs.
-        keep_b: the same, boolean and restricted to valid tokens.
         loss_tokens: ``[B, T]`` ``valid * keep``, the tokens that reach the loss.
         seq_token_count: ``[B]`` valid tokens per sequence over all ranks (``sum_t m``);
             ``None`` when :func:`needs_sequence_statistics` is false, like the next three.
         seq_mask_count: ``[B]`` ``token_mask`` tokens per sequence over all ranks.
         kept_token_count: ``[]`` kept valid tokens over all ranks (for ``kept`` denominators).
         kept_seq_count: ``[]`` kept valid sequences.
-        valid_b: ``[B, T]`` bool, valid tokens.
+        valid_bin: ``[B, T]`` float 0/1, valid tokens.
         metrics: name -> (0-dim tensor, normalization, reduction) of the correction layer.
     """
 
     is_weight: torch.Tensor
     keep: torch.Tensor
-    keep_b: torch.Tensor
     loss_tokens: torch.Tensor
     seq_token_count: Optional[torch.Tensor]
     seq_mask_count: Optional[torch.Tensor]
     kept_token_count: Optional[torch.Tensor]
     kept_seq_count: Optional[torch.Tensor]
-    valid_b: torch.Tensor
+    valid_bin: torch.Tensor
     metrics: dict = field(default_factory=dict)
 
 
@@ -143,11 +141,15 @@ class _StatPack:
 
 
 @dataclass
-class _SeqFilterPlan:
+class _Stage:
+    """One rejection filter, with the pack indices of its per-sequence statistics."""
+
     spec: RejectionFilter
-    sum_idx: int = -1
-    count_idx: int = -1
+    keep_tok: Optional[torch.Tensor] = None  # token filter: [B, T] 0/1
+    touch_idx: int = -1  # token filter: tokens it rejects per row
+    count_idx: int = -1  # sequence filter: tokens alive at this stage per row
     nonfinite_idx: int = -1
+    sum_idx: int = -1
     max_idx: int = -1
     negmin_idx: int = -1
 
@@ -168,13 +170,118 @@ def needs_sequence_statistics(cfg: RSClippedPGLossConfig) -> bool:
     )
 
 
+def _plan_stages(
+    cfg: RSClippedPGLossConfig,
+    d: torch.Tensor,  # [B, T]
+    d_finite: torch.Tensor,  # [B, T] 0/1
+    valid_bin: torch.Tensor,  # [B, T] 0/1
+    valid: torch.Tensor,  # [B, T]
+    pack: _StatPack,
+) -> tuple[list[_Stage], int]:
+    """Token-filter masks (local decisions) and the local statistics of sequence filters.
+
+    A sequence filter reads the valid tokens that the token filters listed before it kept.
+    Returns the stages and the pack index of the per-row count of tokens every token filter
+    kept (for the ``kept`` denominator).
+    """
+    big = torch.finfo(d.dtype).max
+    stages = []
+    alive = valid_bin  # [B, T] valid tokens kept by the token filters so far
+    for f in cfg.rejection_sampling:
+        lo, hi = _filter_bounds(f)
+        # Finite by construction, so masked products below cannot make 0 * inf = NaN.
+        stat = torch.nan_to_num(token_filter_statistic(d, f.metric), nan=0.0, posinf=big, neginf=-big)
+        st = _Stage(spec=f)
+        if f.level == "token":
+            st.keep_tok = (1.0 - outside(stat, lo, hi)) * d_finite  # non-finite d: rejected
+            st.touch_idx = pack.add_sum((alive * (1.0 - st.keep_tok)).sum(-1))
+            alive = alive * st.keep_tok
+        else:
+            alive_fin = alive * d_finite
+            st.count_idx = pack.add_sum(alive.sum(-1))
+            st.nonfinite_idx = pack.add_sum((alive * (1.0 - d_finite)).sum(-1))
+            agg = f.aggregation
+            if agg in ("mean", "sum"):
+                st.sum_idx = pack.add_sum((stat * alive_fin).sum(-1))
+            if agg in ("max", "any"):
+                st.max_idx = pack.add_max((stat * alive_fin - (1.0 - alive_fin) * big).amax(-1))
+            if agg in ("min", "any"):
+                st.negmin_idx = pack.add_max((-stat * alive_fin - (1.0 - alive_fin) * big).amax(-1))
+        stages.append(st)
+    return stages, pack.add_sum((alive * valid).sum(-1))
+
+
+def _sequence_keep(st: _Stage, sums: torch.Tensor, maxima: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[B]`` bool: the sequence filter's decision on reduced statistics."""
+    f = st.spec
+    lo, hi = _filter_bounds(f)
+    count = sums[st.count_idx]
+    agg = f.aggregation
+    if agg == "mean":
+        keep = in_bounds(sums[st.sum_idx] / (count + EPS), lo, hi)
+    elif agg == "sum":
+        keep = in_bounds(sums[st.sum_idx], lo, hi)
+    elif agg == "max":
+        keep = in_bounds(maxima[st.max_idx], lo, hi)
+    elif agg == "min":
+        keep = in_bounds(-maxima[st.negmin_idx], lo, hi)
+    else:  # any: every valid token within the bounds
+        keep = in_bounds(maxima[st.max_idx], None, hi) & in_bounds(-maxima[st.negmin_idx], lo, None)
+    keep = keep & (sums[st.nonfinite_idx] == 0)
+    # A sequence with no token left at this stage is never rejected (and never NaN).
+    return keep | (count == 0)
+
+
+def _apply_stages(
+    stages: list[_Stage],
+    sums: Optional[torch.Tensor],
+    maxima: Optional[torch.Tensor],
+    valid: torch.Tensor,
+    valid_bin: torch.Tensor,
+    sm: torch.Tensor,
+    gvs: torch.Tensor,
+    gvt: torch.Tensor,
+    metrics: dict,
+) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """Run the stages in order; record per-stage metrics from the right tensors.
+
+    Returns the ``[B, T]`` 0/1 mask of tokens every stage kept (``None`` without filters)
+    and the ``[B]`` bool mask of sequences every sequence filter kept.
+    """
+    stage_seq = torch.ones(valid.shape[0], dtype=torch.bool, device=valid.device)
+    if not stages:
+        return None, stage_seq
+    fdtype = valid.dtype
+    stage_tok = valid_bin
+    for st in stages:
+        key = f"rs/{st.spec.label}"
+        if st.keep_tok is not None:
+            rejected_tok = stage_tok * (1.0 - st.keep_tok)  # [B, T]
+            # Rows alive at this stage in which the filter rejected a token (all ranks).
+            touched = (stage_seq & (sums[st.touch_idx] > 0)).to(fdtype)
+            stage_tok = stage_tok * st.keep_tok
+            metrics[f"{key}/token_rejected_frac"] = ((rejected_tok * valid).sum() / (gvt + EPS), "tokens", "sum")
+            metrics[f"{key}/seq_touched_frac"] = ((touched * sm).sum() / (gvs + EPS), "sequences", "replicated")
+        else:
+            keep_s = _sequence_keep(st, sums, maxima)
+            rejected_seq = (stage_seq & ~keep_s).to(fdtype)  # [B]
+            tok_in_rejected = stage_tok * rejected_seq.unsqueeze(-1)
+            stage_seq = stage_seq & keep_s
+            stage_tok = stage_tok * keep_s.to(fdtype).unsqueeze(-1)
+            metrics[f"{key}/seq_rejected_frac"] = ((rejected_seq * sm).sum() / (gvs + EPS), "sequences", "replicated")
+            metrics[f"{key}/token_rejected_frac"] = ((tok_in_rejected * valid).sum() / (gvt + EPS), "tokens", "sum")
+    metrics["rs_token_rejected_frac"] = (((valid_bin - stage_tok) * valid).sum() / (gvt + EPS), "tokens", "sum")
+    metrics["rs_seq_rejected_frac"] = (((~stage_seq).to(fdtype) * sm).sum() / (gvs + EPS), "sequences", "replicated")
+    return stage_tok, stage_seq
+
+
 def compute_correction(
     d: torch.Tensor,  # [B, T] prev - gen, non-finite entries already replaced by 0
-    d_finite: torch.Tensor,  # [B, T] bool, False where prev - gen was not finite
+    d_finite: torch.Tensor,  # [B, T] float 0/1, 0 where prev - gen was not finite
     valid: torch.Tensor,  # [B, T] float, token_mask * sample_mask
-    token_mask: torch.Tensor,  # [B, T] float
+    token_mask: torch.Tensor,  # [B, T]
     sample_mask: torch.Tensor,  # [B] float
-    inputs_finite: torch.Tensor,  # [B, T] bool, every log-prob input finite
+    inputs_finite: torch.Tensor,  # [B, T] float 0/1, every log-prob input finite
     cfg: RSClippedPGLossConfig,
     global_valid_seqs: torch.Tensor,
     global_valid_toks: torch.Tensor,
@@ -190,186 +297,68 @@ def compute_correction(
     IS weight per level (``n_i = sum_t m_it``):
     ``token``: ``w_it = exp(d_it)``; ``sequence``: ``w_i = exp(sum_t m_it d_it)``;
     ``sequence_mean``: ``w_i = exp(sum_t m_it d_it / n_i)``.
+
+    Token masks are 0/1 floats throughout: on CPU, float arithmetic is several times cheaper
+    than boolean ops, and none of it syncs with the host.
     """
     d = d.detach()
-    valid_b = valid != 0
     fdtype = d.dtype
-    level = cfg.effective_is_level
-    pack = _StatPack()
+    valid_bin = torch.sign(valid)  # [B, T] 0/1 (valid may be fractional)
+    d_bad = 1.0 - d_finite  # [B, T] 1 where d was not finite
+    sm = sample_mask.to(fdtype)
+    metrics: dict = {}
 
-    # ---- per-sequence counts and IS log-ratio sums, when something reads them ----
+    # ---- local statistics, then the one reduction: nothing after it reads a partial value
     seq_stats = needs_sequence_statistics(cfg)
+    sums = maxima = seq_d_sum = seq_n = seq_ntok = seq_nonfinite = has_tokens = None
+    stages: list[_Stage] = []
     if seq_stats:
+        pack = _StatPack()
+        stages, alive_idx = _plan_stages(cfg, d, d_finite, valid_bin, valid, pack)
         idx_d_sum = pack.add_sum((d * valid).sum(-1))  # sum_t m d
         idx_n = pack.add_sum(valid.sum(-1).to(fdtype))  # n_i
         idx_ntok = pack.add_sum(token_mask.sum(-1).to(fdtype))  # token_mask count
-        idx_nonfinite = pack.add_sum((valid_b & ~d_finite).sum(-1).to(fdtype))
-
-    # ---- token filters (local) and the per-sequence statistics of sequence filters ----
-    token_keeps: list[Optional[torch.Tensor]] = []
-    token_touch_idx: list[int] = []
-    seq_plans: list[Optional[_SeqFilterPlan]] = []
-    alive_tok = valid_b  # valid tokens kept by all token filters so far
-    for f in cfg.rejection_sampling:
-        lo, hi = _filter_bounds(f)
-        stat = token_filter_statistic(d, f.metric)
-        if f.level == "token":
-            keep_t = in_bounds(stat, lo, hi) & d_finite  # a non-finite d rejects the token
-            token_keeps.append(keep_t)
-            # Tokens this filter rejects per row, before sequence decisions are known.
-            token_touch_idx.append(pack.add_sum((alive_tok & ~keep_t).sum(-1).to(fdtype)))
-            seq_plans.append(None)
-            alive_tok = alive_tok & keep_t
-            continue
-        token_keeps.append(None)
-        token_touch_idx.append(-1)
-        plan = _SeqFilterPlan(spec=f)
-        alive_finite = alive_tok & d_finite
-        alive_f = alive_finite.to(fdtype)
-        plan.count_idx = pack.add_sum(alive_tok.sum(-1).to(fdtype))
-        plan.nonfinite_idx = pack.add_sum((alive_tok & ~d_finite).sum(-1).to(fdtype))
-        agg = f.aggregation
-        if agg in ("mean", "sum"):
-            plan.sum_idx = pack.add_sum((stat * alive_f).sum(-1))
-        if agg in ("max", "any"):
-            plan.max_idx = pack.add_max(
-                torch.where(alive_finite, stat, torch.full_like(stat, -math.inf)).amax(-1)
-            )
-        if agg in ("min", "any"):
-            plan.negmin_idx = pack.add_max(
-                torch.where(alive_finite, -stat, torch.full_like(stat, -math.inf)).amax(-1)
-            )
-        seq_plans.append(plan)
-    if seq_stats:
-        # Tokens that survive every token filter: their per-row count lets the ``kept``
-        # denominator be computed after sequence decisions without another collective.
-        idx_alive_tokens = pack.add_sum((alive_tok.to(fdtype) * valid).sum(-1))
-
-    # ---- the one reduction: nothing below reads a partial statistic ----
-    if seq_stats:
+        idx_nonfinite = pack.add_sum((valid_bin * d_bad).sum(-1))
         sums, maxima = pack.reduce(groups)
-        seq_d_sum = sums[idx_d_sum]
-        seq_n = sums[idx_n]
-        seq_ntok = sums[idx_ntok]
+        seq_d_sum, seq_n, seq_ntok = sums[idx_d_sum], sums[idx_n], sums[idx_ntok]
         seq_nonfinite = sums[idx_nonfinite]
         has_tokens = seq_n > 0
+        metrics["nonfinite_log_ratio_count"] = (seq_nonfinite.sum(), "none", "replicated")
     else:
-        sums = maxima = seq_d_sum = seq_n = seq_ntok = seq_nonfinite = has_tokens = None
+        metrics["nonfinite_log_ratio_count"] = ((valid_bin * d_bad).sum(), "none", "sum")
 
-    # ---- sequence filter decisions ----
-    seq_keeps: list[Optional[torch.Tensor]] = []
-    for plan in seq_plans:
-        if plan is None:
-            seq_keeps.append(None)
-            continue
-        f = plan.spec
-        lo, hi = _filter_bounds(f)
-        count = sums[plan.count_idx]
-        agg = f.aggregation
-        if agg == "mean":
-            keep_s = in_bounds(sums[plan.sum_idx] / (count + EPS), lo, hi)
-        elif agg == "sum":
-            keep_s = in_bounds(sums[plan.sum_idx], lo, hi)
-        elif agg == "max":
-            keep_s = in_bounds(maxima[plan.max_idx], lo, hi)
-        elif agg == "min":
-            keep_s = in_bounds(-maxima[plan.negmin_idx], lo, hi)
-        else:  # any: every valid token within the bounds
-            keep_s = in_bounds(maxima[plan.max_idx], None, hi) & in_bounds(
-                -maxima[plan.negmin_idx], lo, None
-            )
-        keep_s = keep_s & (sums[plan.nonfinite_idx] == 0)
-        # A sequence with no token left at this stage is never rejected (and never NaN).
-        keep_s = keep_s | (count == 0)
-        seq_keeps.append(keep_s)
-
-    # ---- the combined rejection mask, and per-stage metrics from the right tensors ----
-    metrics: dict = {}
-    stage_tok = valid_b
-    stage_seq = torch.ones(valid.shape[0], dtype=torch.bool, device=valid.device)
-    sm = sample_mask.to(fdtype)
-    for f, keep_t, keep_s, touch_idx in zip(
-        cfg.rejection_sampling, token_keeps, seq_keeps, token_touch_idx
-    ):
-        key = f"rs/{f.label}"
-        if keep_t is not None:
-            rejected_tok = stage_tok & ~keep_t  # [B, T]
-            # Rows alive at this stage in which this filter rejected a token (all ranks).
-            rejected_rows = (stage_seq & (sums[touch_idx] > 0)).to(fdtype)
-            stage_tok = stage_tok & keep_t
-            metrics[f"{key}/token_rejected_frac"] = (
-                (rejected_tok.to(fdtype) * valid).sum() / (global_valid_toks + EPS),
-                "tokens",
-                "sum",
-            )
-            metrics[f"{key}/seq_touched_frac"] = (
-                (rejected_rows * sm).sum() / (global_valid_seqs + EPS),
-                "sequences",
-                "replicated",
-            )
-        else:
-            rejected_seq = stage_seq & ~keep_s  # [B]
-            tok_in_rejected = stage_tok & rejected_seq.unsqueeze(-1)
-            stage_seq = stage_seq & keep_s
-            stage_tok = stage_tok & keep_s.unsqueeze(-1)
-            metrics[f"{key}/seq_rejected_frac"] = (
-                (rejected_seq.to(fdtype) * sm).sum() / (global_valid_seqs + EPS),
-                "sequences",
-                "replicated",
-            )
-            metrics[f"{key}/token_rejected_frac"] = (
-                (tok_in_rejected.to(fdtype) * valid).sum() / (global_valid_toks + EPS),
-                "tokens",
-                "sum",
-            )
-
-    keep_b = stage_tok & inputs_finite  # [B, T]
-    keep = keep_b.to(fdtype)
+    # ---- rejection: sequence decisions, the combined mask, per-stage metrics ----
+    stage_tok, stage_seq = _apply_stages(
+        stages, sums, maxima, valid, valid_bin, sm, global_valid_seqs, global_valid_toks, metrics
+    )
+    keep = inputs_finite if stage_tok is None else stage_tok * inputs_finite  # [B, T]
     loss_tokens = valid * keep  # [B, T] valid tokens that reach the loss
+    kept_token_count = kept_seq_count = None
     if seq_stats:
-        kept_rows = sums[idx_alive_tokens] * stage_seq.to(fdtype)  # [B] kept valid tokens
-        kept_token_count = kept_rows.sum()
-        kept_seq_count = (stage_seq.to(fdtype) * sm * has_tokens.to(fdtype)).sum()
-        # Reduced already: identical on every rank.
-        nonfinite = (seq_nonfinite.sum(), "none", "replicated")
-    else:
-        kept_token_count = kept_seq_count = None
-        nonfinite = ((valid_b & ~d_finite).sum().to(fdtype), "none", "sum")
-    if cfg.rejection_sampling:
-        rejected_b = valid_b & ~stage_tok  # rejected by the filters (not by non-finite inputs)
-        metrics["rs_token_rejected_frac"] = (
-            (rejected_b.to(fdtype) * valid).sum() / (global_valid_toks + EPS),
-            "tokens",
-            "sum",
-        )
-        metrics["rs_seq_rejected_frac"] = (
-            ((~stage_seq).to(fdtype) * sm).sum() / (global_valid_seqs + EPS),
-            "sequences",
-            "replicated",
-        )
-    metrics["nonfinite_log_ratio_count"] = nonfinite
+        seq_kept = stage_seq.to(fdtype)
+        kept_token_count = (sums[alive_idx] * seq_kept).sum()
+        kept_seq_count = (seq_kept * sm * has_tokens.to(fdtype)).sum()
 
     # ---- IS weights at the chosen level, then truncation ----
+    level = cfg.effective_is_level
     raw_weight = is_weights(level, d, d_finite, seq_d_sum, seq_n, seq_nonfinite)
     weight, trunc_metrics = truncate_weights(
         raw_weight, cfg, seq_d_sum, seq_ntok, valid, sm, global_valid_seqs, global_valid_toks
     )
     metrics.update(trunc_metrics)
-
     _add_weight_metrics(
-        metrics, raw_weight, weight, loss_tokens, stage_seq, valid, valid_b, sm, level,
+        metrics, raw_weight, weight, loss_tokens, stage_seq, valid, valid_bin, sm, level,
         global_valid_seqs, global_valid_toks, has_tokens,
     )
     return CorrectionResult(
         is_weight=weight,
         keep=keep,
-        keep_b=keep_b,
         loss_tokens=loss_tokens,
         seq_token_count=seq_n,
         seq_mask_count=seq_ntok,
         kept_token_count=kept_token_count,
         kept_seq_count=kept_seq_count,
-        valid_b=valid_b,
+        valid_bin=valid_bin,
         metrics=metrics,
     )
 
@@ -377,7 +366,7 @@ def compute_correction(
 def is_weights(
     level: str,
     d: torch.Tensor,  # [B, T]
-    d_finite: torch.Tensor,  # [B, T] bool
+    d_finite: torch.Tensor,  # [B, T] float 0/1
     seq_d_sum: torch.Tensor,  # [B] sum_t m d, reduced over ranks
     seq_n: torch.Tensor,  # [B] n_i, reduced over ranks
     seq_nonfinite: torch.Tensor,  # [B] valid tokens with non-finite d, reduced over ranks
@@ -388,7 +377,7 @@ def is_weights(
     ``exp(sum_t m d / n)``. A non-finite log-ratio gives weight 0 (its token, or its sequence).
     """
     if level == "token":
-        return finite_exp(d) * d_finite
+        return finite_exp(d) * d_finite  # d is 0 where it was not finite: weight 0 there
     seq_log_w = seq_d_sum if level == "sequence" else seq_d_sum / (seq_n + EPS)
     w = torch.where(seq_nonfinite == 0, finite_exp(seq_log_w), torch.zeros_like(seq_log_w))
     return w.unsqueeze(-1)
@@ -418,12 +407,11 @@ def truncate_weights(
         return raw_weight, {}
     if t == "tis":
         lo = 0.0 if lo is None else lo
-        oob = ((raw_weight > hi) | (raw_weight < lo)).to(fdtype)
+        oob = outside(raw_weight, lo, hi)
         return raw_weight.clamp(lo, hi), {"is_oob_ratio": (_token_mean(oob, valid, gvt), "tokens", "sum")}
     if t == "icepop":
-        inside = (raw_weight >= lo) & (raw_weight <= hi)
-        oob = (~inside).to(fdtype)
-        weight = torch.where(inside, raw_weight, torch.zeros_like(raw_weight))
+        oob = outside(raw_weight, lo, hi)
+        weight = raw_weight * (1.0 - oob)
         return weight, {"is_oob_ratio": (_token_mean(oob, valid, gvt), "tokens", "sum")}
     # seq-mask-tis: NeMo-RL's rule, the geometric mean over token_mask (non-finite
     # log-ratios counted as 0) decides; survivors keep the untruncated weight.
@@ -445,7 +433,7 @@ def _add_weight_metrics(
     loss_tokens: torch.Tensor,
     seq_kept: torch.Tensor,
     valid: torch.Tensor,
-    valid_b: torch.Tensor,
+    valid_bin: torch.Tensor,
     sm: torch.Tensor,
     level: str,
     gvs: torch.Tensor,
@@ -460,13 +448,13 @@ def _add_weight_metrics(
     is reported per microbatch; ``is_weight_mean^2 / is_weight_sq_mean`` gives it globally.
     """
     if level == "token":
-        unit_mask, unit_b = valid, valid_b  # [B, T]
+        unit_mask, unit_bin = valid, valid_bin  # [B, T]
         weighted = weight * loss_tokens  # applied weight x valid mask, rejected units 0
         raw = raw_weight
         norm, red, denom = "tokens", "sum", gvt
     else:
         unit_mask = sm * has_tokens.to(sm.dtype)  # [B]
-        unit_b = unit_mask != 0
+        unit_bin = torch.sign(unit_mask)
         # A sequence's weight after rejection: 0 when a sequence filter rejected it.
         weighted = weight.squeeze(-1) * seq_kept.to(weight.dtype) * unit_mask
         raw = raw_weight.squeeze(-1)
@@ -477,9 +465,9 @@ def _add_weight_metrics(
     metrics["is_weight_raw_mean"] = ((raw * unit_mask).sum() / (denom + EPS), norm, red)
     metrics["is_weight_mean"] = (sum_w / (denom + EPS), norm, red)
     metrics["is_weight_sq_mean"] = (sum_w2 / (denom + EPS), norm, red)
-    metrics["is_weight_raw_min"] = (masked_extreme(raw, unit_b, largest=False), "none", "min")
-    metrics["is_weight_raw_max"] = (masked_extreme(raw, unit_b, largest=True), "none", "max")
-    kept_units = weighted > 0
+    metrics["is_weight_raw_min"] = (masked_extreme(raw, unit_bin, largest=False), "none", "min")
+    metrics["is_weight_raw_max"] = (masked_extreme(raw, unit_bin, largest=True), "none", "max")
+    kept_units = torch.sign(weighted)  # weights are >= 0
     metrics["is_weight_min"] = (masked_extreme(applied, kept_units, largest=False), "none", "min")
     metrics["is_weight_max"] = (masked_extreme(applied, kept_units, largest=True), "none", "max")
     # ESS from sums; with sharded tokens they are reduced with the other metrics first.

@@ -17,6 +17,7 @@ and the result equals NeMo-RL's ``ClippedPGLossFn`` (loss, gradient, every metri
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -25,7 +26,7 @@ import torch
 from nemo_rs_plugin.config import RSClippedPGLossConfig
 from nemo_rs_plugin.correction import compute_correction
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
-from nemo_rs_plugin.masking import EPS, all_finite, masked_extreme, sanitize
+from nemo_rs_plugin.masking import EPS, masked_extreme, nonfinite, sanitize
 from nemo_rs_plugin.metrics import MetricSet
 from nemo_rs_plugin.policy_loss import (
     clipped_objective,
@@ -183,19 +184,19 @@ class RSClippedPGLoss:
         prev = curr.detach() if c.force_on_policy_ratio else sanitize(prev_raw)
         gen = sanitize(x.generation)
         d_raw = (prev_raw - x.generation).detach()  # [B, T]
-        d_finite = torch.isfinite(d_raw)
-        d = torch.where(d_finite, d_raw, 0.0)
-        checked = [curr_raw, d_raw]
+        d = sanitize(d_raw)
+        d_finite = 1.0 - nonfinite(d_raw)  # [B, T] 0/1
+        checked = curr_raw.detach() + d_raw  # non-finite wherever any input is
         ref = curr_unfiltered = None
         if self.kl_coef != 0:
             ref = sanitize(x.reference)
-            checked.append(x.reference)
+            checked = checked + x.reference
             if x.curr_unfiltered is not None:
                 curr_unfiltered = sanitize(x.curr_unfiltered)
-                checked.append(x.curr_unfiltered)
+                checked = checked + x.curr_unfiltered.detach()
             else:
                 curr_unfiltered = curr
-        inputs_finite = all_finite(*checked)  # [B, T] every log-prob input finite
+        inputs_finite = 1.0 - nonfinite(checked)  # [B, T] 0/1: every log-prob input finite
 
         corr = compute_correction(
             d, d_finite, valid, token_mask, sample_mask, inputs_finite, c, gvs, gvt, groups
@@ -261,12 +262,10 @@ class RSClippedPGLoss:
         metrics = MetricSet()
         # Metrics average over valid tokens whose inputs are all finite; without filters these
         # are exactly the tokens that reach the loss.
-        if c.rejection_sampling:
-            usable, usable_b = valid * inputs_finite, corr.valid_b & inputs_finite
-        else:
-            usable, usable_b = loss_tokens, corr.keep_b
-        self._upstream_metrics(metrics, loss, kl, nll, ratios, ratios_clamped, curr, prev, gen,
-                               d, usable, usable_b, sample_mask, corr, gvs, gvt)
+        usable = valid * inputs_finite if c.rejection_sampling else loss_tokens
+        usable_bin = corr.valid_bin * inputs_finite
+        self._upstream_metrics(metrics, loss, kl, nll, ratios, ratios_clamped, curr, gen,
+                               d, usable, usable_bin, sample_mask, corr, gvs, gvt)
         metrics.update(corr.metrics)
         return loss, metrics.finalize(groups)
 
@@ -308,11 +307,10 @@ class RSClippedPGLoss:
         ratios: torch.Tensor,
         ratios_clamped: torch.Tensor,
         curr: torch.Tensor,
-        prev: torch.Tensor,
         gen: torch.Tensor,
         d: torch.Tensor,
         mask: torch.Tensor,  # [B, T] valid tokens with finite inputs
-        mask_b: torch.Tensor,  # [B, T] the same, boolean
+        mask_b: torch.Tensor,  # [B, T] the same, 0/1
         sample_mask: torch.Tensor,
         corr: Any,
         gvs: torch.Tensor,
@@ -345,11 +343,12 @@ class RSClippedPGLoss:
             kl_type = c.reference_policy_kl_type
             metrics.add("gen_kl_error", token_mean(kl_estimate(d, kl_type)), "tokens", "sum")
             metrics.add("policy_kl_error", token_mean(kl_estimate(-d, kl_type)), "tokens", "sum")
-            # JSD(P_train, P_gen) with M = (P_train + P_gen) / 2, per sampled token.
-            log_mix = torch.logaddexp(prev, gen) - torch.log(torch.tensor(2.0, dtype=d.dtype))
-            kl_prev_mix = torch.expm1(prev - log_mix) - (prev - log_mix)
-            kl_gen_mix = torch.expm1(gen - log_mix) - (gen - log_mix)
-            metrics.add("js_divergence_error", token_mean(0.5 * kl_prev_mix + 0.5 * kl_gen_mix), "tokens", "sum")
+            # NeMo-RL's per-token JS estimate with M = (P_train + P_gen) / 2,
+            #   0.5 [k3(log M/P_train) + k3(log M/P_gen)],  k3(x) = exp(x) - 1 - x,
+            # simplifies exactly to log cosh(d / 2) = softplus(-d) + d / 2 - log 2, which is
+            # stable for any d and costs one transcendental instead of five.
+            js = torch.nn.functional.softplus(-d) + 0.5 * d - math.log(2.0)
+            metrics.add("js_divergence_error", token_mean(js), "tokens", "sum")
             self._sampling_importance_ratio(metrics, corr, mask, sample_mask, gvs, gvt)
             metrics.add("num_valid_samples", sample_mask.sum(), "none", "replicated")
             entropy = -token_mean(torch.exp(curr - gen) * curr)

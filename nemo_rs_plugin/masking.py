@@ -8,23 +8,38 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["EPS", "all_finite", "masked_extreme", "sanitize"]
+__all__ = ["EPS", "masked_extreme", "nonfinite", "outside", "sanitize"]
 
 EPS = 1e-8
 
 
 def masked_extreme(values: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
-    """Max (``largest``) or min of ``values`` where ``mask`` is true; ``-inf``/``inf`` if none.
+    """Max (``largest``) or min of finite ``values`` where the 0/1 float ``mask`` is 1;
+    ``-inf``/``inf`` when the mask is empty.
 
-    ``mask`` is boolean (pass it precomputed: this is called for several metrics per call).
-    ``torch.where`` with a scalar keeps this to one pass and free of the host sync that
-    boolean indexing would cost.
+    Masked entries are pushed to the float limit with arithmetic instead of ``torch.where``
+    or boolean indexing: no host sync, and on CPU float arithmetic is several times faster
+    than ops on boolean tensors.
     """
     fill = float("-inf") if largest else float("inf")
     if values.numel() == 0:
         return torch.full((), fill, dtype=values.dtype, device=values.device)
-    filled = torch.where(mask, values, fill)
-    return filled.amax() if largest else filled.amin()
+    big = torch.finfo(values.dtype).max
+    if largest:
+        out = (values * mask - (1.0 - mask) * big).amax()
+        return torch.where(out <= -big, torch.full_like(out, fill), out)
+    out = (values * mask + (1.0 - mask) * big).amin()
+    return torch.where(out >= big, torch.full_like(out, fill), out)
+
+
+def nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """0/1 float mask of NaN and +-inf entries (``x - x`` is 0 exactly where ``x`` is finite)."""
+    return torch.nan_to_num((x - x).detach(), nan=1.0, posinf=1.0, neginf=1.0)
+
+
+def outside(x: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
+    """0/1 float mask of ``x`` outside ``[lower, upper]`` (finite ``x``), without bool ops."""
+    return torch.sign((x - x.clamp(lower, upper)).abs())
 
 
 def sanitize(x: torch.Tensor) -> torch.Tensor:
@@ -34,16 +49,3 @@ def sanitize(x: torch.Tensor) -> torch.Tensor:
     back-propagates ``0 * NaN = NaN``; a value replaced up front receives an exact zero.
     """
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-
-
-def all_finite(*tensors: torch.Tensor) -> torch.Tensor:
-    """Boolean mask of positions where every tensor is finite.
-
-    One ``isfinite`` of the sum instead of one per tensor: a NaN or an infinity in any
-    summand makes the sum non-finite (``inf - inf`` is NaN). Log-probabilities are bounded
-    far below the float range, so a finite sum of finite log-probs cannot overflow.
-    """
-    total = tensors[0].detach()
-    for t in tensors[1:]:
-        total = total + t.detach()
-    return torch.isfinite(total)

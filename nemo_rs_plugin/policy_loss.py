@@ -35,8 +35,14 @@ __all__ = [
 
 # Policy log-ratios are clamped to +-20 before exp (exp(20) ~ 4.9e8, VERL's SAFETY_BOUND):
 # beyond that the ratio is meaningless, and an overflowed exp would turn the masked
-# multiplications of the loss (inf * 0) and their gradients into NaN.
+# multiplications of the loss (inf * 0) and their gradients into NaN. The clamp is applied
+# straight-through (value clamped, gradient passed), which keeps the backward free of the
+# boolean masks a differentiable clamp needs; it changes nothing inside +-20.
 LOG_RATIO_CLAMP = 20.0
+
+
+def _clamp_value(x: torch.Tensor, bound: float) -> torch.Tensor:
+    return x + (x.detach().clamp(-bound, bound) - x.detach())
 
 
 def policy_ratios(
@@ -68,10 +74,10 @@ def policy_ratios(
     if sequence_level:
         row_sum = all_reduce_sum_with_grad((log_ratios * token_mask).sum(dim=-1), groups)  # [B]
         row_count = all_reduce_sum_with_grad(token_mask.sum(dim=-1).to(curr.dtype), groups)
-        seq_log_ratio = (row_sum / (row_count + EPS)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        seq_log_ratio = _clamp_value(row_sum / (row_count + EPS), LOG_RATIO_CLAMP)
         ratios = torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(curr)  # [B, T]
     else:
-        ratios = torch.exp(log_ratios.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        ratios = torch.exp(_clamp_value(log_ratios, LOG_RATIO_CLAMP))
     return ratios, ratios.clamp(1.0 - clip_min, 1.0 + clip_max)
 
 
@@ -89,12 +95,13 @@ def clipped_objective(
     PPO: ``max(-A r, -A clip(r))``. CISPO: ``-A sg(clip(r)) log pi``. Dual clip (``c > 1``):
     where ``A < 0`` the loss is further bounded by ``-c A``.
     """
+    neg_adv = -advantages
     if use_cispo:
-        loss = -advantages * ratios_clamped.detach() * curr
+        loss = neg_adv * ratios_clamped.detach() * curr
     else:
-        loss = torch.max(-advantages * ratios, -advantages * ratios_clamped)
+        loss = torch.max(neg_adv * ratios, neg_adv * ratios_clamped)
     if dual_clip_c is not None:
-        loss = torch.where(advantages < 0, torch.min(loss, -advantages * dual_clip_c), loss)
+        loss = torch.where(advantages < 0, torch.min(loss, neg_adv * dual_clip_c), loss)
     return loss
 
 
@@ -136,7 +143,11 @@ def kl_penalty_per_token(
     log_ratio = reference - curr
     if input_clamp is not None:
         clamped = log_ratio.clamp(-input_clamp, input_clamp)
-        weights = torch.where(log_ratio == clamped, weights, weights.detach())
+        # Detach the weight where the clamp is active: value unchanged, gradient times a 0/1
+        # float mask (cheaper than torch.where on a boolean tensor).
+        free = 1.0 - torch.sign((log_ratio - clamped).detach().abs())
+        frozen = weights.detach()
+        weights = frozen + free * (weights - frozen)
         log_ratio = clamped
     kl = weights * kl_estimate(log_ratio, kl_type)
     if output_clamp is not None:

@@ -215,7 +215,8 @@ def _applied_weights(cfg: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     tm = batch["token_mask"][:, 1:].double()
     sm = batch["sample_mask"].double()
     valid = tm * sm[:, None]
-    out = compute_correction(d, finite, valid, tm, sm, finite, c, sm.sum(), valid.sum())
+    finite_f = finite.to(d.dtype)
+    out = compute_correction(d, finite_f, valid, tm, sm, finite_f, c, sm.sum(), valid.sum())
     if c.effective_is_level == "token":
         units = valid != 0
         return (out.is_weight * out.keep)[units]

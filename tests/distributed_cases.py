@@ -158,7 +158,7 @@ def _correction_keep(cfg, data, groups, shard_fn, gvs, gvt):
     tm = shift_left(data["token_mask"]).float()
     d, tm = shard_fn(d_full), shard_fn(tm)
     sm = data["sample_mask"]
-    out = compute_correction(d, torch.isfinite(d), tm * sm[:, None], tm, sm, torch.isfinite(d),
+    out = compute_correction(d, torch.isfinite(d).float(), tm * sm[:, None], tm, sm, torch.isfinite(d).float(),
                              cfg, gvs, gvt, groups)
     return out.keep * tm * sm[:, None], out.is_weight
 
@@ -187,9 +187,9 @@ def check_statistic_reduced_before_masking(rank, world_size):
     tm = torch.ones(1, S)
     local = cp_shard(d, world_size, rank)
     tm_l = cp_shard(tm, world_size, rank)
-    out = compute_correction(local, torch.isfinite(local), tm_l, tm_l, torch.ones(1), torch.isfinite(local),
+    out = compute_correction(local, torch.isfinite(local).float(), tm_l, tm_l, torch.ones(1), torch.isfinite(local).float(),
                              cfg, torch.tensor(1.0), tm.sum(), SequenceGroups.of(group))
-    unreduced = compute_correction(local, torch.isfinite(local), tm_l, tm_l, torch.ones(1), torch.isfinite(local),
+    unreduced = compute_correction(local, torch.isfinite(local).float(), tm_l, tm_l, torch.ones(1), torch.isfinite(local).float(),
                                    cfg, torch.tensor(1.0), tm.sum(), SequenceGroups())
     failures = []
     if out.keep.sum() != 0:

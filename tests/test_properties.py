@@ -129,7 +129,7 @@ def test_masks_are_consistent_with_the_bounds(cfg, batch):
     d_finite = torch.isfinite(raw_d)
     d = torch.where(d_finite, raw_d, torch.zeros_like(raw_d))
     valid = token_mask.float() * sample_mask[:, None]
-    out = compute_correction(d, d_finite, valid, token_mask.float(), sample_mask, d_finite, c,
+    out = compute_correction(d, d_finite.float(), valid, token_mask.float(), sample_mask, d_finite.float(), c,
                              sample_mask.sum(), valid.sum())
     keep = out.keep.bool() & (valid > 0)
     assert torch.isfinite(out.is_weight).all()

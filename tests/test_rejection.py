@@ -32,7 +32,7 @@ def correction(cfg: dict, d=D, mask=MASK):
     c = RSClippedPGLossConfig.from_any(cfg)
     B = d.shape[0]
     out = compute_correction(
-        d, torch.isfinite(d), mask, mask, torch.ones(B), torch.ones_like(d, dtype=torch.bool),
+        d, torch.isfinite(d).float(), mask, mask, torch.ones(B), torch.ones_like(d),
         c, torch.tensor(float(B)), mask.sum(),
     )
     w = out.is_weight.expand_as(d) if c.use_importance_sampling_correction else torch.ones_like(d)
