@@ -29,7 +29,7 @@ import torch
 
 from nemo_rs_plugin.config import RejectionFilter, RSClippedPGLossConfig
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
-from nemo_rs_plugin.masking import EPS, masked_extreme, outside
+from nemo_rs_plugin.masking import EPS, masked_extrema, masked_sum, outside
 
 __all__ = [
     "CorrectionResult",
@@ -325,7 +325,7 @@ def compute_correction(
         has_tokens = seq_n > 0
         metrics["nonfinite_log_ratio_count"] = (seq_nonfinite.sum(), "none", "replicated")
     else:
-        metrics["nonfinite_log_ratio_count"] = ((valid_bin * d_bad).sum(), "none", "sum")
+        metrics["nonfinite_log_ratio_count"] = (masked_sum(valid_bin, d_bad), "none", "sum")
 
     # ---- rejection: sequence decisions, the combined mask, per-stage metrics ----
     stage_tok, stage_seq = _apply_stages(
@@ -407,8 +407,9 @@ def truncate_weights(
         return raw_weight, {}
     if t == "tis":
         lo = 0.0 if lo is None else lo
-        oob = outside(raw_weight, lo, hi)
-        return raw_weight.clamp(lo, hi), {"is_oob_ratio": (_token_mean(oob, valid, gvt), "tokens", "sum")}
+        clamped = raw_weight.clamp(lo, hi)
+        oob = torch.sign((raw_weight - clamped).abs())  # 1 where the clamp changed the weight
+        return clamped, {"is_oob_ratio": (_token_mean(oob, valid, gvt), "tokens", "sum")}
     if t == "icepop":
         oob = outside(raw_weight, lo, hi)
         weight = raw_weight * (1.0 - oob)
@@ -422,6 +423,8 @@ def truncate_weights(
 
 
 def _token_mean(values: torch.Tensor, valid: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+    if values.shape == valid.shape:
+        return masked_sum(values, valid) / (denom + EPS)
     # values may be [B, 1] (a sequence weight): broadcast over the sequence's tokens on purpose.
     return (values.expand_as(valid) * valid).sum() / (denom + EPS)
 
@@ -461,15 +464,16 @@ def _add_weight_metrics(
         norm, red, denom = "sequences", "replicated", gvs
     applied = weight if level == "token" else weight.squeeze(-1)
     sum_w = weighted.sum()
-    sum_w2 = (weighted * applied).sum()
-    metrics["is_weight_raw_mean"] = ((raw * unit_mask).sum() / (denom + EPS), norm, red)
+    sum_w2 = masked_sum(weighted, applied)
+    metrics["is_weight_raw_mean"] = (masked_sum(raw, unit_mask) / (denom + EPS), norm, red)
     metrics["is_weight_mean"] = (sum_w / (denom + EPS), norm, red)
     metrics["is_weight_sq_mean"] = (sum_w2 / (denom + EPS), norm, red)
-    metrics["is_weight_raw_min"] = (masked_extreme(raw, unit_bin, largest=False), "none", "min")
-    metrics["is_weight_raw_max"] = (masked_extreme(raw, unit_bin, largest=True), "none", "max")
-    kept_units = torch.sign(weighted)  # weights are >= 0
-    metrics["is_weight_min"] = (masked_extreme(applied, kept_units, largest=False), "none", "min")
-    metrics["is_weight_max"] = (masked_extreme(applied, kept_units, largest=True), "none", "max")
+    raw_min, raw_max = masked_extrema(raw, unit_bin)
+    metrics["is_weight_raw_min"] = (raw_min, "none", "min")
+    metrics["is_weight_raw_max"] = (raw_max, "none", "max")
+    applied_min, applied_max = masked_extrema(applied, torch.sign(weighted))  # kept units
+    metrics["is_weight_min"] = (applied_min, "none", "min")
+    metrics["is_weight_max"] = (applied_max, "none", "max")
     # ESS from sums; with sharded tokens they are reduced with the other metrics first.
     metrics["_ess_sum_w"] = (sum_w, "none", red)
     metrics["_ess_sum_w2"] = (sum_w2, "none", red)

@@ -26,7 +26,7 @@ import torch
 from nemo_rs_plugin.config import RSClippedPGLossConfig
 from nemo_rs_plugin.correction import compute_correction
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
-from nemo_rs_plugin.masking import EPS, masked_extreme, nonfinite, sanitize
+from nemo_rs_plugin.masking import EPS, masked_extrema, masked_sum, nonfinite, sanitize
 from nemo_rs_plugin.metrics import MetricSet
 from nemo_rs_plugin.policy_loss import (
     clipped_objective,
@@ -285,10 +285,9 @@ class RSClippedPGLoss:
         Rejected tokens are zero in the numerators only; the per-row denominator is the
         row's full ``token_mask`` count (reduced over ``groups``), as NeMo-RL's.
         """
-        contrib = per_token * mask
         if self.token_level_loss:
-            return contrib.sum() / (gvt + EPS)
-        row_sum = all_reduce_sum_with_grad(contrib.sum(-1), groups)  # [B]
+            return masked_sum(per_token, mask.to(per_token.dtype)) / (gvt + EPS)
+        row_sum = all_reduce_sum_with_grad((per_token * mask).sum(-1), groups)  # [B]
         row_mean = row_sum / (seq_mask_count + EPS)
         loss = (row_mean * sample_mask).sum() / (gvs + EPS)
         if groups.active:
@@ -321,15 +320,14 @@ class RSClippedPGLoss:
         grad_norm = "tokens" if self.token_level_loss else "sequences"
 
         def token_mean(v: torch.Tensor) -> torch.Tensor:
-            return (v * mask).sum() / (gvt + EPS)
+            return masked_sum(v, mask) / (gvt + EPS)
 
         with torch.no_grad():
             metrics.add("loss", loss, grad_norm, "sum")
             r, rc = ratios.detach(), ratios_clamped.detach()
             metrics.add("probs_ratio", token_mean(r), "tokens", "sum")
             metrics.add("probs_ratio_clamped", token_mean(rc), "tokens", "sum")
-            r_min = masked_extreme(r, mask_b, largest=False)
-            r_max = masked_extreme(r, mask_b, largest=True)
+            r_min, r_max = masked_extrema(r, mask_b)
             metrics.add("probs_ratio_min", r_min, "none", "min")
             metrics.add("probs_ratio_max", r_max, "none", "max")
             # The clamp is monotonic, so the extremes of clip(r) are clip(extremes of r);
@@ -351,7 +349,7 @@ class RSClippedPGLoss:
             metrics.add("js_divergence_error", token_mean(js), "tokens", "sum")
             self._sampling_importance_ratio(metrics, corr, mask, sample_mask, gvs, gvt)
             metrics.add("num_valid_samples", sample_mask.sum(), "none", "replicated")
-            entropy = -token_mean(torch.exp(curr - gen) * curr)
+            entropy = -token_mean(torch.exp(curr - gen) * curr)  # E_gen[-(pi/pi_gen) log pi]
             metrics.add("approx_entropy", entropy, "tokens", "sum")
             metrics.add("positive_nll_loss", nll, "none", "sum")
 
@@ -375,7 +373,7 @@ class RSClippedPGLoss:
         """
         w = corr.is_weight
         if self.cfg.effective_is_level == "token":
-            value = (w * mask).sum() / (gvt + EPS)
+            value = masked_sum(w, mask) / (gvt + EPS)
             metrics.add("sampling_importance_ratio", value, "tokens", "sum")
             return
         w_seq = w.squeeze(-1)  # [B]

@@ -8,28 +8,35 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["EPS", "masked_extreme", "nonfinite", "outside", "sanitize"]
+__all__ = ["EPS", "masked_extrema", "masked_sum", "nonfinite", "outside", "sanitize"]
 
 EPS = 1e-8
 
 
-def masked_extreme(values: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
-    """Max (``largest``) or min of finite ``values`` where the 0/1 float ``mask`` is 1;
-    ``-inf``/``inf`` when the mask is empty.
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sum(values * mask)`` as one dot product when the shapes match (no ``[B, T]``
+    temporary is allocated; differentiable in ``values``)."""
+    if values.shape == mask.shape and values.dtype == mask.dtype:
+        return torch.dot(values.reshape(-1), mask.reshape(-1))
+    return (values * mask).sum()
 
-    Masked entries are pushed to the float limit with arithmetic instead of ``torch.where``
-    or boolean indexing: no host sync, and on CPU float arithmetic is several times faster
-    than ops on boolean tensors.
+
+def masked_extrema(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of finite ``values`` where the 0/1 float ``mask`` is 1; ``(inf, -inf)``
+    when the mask is empty.
+
+    Masked entries are pushed past the float limit's half by adding a penalty, instead of
+    ``torch.where`` or boolean indexing: no host sync, and on CPU float arithmetic is several
+    times faster than ops on boolean tensors.
     """
-    fill = float("-inf") if largest else float("inf")
+    inf = torch.tensor(float("inf"), dtype=values.dtype, device=values.device)
     if values.numel() == 0:
-        return torch.full((), fill, dtype=values.dtype, device=values.device)
+        return inf, -inf
     big = torch.finfo(values.dtype).max
-    if largest:
-        out = (values * mask - (1.0 - mask) * big).amax()
-        return torch.where(out <= -big, torch.full_like(out, fill), out)
-    out = (values * mask + (1.0 - mask) * big).amin()
-    return torch.where(out >= big, torch.full_like(out, fill), out)
+    penalty = (1.0 - mask) * big  # 0 on kept entries
+    lo = (values + penalty).amin()
+    hi = (values - penalty).amax()
+    return torch.where(lo >= big / 2, inf, lo), torch.where(hi <= -big / 2, -inf, hi)
 
 
 def nonfinite(x: torch.Tensor) -> torch.Tensor:
