@@ -104,6 +104,8 @@ class CorrectionResult:
         seq_mask_count: ``[B]`` ``token_mask`` tokens per sequence over all ranks.
         kept_token_count: ``[]`` kept valid tokens over all ranks (for ``kept`` denominators).
         kept_seq_count: ``[]`` kept valid sequences.
+        ratio_token_count: ``[B]`` ``token_mask`` tokens with finite inputs per sequence over
+            all ranks: the GSPO ratio's denominator (``None`` without the GSPO ratio).
         valid_bin: ``[B, T]`` float 0/1, valid tokens.
         metrics: name -> (0-dim tensor, normalization, reduction) of the correction layer.
     """
@@ -115,6 +117,7 @@ class CorrectionResult:
     seq_mask_count: Optional[torch.Tensor]
     kept_token_count: Optional[torch.Tensor]
     kept_seq_count: Optional[torch.Tensor]
+    ratio_token_count: Optional[torch.Tensor]
     valid_bin: torch.Tensor
     metrics: dict = field(default_factory=dict)
 
@@ -319,6 +322,8 @@ def compute_correction(
         idx_n = pack.add_sum(valid.sum(-1).to(fdtype))  # n_i
         idx_ntok = pack.add_sum(token_mask.sum(-1).to(fdtype))  # token_mask count
         idx_nonfinite = pack.add_sum((valid_bin * d_bad).sum(-1))
+        if cfg.sequence_level_importance_ratios:
+            idx_ratio = pack.add_sum((token_mask * inputs_finite).sum(-1).to(fdtype))
         sums, maxima = pack.reduce(groups)
         seq_d_sum, seq_n, seq_ntok = sums[idx_d_sum], sums[idx_n], sums[idx_ntok]
         seq_nonfinite = sums[idx_nonfinite]
@@ -333,7 +338,9 @@ def compute_correction(
     )
     keep = inputs_finite if stage_tok is None else stage_tok * inputs_finite  # [B, T]
     loss_tokens = valid * keep  # [B, T] valid tokens that reach the loss
-    kept_token_count = kept_seq_count = None
+    kept_token_count = kept_seq_count = ratio_token_count = None
+    if seq_stats and cfg.sequence_level_importance_ratios:
+        ratio_token_count = sums[idx_ratio]
     if seq_stats:
         seq_kept = stage_seq.to(fdtype)
         kept_token_count = (sums[alive_idx] * seq_kept).sum()
@@ -358,6 +365,7 @@ def compute_correction(
         seq_mask_count=seq_ntok,
         kept_token_count=kept_token_count,
         kept_seq_count=kept_seq_count,
+        ratio_token_count=ratio_token_count,
         valid_bin=valid_bin,
         metrics=metrics,
     )

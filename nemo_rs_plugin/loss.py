@@ -104,9 +104,10 @@ class LossInputs:
             if t is None:
                 continue
             if t.shape != shape:
+                sliced = "" if name == "curr_logprobs_unfiltered" else " (after dropping position 0)"
                 raise ValueError(
-                    f"{name}: shape {tuple(t.shape)} (after dropping position 0) does not "
-                    f"match next_token_logprobs {tuple(shape)}"
+                    f"{name}: shape {tuple(t.shape)}{sliced} does not match "
+                    f"next_token_logprobs {tuple(shape)}"
                 )
             if name != "token_mask" and not t.is_floating_point():
                 raise TypeError(f"{name}: expected a float tensor, got {t.dtype}")
@@ -225,6 +226,7 @@ class RSClippedPGLoss:
             clip_min=c.ratio_clip_min,
             clip_max=c.ratio_clip_max,
             groups=groups,
+            row_count=corr.ratio_token_count,
         )
         advantages = sanitize(x.advantages.to(dtype))
         pg = clipped_objective(

@@ -56,12 +56,15 @@ def policy_ratios(
     clip_min: float,
     clip_max: float,
     groups: SequenceGroups = NO_GROUPS,
+    row_count: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Policy ratio ``r`` and its clamp ``clip(r, 1 - clip_min, 1 + clip_max)``, both ``[B, T]``.
 
     GSPO: ``r_i = exp(sum_t m_t (curr_t - prev_t) / (sum_t m_t + 1e-8))`` with ``m`` the token
-    mask; both sums are all-reduced over ``groups`` (differentiably for the numerator) so a
-    CP-sharded sequence gets the ratio of the whole sequence.
+    mask; the numerator is all-reduced over ``groups`` differentiably, and ``row_count``
+    (``[B]``, already reduced with the other statistics) saves a second collective; without
+    it the count is computed and reduced here. A CP-sharded sequence gets the ratio of the
+    whole sequence.
     """
     if force_on_policy:
         # exp(x - sg(x)) is 1 in value but keeps d/dx = 1: a truly on-policy gradient.
@@ -73,7 +76,8 @@ def policy_ratios(
     log_ratios = curr - prev
     if sequence_level:
         row_sum = all_reduce_sum_with_grad((log_ratios * token_mask).sum(dim=-1), groups)  # [B]
-        row_count = all_reduce_sum_with_grad(token_mask.sum(dim=-1).to(curr.dtype), groups)
+        if row_count is None:
+            row_count = all_reduce_sum_with_grad(token_mask.sum(dim=-1).to(curr.dtype), groups)
         seq_log_ratio = _clamp_value(row_sum / (row_count + EPS), LOG_RATIO_CLAMP)
         ratios = torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(curr)  # [B, T]
     else:

@@ -297,3 +297,50 @@ def check_adapter_matches_nemo_rl_cp_scaling(rank, world_size, fake_host):
         if not close(metrics["loss"], ref_metrics["loss"]):
             failures.append(f"{name}: reported loss {metrics['loss']} vs {ref_metrics['loss']}")
     return failures
+
+
+def check_collective_budget(rank, world_size):
+    """One loss call: the mask statistics cost one SUM and one MAX all-reduce of O(batch)
+    bytes, and nothing is all-gathered."""
+    from nemo_rs_plugin import correction as correction_mod
+
+    group = dist.new_group(list(range(world_size)))
+    calls = []
+    orig_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        calls.append((str(op), tensor.numel()))
+        return orig_all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("all_gather issued")
+
+    stat_calls = []
+    orig_reduce = correction_mod.reduce_sequence_statistics
+
+    def spy(sums, maxima, groups):
+        before = len(calls)
+        out = orig_reduce(sums, maxima, groups)
+        stat_calls.append(calls[before:])
+        return out
+
+    saved = (dist.all_reduce, dist.all_gather, dist.all_gather_into_tensor)
+    dist.all_reduce, dist.all_gather, dist.all_gather_into_tensor = counting_all_reduce, no_gather, no_gather
+    correction_mod.reduce_sequence_statistics = spy
+    failures = []
+    try:
+        B, S, V = 5, 16, 12
+        logits, data, gvs, gvt = make_data(B, S, V)
+        for name in ("gspo/sequence_mean+geo-rs+veto+token-k3", "token-level/filters-sum-max-min-kl"):
+            stat_calls.clear()
+            loss, _ = sharded_loss(RSClippedPGLoss(CONFIGS[name]), cp_shard(logits, world_size, rank).requires_grad_(True),
+                                   data, gvs, gvt, cp_group=group)
+            loss.backward()
+            if len(stat_calls) != 1:
+                failures.append(f"{name}: statistics reduced {len(stat_calls)} times, expected once")
+            elif len(stat_calls[0]) > 2 or any(n > 64 * B for _, n in stat_calls[0]):
+                failures.append(f"{name}: statistic collectives {stat_calls[0]}")
+    finally:
+        dist.all_reduce, dist.all_gather, dist.all_gather_into_tensor = saved
+        correction_mod.reduce_sequence_statistics = orig_reduce
+    return failures

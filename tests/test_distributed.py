@@ -28,6 +28,10 @@ def test_statistic_is_reduced_before_any_mask():
     run_world(2, cases.check_statistic_reduced_before_masking)
 
 
+def test_statistics_cost_one_sum_and_one_max_and_no_all_gather():
+    run_world(2, cases.check_collective_budget)
+
+
 def test_packed_sequences_under_cp2():
     run_world(2, cases.check_packed_sequences)
 

@@ -118,3 +118,20 @@ def test_one_host_transfer_per_call(cfg):
         loss, _ = loss_fn(*args)
         loss.backward()
     assert counter.calls == ["tolist"]
+
+
+def test_kl_uses_unfiltered_current_logprobs_when_given():
+    # With top-k/top-p filtering NeMo-RL passes curr_logprobs_unfiltered for the KL term.
+    B, T = 2, 4
+    prev = -torch.rand(B, T)
+    ref = prev - 0.3
+    unfiltered = prev - 0.1
+    lp, data, gvs, gvt = make_batch(prev, prev, prev, ref=ref)
+    data["curr_logprobs_unfiltered"] = unfiltered  # aligned like next_token_logprobs, as NeMo-RL's
+    cfg = {"reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k1"}
+    _, m = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    # k1 of KL(curr || ref) per token = -(ref - curr_unfiltered) = 0.2 (not 0.3 from curr)
+    assert m["kl_penalty"] == pytest.approx(0.2, rel=1e-5)
+    del data["curr_logprobs_unfiltered"]
+    _, m = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    assert m["kl_penalty"] == pytest.approx(0.3, rel=1e-5)
