@@ -40,7 +40,6 @@ _ALIGNED_KEYS = {
     "reference": "reference_policy_logprobs",
     "advantages": "advantages",
     "token_mask": "token_mask",
-    "curr_unfiltered": "curr_logprobs_unfiltered",
 }
 
 
@@ -76,6 +75,11 @@ def sharded_loss_inputs(
     full sequence (data shifted left *before* sharding); the last position of each sequence
     has ``token_mask = 0``.
     """
+    if "curr_logprobs_unfiltered" in data:
+        raise ValueError(
+            "curr_logprobs_unfiltered: training-time top-k/top-p filtering is not supported with "
+            "sharded_logits_input; disable the filtering or the sharded input"
+        )
     cp, cp_rank = _size_rank(cp_group)
     if pad_to_shard and cu_seqlens_padded is None:
         data = _pad_sequences(data, logits.shape[1] * cp)
@@ -112,7 +116,6 @@ def sharded_loss_inputs(
         token_mask=parts["token_mask"],
         sample_mask=data["sample_mask"],
         rewards=data.get("rewards"),
-        curr_unfiltered=parts.get("curr_unfiltered"),
     )
 
 

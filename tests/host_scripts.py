@@ -113,7 +113,8 @@ def driver_pickle():
     from nemo_rl.algorithms import grpo
     from nemo_rl.algorithms.loss import ClippedPGLossConfig
 
-    loss_fn = grpo.build_loss(ClippedPGLossConfig(**PLUGIN_CFG))
+    # The name GRPO's setup calls, with a config the way GRPO passes it.
+    loss_fn = grpo.ClippedPGLossFn(ClippedPGLossConfig(**PLUGIN_CFG))
     with open(sys.argv[2], "wb") as fh:
         pickle.dump(loss_fn, fh)
     lp, data, gvs, gvt = _batch()

@@ -33,7 +33,7 @@ def run_script(name, *args, host="supported", python=sys.executable, env=None, c
     """Run tests/host_scripts.py by path: the repository root is not on sys.path, so the
     plugin is imported from wherever it is installed (or not at all)."""
     env = dict(os.environ if env is None else env)
-    paths = [str(FAKE / host)] if host else []
+    paths = [str(host if os.path.isabs(str(host)) else FAKE / host)] if host else []
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     proc = subprocess.run([python, str(SCRIPTS), name, *args], capture_output=True, text=True,
                           env=env, cwd=cwd or Path(SCRIPTS).parent.parent.parent, timeout=300)
@@ -133,12 +133,11 @@ def test_activation_works_for_regular_and_editable_installs(tmp_path, editable):
     assert out["plugin_type"] == "RSClippedPGLossFn" and out["loss_equal_core"]
 
 
-@pytest.mark.slow
-@needs_install
-def test_ray_worker_env_unpickles_the_loss_without_the_plugin_installed(tmp_path):
+def ray_worker_roundtrip(tmp_path, host):
+    """Driver builds and pickles the loss; a worker venv without the plugin unpickles it."""
     pickled = tmp_path / "loss.pkl"
     env = dict(os.environ, NEMO_RS_PLUGIN_WORKER_PATH=str(tmp_path / "worker-path"))
-    driver = run_script("driver_pickle", str(pickled), env=env)
+    driver = run_script("driver_pickle", str(pickled), env=env, host=host)
     # A worker venv as NeMo-RL builds one: its own interpreter and site-packages (NeMo-RL's
     # lockfile dependencies, not the plugin), started with the driver's environment.
     worker_python = _make_venv(tmp_path / "worker-venv")
@@ -148,10 +147,17 @@ def test_ray_worker_env_unpickles_the_loss_without_the_plugin_installed(tmp_path
                            env={k: v for k, v in worker_env.items() if k != "PYTHONPATH"})
     if probe.stdout.strip() != "True":
         pytest.skip("the dependency directory holds a regular install of the plugin: no clean worker venv")
-    out = run_script("worker_unpickle", str(pickled), python=str(worker_python), env=worker_env, cwd=tmp_path)
+    out = run_script("worker_unpickle", str(pickled), python=str(worker_python), env=worker_env, cwd=tmp_path,
+                     host=host)
     assert out["type"] == "RSClippedPGLossFn" and not out["preloaded"]
     assert out["loss"] == driver["loss"]
     assert out["plugin_from"].startswith(str(tmp_path / "worker-path")), out["plugin_from"]
+
+
+@pytest.mark.slow
+@needs_install
+def test_ray_worker_env_unpickles_the_loss_without_the_plugin_installed(tmp_path):
+    ray_worker_roundtrip(tmp_path, "supported")
 
 
 @needs_install

@@ -81,3 +81,11 @@ def test_shipped_recipes_load_with_nemo_rl(host, tmp_path):
     out = run(host, "recipes_load", str(tmp_path))
     assert len(out) >= 5
     assert all(v == "RSClippedPGLossFn" for v in out.values()), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("host", [h for h in HOSTS if h])
+def test_ray_worker_unpickles_the_loss_against_real_nemo_rl(host, tmp_path):
+    from tests.test_activation import ray_worker_roundtrip
+
+    ray_worker_roundtrip(tmp_path, host)
