@@ -29,7 +29,7 @@ import torch
 
 from nemo_rs_plugin.config import RejectionFilter, RSClippedPGLossConfig
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
-from nemo_rs_plugin.masking import EPS, masked_extrema, masked_sum, outside
+from nemo_rs_plugin.masking import EPS, extrema_penalty, masked_extrema, masked_sum, outside
 
 __all__ = [
     "CorrectionResult",
@@ -106,7 +106,8 @@ class CorrectionResult:
         kept_seq_count: ``[]`` kept valid sequences.
         ratio_token_count: ``[B]`` ``token_mask`` tokens with finite inputs per sequence over
             all ranks: the GSPO ratio's denominator (``None`` without the GSPO ratio).
-        valid_bin: ``[B, T]`` float 0/1, valid tokens.
+        usable_bin: ``[B, T]`` float 0/1, valid tokens whose log-prob inputs are all finite.
+        usable_penalty: :func:`~nemo_rs_plugin.masking.extrema_penalty` of ``usable_bin``.
         metrics: name -> (0-dim tensor, normalization, reduction) of the correction layer.
     """
 
@@ -118,7 +119,8 @@ class CorrectionResult:
     kept_token_count: Optional[torch.Tensor]
     kept_seq_count: Optional[torch.Tensor]
     ratio_token_count: Optional[torch.Tensor]
-    valid_bin: torch.Tensor
+    usable_bin: torch.Tensor
+    usable_penalty: torch.Tensor
     metrics: dict = field(default_factory=dict)
 
 
@@ -346,6 +348,9 @@ def compute_correction(
         kept_token_count = (sums[alive_idx] * seq_kept).sum()
         kept_seq_count = (seq_kept * sm * has_tokens.to(fdtype)).sum()
 
+    usable_bin = valid_bin * inputs_finite  # [B, T]
+    usable_penalty = extrema_penalty(usable_bin)  # shared by every per-token extreme
+
     # ---- IS weights at the chosen level, then truncation ----
     level = cfg.effective_is_level
     raw_weight = is_weights(level, d, d_finite, seq_d_sum, seq_n, seq_nonfinite)
@@ -354,8 +359,8 @@ def compute_correction(
     )
     metrics.update(trunc_metrics)
     _add_weight_metrics(
-        metrics, raw_weight, weight, loss_tokens, stage_seq, valid, valid_bin, sm, level,
-        global_valid_seqs, global_valid_toks, has_tokens,
+        metrics, raw_weight, weight, loss_tokens, stage_seq, valid, usable_bin, usable_penalty,
+        sm, level, global_valid_seqs, global_valid_toks, has_tokens,
     )
     return CorrectionResult(
         is_weight=weight,
@@ -366,7 +371,8 @@ def compute_correction(
         kept_token_count=kept_token_count,
         kept_seq_count=kept_seq_count,
         ratio_token_count=ratio_token_count,
-        valid_bin=valid_bin,
+        usable_bin=usable_bin,
+        usable_penalty=usable_penalty,
         metrics=metrics,
     )
 
@@ -444,7 +450,8 @@ def _add_weight_metrics(
     loss_tokens: torch.Tensor,
     seq_kept: torch.Tensor,
     valid: torch.Tensor,
-    valid_bin: torch.Tensor,
+    usable_bin: torch.Tensor,
+    usable_penalty: torch.Tensor,
     sm: torch.Tensor,
     level: str,
     gvs: torch.Tensor,
@@ -459,13 +466,14 @@ def _add_weight_metrics(
     is reported per microbatch; ``is_weight_mean^2 / is_weight_sq_mean`` gives it globally.
     """
     if level == "token":
-        unit_mask, unit_bin = valid, valid_bin  # [B, T]
+        unit_mask, unit_bin, penalty = valid, usable_bin, usable_penalty  # [B, T]
         weighted = weight * loss_tokens  # applied weight x valid mask, rejected units 0
         raw = raw_weight
         norm, red, denom = "tokens", "sum", gvt
     else:
         unit_mask = sm * has_tokens.to(sm.dtype)  # [B]
         unit_bin = torch.sign(unit_mask)
+        penalty = None
         # A sequence's weight after rejection: 0 when a sequence filter rejected it.
         weighted = weight.squeeze(-1) * seq_kept.to(weight.dtype) * unit_mask
         raw = raw_weight.squeeze(-1)
@@ -476,7 +484,7 @@ def _add_weight_metrics(
     metrics["is_weight_raw_mean"] = (masked_sum(raw, unit_mask) / (denom + EPS), norm, red)
     metrics["is_weight_mean"] = (sum_w / (denom + EPS), norm, red)
     metrics["is_weight_sq_mean"] = (sum_w2 / (denom + EPS), norm, red)
-    raw_min, raw_max = masked_extrema(raw, unit_bin)
+    raw_min, raw_max = masked_extrema(raw, unit_bin, penalty)
     metrics["is_weight_raw_min"] = (raw_min, "none", "min")
     metrics["is_weight_raw_max"] = (raw_max, "none", "max")
     applied_min, applied_max = masked_extrema(applied, torch.sign(weighted))  # kept units

@@ -265,9 +265,8 @@ class RSClippedPGLoss:
         # Metrics average over valid tokens whose inputs are all finite; without filters these
         # are exactly the tokens that reach the loss.
         usable = valid * inputs_finite if c.rejection_sampling else loss_tokens
-        usable_bin = corr.valid_bin * inputs_finite
         self._upstream_metrics(metrics, loss, kl, nll, ratios, ratios_clamped, curr, gen,
-                               d, usable, usable_bin, sample_mask, corr, gvs, gvt)
+                               d, usable, sample_mask, corr, gvs, gvt)
         metrics.update(corr.metrics)
         return loss, metrics.finalize(groups)
 
@@ -311,7 +310,6 @@ class RSClippedPGLoss:
         gen: torch.Tensor,
         d: torch.Tensor,
         mask: torch.Tensor,  # [B, T] valid tokens with finite inputs
-        mask_b: torch.Tensor,  # [B, T] the same, 0/1
         sample_mask: torch.Tensor,
         corr: Any,
         gvs: torch.Tensor,
@@ -329,7 +327,7 @@ class RSClippedPGLoss:
             r, rc = ratios.detach(), ratios_clamped.detach()
             metrics.add("probs_ratio", token_mean(r), "tokens", "sum")
             metrics.add("probs_ratio_clamped", token_mean(rc), "tokens", "sum")
-            r_min, r_max = masked_extrema(r, mask_b)
+            r_min, r_max = masked_extrema(r, corr.usable_bin, corr.usable_penalty)
             metrics.add("probs_ratio_min", r_min, "none", "min")
             metrics.add("probs_ratio_max", r_max, "none", "max")
             # The clamp is monotonic, so the extremes of clip(r) are clip(extremes of r);

@@ -150,8 +150,7 @@ def kl_penalty_per_token(
         # Detach the weight where the clamp is active: value unchanged, gradient times a 0/1
         # float mask (cheaper than torch.where on a boolean tensor).
         free = 1.0 - torch.sign((log_ratio - clamped).detach().abs())
-        frozen = weights.detach()
-        weights = frozen + free * (weights - frozen)
+        weights = torch.lerp(weights.detach(), weights, free)  # frozen + free * (w - frozen)
         log_ratio = clamped
     kl = weights * kl_estimate(log_ratio, kl_type)
     if output_clamp is not None:
