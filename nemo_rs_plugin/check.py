@@ -62,7 +62,8 @@ def _defaults_resolve(path: str) -> bool:
     if not defaults:
         return True
     base = os.path.dirname(os.path.abspath(path))
-    return all(os.path.isfile(os.path.join(base, str(d))) for d in ([defaults] if isinstance(defaults, str) else defaults))
+    parents = [defaults] if isinstance(defaults, str) else defaults
+    return all(os.path.isfile(os.path.join(base, str(d))) for d in parents)
 
 
 def _apply_override(cfg: dict, override: str) -> None:
@@ -157,9 +158,8 @@ def load_recipe(path: str, overrides: list[str], nemo_rl_path: Optional[str], re
         report.notes.append(f"defaults resolved against {root}")
     if have_nemo_rl:
         try:
-            from omegaconf import OmegaConf
-
             from nemo_rl.utils import config as host_config
+            from omegaconf import OmegaConf
 
             if hasattr(host_config, "register_omegaconf_resolvers"):
                 try:
@@ -301,7 +301,7 @@ def _warn(report: CheckReport, cfg: dict, config: RSClippedPGLossConfig, mismatc
 
 
 def _warn_rejection(report: CheckReport, config: RSClippedPGLossConfig, mismatch: float, tokens: int) -> None:
-    from nemo_rs_plugin.simulate import MismatchModel, synthetic_batch, _metrics_of
+    from nemo_rs_plugin.simulate import MismatchModel, _metrics_of, synthetic_batch
 
     model = MismatchModel(responses=64, length=max(16, min(tokens, 4096)), mismatch=mismatch, seed=1)
     fields = config.model_dump()

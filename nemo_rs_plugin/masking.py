@@ -24,8 +24,10 @@ EPS = 1e-8
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``sum(values * mask)`` as one dot product when the shapes match (no ``[B, T]``
-    temporary is allocated; differentiable in ``values``)."""
+    """``sum(values * mask)``, as one dot product when the shapes match.
+
+    No ``[B, T]`` temporary is allocated; differentiable in ``values``.
+    """
     if values.shape == mask.shape and values.dtype == mask.dtype:
         return torch.dot(values.reshape(-1), mask.reshape(-1))
     return (values * mask).sum()
@@ -39,9 +41,10 @@ def extrema_penalty(mask: torch.Tensor) -> torch.Tensor:
 def masked_extrema(
     values: torch.Tensor, mask: torch.Tensor, penalty: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(min, max)`` of finite ``values`` where the 0/1 float ``mask`` is 1; ``(inf, -inf)``
-    when the mask is empty. ``penalty`` (:func:`extrema_penalty` of the mask) can be passed
-    to share it between several calls with one mask.
+    """``(min, max)`` of finite ``values`` where the 0/1 float ``mask`` is 1.
+
+    ``(inf, -inf)`` when the mask is empty. ``penalty`` (:func:`extrema_penalty` of the mask)
+    can be passed to share it between several calls with one mask.
 
     Masked entries are pushed past half the float range by adding the penalty, instead of
     ``torch.where`` or boolean indexing: no host sync, and on CPU float arithmetic is several

@@ -179,8 +179,11 @@ class RSClippedPGLossFn(ClippedPGLossFn):
 
 
 def megatron_groups() -> tuple[Any, Any]:
-    """``(tp_group, cp_group)`` from megatron-core's ``parallel_state``, or ``(None, None)``
-    when megatron-core is absent or not initialised (single process, DTensor backend)."""
+    """``(tp_group, cp_group)`` from megatron-core's ``parallel_state``.
+
+    ``(None, None)`` when megatron-core is absent or not initialised (single process,
+    DTensor backend).
+    """
     try:
         from megatron.core import parallel_state
     except ImportError:
@@ -194,10 +197,12 @@ def megatron_groups() -> tuple[Any, Any]:
 
 
 def _v06_semantics(cfg: Any) -> Any:
-    """NeMo-RL v0.6.0 enables truncation only when ``truncated_importance_sampling_ratio`` is
-    set (its recipes carry ``truncated_importance_sampling_type: tis`` with a null ratio, and
-    it ignores the type then); later versions reject that combination. Read such a v0.6.0
-    section the way v0.6.0 does."""
+    """Read a v0.6.0 loss section the way NeMo-RL v0.6.0 does.
+
+    v0.6.0 enables truncation only when ``truncated_importance_sampling_ratio`` is set (its
+    recipes carry ``truncated_importance_sampling_type: tis`` with a null ratio, and it
+    ignores the type then); later versions reject that combination.
+    """
     if not isinstance(cfg, Mapping):
         return cfg
     if cfg.get("truncated_importance_sampling_ratio") is None and (

@@ -67,6 +67,8 @@ def packed_cp_positions(
     Args:
         cu_seqlens_padded: cumulative padded lengths ``[0, L0, L0 + L1, ...]`` (host ints:
             layout metadata, read once per microbatch).
+        cp_size: ranks in the context-parallel group.
+        cp_rank: this rank's index in it.
 
     Returns:
         One 1-D index tensor per sequence; the rank's packed shard is the concatenation of
@@ -81,7 +83,10 @@ def packed_cp_positions(
 
 
 def shift_left(x: torch.Tensor, fill: float = 0) -> torch.Tensor:
-    """``y[:, t] = x[:, t + 1]`` and ``y[:, -1] = fill``: aligns per-token data with the
-    position that predicts it, before sharding (the next token may live on another rank)."""
+    """``y[:, t] = x[:, t + 1]`` and ``y[:, -1] = fill``.
+
+    Aligns per-token data with the position that predicts it, before sharding (the next
+    token may live on another rank).
+    """
     pad = torch.full_like(x[:, :1], fill)
     return torch.cat([x[:, 1:], pad], dim=1)

@@ -64,7 +64,8 @@ def sharded_loss_inputs(
     Args:
         logits: ``[B, S/cp, V/tp]`` (unpacked) or ``[1, T_packed/cp, V/tp]`` (packed).
         data: NeMo-RL's data dict with ``[B, S]`` tensors, identical on every rank.
-        cp_group, tp_group: the context- and tensor-parallel groups (or ``None``).
+        cp_group: the context-parallel group (or ``None``).
+        tp_group: the tensor-parallel group, over which the vocabulary is split (or ``None``).
         vocab_size: full vocabulary size, checked against the TP sharding when given.
         cu_seqlens_padded: for packed logits, the cumulative padded sequence lengths.
         pad_to_shard: zero-pad (mask) the data to ``S/cp * cp`` positions when it is

@@ -20,7 +20,6 @@ The default reproduces NeMo-RL PR #2269: ~9k-token responses at ~2% per-token mi
 from __future__ import annotations
 
 import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,13 +244,15 @@ def run(
             else:
                 w = torch.ones(1, dtype=torch.float64)
             kept = w[w > 0]
+            # seq-mask-tis zeroes whole sequences: reported with the rejected ones.
+            seq_mask_tis = cfg.get("truncated_importance_sampling_type") == "seq-mask-tis"
+            seq_masked = m.get("is_oob_ratio", 0.0) if seq_mask_tis else 0.0
             row = {
                 "is_weight_mean": float(w.mean()),
                 "is_weight_std": float(w.std(unbiased=False)),
                 "is_weight_min": float(kept.min()) if kept.numel() else 0.0,
                 "ess": float(w.sum() ** 2 / (w.numel() * (w**2).sum())) if (w**2).sum() > 0 else 0.0,
-                "seq_rejected": m.get("rs_seq_rejected_frac", 0.0) + (m.get("is_oob_ratio", 0.0)
-                                                                       if cfg.get("truncated_importance_sampling_type") == "seq-mask-tis" else 0.0),
+                "seq_rejected": m.get("rs_seq_rejected_frac", 0.0) + seq_masked,
                 "tok_rejected": m.get("rs_token_rejected_frac", 0.0),
                 "grad_norm_ratio": float(norm / base_norm) if base_norm > 0 else float("nan"),
             }
@@ -263,7 +264,15 @@ def run(
     return [{"config": name, **vals} for name, vals in sums.items()]
 
 
-COLUMNS = ("is_weight_mean", "is_weight_std", "is_weight_min", "ess", "seq_rejected", "tok_rejected", "grad_norm_ratio")
+COLUMNS = (
+    "is_weight_mean",
+    "is_weight_std",
+    "is_weight_min",
+    "ess",
+    "seq_rejected",
+    "tok_rejected",
+    "grad_norm_ratio",
+)
 
 
 LEGEND = (
