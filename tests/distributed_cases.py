@@ -267,21 +267,15 @@ def check_adapter_matches_nemo_rl_cp_scaling(rank, world_size, fake_host):
     the same ``/ cp``, must give the same. Groups come from a stand-in ``parallel_state``.
     """
     import sys
-    import types
+
+    from tests.megatron_stub import install_parallel_state
 
     sys.path.insert(0, fake_host)
     from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
 
     cp = world_size
     group = dist.new_group(list(range(world_size)))
-    stub = types.ModuleType("megatron.core.parallel_state")
-    stub.model_parallel_is_initialized = lambda: True
-    stub.get_tensor_model_parallel_group = lambda: None
-    stub.get_context_parallel_group = lambda: group
-    core_mod = types.ModuleType("megatron.core")
-    core_mod.parallel_state = stub
-    sys.modules.update({"megatron": types.ModuleType("megatron"), "megatron.core": core_mod,
-                        "megatron.core.parallel_state": stub})
+    install_parallel_state(None, group)
     failures = []
     logits, data, gvs, gvt = make_data(4, 16, 9, seed=11)
     for name in ("gspo/sequence_mean+geo-rs+veto+token-k3", "token-level/token-IS/tis"):

@@ -137,8 +137,6 @@ def worker_unpickle():
 
 def sharded_adapter():
     """sharded_logits_input: LOGIT input, single rank and with megatron groups forwarded."""
-    import types
-
     import torch
 
     from nemo_rs_plugin import RSClippedPGLoss, sharded
@@ -162,16 +160,11 @@ def sharded_adapter():
     lp_short = lp[:, : S - 4]
     ref_short, _ = RSClippedPGLoss(cfg)(lp_short, short, gvs, gvt)
     # Plumbing: the groups come from megatron-core's parallel_state when it is initialised.
+    from megatron_stub import install_parallel_state  # tests/, this script's folder
+
     seen = {}
     tp, cp = object(), object()
-    stub = types.ModuleType("megatron.core.parallel_state")
-    stub.model_parallel_is_initialized = lambda: True
-    stub.get_tensor_model_parallel_group = lambda: tp
-    stub.get_context_parallel_group = lambda: cp
-    core_mod = types.ModuleType("megatron.core")
-    core_mod.parallel_state = stub
-    sys.modules.update({"megatron": types.ModuleType("megatron"), "megatron.core": core_mod,
-                        "megatron.core.parallel_state": stub})
+    install_parallel_state(tp, cp)
 
     def record(*args, **kwargs):
         seen.update(cp=kwargs["cp_group"] is cp, tp=kwargs["tp_group"] is tp)
