@@ -53,12 +53,13 @@ def finite_exp(x: torch.Tensor) -> torch.Tensor:
 
 def in_bounds(x: torch.Tensor, lower: Optional[float], upper: Optional[float]) -> torch.Tensor:
     """Boolean ``lower <= x <= upper`` (a ``None`` bound is open; NaN is out of bounds)."""
-    keep = torch.isfinite(x) | torch.isinf(x)  # False only for NaN
-    if lower is not None:
-        keep = keep & (x >= lower)
-    if upper is not None:
-        keep = keep & (x <= upper)
-    return keep
+    if lower is None and upper is None:
+        return x == x  # everything but NaN
+    if lower is None:
+        return x <= upper
+    if upper is None:
+        return x >= lower
+    return (x >= lower) & (x <= upper)
 
 
 def token_filter_statistic(d: torch.Tensor, metric: str) -> torch.Tensor:
@@ -190,28 +191,34 @@ def _plan_stages(
     kept (for the ``kept`` denominator).
     """
     big = torch.finfo(d.dtype).max
+    d_bad = 1.0 - d_finite
     stages = []
     alive = valid_bin  # [B, T] valid tokens kept by the token filters so far
     for f in cfg.rejection_sampling:
         lo, hi = _filter_bounds(f)
-        # Finite by construction, so masked products below cannot make 0 * inf = NaN.
-        stat = torch.nan_to_num(token_filter_statistic(d, f.metric), nan=0.0, posinf=big, neginf=-big)
+        stat = token_filter_statistic(d, f.metric)
+        if f.metric != "ratio":  # d is finite; KL estimators can overflow: keep them finite
+            stat = torch.nan_to_num(stat, nan=0.0, posinf=big, neginf=-big)
         st = _Stage(spec=f)
         if f.level == "token":
             st.keep_tok = (1.0 - outside(stat, lo, hi)) * d_finite  # non-finite d: rejected
-            st.touch_idx = pack.add_sum((alive * (1.0 - st.keep_tok)).sum(-1))
-            alive = alive * st.keep_tok
+            kept = alive * st.keep_tok
+            st.touch_idx = pack.add_sum((alive - kept).sum(-1))
+            alive = kept
         else:
             alive_fin = alive * d_finite
             st.count_idx = pack.add_sum(alive.sum(-1))
-            st.nonfinite_idx = pack.add_sum((alive * (1.0 - d_finite)).sum(-1))
+            st.nonfinite_idx = pack.add_sum((alive * d_bad).sum(-1))
             agg = f.aggregation
+            masked = stat * alive_fin  # [B, T], 0 off the stage's tokens
             if agg in ("mean", "sum"):
-                st.sum_idx = pack.add_sum((stat * alive_fin).sum(-1))
-            if agg in ("max", "any"):
-                st.max_idx = pack.add_max((stat * alive_fin - (1.0 - alive_fin) * big).amax(-1))
-            if agg in ("min", "any"):
-                st.negmin_idx = pack.add_max((-stat * alive_fin - (1.0 - alive_fin) * big).amax(-1))
+                st.sum_idx = pack.add_sum(masked.sum(-1))
+            if agg in ("max", "min", "any"):
+                penalty = (1.0 - alive_fin) * big  # pushes other tokens out of max/min
+                if agg in ("max", "any"):
+                    st.max_idx = pack.add_max((masked - penalty).amax(-1))
+                if agg in ("min", "any"):
+                    st.negmin_idx = pack.add_max((-masked - penalty).amax(-1))
         stages.append(st)
     return stages, pack.add_sum((alive * valid).sum(-1))
 
@@ -257,26 +264,28 @@ def _apply_stages(
     if not stages:
         return None, stage_seq
     fdtype = valid.dtype
+    per_tok, per_seq = 1.0 / (gvt + EPS), 1.0 / (gvs + EPS)
     stage_tok = valid_bin
     for st in stages:
         key = f"rs/{st.spec.label}"
         if st.keep_tok is not None:
-            rejected_tok = stage_tok * (1.0 - st.keep_tok)  # [B, T]
+            kept_tok = stage_tok * st.keep_tok
+            rejected_tok = stage_tok - kept_tok  # [B, T]
             # Rows alive at this stage in which the filter rejected a token (all ranks).
             touched = (stage_seq & (sums[st.touch_idx] > 0)).to(fdtype)
-            stage_tok = stage_tok * st.keep_tok
-            metrics[f"{key}/token_rejected_frac"] = ((rejected_tok * valid).sum() / (gvt + EPS), "tokens", "sum")
-            metrics[f"{key}/seq_touched_frac"] = ((touched * sm).sum() / (gvs + EPS), "sequences", "replicated")
+            stage_tok = kept_tok
+            metrics[f"{key}/token_rejected_frac"] = (masked_sum(rejected_tok, valid) * per_tok, "tokens", "sum")
+            metrics[f"{key}/seq_touched_frac"] = (masked_sum(touched, sm) * per_seq, "sequences", "replicated")
         else:
             keep_s = _sequence_keep(st, sums, maxima)
             rejected_seq = (stage_seq & ~keep_s).to(fdtype)  # [B]
             tok_in_rejected = stage_tok * rejected_seq.unsqueeze(-1)
             stage_seq = stage_seq & keep_s
             stage_tok = stage_tok * keep_s.to(fdtype).unsqueeze(-1)
-            metrics[f"{key}/seq_rejected_frac"] = ((rejected_seq * sm).sum() / (gvs + EPS), "sequences", "replicated")
-            metrics[f"{key}/token_rejected_frac"] = ((tok_in_rejected * valid).sum() / (gvt + EPS), "tokens", "sum")
-    metrics["rs_token_rejected_frac"] = (((valid_bin - stage_tok) * valid).sum() / (gvt + EPS), "tokens", "sum")
-    metrics["rs_seq_rejected_frac"] = (((~stage_seq).to(fdtype) * sm).sum() / (gvs + EPS), "sequences", "replicated")
+            metrics[f"{key}/seq_rejected_frac"] = (masked_sum(rejected_seq, sm) * per_seq, "sequences", "replicated")
+            metrics[f"{key}/token_rejected_frac"] = (masked_sum(tok_in_rejected, valid) * per_tok, "tokens", "sum")
+    metrics["rs_token_rejected_frac"] = (masked_sum(valid_bin - stage_tok, valid) * per_tok, "tokens", "sum")
+    metrics["rs_seq_rejected_frac"] = (masked_sum((~stage_seq).to(fdtype), sm) * per_seq, "sequences", "replicated")
     return stage_tok, stage_seq
 
 

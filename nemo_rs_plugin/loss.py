@@ -358,9 +358,10 @@ class RSClippedPGLoss:
         if c.force_on_policy_ratio or c.disable_ppo_ratio:
             return r_min, r_max  # no clamp in these modes
         lo, hi = 1.0 - c.ratio_clip_min, 1.0 + c.ratio_clip_max
+        half = torch.finfo(r_min.dtype).max / 2  # "no token" sentinels stay sentinels
         return (
-            torch.where(torch.isinf(r_min), r_min, r_min.clamp(lo, hi)),
-            torch.where(torch.isinf(r_max), r_max, r_max.clamp(lo, hi)),
+            torch.where(r_min >= half, r_min, r_min.clamp(lo, hi)),
+            torch.where(r_max <= -half, r_max, r_max.clamp(lo, hi)),
         )
 
     def _sampling_importance_ratio(self, metrics, corr, mask, sample_mask, gvs, gvt) -> None:

@@ -43,22 +43,20 @@ def masked_extrema(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(min, max)`` of finite ``values`` where the 0/1 float ``mask`` is 1.
 
-    ``(inf, -inf)`` when the mask is empty. ``penalty`` (:func:`extrema_penalty` of the mask)
-    can be passed to share it between several calls with one mask.
+    With an empty mask the result is ``(finfo.max, -finfo.max)`` or beyond: a sentinel that
+    :class:`~nemo_rs_plugin.metrics.MetricSet` reports as ``(inf, -inf)``. ``penalty``
+    (:func:`extrema_penalty` of the mask) can be passed to share it between calls.
 
     Masked entries are pushed past half the float range by adding the penalty, instead of
     ``torch.where`` or boolean indexing: no host sync, and on CPU float arithmetic is several
     times faster than ops on boolean tensors.
     """
-    inf = torch.tensor(float("inf"), dtype=values.dtype, device=values.device)
-    if values.numel() == 0:
-        return inf, -inf
     big = torch.finfo(values.dtype).max
+    if values.numel() == 0:
+        return torch.full((), big, dtype=values.dtype), torch.full((), -big, dtype=values.dtype)
     if penalty is None:
         penalty = extrema_penalty(mask.to(values.dtype))
-    lo = (values + penalty).amin()
-    hi = (values - penalty).amax()
-    return torch.where(lo >= big / 2, inf, lo), torch.where(hi <= -big / 2, -inf, hi)
+    return (values + penalty).amin(), (values - penalty).amax()
 
 
 def nonfinite(x: torch.Tensor) -> torch.Tensor:

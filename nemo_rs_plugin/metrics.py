@@ -35,8 +35,17 @@ class MetricSet:
         self._entries: dict[str, tuple[torch.Tensor, str, str]] = {}
 
     def add(self, name: str, value: torch.Tensor, normalization: str, reduction: str) -> None:
-        """Record a 0-dim tensor (detached; never synced here)."""
-        self._entries[name] = (value.detach().reshape(()), normalization, reduction)
+        """Record a 0-dim tensor (never synced here).
+
+        ``min``/``max`` entries may hold ``+-finfo.max`` for "no unit" (see
+        :func:`~nemo_rs_plugin.masking.masked_extrema`); :meth:`finalize` reports them as
+        ``+-inf``, as NeMo-RL does.
+        """
+        if value.requires_grad:
+            value = value.detach()
+        if value.dim():
+            value = value.reshape(())
+        self._entries[name] = (value, normalization, reduction)
 
     def update(self, entries: dict) -> None:
         """Add entries given as ``name -> (tensor, normalization, reduction)``."""
@@ -49,34 +58,36 @@ class MetricSet:
         return {k: v[1] for k, v in self._entries.items() if not k.startswith("_")}
 
     def finalize(self, groups: SequenceGroups = NO_GROUPS) -> dict[str, float]:
-        """Reduce over ``groups``, derive the effective sample size, transfer once."""
+        """Reduce over ``groups``, transfer once, derive the effective sample size on the host."""
         names = list(self._entries)
         if not names:
             return {}
-        values = torch.stack([self._entries[n][0].float() for n in names])  # [M]
+        tensors = [self._entries[n][0] for n in names]
+        dtype = torch.promote_types(tensors[0].dtype, torch.float32)
+        values = torch.stack([t if t.dtype == dtype else t.to(dtype) for t in tensors])  # [M]
+        reductions = [self._entries[n][2] for n in names]
         if groups.active:
-            reductions = [self._entries[n][2] for n in names]
             is_sum = torch.tensor([r == "sum" for r in reductions], device=values.device)
             is_max = torch.tensor([r == "max" for r in reductions], device=values.device)
             is_min = torch.tensor([r == "min" for r in reductions], device=values.device)
             summed = torch.where(is_sum, values, torch.zeros_like(values))
             # Extrema in one MAX collective: minima negated; other entries are neutral.
-            maxed = torch.where(is_max, values, torch.where(is_min, -values, torch.full_like(values, -float("inf"))))
+            neutral = torch.full_like(values, -float("inf"))
+            maxed = torch.where(is_max, values, torch.where(is_min, -values, neutral))
             summed, maxed = all_reduce_metrics(summed.unsqueeze(0), maxed.unsqueeze(0), groups)
             summed, maxed = summed[0], maxed[0]
             values = torch.where(is_sum, summed, values)
             values = torch.where(is_max, maxed, values)
             values = torch.where(is_min, -maxed, values)
-        index = {n: i for i, n in enumerate(names)}
-        derived_names = []
-        derived = []
-        if "_ess_sum_w" in index:
-            sw, sw2, n = (values[index[k]] for k in ("_ess_sum_w", "_ess_sum_w2", "_ess_n"))
-            ess = torch.where(sw2 > 0, sw.square() / (n * sw2).clamp_min(1e-30), torch.zeros_like(sw))
-            derived_names.append("is_ess")
-            derived.append(ess)
-        if derived:
-            values = torch.cat([values, torch.stack(derived)])
-            names = names + derived_names
         host = values.tolist()  # the one host transfer of the loss call
-        return {n: v for n, v in zip(names, host) if not n.startswith("_")}
+        out = dict(zip(names, host))
+        half = torch.finfo(dtype).max / 2
+        for name, red in zip(names, reductions):
+            if red == "min" and out[name] >= half:
+                out[name] = float("inf")  # no unit: NeMo-RL's sentinel
+            elif red == "max" and out[name] <= -half:
+                out[name] = float("-inf")
+        if "_ess_sum_w" in out:
+            sw, sw2, n = out["_ess_sum_w"], out["_ess_sum_w2"], out["_ess_n"]
+            out["is_ess"] = sw * sw / (n * sw2) if sw2 > 0 and n > 0 else 0.0
+        return {k: v for k, v in out.items() if not k.startswith("_")}
