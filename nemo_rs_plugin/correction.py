@@ -183,12 +183,12 @@ def _plan_stages(
     valid_bin: torch.Tensor,  # [B, T] 0/1
     valid: torch.Tensor,  # [B, T]
     pack: _StatPack,
-) -> tuple[list[_Stage], int]:
+) -> tuple[list[_Stage], torch.Tensor, int]:
     """Token-filter masks (local decisions) and the local statistics of sequence filters.
 
     A sequence filter reads the valid tokens that the token filters listed before it kept.
-    Returns the stages and the pack index of the per-row count of tokens every token filter
-    kept (for the ``kept`` denominator).
+    Returns the stages, the ``[B, T]`` 0/1 mask of valid tokens every token filter kept, and
+    the pack index of its per-row count (weighted like ``valid``).
     """
     big = torch.finfo(d.dtype).max
     d_bad = 1.0 - d_finite
@@ -220,7 +220,7 @@ def _plan_stages(
                 if agg in ("min", "any"):
                     st.negmin_idx = pack.add_max((-masked - penalty).amax(-1))
         stages.append(st)
-    return stages, pack.add_sum((alive * valid).sum(-1))
+    return stages, alive, pack.add_sum((alive * valid).sum(-1))
 
 
 def _sequence_keep(st: _Stage, sums: torch.Tensor, maxima: Optional[torch.Tensor]) -> torch.Tensor:
@@ -246,47 +246,44 @@ def _sequence_keep(st: _Stage, sums: torch.Tensor, maxima: Optional[torch.Tensor
 
 def _apply_stages(
     stages: list[_Stage],
-    sums: Optional[torch.Tensor],
+    sums: torch.Tensor,
     maxima: Optional[torch.Tensor],
-    valid: torch.Tensor,
-    valid_bin: torch.Tensor,
-    sm: torch.Tensor,
+    kept_rows: torch.Tensor,  # [B] valid tokens every token filter kept (weighted, reduced)
+    seq_n: torch.Tensor,  # [B] valid tokens (weighted, reduced)
+    sm: torch.Tensor,  # [B]
     gvs: torch.Tensor,
     gvt: torch.Tensor,
     metrics: dict,
-) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-    """Run the stages in order; record per-stage metrics from the right tensors.
+) -> torch.Tensor:
+    """Run the sequence decisions in stage order and record per-stage metrics.
 
-    Returns the ``[B, T]`` 0/1 mask of tokens every stage kept (``None`` without filters)
-    and the ``[B]`` bool mask of sequences every sequence filter kept.
+    Every number comes from the reduced per-row statistics, so the metrics are identical on
+    all ranks and cost O(batch). Returns the ``[B]`` bool mask of sequences every sequence
+    filter kept.
     """
-    stage_seq = torch.ones(valid.shape[0], dtype=torch.bool, device=valid.device)
-    if not stages:
-        return None, stage_seq
-    fdtype = valid.dtype
+    stage_seq = torch.ones(sm.shape[0], dtype=torch.bool, device=sm.device)
+    fdtype = sm.dtype
     per_tok, per_seq = 1.0 / (gvt + EPS), 1.0 / (gvs + EPS)
-    stage_tok = valid_bin
     for st in stages:
         key = f"rs/{st.spec.label}"
+        live = stage_seq.to(fdtype) * sm  # rows still alive at this stage, weighted like valid
         if st.keep_tok is not None:
-            kept_tok = stage_tok * st.keep_tok
-            rejected_tok = stage_tok - kept_tok  # [B, T]
-            # Rows alive at this stage in which the filter rejected a token (all ranks).
-            touched = (stage_seq & (sums[st.touch_idx] > 0)).to(fdtype)
-            stage_tok = kept_tok
-            metrics[f"{key}/token_rejected_frac"] = (masked_sum(rejected_tok, valid) * per_tok, "tokens", "sum")
-            metrics[f"{key}/seq_touched_frac"] = (masked_sum(touched, sm) * per_seq, "sequences", "replicated")
+            rejected = sums[st.touch_idx]  # tokens this filter rejected per row
+            metrics[f"{key}/token_rejected_frac"] = ((rejected * live).sum() * per_tok, "tokens", "replicated")
+            touched = (rejected > 0).to(fdtype)
+            metrics[f"{key}/seq_touched_frac"] = ((touched * live).sum() * per_seq, "sequences", "replicated")
         else:
             keep_s = _sequence_keep(st, sums, maxima)
-            rejected_seq = (stage_seq & ~keep_s).to(fdtype)  # [B]
-            tok_in_rejected = stage_tok * rejected_seq.unsqueeze(-1)
+            rejected = live * (~keep_s).to(fdtype)  # [B]
             stage_seq = stage_seq & keep_s
-            stage_tok = stage_tok * keep_s.to(fdtype).unsqueeze(-1)
-            metrics[f"{key}/seq_rejected_frac"] = (masked_sum(rejected_seq, sm) * per_seq, "sequences", "replicated")
-            metrics[f"{key}/token_rejected_frac"] = (masked_sum(tok_in_rejected, valid) * per_tok, "tokens", "sum")
-    metrics["rs_token_rejected_frac"] = (masked_sum(valid_bin - stage_tok, valid) * per_tok, "tokens", "sum")
-    metrics["rs_seq_rejected_frac"] = (masked_sum((~stage_seq).to(fdtype), sm) * per_seq, "sequences", "replicated")
-    return stage_tok, stage_seq
+            metrics[f"{key}/seq_rejected_frac"] = (rejected.sum() * per_seq, "sequences", "replicated")
+            # The tokens those sequences still had at this stage.
+            in_rejected = (rejected * sums[st.count_idx]).sum()
+            metrics[f"{key}/token_rejected_frac"] = (in_rejected * per_tok, "tokens", "replicated")
+    kept = (kept_rows * stage_seq.to(fdtype)).sum()
+    metrics["rs_token_rejected_frac"] = ((seq_n.sum() - kept) * per_tok, "tokens", "replicated")
+    metrics["rs_seq_rejected_frac"] = (((~stage_seq).to(fdtype) * sm).sum() * per_seq, "sequences", "replicated")
+    return stage_seq
 
 
 def compute_correction(
@@ -326,9 +323,10 @@ def compute_correction(
     seq_stats = needs_sequence_statistics(cfg)
     sums = maxima = seq_d_sum = seq_n = seq_ntok = seq_nonfinite = has_tokens = None
     stages: list[_Stage] = []
+    alive = None
     if seq_stats:
         pack = _StatPack()
-        stages, alive_idx = _plan_stages(cfg, d, d_finite, valid_bin, valid, pack)
+        stages, alive, alive_idx = _plan_stages(cfg, d, d_finite, valid_bin, valid, pack)
         idx_d_sum = pack.add_sum((d * valid).sum(-1))  # sum_t m d
         idx_n = pack.add_sum(valid.sum(-1).to(fdtype))  # n_i
         idx_ntok = pack.add_sum(token_mask.sum(-1).to(fdtype))  # token_mask count
@@ -344,10 +342,13 @@ def compute_correction(
         metrics["nonfinite_log_ratio_count"] = (masked_sum(valid_bin, d_bad), "none", "sum")
 
     # ---- rejection: sequence decisions, the combined mask, per-stage metrics ----
-    stage_tok, stage_seq = _apply_stages(
-        stages, sums, maxima, valid, valid_bin, sm, global_valid_seqs, global_valid_toks, metrics
-    )
-    keep = inputs_finite if stage_tok is None else stage_tok * inputs_finite  # [B, T]
+    stage_seq = torch.ones(valid.shape[0], dtype=torch.bool, device=valid.device)
+    keep = inputs_finite  # [B, T]
+    if stages:
+        stage_seq = _apply_stages(
+            stages, sums, maxima, sums[alive_idx], seq_n, sm, global_valid_seqs, global_valid_toks, metrics
+        )
+        keep = alive * stage_seq.to(fdtype).unsqueeze(-1) * inputs_finite
     loss_tokens = valid * keep  # [B, T] valid tokens that reach the loss
     kept_token_count = kept_seq_count = ratio_token_count = None
     if seq_stats and cfg.sequence_level_importance_ratios:
