@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ pytestmark = [
 
 def run(host, name, *args):
     env = dict(os.environ)
+    env.setdefault("NEMO_RS_PLUGIN_WORKER_PATH", os.path.join(tempfile.gettempdir(), "nemo-rs-test-worker-path"))
     if host:
         env["PYTHONPATH"] = os.pathsep.join([host] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     proc = subprocess.run([sys.executable, str(SCRIPTS), name, *args], capture_output=True, text=True, env=env,
