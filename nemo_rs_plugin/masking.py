@@ -64,7 +64,7 @@ def nonfinite(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num((x - x).detach(), nan=1.0, posinf=1.0, neginf=1.0)
 
 
-def outside(x: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
+def outside(x: torch.Tensor, lower: Optional[float], upper: Optional[float]) -> torch.Tensor:
     """0/1 float mask of ``x`` outside ``[lower, upper]`` (finite ``x``), without bool ops."""
     return torch.sign((x - x.clamp(lower, upper)).abs())
 
