@@ -316,8 +316,10 @@ def write_plot(rows: list[dict[str, Any]], path: str) -> None:
     for ax, (key, title) in zip(axes, (("is_weight_mean", "mean IS weight (1 = no LR shrink)"),
                                        ("ess", "effective sample size"),
                                        ("seq_rejected", "fraction of sequences rejected"))):
-        ax.barh(names, [r[key] for r in rows], color="#4c72b0")
+        values = [r[key] for r in rows]
+        ax.barh(names, values, color="#4c72b0")
         ax.set_title(title, fontsize=10)
+        ax.set_xlim(0, max(1.05, 1.05 * max(values)))  # fractions and ESS live in [0, 1]
         ax.invert_yaxis()
     for ax in axes[1:]:
         ax.set_yticklabels([])
