@@ -29,7 +29,7 @@ import torch
 
 from nemo_rs_plugin.config import RejectionFilter, RSClippedPGLossConfig
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
-from nemo_rs_plugin.masking import EPS, extrema_penalty, masked_extrema, masked_sum, outside
+from nemo_rs_plugin.masking import EPS, extrema_penalty, finite_exp, masked_extrema, masked_sum, outside
 
 __all__ = [
     "CorrectionResult",
@@ -40,15 +40,6 @@ __all__ = [
     "token_filter_statistic",
     "finite_exp",
 ]
-
-
-def finite_exp(x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` with non-finite results set to 0, as NeMo-RL's ``nan_to_num`` does.
-
-    A weight that overflows float32 (``exp(x) = inf``) or comes from a NaN log-ratio gets
-    weight 0: such a unit cannot be corrected, only rejected.
-    """
-    return torch.nan_to_num(torch.exp(x), nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def in_bounds(x: torch.Tensor, lower: Optional[float], upper: Optional[float]) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from nemo_rs_plugin.config import RSClippedPGLossConfig
 from nemo_rs_plugin.correction import compute_correction
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
-from nemo_rs_plugin.masking import EPS, masked_extrema, masked_sum, nonfinite, sanitize
+from nemo_rs_plugin.masking import EPS, log_ratio, masked_extrema, masked_sum, nonfinite, sanitize
 from nemo_rs_plugin.metrics import MetricSet
 from nemo_rs_plugin.policy_loss import (
     clipped_objective,
@@ -184,9 +184,7 @@ class RSClippedPGLoss:
         prev_raw = curr_raw.detach() if c.force_on_policy_ratio else x.prev
         prev = curr.detach() if c.force_on_policy_ratio else sanitize(prev_raw)
         gen = sanitize(x.generation)
-        d_raw = (prev_raw - x.generation).detach()  # [B, T]
-        d = sanitize(d_raw)
-        d_finite = 1.0 - nonfinite(d_raw)  # [B, T] 0/1
+        d_raw, d, d_finite = log_ratio(prev_raw, x.generation)  # [B, T] each
         checked = curr_raw.detach() + d_raw  # non-finite wherever any input is
         ref = curr_unfiltered = None
         if self.kl_coef != 0:

@@ -13,6 +13,8 @@ import torch
 __all__ = [
     "EPS",
     "extrema_penalty",
+    "finite_exp",
+    "log_ratio",
     "masked_extrema",
     "masked_sum",
     "nonfinite",
@@ -67,6 +69,25 @@ def nonfinite(x: torch.Tensor) -> torch.Tensor:
 def outside(x: torch.Tensor, lower: Optional[float], upper: Optional[float]) -> torch.Tensor:
     """0/1 float mask of ``x`` outside ``[lower, upper]`` (finite ``x``), without bool ops."""
     return torch.sign((x - x.clamp(lower, upper)).abs())
+
+
+def finite_exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` with non-finite results set to 0, as NeMo-RL's ``nan_to_num`` does.
+
+    A weight that overflows float32 (``exp(x) = inf``) or comes from a NaN log-ratio gets
+    weight 0: such a unit cannot be corrected, only rejected.
+    """
+    return torch.nan_to_num(torch.exp(x), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def log_ratio(prev: torch.Tensor, gen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d_raw, d, d_finite)`` for ``d = prev - gen``, detached.
+
+    ``d`` has non-finite entries replaced by 0 and ``d_finite`` is the 0/1 float mask of the
+    entries that were finite; ``d_raw`` is kept for finiteness checks of other inputs.
+    """
+    d_raw = (prev - gen).detach()
+    return d_raw, sanitize(d_raw), 1.0 - nonfinite(d_raw)
 
 
 def sanitize(x: torch.Tensor) -> torch.Tensor:

@@ -52,11 +52,6 @@ class MetricSet:
         for name, (value, normalization, reduction) in entries.items():
             self.add(name, value, normalization, reduction)
 
-    @property
-    def normalizations(self) -> dict[str, str]:
-        """Public metric name -> normalization (internal ``_`` entries excluded)."""
-        return {k: v[1] for k, v in self._entries.items() if not k.startswith("_")}
-
     def finalize(self, groups: SequenceGroups = NO_GROUPS) -> dict[str, float]:
         """Reduce over ``groups``, transfer once, derive the effective sample size on the host."""
         names = list(self._entries)

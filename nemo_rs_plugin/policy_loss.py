@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
-from nemo_rs_plugin.masking import EPS
+from nemo_rs_plugin.masking import EPS, finite_exp
 
 __all__ = [
     "LOG_RATIO_CLAMP",
@@ -140,10 +140,9 @@ def kl_penalty_per_token(
     Where the input clamp is active the weight is detached, so the clamp stops both gradients.
     """
     if on_policy_approximation:
-        weights = torch.exp(curr - generation)
+        weights = finite_exp(curr - generation)
     else:
-        weights = torch.exp(curr - curr.detach())
-    weights = torch.nan_to_num(weights, nan=0.0, posinf=0.0, neginf=0.0)
+        weights = finite_exp(curr - curr.detach())
     log_ratio = reference - curr
     if input_clamp is not None:
         clamped = log_ratio.clamp(-input_clamp, input_clamp)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from nemo_rs_plugin.loss import RSClippedPGLoss
+from nemo_rs_plugin.masking import log_ratio
 
 __all__ = ["MismatchModel", "DEFAULT_CONFIGS", "synthetic_batch", "load_batch", "run", "BatchFormatError"]
 
@@ -208,14 +209,11 @@ def _applied_weights(cfg: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     from nemo_rs_plugin.correction import compute_correction
 
     c = RSClippedPGLossConfig.from_any(cfg)
-    d_raw = (batch["prev_logprobs"] - batch["generation_logprobs"])[:, 1:].double()
-    finite = torch.isfinite(d_raw)
-    d = torch.where(finite, d_raw, 0.0)
+    _, d, d_finite = log_ratio(batch["prev_logprobs"][:, 1:].double(), batch["generation_logprobs"][:, 1:].double())
     tm = batch["token_mask"][:, 1:].double()
     sm = batch["sample_mask"].double()
     valid = tm * sm[:, None]
-    finite_f = finite.to(d.dtype)
-    out = compute_correction(d, finite_f, valid, tm, sm, finite_f, c, sm.sum(), valid.sum())
+    out = compute_correction(d, d_finite, valid, tm, sm, d_finite, c, sm.sum(), valid.sum())
     if c.effective_is_level == "token":
         units = valid != 0
         return (out.is_weight * out.keep)[units]

@@ -104,6 +104,19 @@ def close(a, b, rel=1e-5, abs_=1e-6):
     return torch.allclose(a, b, rtol=rel, atol=abs_)
 
 
+def compare_loss_and_metrics(label, loss, metrics, ref_loss, ref_metrics, group):
+    """The loss shares summed over ``group`` and this rank's metrics against the reference."""
+    failures = []
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    if not close(total, ref_loss):
+        failures.append(f"{label}: loss {total.item()} vs {ref_loss.item()}")
+    for key, value in ref_metrics.items():
+        if key not in metrics or not close(metrics[key], value):
+            failures.append(f"{label}: metric {key}@{dist.get_rank()} {metrics.get(key)} vs {value}")
+    return failures
+
+
 def build_groups(rank, world_size, tp):
     """Megatron order: TP fastest. Every rank creates every group, in the same order."""
     cp = world_size // tp
@@ -128,13 +141,7 @@ def check_sharded_equals_unsharded(rank, world_size, tp):
         inputs.curr.retain_grad()
         loss, metrics = loss_fn.compute(inputs, gvs, gvt, SequenceGroups.of(cp_group))
         loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=cp_group)
-        if not close(total, ref_loss):
-            failures.append(f"{name}: loss {total.item()} vs {ref_loss.item()}")
-        for key, value in ref_metrics.items():
-            if key not in metrics or not close(metrics[key], value):
-                failures.append(f"{name}: metric {key}@{rank} {metrics.get(key)} vs {value}")
+        failures += compare_loss_and_metrics(name, loss, metrics, ref_loss, ref_metrics, cp_group)
         want_z = cp_shard(ref_zgrad, cp, cp_rank)[..., tp_rank * v_local : (tp_rank + 1) * v_local]
         scale = ref_zgrad.abs().max().item() + 1e-12
         if not close(z.grad, want_z, abs_=1e-6 * scale):
@@ -224,13 +231,7 @@ def check_packed_sequences(rank, world_size):
         z = local.clone().requires_grad_(True)
         loss, metrics = sharded_loss(loss_fn, z, data, gvs, gvt, cp_group=group, cu_seqlens_padded=cu)
         loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
-        if not close(total, ref_loss):
-            failures.append(f"packed {name}: loss {total.item()} vs {ref_loss.item()}")
-        for key, value in ref_metrics.items():
-            if not close(metrics[key], value):
-                failures.append(f"packed {name}: metric {key} {metrics[key]} vs {value}")
+        failures += compare_loss_and_metrics(f"packed {name}", loss, metrics, ref_loss, ref_metrics, group)
         want = torch.cat([ref_zgrad[i, p] for i, p in enumerate(positions)]).unsqueeze(0)
         if not close(z.grad, want, abs_=1e-6 * (ref_zgrad.abs().max().item() + 1e-12)):
             failures.append(f"packed {name}: logits grad max diff {(z.grad - want).abs().max().item():.3g}")

@@ -28,13 +28,15 @@ MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.floa
 R = D.exp()
 
 
-def correction(cfg: dict, d=D, mask=MASK):
+def correction(cfg: dict, d=D, mask=MASK, metrics=None):
     c = RSClippedPGLossConfig.from_any(cfg)
     B = d.shape[0]
     out = compute_correction(
         d, torch.isfinite(d).float(), mask, mask, torch.ones(B), torch.ones_like(d),
         c, torch.tensor(float(B)), mask.sum(),
     )
+    if metrics is not None:
+        metrics.update({k: float(v[0]) for k, v in out.metrics.items()})
     w = out.is_weight.expand_as(d) if c.use_importance_sampling_correction else torch.ones_like(d)
     return (w * out.keep * mask), out.keep * mask
 
@@ -246,10 +248,14 @@ def test_kept_denominator_divides_by_the_kept_count():
 def test_empty_sequence_is_never_rejected_and_never_nan():
     mask = MASK.clone()
     mask[1] = 0
-    _, keep = correction({"rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}]}, mask=mask)
+    m = {}
+    _, keep = correction({"rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}]},
+                         mask=mask, metrics=m)
     weight, _ = correction({**IS, "is_correction_level": "sequence_mean"}, mask=mask)
     assert torch.isfinite(weight).all()
     assert keep[0].sum() == 4
+    # Only row 2 (geo-mean e^-0.3) is rejected; the empty row 1 is not (it would read 2/3).
+    assert m["rs_seq_rejected_frac"] == pytest.approx(1 / 3)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
