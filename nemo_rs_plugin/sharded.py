@@ -5,19 +5,25 @@ logits ``[B, S/cp, V/tp]``, computes next-token log-probs with a vocab-parallel 
 over the TP group, cuts the (full-sequence) data tensors to the same CP layout, and lets the
 loss all-reduce only its O(batch) per-sequence statistics.
 
-Scaling, and why it agrees with NeMo-RL's Megatron loop (``LossPostProcessor``):
-NeMo-RL's gathered path evaluates the full loss ``L`` on every CP rank, with only the rank's
-own chunk carrying gradient, and divides it by ``cp`` (``cp_normalize``); the extra
-``* num_microbatches / cp`` it applies only cancels Megatron's own averaging. So rank ``r``
-back-propagates ``dL/dz_r / cp`` into its logits ``z_r``.
-Here rank ``r`` returns a *share* ``L_r`` with ``sum_r L_r = L``: the token-level loss is the
-sum over local tokens divided by ``global_valid_toks``; replicated sequence-level terms are
-divided by ``cp``. Every statistic that carries gradient across ranks goes through a SUM
-all-reduce whose backward sums the gradients, so ``d(sum_r' L_r')/dz_r = dL/dz_r`` reaches
-rank ``r``. After NeMo-RL's ``/ cp`` the gradient is ``dL/dz_r / cp`` again: the same as the
-gathered path (``tests/test_distributed.py`` compares them). The *metrics* are reduced over
-the CP group, so every rank reports the full-batch values; the returned loss tensor is the
-share, used only for backward.
+Gradient flow, and why it equals NeMo-RL's gathered path under its Megatron loop:
+NeMo-RL's default path all-gathers the CP shards of the log-probs (``AllGatherCPTensor``) and
+evaluates the full loss ``L`` on every CP rank. Its backward SUM-all-reduces ``dL/dlogprobs``
+over the CP group before each rank keeps its own chunk, so every rank receives ``cp`` times
+its share of the gradient; ``LossPostProcessor``'s ``cp_normalize`` divides the loss by ``cp``
+(the extra ``* num_microbatches / cp`` only cancels megatron-core's own ``* cp /
+num_microbatches`` in ``forward_step``), and rank ``r`` back-propagates exactly
+``dL/dz_r`` into its logits ``z_r``.
+Here rank ``r`` first computes a *share* ``L_r`` of the loss with ``sum_r L_r = L`` (token
+terms: the sum over local tokens divided by ``global_valid_toks``; replicated sequence-level
+terms divided by ``cp``), every cross-rank statistic passing through a SUM all-reduce whose
+backward sums the gradients. It then returns ``L = all_reduce_sum(L_r)`` with the same
+autograd rule: the value is the full loss on every rank (the number the gathered path
+returns), and in backward each rank's ``1/cp`` is summed over the ``cp`` ranks, so rank ``r``
+receives ``d(sum_r' L_r')/dz_r = dL/dz_r``, as on the gathered path. Returning the bare share
+instead gives ``dL/dz_r / cp``: that was the case before this was measured against NeMo-RL's
+real ``LossPostProcessor``, megatron-core's ``forward_step``/``backward_step`` and
+``parallel_state`` on gloo (``tests/test_real_megatron.py``: ratio 0.5 at CP2, 0.25 at CP4).
+The *metrics* are reduced over the CP group, so every rank reports the full-batch values.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_rs_plugin.distributed import SequenceGroups, group_is_active
+from nemo_rs_plugin.distributed import SequenceGroups, all_reduce_sum_with_grad, group_is_active
 from nemo_rs_plugin.loss import LossInputs, RSClippedPGLoss
 from nemo_rs_plugin.parallel_layout import cp_shard, packed_cp_positions, shift_left
 from nemo_rs_plugin.vocab_parallel import target_logprobs
@@ -183,10 +189,13 @@ def sharded_loss(
     tokens_split_over_tp: bool = False,
     pad_to_shard: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """This rank's loss share and the (group-identical) metrics; see the module docstring."""
+    """The full loss on every rank (gradients summed over the ranks) and the group-identical
+    metrics; see the module docstring for why NeMo-RL's ``/ cp`` then gives its gathered path's
+    gradients."""
     inputs = sharded_loss_inputs(
         logits, data, cp_group=cp_group, tp_group=tp_group, vocab_size=vocab_size,
         cu_seqlens_padded=cu_seqlens_padded, pad_to_shard=pad_to_shard,
     )
     groups = SequenceGroups.of(cp_group, tp_group if tokens_split_over_tp else None)
-    return loss_fn.compute(inputs, global_valid_seqs, global_valid_toks, groups)
+    share, metrics = loss_fn.compute(inputs, global_valid_seqs, global_valid_toks, groups)
+    return all_reduce_sum_with_grad(share, groups), metrics

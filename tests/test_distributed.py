@@ -3,6 +3,10 @@
 World size 2 is CP2; world size 4 is TP2 x CP2 (vocab-parallel logits). Each rank compares
 its loss share (summed over CP), metrics, logits and log-prob gradients, rejection masks and
 IS weights with the single-process computation on the full batch (rel 1e-5).
+
+These test the plugin's own contracts with itself. The claim "equals NeMo-RL's gathered path
+under its Megatron loop" is tested against NeMo-RL's and megatron-core's real code in
+``tests/test_real_megatron.py``.
 """
 
 import pytest
@@ -38,13 +42,6 @@ def test_packed_sequences_under_cp2():
 
 def test_bad_groups_and_shapes_fail_clearly():
     run_world(2, cases.check_bad_groups)
-
-
-def test_adapter_sharded_path_matches_nemo_rl_gathered_gradients():
-    from pathlib import Path
-
-    fake = str(Path(__file__).resolve().parent / "fake_hosts" / "supported")
-    run_world(2, cases.check_adapter_matches_nemo_rl_cp_scaling, fake)
 
 
 def test_cp_layout_roundtrip_and_chunk_order():
