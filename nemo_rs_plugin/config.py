@@ -325,8 +325,9 @@ class RSClippedPGLossConfig(BaseModel):
                 )
             if lo is not None and hi is not None and lo > hi:
                 p.append(
-                    f"truncated_importance_sampling_ratio_min: got {lo} > "
-                    f"truncated_importance_sampling_ratio {hi}; need min <= max"
+                    # NeMo-RL's own wording first: callers (and NeMo-RL's tests) match on it.
+                    "truncated_importance_sampling_ratio_min must be <= "
+                    f"truncated_importance_sampling_ratio: got {lo} > {hi}"
                 )
             if lo is not None and lo < 0:
                 p.append(f"truncated_importance_sampling_ratio_min: got {lo}; allowed: >= 0")

@@ -8,6 +8,12 @@ import json
 import os
 import sys
 
+# Python 3.11 / CPU-torch shims for NeMo-RL's archives (appended: the installed plugin wins).
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import nemo_rl_shims  # noqa: E402
+
+nemo_rl_shims.install()
+
 
 def _loss_cfg():
     return {"name": "rs_clipped_pg", "use_importance_sampling_correction": True,
@@ -63,10 +69,6 @@ def prepare():
 
     from nemo_rs_plugin import RSClippedPGLoss
 
-    if not torch.cuda.is_available():
-        # NeMo-RL's log-prob helper moves token ids with .cuda(); on a CPU-only machine let
-        # that be a no-op so its own preparation code runs unchanged otherwise.
-        torch.Tensor.cuda = lambda self, *args, **kwargs: self
     cfg = _loss_cfg()
     host_cfg_cls = getattr(__import__("nemo_rl.algorithms.loss", fromlist=["ClippedPGLossConfig"]), "ClippedPGLossConfig")
     loss_cfg = host_cfg_cls(**cfg) if hasattr(host_cfg_cls, "model_validate") else dict(cfg)

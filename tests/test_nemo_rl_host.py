@@ -6,50 +6,48 @@ cleanly when there is none. Each check runs in a fresh interpreter with that che
 PYTHONPATH, so the installed start-up hook activates the plugin as in a real run.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import fixtures_path
+from tests.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, real_host_required, skip_or_fail
 from tests.test_activation import plugin_installed
 
 SCRIPTS = Path(__file__).resolve().parent / "nemo_rl_scripts.py"
 
 
-def _hosts():
-    env = os.environ.get("NEMO_RS_NEMO_RL_CHECKOUTS")
-    if env:
-        return [p for p in env.split(os.pathsep) if p]
-    return [""] if importlib.util.find_spec("nemo_rl") is not None else []
-
-
-HOSTS = _hosts()
+HOSTS = nemo_rl_hosts()
 pytestmark = [
-    pytest.mark.skipif(not HOSTS, reason="NeMo-RL is not importable (set NEMO_RS_NEMO_RL_CHECKOUTS)"),
-    pytest.mark.skipif(not plugin_installed(), reason="nemo-rs-plugin is not pip-installed here"),
+    no_hosts_mark(),
+    pytest.mark.skipif(not plugin_installed() and not real_host_required(),
+                       reason="nemo-rs-plugin is not pip-installed here"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _own_worker_path(tmp_path, monkeypatch):
+    """The plugin's worker-path link goes to this test's temporary folder, not a shared one."""
+    monkeypatch.setenv("NEMO_RS_PLUGIN_WORKER_PATH", str(tmp_path / "worker-path"))
 
 
 def run(host, name, *args):
     env = dict(os.environ)
-    env.setdefault("NEMO_RS_PLUGIN_WORKER_PATH", os.path.join(tempfile.gettempdir(), "nemo-rs-test-worker-path"))
     if host:
         env["PYTHONPATH"] = os.pathsep.join([host] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     proc = subprocess.run([sys.executable, str(SCRIPTS), name, *args], capture_output=True, text=True, env=env,
                           timeout=900, cwd=SCRIPTS.parent.parent.parent)
     if proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr and "nemo_rl" not in proc.stderr.splitlines()[-1]:
-        pytest.skip(f"NeMo-RL at {host or 'this environment'} lacks a dependency: {proc.stderr.splitlines()[-1]}")
+        skip_or_fail(f"NeMo-RL at {host or 'this environment'} lacks a dependency: {proc.stderr.splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("host", HOSTS)
+@pytest.mark.parametrize("host", HOSTS, ids=host_label)
 def test_recipe_through_nemo_rl_config_loading_builds_the_plugin(host, tmp_path):
     out = run(host, "recipe", str(tmp_path))
     assert out["type"] == "RSClippedPGLossFn" and out["is_host_instance"]
@@ -59,7 +57,7 @@ def test_recipe_through_nemo_rl_config_loading_builds_the_plugin(host, tmp_path)
     assert out["own_type"].endswith("loss_functions.ClippedPGLossFn")
 
 
-@pytest.mark.parametrize("host", HOSTS)
+@pytest.mark.parametrize("host", HOSTS, ids=host_label)
 def test_inside_nemo_rl_input_preparation_and_packing(host):
     out = run(host, "prepare")
     for mode in ("unpacked", "packed"):
@@ -68,17 +66,17 @@ def test_inside_nemo_rl_input_preparation_and_packing(host):
         assert all(v < 1e-5 for v in metric_diffs.values()), (mode, metric_diffs)
 
 
-@pytest.mark.parametrize("host", HOSTS)
+@pytest.mark.parametrize("host", HOSTS, ids=host_label)
 def test_fixture_parity_through_the_subclass(host):
     fx = fixtures_path()
     if fx is None:
-        pytest.skip("shared/fixtures not found")
+        skip_or_fail("shared/fixtures not found")
     out = run(host, "parity", str(fx))
     assert out["type"] == "RSClippedPGLossFn"
     assert out["cases"] == 120 and out["failures"] == []
 
 
-@pytest.mark.parametrize("host", HOSTS)
+@pytest.mark.parametrize("host", HOSTS, ids=host_label)
 def test_shipped_recipes_load_with_nemo_rl(host, tmp_path):
     out = run(host, "recipes_load", str(tmp_path))
     assert len(out) >= 5
@@ -86,7 +84,7 @@ def test_shipped_recipes_load_with_nemo_rl(host, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("host", [h for h in HOSTS if h])
+@pytest.mark.parametrize("host", [h for h in HOSTS if h], ids=host_label)
 def test_ray_worker_unpickles_the_loss_against_real_nemo_rl(host, tmp_path):
     from tests.test_activation import ray_worker_roundtrip
 
