@@ -83,6 +83,37 @@ class LossInputs:
             curr_unfiltered=unfiltered,
         )
 
+    def compute_dtype(self) -> torch.dtype:
+        """float32, or float64 when any float input is float64: the dtype the loss runs in.
+
+        bf16 and fp16 cannot hold the sensitive steps: an fp16 ``exp`` overflows from a
+        log-ratio of 11.1 (the +-20 clamp allows exp(20) = 4.9e8), and a bf16 count of
+        global tokens rounds to 8 significant bits.
+        """
+        dtype = torch.float32
+        for t in (self.curr, self.prev, self.generation, self.reference, self.advantages,
+                  self.token_mask, self.curr_unfiltered):
+            if t is not None and t.is_floating_point():
+                dtype = torch.promote_types(dtype, t.dtype)
+        return dtype
+
+    def to_dtype(self, dtype: torch.dtype) -> "LossInputs":
+        """Float tensors cast to ``dtype`` (differentiably; a no-op for those already in it).
+
+        Integer and boolean masks stay as they are; ``rewards`` is only compared with 0.
+        """
+        def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if t is None or not t.is_floating_point() or t.dtype == dtype:
+                return t
+            return t.to(dtype)
+
+        return LossInputs(
+            curr=cast(self.curr), prev=cast(self.prev), generation=cast(self.generation),
+            reference=cast(self.reference), advantages=cast(self.advantages),
+            token_mask=cast(self.token_mask), sample_mask=cast(self.sample_mask),
+            rewards=self.rewards, curr_unfiltered=cast(self.curr_unfiltered),
+        )
+
     def validate(self) -> None:
         """Raise a clear error on shape or dtype mismatches."""
         if self.curr.dim() != 2:
@@ -165,8 +196,16 @@ class RSClippedPGLoss:
         global_valid_toks: Any,
         groups: SequenceGroups = NO_GROUPS,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss and metrics from aligned inputs; ``groups`` split the sequences' tokens."""
+        """Loss and metrics from aligned inputs; ``groups`` split the sequences' tokens.
+
+        Precision: every step runs in float32 whatever the input dtypes (bf16, fp16, mixed;
+        float64 if any input is float64), so log-ratios, ``exp``, clamps, IS weights and
+        sequence statistics never run in half precision. The loss is returned in that dtype;
+        its gradient reaches a bf16/fp16 ``curr`` through the cast, in ``curr``'s dtype (an
+        fp16 gradient beyond +-65504 saturates to +-inf there). float32 inputs are untouched.
+        """
         x.validate()
+        x = x.to_dtype(x.compute_dtype())
         c = self.cfg
         curr_raw = x.curr
         dtype = curr_raw.dtype
@@ -174,7 +213,7 @@ class RSClippedPGLoss:
         gvs = torch.as_tensor(global_valid_seqs, dtype=dtype, device=device)
         gvt = torch.as_tensor(global_valid_toks, dtype=dtype, device=device)
 
-        token_mask = x.token_mask  # integer or float; products promote to the float dtype
+        token_mask = x.token_mask  # integer, bool or float (already in `dtype`)
         sample_mask = x.sample_mask.to(dtype)
         valid = token_mask * sample_mask.unsqueeze(-1)  # [B, T]
 
@@ -226,7 +265,7 @@ class RSClippedPGLoss:
             groups=groups,
             row_count=corr.ratio_token_count,
         )
-        advantages = sanitize(x.advantages.to(dtype))
+        advantages = sanitize(x.advantages)
         pg = clipped_objective(
             advantages, ratios, ratios_clamped, curr,
             use_cispo=c.use_cispo, dual_clip_c=c.ratio_clip_c,
