@@ -198,6 +198,18 @@ class RSClippedPGLoss:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss and metrics from aligned inputs; ``groups`` split the sequences' tokens.
 
+        Global counts: ``global_valid_toks`` is the number of valid tokens
+        (``token_mask * sample_mask``) and ``global_valid_seqs`` the number of valid
+        sequences (``sample_mask``) of the whole global batch, all microbatches and
+        data-parallel ranks, as NeMo-RL computes them; split-API callers may pass a
+        placeholder 1. Both may be 0 only for a fully masked global batch: the loss is then 0,
+        its gradient 0 and every metric finite (the ``_min``/``_max`` extremes report
+        NeMo-RL's "no token" sentinels +-inf). A count that is negative or not finite, or 0
+        while this microbatch has a valid token (sequence), raises ``ValueError`` naming the
+        count, its value and the microbatch's own count; NeMo-RL divides by ``0 + 1e-8``
+        there and returns a loss of order 1e9. The check rides on the one host transfer of
+        the metrics, so the error comes at the end of the call.
+
         Precision: every step runs in float32 whatever the input dtypes (bf16, fp16, mixed;
         float64 if any input is float64), so log-ratios, ``exp``, clamps, IS weights and
         sequence statistics never run in half precision. The loss is returned in that dtype;
@@ -210,8 +222,8 @@ class RSClippedPGLoss:
         curr_raw = x.curr
         dtype = curr_raw.dtype
         device = curr_raw.device
-        gvs = torch.as_tensor(global_valid_seqs, dtype=dtype, device=device)
-        gvt = torch.as_tensor(global_valid_toks, dtype=dtype, device=device)
+        gvs = _global_count("global_valid_seqs", global_valid_seqs, dtype, device)
+        gvt = _global_count("global_valid_toks", global_valid_toks, dtype, device)
 
         token_mask = x.token_mask  # integer, bool or float (already in `dtype`)
         sample_mask = x.sample_mask.to(dtype)
@@ -299,6 +311,7 @@ class RSClippedPGLoss:
         loss = actor_loss + kl + c.positive_example_nll_weight * nll
 
         metrics = MetricSet()
+        _check_global_counts(metrics, gvs, gvt, valid, sample_mask)
         # Metrics average over valid tokens whose inputs are all finite; without filters these
         # are exactly the tokens that reach the loss.
         usable = valid * inputs_finite if c.rejection_sampling else loss_tokens
@@ -420,6 +433,55 @@ class RSClippedPGLoss:
         else:
             value = (w_seq * sample_mask).sum() / (gvs + EPS)
         metrics.add("sampling_importance_ratio", value, "sequences", "replicated")
+
+
+def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A global count as a 0-dim ``dtype`` tensor on ``device``; a clear error if it is none."""
+    try:
+        count = torch.as_tensor(value, dtype=dtype, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"{name}: got {type(value).__name__} {value!r}; expected a number or a 0-dim tensor "
+            "(the global count NeMo-RL passes)"
+        ) from None
+    if count.numel() != 1:
+        raise ValueError(
+            f"{name}: got a tensor of shape {tuple(count.shape)}; expected one count "
+            "(a number or a 0-dim tensor)"
+        )
+    return count.reshape(())
+
+
+def _check_global_counts(
+    metrics: MetricSet,
+    gvs: torch.Tensor,
+    gvt: torch.Tensor,
+    valid: torch.Tensor,  # [B, T] token_mask * sample_mask
+    sample_mask: torch.Tensor,  # [B]
+) -> None:
+    """Register the global-count checks of :meth:`RSClippedPGLoss.compute` (no host sync).
+
+    A count is wrong when it is negative or not finite, or 0 while this microbatch has a
+    unit it counts: the loss would divide by ``0 + 1e-8``.
+    """
+    for name, count, local, reduction, unit in (
+        ("global_valid_toks", gvt, valid.sum(), "sum", "valid tokens (token_mask * sample_mask)"),
+        ("global_valid_seqs", gvs, sample_mask.sum(), "replicated", "valid sequences (sample_mask)"),
+    ):
+        bad = (count < 0) | ~torch.isfinite(count) | ((count == 0) & (local > 0))
+        metrics.add(f"_{name}", count, "none", "replicated")
+        # Tokens are split over the group's ranks (summed); sample_mask is replicated.
+        metrics.add(f"_local_{name}", local, "none", reduction)
+
+        def error(out: dict, name: str = name, unit: str = unit) -> ValueError:
+            return ValueError(
+                f"{name}: got {out[f'_{name}']:g} while this microbatch has "
+                f"{out[f'_local_{name}']:g} {unit}; expected the count of {unit} over the whole "
+                "global batch (all microbatches and data-parallel ranks): a finite number, "
+                "> 0 whenever a microbatch has one (0 only for a fully masked global batch)"
+            )
+
+        metrics.check(f"_bad_{name}", bad.to(count.dtype), error)
 
 
 def metric_normalizations(cfg: RSClippedPGLossConfig) -> dict[str, str]:

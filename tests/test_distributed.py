@@ -40,6 +40,10 @@ def test_bad_groups_and_shapes_fail_clearly():
     run_world(2, cases.check_bad_groups)
 
 
+def test_bad_global_count_raises_on_every_rank():
+    run_world(2, cases.check_bad_global_count_raises_on_every_rank)
+
+
 def test_adapter_sharded_path_matches_nemo_rl_gathered_gradients():
     from pathlib import Path
 

@@ -90,6 +90,64 @@ def test_ess_is_one_for_uniform_weights_and_drops_with_spread():
     assert m["is_ess"] == pytest.approx((w.sum() ** 2 / (8 * (w**2).sum())).item(), rel=1e-5)
 
 
+GSPO = {"sequence_level_importance_ratios": True, "token_level_loss": False,
+        "use_importance_sampling_correction": True}
+
+
+@pytest.mark.parametrize("cfg", [{}, FULL, GSPO], ids=["default", "full", "gspo"])
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["number", "tensor"])
+def test_zero_global_count_with_valid_units_is_an_error(cfg, as_tensor):
+    # NeMo-RL divides by 0 + 1e-8 and returns a loss of order 1e9.
+    zero = torch.tensor(0.0) if as_tensor else 0
+    lp, data, gvs, gvt = batch()
+    with pytest.raises(ValueError, match=r"global_valid_toks: got 0 while this microbatch has 18 valid tokens"):
+        RSClippedPGLoss(cfg)(lp, data, gvs, zero)
+    with pytest.raises(ValueError, match=r"global_valid_seqs: got 0 while this microbatch has 3 valid sequences"):
+        RSClippedPGLoss(cfg)(lp, data, zero, gvt)
+
+
+@pytest.mark.parametrize("value, shown", [(-5.0, "-5"), (float("nan"), "nan"), (float("inf"), "inf")])
+def test_negative_or_nonfinite_global_count_is_an_error(value, shown):
+    lp, data, gvs, gvt = batch()
+    with pytest.raises(ValueError, match=rf"global_valid_toks: got {shown} while"):
+        RSClippedPGLoss({})(lp, data, gvs, torch.tensor(value))
+    data["sample_mask"] = torch.zeros(3)  # even for a fully masked batch
+    with pytest.raises(ValueError, match=rf"global_valid_seqs: got {shown} while"):
+        RSClippedPGLoss({})(lp, data, value, 0)
+
+
+def test_global_count_must_be_one_number():
+    lp, data, gvs, gvt = batch()
+    with pytest.raises(ValueError, match=r"global_valid_toks: got a tensor of shape \(2,\); expected one count"):
+        RSClippedPGLoss({})(lp, data, gvs, torch.tensor([18.0, 18.0]))
+    with pytest.raises(TypeError, match=r"global_valid_seqs: got NoneType None; expected a number"):
+        RSClippedPGLoss({})(lp, data, None, gvt)
+
+
+@pytest.mark.parametrize("cfg", [{}, FULL, GSPO, {**FULL, "rejection_denominator": "kept"}],
+                         ids=["default", "full", "gspo", "kept"])
+@pytest.mark.parametrize("masked", ["samples", "tokens"])
+def test_fully_masked_global_batch_gives_zero_loss_and_gradient(cfg, masked):
+    lp, data, _, _ = batch()
+    if masked == "samples":
+        data["sample_mask"] = torch.zeros(3)
+        gvs = 0
+    else:  # valid samples without a single valid token
+        data["token_mask"] = torch.zeros_like(data["token_mask"])
+        gvs = 3
+    loss, metrics = RSClippedPGLoss(cfg)(lp, data, gvs, torch.tensor(0.0))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.all(lp.grad == 0)
+    for key, value in metrics.items():
+        if key.endswith("_min"):
+            assert value == float("inf"), key  # NeMo-RL's "no token" sentinel
+        elif key.endswith("_max"):
+            assert value == float("-inf"), key
+        else:
+            assert value == value and abs(value) < float("inf"), key
+
+
 class HostSyncCounter(TorchFunctionMode):
     """Counts tensor -> host conversions: item/tolist/bool/float/int, nonzero, boolean indexing."""
 
