@@ -64,11 +64,29 @@ class LossInputs:
         cls, next_token_logprobs: torch.Tensor, data: Mapping[str, Any], need_prev: bool,
         need_reference: bool,
     ) -> "LossInputs":
-        """Slice NeMo-RL's ``[B, S]`` data dict to the ``[B, S-1]`` next-token positions."""
+        """Slice NeMo-RL's ``[B, S]`` data dict to the ``[B, S-1]`` next-token positions.
+
+        Every per-token field must be ``[B, S]``, like NeMo-RL's: a ``[B]`` ``advantages`` is
+        an error, as in NeMo-RL's ``ClippedPGLossFn`` (which slices ``[:, 1:]`` too), not
+        broadcast.
+        """
+        lp_shape = tuple(getattr(next_token_logprobs, "shape", ()))
+        want = f"({lp_shape[0]}, {lp_shape[1] + 1})" if len(lp_shape) == 2 else "[B, S]"
+
         def col(key: str) -> torch.Tensor:
-            if key not in data:
-                raise KeyError(f"data[{key!r}] is missing; the rs_clipped_pg loss needs it")
-            return data[key][:, 1:]
+            t = _required(data, key)
+            if t.dim() != 2:
+                hint = ""
+                if key == "advantages" and t.dim() == 1:
+                    hint = (
+                        "; one advantage per token, as NeMo-RL's GRPO stores them: broadcast a "
+                        "per-sequence advantage with advantages.unsqueeze(-1).expand(-1, S)"
+                    )
+                raise ValueError(
+                    f"data[{key!r}]: got shape {tuple(t.shape)}; expected [B, S] = {want}, "
+                    f"position 0 dropped to align with next_token_logprobs {lp_shape}{hint}"
+                )
+            return t[:, 1:]
 
         unfiltered = data.get("curr_logprobs_unfiltered") if need_reference else None
         return cls(
@@ -78,7 +96,7 @@ class LossInputs:
             reference=col("reference_policy_logprobs") if need_reference else None,
             advantages=col("advantages"),
             token_mask=col("token_mask"),
-            sample_mask=data["sample_mask"],
+            sample_mask=_required(data, "sample_mask"),
             rewards=data.get("rewards"),
             curr_unfiltered=unfiltered,
         )
@@ -115,7 +133,10 @@ class LossInputs:
         )
 
     def validate(self) -> None:
-        """Raise a clear error on shape or dtype mismatches."""
+        """Raise a clear error on shape or dtype mismatches (mixed float dtypes are fine)."""
+        for name, t in (("next_token_logprobs", self.curr), ("sample_mask", self.sample_mask)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: got {type(t).__name__}; expected a torch.Tensor")
         if self.curr.dim() != 2:
             raise ValueError(
                 f"next_token_logprobs: expected [B, T], got shape {tuple(self.curr.shape)}"
@@ -134,6 +155,8 @@ class LossInputs:
         for name, t in named.items():
             if t is None:
                 continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: got {type(t).__name__}; expected a torch.Tensor")
             if t.shape != shape:
                 sliced = "" if name == "curr_logprobs_unfiltered" else " (after dropping position 0)"
                 raise ValueError(
@@ -151,6 +174,15 @@ class LossInputs:
             raise ValueError(
                 f"rewards: shape {tuple(self.rewards.shape)} does not match batch size {shape[0]}"
             )
+
+
+def _required(data: Mapping[str, Any], key: str) -> torch.Tensor:
+    if key not in data:
+        raise KeyError(f"data[{key!r}] is missing; the rs_clipped_pg loss needs it")
+    t = data[key]
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"data[{key!r}]: got {type(t).__name__}; expected a torch.Tensor")
+    return t
 
 
 class RSClippedPGLoss:

@@ -23,6 +23,10 @@ FULL = {
 }
 
 
+GSPO = {"sequence_level_importance_ratios": True, "token_level_loss": False,
+        "use_importance_sampling_correction": True}
+
+
 def batch(B=3, T=6):
     prev = -torch.rand(B, T)
     return make_batch(prev + 0.05 * torch.randn(B, T), prev, prev + 0.1 * torch.randn(B, T),
@@ -47,6 +51,46 @@ def test_sample_mask_and_dtype_mismatch():
         RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
     with pytest.raises(ValueError, match=r"expected \[B, T\]"):
         RSClippedPGLoss(FULL)(lp[0], data, gvs, gvt)
+
+
+def test_per_sequence_advantages_are_an_error_naming_the_expected_shape():
+    # NeMo-RL's ClippedPGLossFn slices advantages[:, 1:] as well (an IndexError on [B]).
+    lp, data, gvs, gvt = batch()
+    data["advantages"] = torch.randn(3)
+    with pytest.raises(ValueError, match=r"data\['advantages'\]: got shape \(3,\); expected \[B, S\] = \(3, 7\)"
+                                         r".*next_token_logprobs \(3, 6\).*unsqueeze\(-1\)\.expand\(-1, S\)"):
+        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+    lp, data, gvs, gvt = batch()
+    data["token_mask"] = torch.ones(3, 7, 1)
+    with pytest.raises(ValueError, match=r"data\['token_mask'\]: got shape \(3, 7, 1\); expected \[B, S\]"):
+        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+    lp, data, gvs, gvt = batch()
+    data["advantages"] = data["advantages"].tolist()
+    with pytest.raises(TypeError, match=r"data\['advantages'\]: got list; expected a torch.Tensor"):
+        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+
+
+SEQUENCE_FILTERS = [{"level": "sequence", "agg": agg, "lower": 0.5, "upper": 2.0}
+                    for agg in ("mean", "sum", "max", "min", "any")]
+
+
+@pytest.mark.parametrize("cfg", [
+    FULL,
+    {"rejection_sampling": SEQUENCE_FILTERS},
+    {**GSPO, "is_correction_level": "sequence_mean", "rejection_sampling": SEQUENCE_FILTERS,
+     "rejection_denominator": "kept"},
+], ids=["full", "every-agg", "gspo-kept"])
+def test_empty_sequence_dimension_is_a_fully_masked_batch(cfg):
+    # T = 0 (prompts without a response, or an empty shard): no token, so loss 0 and no
+    # gradient, as without filters; `amax` over the empty dimension used to raise.
+    empty = torch.zeros(3, 0)
+    lp, data, gvs, gvt = make_batch(empty, empty, empty, rewards=torch.ones(3))
+    loss, metrics = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    loss.backward()
+    assert loss.item() == 0.0 and lp.grad.shape == (3, 0)
+    assert metrics["num_valid_samples"] == 3.0
+    assert not any(v != v for v in metrics.values())
+    assert metrics["rs_seq_rejected_frac"] == 0.0
 
 
 def test_missing_key_is_named():
@@ -88,10 +132,6 @@ def test_ess_is_one_for_uniform_weights_and_drops_with_spread():
     _, m = RSClippedPGLoss({"use_importance_sampling_correction": True})(lp, data, gvs, gvt)
     w = torch.tensor([2.718281828] + [1.0] * 7)
     assert m["is_ess"] == pytest.approx((w.sum() ** 2 / (8 * (w**2).sum())).item(), rel=1e-5)
-
-
-GSPO = {"sequence_level_importance_ratios": True, "token_level_loss": False,
-        "use_importance_sampling_correction": True}
 
 
 @pytest.mark.parametrize("cfg", [{}, FULL, GSPO], ids=["default", "full", "gspo"])
