@@ -267,18 +267,24 @@ class RSClippedPGLoss:
         prev_raw = curr_raw.detach() if c.force_on_policy_ratio else x.prev
         prev = curr.detach() if c.force_on_policy_ratio else sanitize(prev_raw)
         gen = sanitize(x.generation)
-        d_raw, d, d_finite = log_ratio(prev_raw, x.generation)  # [B, T] each
-        checked = curr_raw.detach() + d_raw  # non-finite wherever any input is
+        _, d, d_finite = log_ratio(prev_raw, x.generation)  # [B, T] each
+        # 0/1 masks of non-finite entries per input kind, counted in the metrics.
+        bad_curr = nonfinite(curr_raw)  # [B, T]
+        bad_ref = None
+        bad_any = bad_curr + (1.0 - d_finite)
         ref = curr_unfiltered = None
         if self.kl_coef != 0:
             ref = sanitize(x.reference)
-            checked = checked + x.reference
+            bad_ref = nonfinite(x.reference)
+            bad_any = bad_any + bad_ref
             if x.curr_unfiltered is not None:
                 curr_unfiltered = sanitize(x.curr_unfiltered)
-                checked = checked + x.curr_unfiltered.detach()
+                bad_unfiltered = nonfinite(x.curr_unfiltered)
+                bad_curr = torch.maximum(bad_curr, bad_unfiltered)
+                bad_any = bad_any + bad_unfiltered
             else:
                 curr_unfiltered = curr
-        inputs_finite = 1.0 - nonfinite(checked)  # [B, T] 0/1: every log-prob input finite
+        inputs_finite = 1.0 - torch.sign(bad_any)  # [B, T] 0/1: every log-prob input finite
 
         corr = compute_correction(
             d, d_finite, valid, token_mask, sample_mask, inputs_finite, c, gvs, gvt, groups
@@ -309,7 +315,7 @@ class RSClippedPGLoss:
             groups=groups,
             row_count=corr.ratio_token_count,
         )
-        advantages = sanitize(x.advantages)
+        advantages = sanitize(x.advantages)  # a non-finite advantage: no policy-gradient term
         pg = clipped_objective(
             advantages, ratios, ratios_clamped, curr,
             use_cispo=c.use_cispo, dual_clip_c=c.ratio_clip_c,
@@ -350,6 +356,7 @@ class RSClippedPGLoss:
         self._upstream_metrics(metrics, loss, kl, nll, ratios, ratios_clamped, curr, gen,
                                d, usable, sample_mask, corr, gvs, gvt)
         metrics.update(corr.metrics)
+        self._nonfinite_metrics(metrics, valid, bad_curr, bad_ref, x.advantages)
         return loss, metrics.finalize(groups)
 
     # ------------------------------------------------------------------ pieces
@@ -434,6 +441,26 @@ class RSClippedPGLoss:
             entropy = -token_mean(torch.exp(curr - gen) * curr)  # E_gen[-(pi/pi_gen) log pi]
             metrics.add("approx_entropy", entropy, "tokens", "sum")
             metrics.add("positive_nll_loss", nll, "none", "sum")
+
+    @staticmethod
+    def _nonfinite_metrics(
+        metrics: MetricSet,
+        valid: torch.Tensor,  # [B, T]
+        bad_curr: torch.Tensor,  # [B, T] 0/1
+        bad_ref: Optional[torch.Tensor],  # [B, T] 0/1, None when the KL term is off
+        advantages: torch.Tensor,  # [B, T] raw
+    ) -> None:
+        """Valid tokens with a non-finite input, one count per input kind.
+
+        ``nonfinite_log_ratio_count`` (``prev - gen``) comes from the correction layer.
+        See: docs/guide.md#non-finite-inputs
+        """
+        valid_bin = torch.sign(valid)
+        zero = valid_bin.new_zeros(())
+        metrics.add("nonfinite_curr_logprobs_count", masked_sum(valid_bin, bad_curr), "none", "sum")
+        ref_count = masked_sum(valid_bin, bad_ref) if bad_ref is not None else zero
+        metrics.add("nonfinite_reference_logprobs_count", ref_count, "none", "sum")
+        metrics.add("nonfinite_advantages_count", masked_sum(valid_bin, nonfinite(advantages)), "none", "sum")
 
     def _clamped_extremes(self, r_min: torch.Tensor, r_max: torch.Tensor):
         c = self.cfg
@@ -542,6 +569,9 @@ def metric_normalizations(cfg: RSClippedPGLossConfig) -> dict[str, str]:
         "approx_entropy": "tokens",
         "positive_nll_loss": "none",
         "nonfinite_log_ratio_count": "none",
+        "nonfinite_curr_logprobs_count": "none",
+        "nonfinite_reference_logprobs_count": "none",
+        "nonfinite_advantages_count": "none",
         "is_weight_raw_mean": unit,
         "is_weight_mean": unit,
         "is_weight_sq_mean": unit,

@@ -188,6 +188,40 @@ def test_fully_masked_global_batch_gives_zero_loss_and_gradient(cfg, masked):
             assert value == value and abs(value) < float("inf"), key
 
 
+def test_nonfinite_inputs_are_counted_per_kind():
+    # NeMo-RL returns NaN on any of these; the plugin zeroes them and counts valid tokens
+    # with a non-finite input, one metric per kind. Row 2 is a masked sample; position
+    # (0, 5) a masked token: neither counts.
+    nan, inf = float("nan"), float("inf")
+    B, T = 3, 6
+    prev = -torch.rand(B, T)
+    curr, gen, ref, adv = prev + 0.01, prev - 0.01, prev - 0.02, torch.randn(B, T)
+    token_mask = torch.ones(B, T)
+    token_mask[0, 5] = 0
+    curr[0, 0], curr[0, 5], curr[2, 0] = nan, nan, inf  # 1 valid
+    prev[1, 1], gen[1, 2], gen[2, 3] = -inf, nan, nan  # 2 valid log-ratios
+    ref[0, 1], ref[1, 3], ref[2, 1] = inf, nan, nan  # 2 valid
+    adv[0, 2], adv[1, 4], adv[2, 2] = inf, nan, nan  # 2 valid
+    unfiltered = curr.clone()
+    unfiltered[1, 5] = -inf  # read by the KL term only
+    lp, data, gvs, gvt = make_batch(curr, prev, gen, ref=ref, advantages=adv, token_mask=token_mask,
+                                    sample_mask=[1.0, 1.0, 0.0])
+    data["curr_logprobs_unfiltered"] = unfiltered
+    loss, m = RSClippedPGLoss({"reference_policy_kl_penalty": 0.1})(lp, data, gvs, gvt)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    assert m["nonfinite_curr_logprobs_count"] == 2.0  # curr (0, 0), unfiltered (1, 5)
+    assert m["nonfinite_log_ratio_count"] == 2.0
+    assert m["nonfinite_reference_logprobs_count"] == 2.0
+    assert m["nonfinite_advantages_count"] == 2.0
+    # Without the KL term neither the reference nor the unfiltered log-probs are read.
+    lp.grad = None
+    _, m = RSClippedPGLoss({"reference_policy_kl_penalty": 0.0})(lp, data, gvs, gvt)
+    assert m["nonfinite_curr_logprobs_count"] == 1.0
+    assert m["nonfinite_reference_logprobs_count"] == 0.0
+    assert m["nonfinite_advantages_count"] == 2.0
+
+
 class HostSyncCounter(TorchFunctionMode):
     """Counts tensor -> host conversions: item/tolist/bool/float/int, nonzero, boolean indexing."""
 
