@@ -207,11 +207,19 @@ def _plan_stages(
             if agg in ("max", "min", "any"):
                 penalty = (1.0 - alive_fin) * big  # pushes other tokens out of max/min
                 if agg in ("max", "any"):
-                    st.max_idx = pack.add_max((masked - penalty).amax(-1))
+                    st.max_idx = pack.add_max(_row_max(masked - penalty, -big))
                 if agg in ("min", "any"):
-                    st.negmin_idx = pack.add_max((-masked - penalty).amax(-1))
+                    st.negmin_idx = pack.add_max(_row_max(-masked - penalty, -big))
         stages.append(st)
     return stages, alive, pack.add_sum((alive * valid).sum(-1))
+
+
+def _row_max(x: torch.Tensor, empty: float) -> torch.Tensor:
+    """``[B]`` max over the last dimension; ``empty`` when it has no position (T = 0, as in
+    a CP shard or a batch of prompts without a response), where ``amax`` raises."""
+    if x.shape[-1] == 0:
+        return x.new_full(x.shape[:-1], empty)
+    return x.amax(-1)
 
 
 def _sequence_keep(st: _Stage, sums: torch.Tensor, maxima: Optional[torch.Tensor]) -> torch.Tensor:

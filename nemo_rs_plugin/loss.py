@@ -64,11 +64,29 @@ class LossInputs:
         cls, next_token_logprobs: torch.Tensor, data: Mapping[str, Any], need_prev: bool,
         need_reference: bool,
     ) -> "LossInputs":
-        """Slice NeMo-RL's ``[B, S]`` data dict to the ``[B, S-1]`` next-token positions."""
+        """Slice NeMo-RL's ``[B, S]`` data dict to the ``[B, S-1]`` next-token positions.
+
+        Every per-token field must be ``[B, S]``, like NeMo-RL's: a ``[B]`` ``advantages`` is
+        an error, as in NeMo-RL's ``ClippedPGLossFn`` (which slices ``[:, 1:]`` too), not
+        broadcast.
+        """
+        lp_shape = tuple(getattr(next_token_logprobs, "shape", ()))
+        want = f"({lp_shape[0]}, {lp_shape[1] + 1})" if len(lp_shape) == 2 else "[B, S]"
+
         def col(key: str) -> torch.Tensor:
-            if key not in data:
-                raise KeyError(f"data[{key!r}] is missing; the rs_clipped_pg loss needs it")
-            return data[key][:, 1:]
+            t = _required(data, key)
+            if t.dim() != 2:
+                hint = ""
+                if key == "advantages" and t.dim() == 1:
+                    hint = (
+                        "; one advantage per token, as NeMo-RL's GRPO stores them: broadcast a "
+                        "per-sequence advantage with advantages.unsqueeze(-1).expand(-1, S)"
+                    )
+                raise ValueError(
+                    f"data[{key!r}]: got shape {tuple(t.shape)}; expected [B, S] = {want}, "
+                    f"position 0 dropped to align with next_token_logprobs {lp_shape}{hint}"
+                )
+            return t[:, 1:]
 
         unfiltered = data.get("curr_logprobs_unfiltered") if need_reference else None
         return cls(
@@ -78,13 +96,47 @@ class LossInputs:
             reference=col("reference_policy_logprobs") if need_reference else None,
             advantages=col("advantages"),
             token_mask=col("token_mask"),
-            sample_mask=data["sample_mask"],
+            sample_mask=_required(data, "sample_mask"),
             rewards=data.get("rewards"),
             curr_unfiltered=unfiltered,
         )
 
+    def compute_dtype(self) -> torch.dtype:
+        """float32, or float64 when any float input is float64: the dtype the loss runs in.
+
+        bf16 and fp16 cannot hold the sensitive steps: an fp16 ``exp`` overflows from a
+        log-ratio of 11.1 (the +-20 clamp allows exp(20) = 4.9e8), and a bf16 count of
+        global tokens rounds to 8 significant bits.
+        """
+        dtype = torch.float32
+        for t in (self.curr, self.prev, self.generation, self.reference, self.advantages,
+                  self.token_mask, self.curr_unfiltered):
+            if t is not None and t.is_floating_point():
+                dtype = torch.promote_types(dtype, t.dtype)
+        return dtype
+
+    def to_dtype(self, dtype: torch.dtype) -> "LossInputs":
+        """Float tensors cast to ``dtype`` (differentiably; a no-op for those already in it).
+
+        Integer and boolean masks stay as they are; ``rewards`` is only compared with 0.
+        """
+        def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if t is None or not t.is_floating_point() or t.dtype == dtype:
+                return t
+            return t.to(dtype)
+
+        return LossInputs(
+            curr=cast(self.curr), prev=cast(self.prev), generation=cast(self.generation),
+            reference=cast(self.reference), advantages=cast(self.advantages),
+            token_mask=cast(self.token_mask), sample_mask=cast(self.sample_mask),
+            rewards=self.rewards, curr_unfiltered=cast(self.curr_unfiltered),
+        )
+
     def validate(self) -> None:
-        """Raise a clear error on shape or dtype mismatches."""
+        """Raise a clear error on shape or dtype mismatches (mixed float dtypes are fine)."""
+        for name, t in (("next_token_logprobs", self.curr), ("sample_mask", self.sample_mask)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: got {type(t).__name__}; expected a torch.Tensor")
         if self.curr.dim() != 2:
             raise ValueError(
                 f"next_token_logprobs: expected [B, T], got shape {tuple(self.curr.shape)}"
@@ -103,6 +155,8 @@ class LossInputs:
         for name, t in named.items():
             if t is None:
                 continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: got {type(t).__name__}; expected a torch.Tensor")
             if t.shape != shape:
                 sliced = "" if name == "curr_logprobs_unfiltered" else " (after dropping position 0)"
                 raise ValueError(
@@ -120,6 +174,15 @@ class LossInputs:
             raise ValueError(
                 f"rewards: shape {tuple(self.rewards.shape)} does not match batch size {shape[0]}"
             )
+
+
+def _required(data: Mapping[str, Any], key: str) -> torch.Tensor:
+    if key not in data:
+        raise KeyError(f"data[{key!r}] is missing; the rs_clipped_pg loss needs it")
+    t = data[key]
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"data[{key!r}]: got {type(t).__name__}; expected a torch.Tensor")
+    return t
 
 
 class RSClippedPGLoss:
@@ -165,16 +228,36 @@ class RSClippedPGLoss:
         global_valid_toks: Any,
         groups: SequenceGroups = NO_GROUPS,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss and metrics from aligned inputs; ``groups`` split the sequences' tokens."""
+        """Loss and metrics from aligned inputs; ``groups`` split the sequences' tokens.
+
+        Global counts: ``global_valid_toks`` is the number of valid tokens
+        (``token_mask * sample_mask``) and ``global_valid_seqs`` the number of valid
+        sequences (``sample_mask``) of the whole global batch, all microbatches and
+        data-parallel ranks, as NeMo-RL computes them; split-API callers may pass a
+        placeholder 1. Both may be 0 only for a fully masked global batch: the loss is then 0,
+        its gradient 0 and every metric finite (the ``_min``/``_max`` extremes report
+        NeMo-RL's "no token" sentinels +-inf). A count that is negative or not finite, or 0
+        while this microbatch has a valid token (sequence), raises ``ValueError`` naming the
+        count, its value and the microbatch's own count; NeMo-RL divides by ``0 + 1e-8``
+        there and returns a loss of order 1e9. The check rides on the one host transfer of
+        the metrics, so the error comes at the end of the call.
+
+        Precision: every step runs in float32 whatever the input dtypes (bf16, fp16, mixed;
+        float64 if any input is float64), so log-ratios, ``exp``, clamps, IS weights and
+        sequence statistics never run in half precision. The loss is returned in that dtype;
+        its gradient reaches a bf16/fp16 ``curr`` through the cast, in ``curr``'s dtype (an
+        fp16 gradient beyond +-65504 saturates to +-inf there). float32 inputs are untouched.
+        """
         x.validate()
+        x = x.to_dtype(x.compute_dtype())
         c = self.cfg
         curr_raw = x.curr
         dtype = curr_raw.dtype
         device = curr_raw.device
-        gvs = torch.as_tensor(global_valid_seqs, dtype=dtype, device=device)
-        gvt = torch.as_tensor(global_valid_toks, dtype=dtype, device=device)
+        gvs = _global_count("global_valid_seqs", global_valid_seqs, dtype, device)
+        gvt = _global_count("global_valid_toks", global_valid_toks, dtype, device)
 
-        token_mask = x.token_mask  # integer or float; products promote to the float dtype
+        token_mask = x.token_mask  # integer, bool or float (already in `dtype`)
         sample_mask = x.sample_mask.to(dtype)
         valid = token_mask * sample_mask.unsqueeze(-1)  # [B, T]
 
@@ -184,18 +267,24 @@ class RSClippedPGLoss:
         prev_raw = curr_raw.detach() if c.force_on_policy_ratio else x.prev
         prev = curr.detach() if c.force_on_policy_ratio else sanitize(prev_raw)
         gen = sanitize(x.generation)
-        d_raw, d, d_finite = log_ratio(prev_raw, x.generation)  # [B, T] each
-        checked = curr_raw.detach() + d_raw  # non-finite wherever any input is
+        _, d, d_finite = log_ratio(prev_raw, x.generation)  # [B, T] each
+        # 0/1 masks of non-finite entries per input kind, counted in the metrics.
+        bad_curr = nonfinite(curr_raw)  # [B, T]
+        bad_ref = None
+        bad_any = bad_curr + (1.0 - d_finite)
         ref = curr_unfiltered = None
         if self.kl_coef != 0:
             ref = sanitize(x.reference)
-            checked = checked + x.reference
+            bad_ref = nonfinite(x.reference)
+            bad_any = bad_any + bad_ref
             if x.curr_unfiltered is not None:
                 curr_unfiltered = sanitize(x.curr_unfiltered)
-                checked = checked + x.curr_unfiltered.detach()
+                bad_unfiltered = nonfinite(x.curr_unfiltered)
+                bad_curr = torch.maximum(bad_curr, bad_unfiltered)
+                bad_any = bad_any + bad_unfiltered
             else:
                 curr_unfiltered = curr
-        inputs_finite = 1.0 - nonfinite(checked)  # [B, T] 0/1: every log-prob input finite
+        inputs_finite = 1.0 - torch.sign(bad_any)  # [B, T] 0/1: every log-prob input finite
 
         corr = compute_correction(
             d, d_finite, valid, token_mask, sample_mask, inputs_finite, c, gvs, gvt, groups
@@ -226,7 +315,7 @@ class RSClippedPGLoss:
             groups=groups,
             row_count=corr.ratio_token_count,
         )
-        advantages = sanitize(x.advantages.to(dtype))
+        advantages = sanitize(x.advantages)  # a non-finite advantage: no policy-gradient term
         pg = clipped_objective(
             advantages, ratios, ratios_clamped, curr,
             use_cispo=c.use_cispo, dual_clip_c=c.ratio_clip_c,
@@ -260,12 +349,14 @@ class RSClippedPGLoss:
         loss = actor_loss + kl + c.positive_example_nll_weight * nll
 
         metrics = MetricSet()
+        _check_global_counts(metrics, gvs, gvt, valid, sample_mask)
         # Metrics average over valid tokens whose inputs are all finite; without filters these
         # are exactly the tokens that reach the loss.
         usable = valid * inputs_finite if c.rejection_sampling else loss_tokens
         self._upstream_metrics(metrics, loss, kl, nll, ratios, ratios_clamped, curr, gen,
                                d, usable, sample_mask, corr, gvs, gvt)
         metrics.update(corr.metrics)
+        self._nonfinite_metrics(metrics, valid, bad_curr, bad_ref, x.advantages)
         return loss, metrics.finalize(groups)
 
     # ------------------------------------------------------------------ pieces
@@ -351,6 +442,26 @@ class RSClippedPGLoss:
             metrics.add("approx_entropy", entropy, "tokens", "sum")
             metrics.add("positive_nll_loss", nll, "none", "sum")
 
+    @staticmethod
+    def _nonfinite_metrics(
+        metrics: MetricSet,
+        valid: torch.Tensor,  # [B, T]
+        bad_curr: torch.Tensor,  # [B, T] 0/1
+        bad_ref: Optional[torch.Tensor],  # [B, T] 0/1, None when the KL term is off
+        advantages: torch.Tensor,  # [B, T] raw
+    ) -> None:
+        """Valid tokens with a non-finite input, one count per input kind.
+
+        ``nonfinite_log_ratio_count`` (``prev - gen``) comes from the correction layer.
+        See: docs/guide.md#non-finite-inputs
+        """
+        valid_bin = torch.sign(valid)
+        zero = valid_bin.new_zeros(())
+        metrics.add("nonfinite_curr_logprobs_count", masked_sum(valid_bin, bad_curr), "none", "sum")
+        ref_count = masked_sum(valid_bin, bad_ref) if bad_ref is not None else zero
+        metrics.add("nonfinite_reference_logprobs_count", ref_count, "none", "sum")
+        metrics.add("nonfinite_advantages_count", masked_sum(valid_bin, nonfinite(advantages)), "none", "sum")
+
     def _clamped_extremes(self, r_min: torch.Tensor, r_max: torch.Tensor):
         c = self.cfg
         if c.force_on_policy_ratio or c.disable_ppo_ratio:
@@ -383,6 +494,55 @@ class RSClippedPGLoss:
         metrics.add("sampling_importance_ratio", value, "sequences", "replicated")
 
 
+def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A global count as a 0-dim ``dtype`` tensor on ``device``; a clear error if it is none."""
+    try:
+        count = torch.as_tensor(value, dtype=dtype, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"{name}: got {type(value).__name__} {value!r}; expected a number or a 0-dim tensor "
+            "(the global count NeMo-RL passes)"
+        ) from None
+    if count.numel() != 1:
+        raise ValueError(
+            f"{name}: got a tensor of shape {tuple(count.shape)}; expected one count "
+            "(a number or a 0-dim tensor)"
+        )
+    return count.reshape(())
+
+
+def _check_global_counts(
+    metrics: MetricSet,
+    gvs: torch.Tensor,
+    gvt: torch.Tensor,
+    valid: torch.Tensor,  # [B, T] token_mask * sample_mask
+    sample_mask: torch.Tensor,  # [B]
+) -> None:
+    """Register the global-count checks of :meth:`RSClippedPGLoss.compute` (no host sync).
+
+    A count is wrong when it is negative or not finite, or 0 while this microbatch has a
+    unit it counts: the loss would divide by ``0 + 1e-8``.
+    """
+    for name, count, local, reduction, unit in (
+        ("global_valid_toks", gvt, valid.sum(), "sum", "valid tokens (token_mask * sample_mask)"),
+        ("global_valid_seqs", gvs, sample_mask.sum(), "replicated", "valid sequences (sample_mask)"),
+    ):
+        bad = (count < 0) | ~torch.isfinite(count) | ((count == 0) & (local > 0))
+        metrics.add(f"_{name}", count, "none", "replicated")
+        # Tokens are split over the group's ranks (summed); sample_mask is replicated.
+        metrics.add(f"_local_{name}", local, "none", reduction)
+
+        def error(out: dict, name: str = name, unit: str = unit) -> ValueError:
+            return ValueError(
+                f"{name}: got {out[f'_{name}']:g} while this microbatch has "
+                f"{out[f'_local_{name}']:g} {unit}; expected the count of {unit} over the whole "
+                "global batch (all microbatches and data-parallel ranks): a finite number, "
+                "> 0 whenever a microbatch has one (0 only for a fully masked global batch)"
+            )
+
+        metrics.check(f"_bad_{name}", bad.to(count.dtype), error)
+
+
 def metric_normalizations(cfg: RSClippedPGLossConfig) -> dict[str, str]:
     """Metric name -> global denominator (``tokens``, ``sequences``, ``none``), from the config.
 
@@ -409,6 +569,9 @@ def metric_normalizations(cfg: RSClippedPGLossConfig) -> dict[str, str]:
         "approx_entropy": "tokens",
         "positive_nll_loss": "none",
         "nonfinite_log_ratio_count": "none",
+        "nonfinite_curr_logprobs_count": "none",
+        "nonfinite_reference_logprobs_count": "none",
+        "nonfinite_advantages_count": "none",
         "is_weight_raw_mean": unit,
         "is_weight_mean": unit,
         "is_weight_sq_mean": unit,

@@ -55,7 +55,7 @@ def masked_extrema(
     """
     big = torch.finfo(values.dtype).max
     if values.numel() == 0:
-        return torch.full((), big, dtype=values.dtype), torch.full((), -big, dtype=values.dtype)
+        return values.new_full((), big), values.new_full((), -big)
     if penalty is None:
         penalty = extrema_penalty(mask.to(values.dtype))
     return (values + penalty).amin(), (values - penalty).amax()

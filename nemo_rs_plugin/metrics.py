@@ -16,7 +16,7 @@ Each metric carries:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -33,6 +33,7 @@ class MetricSet:
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[torch.Tensor, str, str]] = {}
+        self._checks: list[tuple[str, Callable[[dict[str, float]], Exception]]] = []
 
     def add(self, name: str, value: torch.Tensor, normalization: str, reduction: str) -> None:
         """Record a 0-dim tensor (never synced here).
@@ -46,6 +47,17 @@ class MetricSet:
         if value.dim():
             value = value.reshape(())
         self._entries[name] = (value, normalization, reduction)
+
+    def check(self, name: str, bad: torch.Tensor, error: Callable[[dict[str, float]], Exception]) -> None:
+        """Raise ``error(values)`` from :meth:`finalize` when the 0-dim ``bad`` is > 0 on any rank.
+
+        Input checks that depend on tensor values ride on the one host transfer instead of
+        syncing on their own. ``bad`` is recorded as the hidden metric ``name`` (a ``_``
+        prefix, MAX over the groups, so every rank of a group raises together); ``error``
+        receives every value, hidden ones included, after the reduction.
+        """
+        self.add(name, bad, "none", "max")
+        self._checks.append((name, error))
 
     def update(self, entries: dict) -> None:
         """Add entries given as ``name -> (tensor, normalization, reduction)``."""
@@ -76,6 +88,9 @@ class MetricSet:
             values = torch.where(is_min, -maxed, values)
         host = values.tolist()  # the one host transfer of the loss call
         out = dict(zip(names, host))
+        for name, error in self._checks:
+            if out[name] > 0:
+                raise error(out)
         half = torch.finfo(dtype).max / 2
         for name, red in zip(names, reductions):
             if red == "min" and out[name] >= half:

@@ -42,7 +42,11 @@ LOG_RATIO_CLAMP = 20.0
 
 
 def _clamp_value(x: torch.Tensor, bound: float) -> torch.Tensor:
-    return x + (x.detach().clamp(-bound, bound) - x.detach())
+    # (x - sg(x)) is exactly 0 in value, so the result is exactly the clamped value in any
+    # dtype. The form x + (clamp(x) - x) cancels instead once |x| outgrows the mantissa
+    # (|x| > ~1e8 in float32, ~1e3 in bf16): the ratio read 1 there and passed a full
+    # gradient.
+    return (x - x.detach()) + x.detach().clamp(-bound, bound)
 
 
 def policy_ratios(

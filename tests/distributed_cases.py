@@ -310,3 +310,20 @@ def check_collective_budget(rank, world_size):
         dist.all_reduce, dist.all_gather, dist.all_gather_into_tensor = saved
         correction_mod.reduce_sequence_statistics = orig_reduce
     return failures
+
+
+def check_bad_global_count_raises_on_every_rank(rank, world_size):
+    """global_valid_toks = 0 while only rank 0's shard holds valid tokens: every rank of the CP
+    group raises (the check is reduced with the metrics), naming the microbatch's count."""
+    group = dist.new_group(list(range(world_size)))
+    logits, data, gvs, _ = make_data(2, 16, 6)
+    token_mask = torch.zeros_like(data["token_mask"])
+    token_mask[0, 1:4] = 1  # aligned positions 0..2: chunk 0, rank 0's shard only
+    data = {**data, "token_mask": token_mask, "sample_mask": torch.ones(2)}
+    try:
+        sharded_loss(RSClippedPGLoss({}), cp_shard(logits, world_size, rank), data, 2.0, 0.0, cp_group=group)
+    except ValueError as exc:
+        if "global_valid_toks: got 0 while this microbatch has 3 valid tokens" not in str(exc):
+            return [f"unclear error on rank {rank}: {exc}"]
+        return []
+    return [f"no error on rank {rank}"]

@@ -44,6 +44,10 @@ def test_bad_groups_and_shapes_fail_clearly():
     run_world(2, cases.check_bad_groups)
 
 
+def test_bad_global_count_raises_on_every_rank():
+    run_world(2, cases.check_bad_global_count_raises_on_every_rank)
+
+
 def test_cp_layout_roundtrip_and_chunk_order():
     x = torch.arange(16).reshape(1, 16)
     shards = [cp_shard(x, 2, r) for r in range(2)]

@@ -23,6 +23,10 @@ FULL = {
 }
 
 
+GSPO = {"sequence_level_importance_ratios": True, "token_level_loss": False,
+        "use_importance_sampling_correction": True}
+
+
 def batch(B=3, T=6):
     prev = -torch.rand(B, T)
     return make_batch(prev + 0.05 * torch.randn(B, T), prev, prev + 0.1 * torch.randn(B, T),
@@ -47,6 +51,46 @@ def test_sample_mask_and_dtype_mismatch():
         RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
     with pytest.raises(ValueError, match=r"expected \[B, T\]"):
         RSClippedPGLoss(FULL)(lp[0], data, gvs, gvt)
+
+
+def test_per_sequence_advantages_are_an_error_naming_the_expected_shape():
+    # NeMo-RL's ClippedPGLossFn slices advantages[:, 1:] as well (an IndexError on [B]).
+    lp, data, gvs, gvt = batch()
+    data["advantages"] = torch.randn(3)
+    with pytest.raises(ValueError, match=r"data\['advantages'\]: got shape \(3,\); expected \[B, S\] = \(3, 7\)"
+                                         r".*next_token_logprobs \(3, 6\).*unsqueeze\(-1\)\.expand\(-1, S\)"):
+        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+    lp, data, gvs, gvt = batch()
+    data["token_mask"] = torch.ones(3, 7, 1)
+    with pytest.raises(ValueError, match=r"data\['token_mask'\]: got shape \(3, 7, 1\); expected \[B, S\]"):
+        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+    lp, data, gvs, gvt = batch()
+    data["advantages"] = data["advantages"].tolist()
+    with pytest.raises(TypeError, match=r"data\['advantages'\]: got list; expected a torch.Tensor"):
+        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+
+
+SEQUENCE_FILTERS = [{"level": "sequence", "agg": agg, "lower": 0.5, "upper": 2.0}
+                    for agg in ("mean", "sum", "max", "min", "any")]
+
+
+@pytest.mark.parametrize("cfg", [
+    FULL,
+    {"rejection_sampling": SEQUENCE_FILTERS},
+    {**GSPO, "is_correction_level": "sequence_mean", "rejection_sampling": SEQUENCE_FILTERS,
+     "rejection_denominator": "kept"},
+], ids=["full", "every-agg", "gspo-kept"])
+def test_empty_sequence_dimension_is_a_fully_masked_batch(cfg):
+    # T = 0 (prompts without a response, or an empty shard): no token, so loss 0 and no
+    # gradient, as without filters; `amax` over the empty dimension used to raise.
+    empty = torch.zeros(3, 0)
+    lp, data, gvs, gvt = make_batch(empty, empty, empty, rewards=torch.ones(3))
+    loss, metrics = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    loss.backward()
+    assert loss.item() == 0.0 and lp.grad.shape == (3, 0)
+    assert metrics["num_valid_samples"] == 3.0
+    assert not any(v != v for v in metrics.values())
+    assert metrics["rs_seq_rejected_frac"] == 0.0
 
 
 def test_missing_key_is_named():
@@ -88,6 +132,94 @@ def test_ess_is_one_for_uniform_weights_and_drops_with_spread():
     _, m = RSClippedPGLoss({"use_importance_sampling_correction": True})(lp, data, gvs, gvt)
     w = torch.tensor([2.718281828] + [1.0] * 7)
     assert m["is_ess"] == pytest.approx((w.sum() ** 2 / (8 * (w**2).sum())).item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [{}, FULL, GSPO], ids=["default", "full", "gspo"])
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["number", "tensor"])
+def test_zero_global_count_with_valid_units_is_an_error(cfg, as_tensor):
+    # NeMo-RL divides by 0 + 1e-8 and returns a loss of order 1e9.
+    zero = torch.tensor(0.0) if as_tensor else 0
+    lp, data, gvs, gvt = batch()
+    with pytest.raises(ValueError, match=r"global_valid_toks: got 0 while this microbatch has 18 valid tokens"):
+        RSClippedPGLoss(cfg)(lp, data, gvs, zero)
+    with pytest.raises(ValueError, match=r"global_valid_seqs: got 0 while this microbatch has 3 valid sequences"):
+        RSClippedPGLoss(cfg)(lp, data, zero, gvt)
+
+
+@pytest.mark.parametrize("value, shown", [(-5.0, "-5"), (float("nan"), "nan"), (float("inf"), "inf")])
+def test_negative_or_nonfinite_global_count_is_an_error(value, shown):
+    lp, data, gvs, gvt = batch()
+    with pytest.raises(ValueError, match=rf"global_valid_toks: got {shown} while"):
+        RSClippedPGLoss({})(lp, data, gvs, torch.tensor(value))
+    data["sample_mask"] = torch.zeros(3)  # even for a fully masked batch
+    with pytest.raises(ValueError, match=rf"global_valid_seqs: got {shown} while"):
+        RSClippedPGLoss({})(lp, data, value, 0)
+
+
+def test_global_count_must_be_one_number():
+    lp, data, gvs, gvt = batch()
+    with pytest.raises(ValueError, match=r"global_valid_toks: got a tensor of shape \(2,\); expected one count"):
+        RSClippedPGLoss({})(lp, data, gvs, torch.tensor([18.0, 18.0]))
+    with pytest.raises(TypeError, match=r"global_valid_seqs: got NoneType None; expected a number"):
+        RSClippedPGLoss({})(lp, data, None, gvt)
+
+
+@pytest.mark.parametrize("cfg", [{}, FULL, GSPO, {**FULL, "rejection_denominator": "kept"}],
+                         ids=["default", "full", "gspo", "kept"])
+@pytest.mark.parametrize("masked", ["samples", "tokens"])
+def test_fully_masked_global_batch_gives_zero_loss_and_gradient(cfg, masked):
+    lp, data, _, _ = batch()
+    if masked == "samples":
+        data["sample_mask"] = torch.zeros(3)
+        gvs = 0
+    else:  # valid samples without a single valid token
+        data["token_mask"] = torch.zeros_like(data["token_mask"])
+        gvs = 3
+    loss, metrics = RSClippedPGLoss(cfg)(lp, data, gvs, torch.tensor(0.0))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.all(lp.grad == 0)
+    for key, value in metrics.items():
+        if key.endswith("_min"):
+            assert value == float("inf"), key  # NeMo-RL's "no token" sentinel
+        elif key.endswith("_max"):
+            assert value == float("-inf"), key
+        else:
+            assert value == value and abs(value) < float("inf"), key
+
+
+def test_nonfinite_inputs_are_counted_per_kind():
+    # NeMo-RL returns NaN on any of these; the plugin zeroes them and counts valid tokens
+    # with a non-finite input, one metric per kind. Row 2 is a masked sample; position
+    # (0, 5) a masked token: neither counts.
+    nan, inf = float("nan"), float("inf")
+    B, T = 3, 6
+    prev = -torch.rand(B, T)
+    curr, gen, ref, adv = prev + 0.01, prev - 0.01, prev - 0.02, torch.randn(B, T)
+    token_mask = torch.ones(B, T)
+    token_mask[0, 5] = 0
+    curr[0, 0], curr[0, 5], curr[2, 0] = nan, nan, inf  # 1 valid
+    prev[1, 1], gen[1, 2], gen[2, 3] = -inf, nan, nan  # 2 valid log-ratios
+    ref[0, 1], ref[1, 3], ref[2, 1] = inf, nan, nan  # 2 valid
+    adv[0, 2], adv[1, 4], adv[2, 2] = inf, nan, nan  # 2 valid
+    unfiltered = curr.clone()
+    unfiltered[1, 5] = -inf  # read by the KL term only
+    lp, data, gvs, gvt = make_batch(curr, prev, gen, ref=ref, advantages=adv, token_mask=token_mask,
+                                    sample_mask=[1.0, 1.0, 0.0])
+    data["curr_logprobs_unfiltered"] = unfiltered
+    loss, m = RSClippedPGLoss({"reference_policy_kl_penalty": 0.1})(lp, data, gvs, gvt)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    assert m["nonfinite_curr_logprobs_count"] == 2.0  # curr (0, 0), unfiltered (1, 5)
+    assert m["nonfinite_log_ratio_count"] == 2.0
+    assert m["nonfinite_reference_logprobs_count"] == 2.0
+    assert m["nonfinite_advantages_count"] == 2.0
+    # Without the KL term neither the reference nor the unfiltered log-probs are read.
+    lp.grad = None
+    _, m = RSClippedPGLoss({"reference_policy_kl_penalty": 0.0})(lp, data, gvs, gvt)
+    assert m["nonfinite_curr_logprobs_count"] == 1.0
+    assert m["nonfinite_reference_logprobs_count"] == 0.0
+    assert m["nonfinite_advantages_count"] == 2.0
 
 
 class HostSyncCounter(TorchFunctionMode):

@@ -113,6 +113,16 @@ def test_loss_and_gradients_are_finite(cfg, batch):
     finite_inputs = torch.stack([torch.isfinite(tensors[n]) for n in used]).all(0)
     assert torch.all(lp.grad[~valid] == 0)
     assert torch.all(lp.grad[~finite_inputs] == 0)
+    # Every non-finite input at a valid token is counted under its kind.
+    kl_on = cfg["reference_policy_kl_penalty"] != 0
+    expected = {
+        "nonfinite_curr_logprobs_count": tensors["curr"],
+        "nonfinite_log_ratio_count": tensors["prev"] - tensors["gen"],
+        "nonfinite_reference_logprobs_count": tensors["ref"] if kl_on else torch.zeros_like(lp),
+    }
+    for key, x in expected.items():
+        assert metrics[key] == (valid & ~torch.isfinite(x)).sum().item(), (key, cfg)
+    assert metrics["nonfinite_advantages_count"] == 0
     for key, value in metrics.items():
         if key.endswith(("_min", "_max")):
             assert not math.isnan(value), key
