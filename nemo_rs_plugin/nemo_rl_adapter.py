@@ -169,6 +169,7 @@ class RSClippedPGLossFn(ClippedPGLossFn):
             return self.core(next_token_logprobs, data, global_valid_seqs, global_valid_toks)
         if logits is None:
             raise TypeError("rs_clipped_pg with sharded_logits_input: logits are required")
+        _refuse_training_time_filtering(_callers_sampling_params())
         from nemo_rs_plugin.sharded import sharded_loss
 
         tp_group, cp_group = megatron_groups()
@@ -176,6 +177,48 @@ class RSClippedPGLossFn(ClippedPGLossFn):
             self.core, logits, data, global_valid_seqs, global_valid_toks,
             cp_group=cp_group, tp_group=tp_group, pad_to_shard=True,
         )
+
+
+def _callers_sampling_params(max_depth: int = 4) -> Any:
+    """The ``sampling_params`` NeMo-RL bound into the ``prepare_fn`` that is calling the loss.
+
+    NeMo-RL hands a LOGIT-input loss the raw logits and applies its training-time top-k/top-p
+    filtering only to LOGPROB-input losses, so the loss never sees those settings. They are
+    bound (``functools.partial``) into the ``prepare_fn`` of the wrapper that calls the loss
+    (``wrap_loss_fn_with_input_preparation``'s argument, ``SequencePackingLossWrapper.
+    prepare_fn``): read them from the calling frames. ``tests/test_real_megatron.py`` checks,
+    at every supported NeMo-RL, that this finds them.
+    """
+    import functools
+    import sys
+
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        local = frame.f_locals
+        candidate = local.get("prepare_fn")
+        if candidate is None and "self" in local:
+            candidate = getattr(local["self"], "prepare_fn", None)
+        if isinstance(candidate, functools.partial) and "sampling_params" in candidate.keywords:
+            return candidate.keywords["sampling_params"]
+        frame = frame.f_back
+    return None
+
+
+def _refuse_training_time_filtering(params: Any) -> None:
+    """Top-k/top-p training-time filtering cannot be honoured from logits: refuse it."""
+    if params is None:
+        return
+    top_k = getattr(params, "top_k", None)
+    top_p = getattr(params, "top_p", 1.0)
+    if (top_k is not None and top_k > 0) or (top_p is not None and top_p != 1.0):
+        raise ConfigError([
+            f"sharded_logits_input: got true with training-time top_k={top_k}, top_p={top_p}; "
+            "NeMo-RL filters log-probs only for losses that take log-probs, so the sharded path "
+            "would train on unfiltered log-probs against the sampler's filtered ones. Set "
+            "loss_fn.sharded_logits_input: false (or sample without top-k/top-p)"
+        ])
 
 
 def megatron_groups() -> tuple[Any, Any]:

@@ -156,7 +156,7 @@ def _local_logits(m, logits, data, tp, cp, packed):
     return local[..., tp_rank * v_local:(tp_rank + 1) * v_local].contiguous(), packed_seq_params
 
 
-def _train_step(m, loss_fn, shard, data, gvs, gvt, packed_seq_params, cp):
+def _train_step(m, loss_fn, shard, data, gvs, gvt, packed_seq_params, cp, sampling_params=None):
     """One microbatch through megatron-core's forward_step/backward_step with NeMo-RL's
     LossPostProcessor; returns (logits gradient, reported metrics, scaled loss tensor)."""
     config = m["ModelParallelConfig"](
@@ -165,7 +165,7 @@ def _train_step(m, loss_fn, shard, data, gvs, gvt, packed_seq_params, cp):
     model = _LogitsModel(shard, config, m["ModelType"].encoder_or_decoder)
     post = m["LossPostProcessor"](
         loss_fn=loss_fn, cfg={"sequence_packing": {"enabled": packed_seq_params is not None}},
-        num_microbatches=NUM_MICROBATCHES)
+        num_microbatches=NUM_MICROBATCHES, sampling_params=sampling_params)
     batch = m["BatchedDataDict"]({k: v.clone() for k, v in data.items()})
 
     def forward_step_func(data_iterator, model):
@@ -227,9 +227,40 @@ def check_sharded_equals_gathered(rank, world_size, host):
 
 
 def check_real_megatron(rank, world_size, host):
-    """Both checks in one world (a world's start-up, mostly imports, is the costly part)."""
-    return check_gathered_path_gives_full_gradient(rank, world_size, host) + check_sharded_equals_gathered(
-        rank, world_size, host)
+    """Every check in one world (a world's start-up, mostly imports, is the costly part)."""
+    return (check_gathered_path_gives_full_gradient(rank, world_size, host)
+            + check_sharded_refuses_training_time_filtering(rank, world_size, host)
+            + check_sharded_equals_gathered(rank, world_size, host))
+
+
+def check_sharded_refuses_training_time_filtering(rank, world_size, host):
+    """NeMo-RL filters log-probs (top-k/top-p) only for LOGPROB-input losses: the sharded path
+    must refuse to train when the Megatron worker's LossPostProcessor carries such settings,
+    and run when it carries none (temperature alone is applied to the logits upstream)."""
+    m = _host_modules(host)
+    from nemo_rl.algorithms.logits_sampling_utils import TrainingSamplingParams
+
+    from nemo_rs_plugin.config import ConfigError
+    from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
+
+    logits_full, data, gvs, gvt = make_batch()
+    cfg = dict(CONFIGS["token-loss/token-IS/tis/kl"], name="rs_clipped_pg", sharded_logits_input=True)
+    failures = []
+    m["ps"].destroy_model_parallel()
+    m["ps"].initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=2)
+    for packed in (False, True):
+        shard, packed_seq_params = _local_logits(m, logits_full, data, 1, 2, packed)
+        for params, should_refuse in ((TrainingSamplingParams(top_k=8), True),
+                                      (TrainingSamplingParams(top_p=0.9), True),
+                                      (TrainingSamplingParams(temperature=0.7), False)):
+            try:
+                _train_step(m, RSClippedPGLossFn(cfg), shard, data, gvs, gvt, packed_seq_params, 2, params)
+                refused = False
+            except ConfigError as exc:
+                refused = "sharded_logits_input" in str(exc)
+            if refused != should_refuse:
+                failures.append(f"packed={packed} {params}: refused={refused}, expected {should_refuse}")
+    return failures
 
 
 def check_gathered_path_gives_full_gradient(rank, world_size, host):
