@@ -360,7 +360,7 @@ class RSClippedPGLossConfig(BaseModel):
         """
         if isinstance(cfg, cls):
             return cfg
-        raw = _as_plain_dict(cfg)
+        raw = as_plain_dict(cfg)
         problems: list[str] = []
         known = set(cls.model_fields)
         for key in raw:
@@ -395,7 +395,8 @@ class RSClippedPGLossConfig(BaseModel):
         )
 
 
-def _as_plain_dict(cfg: Any) -> dict[str, Any]:
+def as_plain_dict(cfg: Any) -> dict[str, Any]:
+    """A loss section (mapping, pydantic model with its extras, DictConfig, object) as a dict."""
     if cfg is None:
         return {}
     if isinstance(cfg, BaseModel):

@@ -34,7 +34,13 @@ except ImportError as exc:  # pragma: no cover - exercised where NeMo-RL is abse
         "works without it."
     ) from exc
 
-from nemo_rs_plugin.config import PLUGIN_FIELDS, UPSTREAM_FIELDS, ConfigError, RSClippedPGLossConfig
+from nemo_rs_plugin.config import (
+    PLUGIN_FIELDS,
+    UPSTREAM_FIELDS,
+    ConfigError,
+    RSClippedPGLossConfig,
+    as_plain_dict,
+)
 from nemo_rs_plugin.loss import RSClippedPGLoss, metric_normalizations
 from nemo_rs_plugin.registry import get_loss_class
 
@@ -115,8 +121,10 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         api = host_api()
         if api == "typeddict":
             cfg = _v06_semantics(cfg)
-        config = RSClippedPGLossConfig.from_any(cfg)
-        host_cfg = _host_config(config, api)
+        raw = as_plain_dict(cfg)
+        host_only = _host_only_fields(raw)
+        config = RSClippedPGLossConfig.from_any(raw)
+        host_cfg = _host_config(config, api, host_only)
         if _host_accepts_fused_flag():
             super().__init__(host_cfg, use_fused_linear_logprobs=use_fused_linear_logprobs)
         else:
@@ -258,9 +266,56 @@ def _v06_semantics(cfg: Any) -> Any:
     return cfg
 
 
-def _host_config(config: RSClippedPGLossConfig, api: str) -> Any:
+_NO_DEFAULT = object()
+
+
+def host_config_fields() -> dict[str, Any]:
+    """Fields of the running NeMo-RL's ``ClippedPGLossConfig`` and their defaults.
+
+    Read from the host at run time (pydantic ``model_fields``; a v0.6.0 TypedDict has names
+    only, marked ``_NO_DEFAULT``), so a field NeMo-RL adds later is known without a release of
+    the plugin.
+    """
+    from nemo_rl.algorithms.loss import ClippedPGLossConfig
+
+    model_fields = getattr(ClippedPGLossConfig, "model_fields", None)
+    if model_fields is not None:
+        return {name: (f.default if f.default_factory is None else f.default_factory())
+                for name, f in model_fields.items()}
+    return {name: _NO_DEFAULT for name in getattr(ClippedPGLossConfig, "__annotations__", {})}
+
+
+def _host_only_fields(raw: dict) -> dict[str, Any]:
+    """Remove and return the fields the host has and the plugin does not implement.
+
+    Left at the host's default they pass through to NeMo-RL's own ``__init__``; set to
+    anything else they are refused, naming the field and the NeMo-RL version, since the
+    plugin's loss would silently ignore them.
+    """
+    host_fields = host_config_fields()
+    own = set(RSClippedPGLossConfig.model_fields)
+    passthrough, problems = {}, []
+    for key in [k for k in raw if k in host_fields and k not in own]:
+        value = raw.pop(key)
+        default = host_fields[key]
+        if default is _NO_DEFAULT or value == default:
+            passthrough[key] = value
+        else:
+            problems.append(
+                f"{key}: got {value!r}; NeMo-RL {_host_version()} has this option but nemo-rs-plugin "
+                f"does not implement it: leave it at NeMo-RL's default ({default!r}) or use "
+                "NeMo-RL's own loss (no loss_fn.name)"
+            )
+    if problems:
+        raise ConfigError(problems)
+    return passthrough
+
+
+def _host_config(config: RSClippedPGLossConfig, api: str, host_only: Optional[dict] = None) -> Any:
     """The host's config for ``super().__init__``: NeMo-RL's fields, truncation off."""
-    fields = {k: getattr(config, k) for k in UPSTREAM_FIELDS}
+    host_fields = host_config_fields()
+    fields = {k: getattr(config, k) for k in UPSTREAM_FIELDS if k in host_fields}
+    fields.update(host_only or {})
     fields.update(
         truncated_importance_sampling_type=None,
         truncated_importance_sampling_ratio=None,

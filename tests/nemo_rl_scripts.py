@@ -159,5 +159,28 @@ def recipes_load():
     return out
 
 
+def new_upstream_field():
+    """A field NeMo-RL adds to ClippedPGLossConfig after this plugin's release."""
+    import pydantic
+
+    from nemo_rl.algorithms import loss as host_loss
+
+    base = host_loss.ClippedPGLossConfig
+    if not hasattr(base, "model_fields"):
+        return {"api": "typeddict"}
+    extended = pydantic.create_model("ClippedPGLossConfig", __base__=base, new_upstream_option=(float, 0.0))
+    host_loss.ClippedPGLossConfig = extended
+    from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
+
+    built = RSClippedPGLossFn(extended(name="rs_clipped_pg", is_correction_level="sequence_mean"))
+    try:
+        RSClippedPGLossFn(extended(name="rs_clipped_pg", new_upstream_option=0.5))
+        error = None
+    except AssertionError as exc:
+        error = str(exc)
+    return {"api": "pydantic", "default_builds": type(built).__name__,
+            "host_saw_default": getattr(built, "new_upstream_option", "absent"), "error": error}
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]]()))

@@ -83,6 +83,15 @@ def test_shipped_recipes_load_with_nemo_rl(host, tmp_path):
     assert all(v == "RSClippedPGLossFn" for v in out.values()), out
 
 
+@pytest.mark.parametrize("host", HOSTS, ids=host_label)
+def test_a_new_upstream_field_passes_at_its_default_and_is_refused_when_set(host):
+    out = run(host, "new_upstream_field")
+    if out["api"] == "typeddict":  # v0.6.0: a TypedDict has no defaults; nothing to decide
+        return
+    assert out["default_builds"] == "RSClippedPGLossFn"
+    assert out["error"] and "new_upstream_option: got 0.5" in out["error"] and "NeMo-RL" in out["error"], out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("host", [h for h in HOSTS if h], ids=host_label)
 def test_ray_worker_unpickles_the_loss_against_real_nemo_rl(host, tmp_path):
