@@ -9,18 +9,24 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURE_NAME = "upstream_clipped_pg_public.pt"
+SHIPPED_FIXTURES = Path(__file__).resolve().parent / "data"
 
 
-def fixtures_path() -> Path | None:
-    """``$NEMO_RS_FIXTURES``, else ``../shared/fixtures`` or ``shared/fixtures`` of the repo."""
-    candidates = []
-    if os.environ.get("NEMO_RS_FIXTURES"):
-        candidates.append(Path(os.environ["NEMO_RS_FIXTURES"]))
-    candidates += [REPO_ROOT.parent / "shared" / "fixtures", REPO_ROOT / "shared" / "fixtures"]
-    for c in candidates:
-        if (c / "upstream_clipped_pg_public.pt").is_file():
-            return c / "upstream_clipped_pg_public.pt"
-    return None
+def fixtures_path() -> Path:
+    """NeMo-RL's recorded outputs: ``$NEMO_RS_FIXTURES`` if set, else the copy in ``tests/data``.
+
+    The recording ships with the repository (see ``tests/data/README.md``), so the parity
+    tests run in a clean clone. A ``$NEMO_RS_FIXTURES`` that does not hold the file is an
+    error, not a silent fall-back to the shipped copy.
+    """
+    override = os.environ.get("NEMO_RS_FIXTURES")
+    folder = Path(override) if override else SHIPPED_FIXTURES
+    path = folder / FIXTURE_NAME
+    if not path.is_file():
+        where = f"$NEMO_RS_FIXTURES={override}" if override else str(folder)
+        raise FileNotFoundError(f"{FIXTURE_NAME} not found in {where}")
+    return path
 
 
 def make_batch(
