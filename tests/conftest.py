@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
+
+# Property tests are reproducible and leave nothing behind: examples are derived from each
+# test's own name (derandomize), and no example database is written (no .hypothesis/ in the
+# tree). HYPOTHESIS_PROFILE=explore draws fresh random examples, still without a database.
+settings.register_profile("nemo-rs", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "nemo-rs"))
+# Hypothesis also caches constants read from the source on disk, database or not: keep them
+# in a private temporary directory, removed at exit, instead of ``.hypothesis/`` in the tree.
+_HYPOTHESIS_HOME = tempfile.TemporaryDirectory(prefix="nemo-rs-hypothesis-")
+set_hypothesis_home_dir(_HYPOTHESIS_HOME.name)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURE_NAME = "upstream_clipped_pg_public.pt"
