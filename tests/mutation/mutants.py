@@ -108,7 +108,9 @@ MUTANTS: list[Mutant] = [
     # ---- policy ratios, objective, KL penalty
     Mutant(P, "seq_log_ratio = _clamp_value(row_sum / (row_count + EPS), LOG_RATIO_CLAMP)",
            "seq_log_ratio = _clamp_value(row_sum, LOG_RATIO_CLAMP)", "GSPO ratio uses the sum, not the mean"),
-    Mutant(P, "return x + (x.detach().clamp(-bound, bound) - x.detach())", "return x.clamp(-bound, bound)",
+    # (Targets the signature, which main's rewrite of the body keeps: an early hard clamp.)
+    Mutant(P, "def _clamp_value(x: torch.Tensor, bound: float) -> torch.Tensor:",
+           "def _clamp_value(x: torch.Tensor, bound: float) -> torch.Tensor:\n    return x.clamp(-bound, bound)",
            "log-ratio clamp no longer straight-through: no gradient beyond +-20"),
     Mutant(P, "ratios = torch.exp(_clamp_value(log_ratios, LOG_RATIO_CLAMP))", "ratios = torch.exp(log_ratios)",
            "token log-ratio not clamped at +-20"),
