@@ -3,24 +3,44 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
+
+# Property tests are reproducible and leave nothing behind: examples are derived from each
+# test's own name (derandomize), and no example database is written (no .hypothesis/ in the
+# tree). HYPOTHESIS_PROFILE=explore draws fresh random examples, still without a database.
+settings.register_profile("nemo-rs", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "nemo-rs"))
+# Hypothesis also caches constants read from the source on disk, database or not: keep them
+# in a private temporary directory, removed at exit, instead of ``.hypothesis/`` in the tree.
+_HYPOTHESIS_HOME = tempfile.TemporaryDirectory(prefix="nemo-rs-hypothesis-")
+set_hypothesis_home_dir(_HYPOTHESIS_HOME.name)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURE_NAME = "upstream_clipped_pg_public.pt"
+SHIPPED_FIXTURES = Path(__file__).resolve().parent / "data"
 
 
-def fixtures_path() -> Path | None:
-    """``$NEMO_RS_FIXTURES``, else ``../shared/fixtures`` or ``shared/fixtures`` of the repo."""
-    candidates = []
-    if os.environ.get("NEMO_RS_FIXTURES"):
-        candidates.append(Path(os.environ["NEMO_RS_FIXTURES"]))
-    candidates += [REPO_ROOT.parent / "shared" / "fixtures", REPO_ROOT / "shared" / "fixtures"]
-    for c in candidates:
-        if (c / "upstream_clipped_pg_public.pt").is_file():
-            return c / "upstream_clipped_pg_public.pt"
-    return None
+def fixtures_path() -> Path:
+    """NeMo-RL's recorded outputs: ``$NEMO_RS_FIXTURES`` if set, else the copy in ``tests/data``.
+
+    The recording ships with the repository (see ``tests/data/README.md``), so the parity
+    tests run in a clean clone. A ``$NEMO_RS_FIXTURES`` that does not hold the file is an
+    error, not a silent fall-back to the shipped copy.
+    """
+    override = os.environ.get("NEMO_RS_FIXTURES")
+    folder = Path(override) if override else SHIPPED_FIXTURES
+    path = folder / FIXTURE_NAME
+    if not path.is_file():
+        where = f"$NEMO_RS_FIXTURES={override}" if override else str(folder)
+        raise FileNotFoundError(f"{FIXTURE_NAME} not found in {where}")
+    return path
 
 
 def make_batch(

@@ -1,6 +1,8 @@
 """Bad inputs give a clear error (shapes, dtypes, missing keys), and the metric contract
 (names, normalizations, shapes, one host transfer) holds."""
 
+import math
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -120,6 +122,70 @@ def test_sequence_level_metric_is_a_per_sequence_mean_not_a_broadcast():
                             "sequence_level_importance_ratios": True, "token_level_loss": False})(lp, data, gvs, gvt)
     want = (torch.exp(torch.tensor(0.5)) + torch.exp(torch.tensor(-0.5))).item() / 2
     assert m["sampling_importance_ratio"] == pytest.approx(want, rel=1e-6)
+
+
+def test_sequence_level_metric_leaves_out_masked_samples():
+    # Row 1 is sample-masked: its weight exp(2.0) must not enter the mean over 2 sequences.
+    prev = torch.zeros(3, 4)
+    gen = prev - torch.tensor([[0.5], [2.0], [-0.5]]) / 4  # sequence log-ratios 0.5, 2.0, -0.5
+    lp, data, gvs, gvt = make_batch(prev, prev, gen, sample_mask=[1.0, 0.0, 1.0])
+    for gspo in (False, True):
+        cfg = {"use_importance_sampling_correction": True, "is_correction_level": "sequence",
+               "sequence_level_importance_ratios": gspo, "token_level_loss": not gspo}
+        _, m = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+        want = (math.exp(0.5) + math.exp(-0.5)) / 2
+        assert m["sampling_importance_ratio"] == pytest.approx(want, rel=1e-6), gspo
+        assert m["is_weight_mean"] == pytest.approx(want, rel=1e-6), gspo
+
+
+NORMALIZATION_CASES = {
+    "token-IS+filters+tis": {**FULL, "is_correction_level": "token", "truncated_importance_sampling_type": "tis",
+                             "truncated_importance_sampling_ratio": 1.02,
+                             "truncated_importance_sampling_ratio_min": 0.99,
+                             "rejection_sampling": FULL["rejection_sampling"][:1] + [
+                                 {"level": "token", "lower": 0.95, "upper": 1.05}]},
+    "sequence_mean+filters+seq-mask-tis": {**FULL, "truncated_importance_sampling_ratio": 1.03,
+                                           "truncated_importance_sampling_ratio_min": 0.98},
+    "gspo-sequence+icepop": {"use_importance_sampling_correction": True, "sequence_level_importance_ratios": True,
+                             "token_level_loss": False, "truncated_importance_sampling_type": "icepop",
+                             "truncated_importance_sampling_ratio": 1.2, "truncated_importance_sampling_ratio_min": 0.9,
+                             "rejection_sampling": [{"level": "sequence", "agg": "sum", "lower": 0.8, "upper": 1.2}]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORMALIZATION_CASES))
+def test_each_metric_is_divided_by_the_denominator_it_declares(name):
+    # NeMo-RL sums normalized metrics over microbatches, so a metric declared "tokens" must be
+    # divided by global_valid_toks (and not by global_valid_seqs), "sequences" the converse,
+    # and "none" by neither. Doubling one global count must scale exactly those metrics.
+    # (Without the VAPO NLL term: NeMo-RL divides it by the microbatch's own token count.)
+    cfg = {**NORMALIZATION_CASES[name], "positive_example_nll_weight": 0.0}
+    torch.manual_seed(3)
+    B, T = 4, 6
+    prev = -torch.rand(B, T, dtype=torch.float64)
+    gen = prev + 0.05 * torch.randn(B, T, dtype=torch.float64)
+    curr = prev + 0.1 * torch.randn(B, T, dtype=torch.float64)
+    loss_fn = RSClippedPGLoss(cfg)
+
+    def metrics(seq_scale, tok_scale):
+        advantages = torch.randn(B, T, generator=torch.Generator().manual_seed(1))
+        lp, data, gvs, gvt = make_batch(curr, prev, gen, advantages=advantages)
+        data = {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
+        lp = lp.detach().double().requires_grad_(True)
+        return loss_fn(lp, data, gvs.double() * seq_scale, gvt.double() * tok_scale)[1]
+
+    base, seqs2, toks2 = metrics(1, 1), metrics(2, 1), metrics(1, 2)
+    norms = loss_fn.metric_normalizations()
+    assert set(norms) == set(base)
+    moved = {"tokens": 0, "sequences": 0}
+    for key, norm in norms.items():  # rel 1e-7: NeMo-RL's "+ 1e-8" in every denominator
+        by_seqs = 0.5 if norm == "sequences" else 1.0
+        by_toks = 0.5 if norm == "tokens" else 1.0
+        assert seqs2[key] == pytest.approx(base[key] * by_seqs, rel=1e-7, abs=1e-15), (key, norm, "global_valid_seqs")
+        assert toks2[key] == pytest.approx(base[key] * by_toks, rel=1e-7, abs=1e-15), (key, norm, "global_valid_toks")
+        if norm in moved and base[key] != 0:
+            moved[norm] += 1
+    assert moved["tokens"] and moved["sequences"], f"test data too tame: {moved}"
 
 
 def test_ess_is_one_for_uniform_weights_and_drops_with_spread():

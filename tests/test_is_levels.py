@@ -59,6 +59,17 @@ def test_level_times_ratio(level, gspo):
         want = sum(SEQ_W if level == "sequence" else SEQ_MEAN_W) / N_SEQ
     assert metrics["sampling_importance_ratio"] == pytest.approx(want, rel=1e-5)
     assert metrics["is_weight_mean"] == pytest.approx(want, rel=1e-5)
+    # The second moment (for the global ESS), per token or per sequence like the mean.
+    if level == "token":
+        sq = sum(w * w for r in TOKEN_W for w in r) / N_TOK
+    else:
+        sq = sum(w * w for w in (SEQ_W if level == "sequence" else SEQ_MEAN_W)) / N_SEQ
+    assert metrics["is_weight_sq_mean"] == pytest.approx(sq, rel=1e-5)
+    # ... and each is declared with the denominator it was divided by (docs/guide.md#metrics).
+    unit = "tokens" if level == "token" else "sequences"
+    norms = RSClippedPGLoss(cfg).metric_normalizations()
+    for key in ("is_weight_raw_mean", "is_weight_mean", "is_weight_sq_mean", "sampling_importance_ratio"):
+        assert norms[key] == unit, key
 
 
 def test_unset_level_follows_the_gspo_flag():

@@ -153,6 +153,13 @@ PEER_MODES = {
                       token_w(lambda r: 1.0 if math.log(r) ** 2 / 2 <= 0.1 else 0.0)),
     "verl/catastrophic-veto": ({"rejection_sampling": [{"level": "sequence", "agg": "min", "lower": 0.5}]},
                                MASK, MASK),
+    # min token ratios: row 0 e^-0.01, row 1 e^-0.01, row 2 e^-0.3 = 0.74 < 0.8 -> row 2 rejected.
+    "verl/catastrophic-veto-rejects": ({"rejection_sampling": [{"level": "sequence", "agg": "min", "lower": 0.8}]},
+                                       rows(1, 1, 0), rows(1, 1, 0)),
+    # A low-side-only outlier: row 2's tokens (0.74) are all below 0.8, none above 100.
+    "skyrl/outlier-veto-low-side": ({"rejection_sampling": [{"level": "sequence", "agg": "any", "lower": 0.8,
+                                                             "upper": 100.0}]},
+                                    rows(1, 1, 0), rows(1, 1, 0)),
 }
 
 
@@ -235,6 +242,84 @@ def test_rejection_also_zeroes_kl_and_nll_terms():
     loss.backward()
     assert torch.all(lp.grad[1] == 0)  # row 1 (outlier token) rejected everywhere
     assert torch.all(lp.grad[0] != 0)
+
+
+# A statistic exactly on a bound, for every filter kind: (level, metric, agg, row d, bound).
+# Each value is exact in float64 (sums of log 2 / 0.25 / 0.5 and zeros, no rounding), and
+# the mean is taken where it is 0, so NeMo-RL's "/ (n + 1e-8)" cannot move it.
+L2, LH = math.log(2.0), math.log(0.5)
+ON_THE_BOUND = [
+    ("token", "ratio", None, [L2, 0.0, 0.0], 2.0),
+    ("token", "kl_k1", None, [-0.25, 0.0, 0.0], 0.25),
+    ("token", "kl_k2", None, [0.5, 0.0, 0.0], 0.125),
+    ("token", "kl_k3", None, [0.0, 0.0, 0.0], 0.0),
+    ("sequence", "ratio", "mean", [0.0, 0.0, 0.0], 1.0),
+    ("sequence", "ratio", "sum", [L2, 0.0, 0.0], 2.0),
+    ("sequence", "ratio", "max", [L2, -0.5, 0.0], 2.0),
+    ("sequence", "ratio", "min", [LH, 0.5, 0.0], 0.5),
+    ("sequence", "ratio", "any", [L2, L2, L2], 2.0),
+    ("sequence", "kl_k1", "mean", [0.0, 0.0, 0.0], 0.0),
+    ("sequence", "kl_k1", "sum", [-0.25, 0.0, 0.0], 0.25),
+    ("sequence", "kl_k1", "max", [-0.25, 0.5, 0.0], 0.25),
+    ("sequence", "kl_k2", "mean", [0.0, 0.0, 0.0], 0.0),
+    ("sequence", "kl_k2", "sum", [0.5, 0.0, 0.0], 0.125),
+    ("sequence", "kl_k2", "max", [0.5, -0.25, 0.0], 0.125),
+    ("sequence", "kl_k3", "mean", [0.0, 0.0, 0.0], 0.0),
+    ("sequence", "kl_k3", "sum", [0.0, 0.0, 0.0], 0.0),
+    ("sequence", "kl_k3", "max", [0.0, 0.0, 0.0], 0.0),
+]
+
+
+@pytest.mark.parametrize("side", ["lower", "upper", "both"])
+@pytest.mark.parametrize("level, metric, agg, row, bound", ON_THE_BOUND,
+                         ids=["-".join(str(x) for x in c[:3] if x) for c in ON_THE_BOUND])
+def test_bounds_are_inclusive(level, metric, agg, row, bound, side):
+    # docs/guide.md: a filter keeps a unit iff lower <= statistic <= upper.
+    f = {"level": level, "metric": metric, **({"agg": agg} if agg else {})}
+    if side in ("lower", "both"):
+        f["lower"] = bound
+    if side in ("upper", "both"):
+        f["upper"] = bound
+    d = torch.tensor([row], dtype=torch.float64)
+    mask = torch.ones_like(d)
+    _, keep = correction({"rejection_sampling": [f]}, d=d, mask=mask)
+    assert keep[0, 0] == 1, f"statistic on the {side} bound rejected: {f}"
+
+
+def test_truncation_bounds_are_inclusive():
+    # d = 0: token weight, sequence weight and geometric mean are exactly 1, on the max bound.
+    d, mask = torch.zeros(1, 3, dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64)
+    for t, level in (("icepop", "token"), ("icepop", "sequence_mean"), ("seq-mask-tis", "sequence_mean")):
+        cfg = {**IS, "is_correction_level": level, "truncated_importance_sampling_type": t,
+               "truncated_importance_sampling_ratio": 1.0, "truncated_importance_sampling_ratio_min": 0.5}
+        weight, _ = correction(cfg, d=d, mask=mask)
+        assert weight.tolist() == [[1.0, 1.0, 1.0]], (t, level)
+
+
+def seq_level_loss(cfg, mask, sample_mask):
+    """REINFORCE with curr = -1, A = 1: every token's pg is 1; sequence-level loss."""
+    d = torch.zeros_like(mask)
+    d[: D.shape[0]] = D
+    prev = torch.full_like(d, -1.0)
+    lp, data, gvs, gvt = make_batch(prev, prev, prev - d, token_mask=mask, sample_mask=sample_mask)
+    full = {"disable_ppo_ratio": True, "reference_policy_kl_penalty": 0.0, "token_level_loss": False, **cfg}
+    loss, _ = RSClippedPGLoss(full)(lp, data, gvs, gvt)
+    return loss.item()
+
+
+def test_kept_denominator_of_a_sequence_level_loss_counts_kept_sequences():
+    # Row 1 (outlier token) is rejected; rows 0 and 2 have per-row means 4/4 and 3/3.
+    cfg = {"rejection_sampling": [{"level": "sequence", "agg": "max", "upper": 2.0}]}
+    # original: (1 + 0 + 1) / 3 sequences
+    assert seq_level_loss(cfg, MASK, [1.0, 1.0, 1.0]) == pytest.approx(2 / 3, rel=1e-6)
+    # kept: 3 sequences x 2/3 kept = 2 -> 2 / 2 (not 3 x 7/11 kept tokens -> 22/21)
+    kept = {**cfg, "rejection_denominator": "kept"}
+    assert seq_level_loss(kept, MASK, [1.0, 1.0, 1.0]) == pytest.approx(1.0, rel=1e-6)
+    # A fourth, empty sequence counts in global_valid_seqs (4) but is neither kept nor
+    # rejected: 4 x 2/3 -> 2 / (8/3) = 0.75 (counting it as kept would give 4 x 3/3 -> 0.5).
+    mask4 = torch.cat([MASK, torch.zeros(1, 4)])
+    got = seq_level_loss(kept, mask4, [1.0, 1.0, 1.0, 1.0])
+    assert got == pytest.approx(0.75, rel=1e-6)
 
 
 def test_kept_denominator_divides_by_the_kept_count():

@@ -1,0 +1,144 @@
+"""One-line mutants of the loss math and its reductions, for ``tests/mutation/run.py``.
+
+Each mutant replaces one exact, unique piece of text in one file of ``nemo_rs_plugin/``. A
+mutant whose old text is missing or ambiguous is an error of this list (the code moved on),
+never a silent skip. Every mutant changes a number a user sees unless ``equivalent`` holds
+the argument why it cannot.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+
+class Mutant(NamedTuple):
+    file: str  # relative to the repository root
+    old: str  # exact text, must occur exactly once in the file
+    new: str
+    description: str
+    equivalent: Optional[str] = None  # why no test can observe it, for equivalent mutants
+
+
+C, L, P, D = (f"nemo_rs_plugin/{m}.py" for m in ("correction", "loss", "policy_loss", "distributed"))
+
+MUTANTS: list[Mutant] = [
+    # ---- filter bounds are inclusive (docs/guide.md#rejection-sampling)
+    Mutant(C, "return (x >= lower) & (x <= upper)", "return (x >= lower) & (x < upper)",
+           "sequence filter with both bounds: upper bound made exclusive"),
+    Mutant(C, "return x <= upper", "return x < upper",
+           "sequence filter with an upper bound only: bound made exclusive"),
+    Mutant(C, "return x >= lower", "return x > lower",
+           "sequence filter with a lower bound only: bound made exclusive"),
+    # ---- filter statistics: KL(gen || prev) estimators from d = prev - gen
+    Mutant(C, "return -d", "return d", "filter kl_k1 with the wrong sign (log r instead of -log r)"),
+    Mutant(C, "return d.square() / 2", "return d.square()", "filter kl_k2 without the 1/2"),
+    Mutant(C, "return torch.expm1(d) - d", "return torch.expm1(-d) + d",
+           "filter kl_k3 in AReaL's direction (1/r - 1 + log r)"),
+    # ---- sequence aggregations
+    Mutant(C, "keep = in_bounds(sums[st.sum_idx] / (count + EPS), lo, hi)",
+           "keep = in_bounds(sums[st.sum_idx] / (count + 1.0), lo, hi)",
+           "agg mean (Geo-RS) divides the log-ratio sum by n + 1"),
+    Mutant(C, "keep = in_bounds(maxima[st.max_idx], lo, hi)", "keep = in_bounds(maxima[st.max_idx], None, hi)",
+           "agg max ignores its lower bound"),
+    Mutant(C, "keep = in_bounds(-maxima[st.negmin_idx], lo, hi)", "keep = in_bounds(maxima[st.negmin_idx], lo, hi)",
+           "agg min compares the negated minimum"),
+    Mutant(C, "keep = in_bounds(maxima[st.max_idx], None, hi) & in_bounds(-maxima[st.negmin_idx], lo, None)",
+           "keep = in_bounds(maxima[st.max_idx], None, hi)",
+           "agg any checks only the largest token (a low-side outlier passes)"),
+    Mutant(C, "return keep | (count == 0)", "return keep", "a sequence with no token left can be rejected"),
+    Mutant(C, "keep = keep & (sums[st.nonfinite_idx] == 0)", "keep = keep & (sums[st.nonfinite_idx] >= 0)",
+           "a non-finite log-ratio no longer rejects its sequence"),
+    Mutant(C, "alive_fin = alive * d_finite", "alive_fin = valid_bin * d_finite",
+           "stage order lost: a sequence filter sums over tokens earlier token filters rejected"),
+    Mutant(C, "st.keep_tok = (1.0 - outside(stat, lo, hi)) * d_finite",
+           "st.keep_tok = 1.0 - outside(stat, lo, hi)",
+           "a token filter keeps tokens whose log-ratio is not finite"),
+    Mutant(C, "rejected = live * (~keep_s).to(fdtype)", "rejected = sm * (~keep_s).to(fdtype)",
+           "seq_rejected_frac also counts sequences an earlier filter already rejected"),
+    # ---- counts behind rejection_denominator: kept
+    Mutant(C, "kept_seq_count = (seq_kept * sm * has_tokens.to(fdtype)).sum()",
+           "kept_seq_count = (seq_kept * sm).sum()", "kept_seq_count counts empty sequences"),
+    Mutant(C, "kept_token_count = (sums[alive_idx] * seq_kept).sum()", "kept_token_count = sums[alive_idx].sum()",
+           "kept_token_count counts the tokens of rejected sequences"),
+    # ---- IS weights per level
+    Mutant(C, "return finite_exp(d) * d_finite", "return finite_exp(d)",
+           "token IS weight 1 (not 0) where the log-ratio is not finite"),
+    Mutant(C, 'seq_log_w = seq_d_sum if level == "sequence" else seq_d_sum / (seq_n + EPS)',
+           'seq_log_w = seq_d_sum if level == "sequence_mean" else seq_d_sum / (seq_n + EPS)',
+           "sequence and sequence_mean swapped (product vs geometric mean)"),
+    Mutant(C, "w = torch.where(seq_nonfinite == 0, finite_exp(seq_log_w), torch.zeros_like(seq_log_w))",
+           "w = finite_exp(seq_log_w)", "sequence IS weight not 0 when a token's log-ratio is not finite"),
+    # ---- truncation
+    Mutant(C, "lo = 0.0 if lo is None else lo", "lo = 0.0", "tis ignores truncated_importance_sampling_ratio_min"),
+    Mutant(C, "clamped = raw_weight.clamp(lo, hi)", "clamped = raw_weight.clamp(lo, None)", "tis does not clamp above"),
+    Mutant(C, "weight = raw_weight * (1.0 - oob)", "weight = raw_weight.clamp(lo, hi)",
+           "icepop clamps instead of zeroing out-of-band weights"),
+    Mutant(C, "geo = torch.exp(seq_d_sum / (seq_ntok + EPS))", "geo = torch.exp(seq_d_sum)",
+           "seq-mask-tis decides on the product, not the geometric mean"),
+    Mutant(C, "seq_in = ((geo >= lo) & (geo <= hi)).to(fdtype)", "seq_in = ((geo >= lo) & (geo < hi)).to(fdtype)",
+           "seq-mask-tis upper bound made exclusive"),
+    # ---- IS weight metrics
+    Mutant(C, 'metrics["is_weight_sq_mean"] = (sum_w2 / (denom + EPS), norm, red)',
+           'metrics["is_weight_sq_mean"] = (sum_w / (denom + EPS), norm, red)',
+           "is_weight_sq_mean reports the mean weight"),
+    Mutant(C, "weighted = weight * loss_tokens", "weighted = weight * valid",
+           "is_weight_mean counts rejected tokens with their weight"),
+    Mutant(C, 'metrics["_ess_n"] = (unit_mask.sum(), "none", red)',
+           'metrics["_ess_n"] = (torch.sign(weighted).sum(), "none", red)',
+           "is_ess divides by the kept units instead of all units"),
+    # ---- the loss: denominators, IS weights, metrics
+    Mutant(L, "gvs_loss = gvs * corr.kept_seq_count / n_seqs.clamp_min(EPS)",
+           "gvs_loss = gvs * corr.kept_token_count / n_valid.clamp_min(EPS)",
+           "rejection_denominator kept, token_level_loss false: sequences shrink by the kept token fraction"),
+    Mutant(L, "gvt_loss = gvt * corr.kept_token_count / n_valid.clamp_min(EPS)", "gvt_loss = gvt",
+           "rejection_denominator kept leaves the token denominator unchanged"),
+    Mutant(L, "agg_mask = loss_tokens if self.token_level_loss else token_mask * keep",
+           "agg_mask = loss_tokens if self.token_level_loss else token_mask",
+           "sequence-level loss ignores rejection"),
+    Mutant(L, "weight = corr.is_weight if c.use_importance_sampling_correction else None",
+           "weight = corr.is_weight", "IS weights applied with use_importance_sampling_correction false"),
+    Mutant(L, "usable = valid * inputs_finite if c.rejection_sampling else loss_tokens", "usable = loss_tokens",
+           "with filters, sampling_importance_ratio (and NeMo-RL's token metrics) average over kept tokens only"),
+    Mutant(L, "value = (w_seq * sample_mask).sum() / (gvs + EPS)", "value = w_seq.sum() / (gvs + EPS)",
+           "decoupled sampling_importance_ratio ignores sample_mask"),
+    Mutant(L, 'unit = "tokens" if cfg.effective_is_level == "token" else "sequences"', 'unit = "tokens"',
+           "every IS metric normalized by tokens, also at sequence levels"),
+    Mutant(L, "loss = loss / torch.distributed.get_world_size(g)", "loss = loss",
+           "sequence-level loss not split into per-rank shares (counted once per CP rank)"),
+    # ---- policy ratios, objective, KL penalty
+    Mutant(P, "seq_log_ratio = _clamp_value(row_sum / (row_count + EPS), LOG_RATIO_CLAMP)",
+           "seq_log_ratio = _clamp_value(row_sum, LOG_RATIO_CLAMP)", "GSPO ratio uses the sum, not the mean"),
+    # (Targets the signature, which main's rewrite of the body keeps: an early hard clamp.)
+    Mutant(P, "def _clamp_value(x: torch.Tensor, bound: float) -> torch.Tensor:",
+           "def _clamp_value(x: torch.Tensor, bound: float) -> torch.Tensor:\n    return x.clamp(-bound, bound)",
+           "log-ratio clamp no longer straight-through: no gradient beyond +-20"),
+    Mutant(P, "ratios = torch.exp(_clamp_value(log_ratios, LOG_RATIO_CLAMP))", "ratios = torch.exp(log_ratios)",
+           "token log-ratio not clamped at +-20"),
+    Mutant(P, "loss = torch.max(neg_adv * ratios, neg_adv * ratios_clamped)",
+           "loss = torch.min(neg_adv * ratios, neg_adv * ratios_clamped)", "PPO takes the optimistic branch"),
+    Mutant(P, "return -log_ratio", "return log_ratio", "KL penalty k1 with the wrong sign"),
+    Mutant(P, "return log_ratio.square() / 2", "return log_ratio.square()", "KL penalty k2 without the 1/2"),
+    Mutant(P, "return torch.exp(log_ratio) - 1 - log_ratio", "return torch.exp(-log_ratio) - 1 + log_ratio",
+           "KL penalty k3 in the reverse direction"),
+    Mutant(P, "weights = torch.lerp(weights.detach(), weights, free)", "weights = weights",
+           "KL sampling weight not detached where the input clamp is active"),
+    # ---- reductions over the ranks that split a sequence
+    Mutant(D, "dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)",
+           "dist.all_reduce(sums, op=dist.ReduceOp.MAX, group=group)", "sequence statistics max-reduced, not summed"),
+    Mutant(D, "dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)",
+           "dist.all_reduce(maxima, op=dist.ReduceOp.SUM, group=group)", "sequence maxima summed, not max-reduced"),
+    Mutant(D, "dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)", "pass",
+           "differentiable all-reduce: backward does not sum the gradient over ranks"),
+    Mutant(D, "return reduce_sequence_statistics(summed, maxed, groups)", "return summed, maxed",
+           "metrics not reduced over the ranks (each rank reports its own part)"),
+    Mutant("nemo_rs_plugin/metrics.py", "values = torch.where(is_min, -maxed, values)",
+           "values = torch.where(is_min, maxed, values)", "reduced minimum metrics come back negated"),
+    Mutant("nemo_rs_plugin/config.py", 'return "sequence" if self.sequence_level_importance_ratios else "token"',
+           'return "token"', "unset is_correction_level ignores the GSPO flag (NeMo-RL's sequence weight)"),
+    # ---- equivalent
+    Mutant(D, "sums = sums.clone()", "sums = sums",
+           "statistics reduced in place in the caller's tensor",
+           equivalent="every caller passes a temporary it never reads again: _StatPack.reduce a fresh "
+                      "torch.stack, MetricSet.finalize a fresh torch.where result; reduce_sequence_statistics "
+                      "returns the reduced tensor either way"),
+]
