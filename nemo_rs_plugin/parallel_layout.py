@@ -1,13 +1,11 @@
-"""Megatron's load-balanced context-parallel (CP) layout, for unpacked and packed batches.
+"""Megatron's load-balanced context-parallel (CP) layout.
 
 Each sequence, padded to a multiple of ``2 * cp``, is cut into ``2 * cp`` equal chunks; CP
 rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` (so causal attention work is balanced).
-For packed sequences the same cut is applied to every sequence's padded segment of the
-packed stream (``cu_seqlens_padded``), and a rank's shard is the concatenation of its
-chunks of every sequence.
+With sequence packing NeMo-RL cuts every padded sequence the same way and hands a LOGIT-input
+loss one sequence at a time (``SequencePackingLossWrapper``), so the same functions serve.
 
-Entry points: :func:`cp_shard` / :func:`cp_unshard` for ``[B, S]`` tensors,
-:func:`packed_cp_positions` for the positions a rank holds in a packed stream, and
+Entry points: :func:`cp_shard` / :func:`cp_unshard` for ``[B, S]`` tensors and
 :func:`shift_left` for next-token alignment done before sharding.
 """
 
@@ -17,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["cp_chunk_ranges", "cp_shard", "cp_unshard", "packed_cp_positions", "shift_left"]
+__all__ = ["cp_chunk_ranges", "cp_shard", "cp_unshard", "shift_left"]
 
 
 def cp_chunk_ranges(length: int, cp_size: int, cp_rank: int) -> list[tuple[int, int]]:
@@ -57,29 +55,6 @@ def cp_unshard(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
         chunks[r] = s.narrow(dim, 0, half)
         chunks[2 * cp_size - 1 - r] = s.narrow(dim, half, half)
     return torch.cat(chunks, dim=dim)
-
-
-def packed_cp_positions(
-    cu_seqlens_padded: Sequence[int], cp_size: int, cp_rank: int
-) -> list[torch.Tensor]:
-    """For each packed sequence, the in-sequence positions rank ``cp_rank`` holds.
-
-    Args:
-        cu_seqlens_padded: cumulative padded lengths ``[0, L0, L0 + L1, ...]`` (host ints:
-            layout metadata, read once per microbatch).
-        cp_size: ranks in the context-parallel group.
-        cp_rank: this rank's index in it.
-
-    Returns:
-        One 1-D index tensor per sequence; the rank's packed shard is the concatenation of
-        each sequence's values at these positions, in sequence order.
-    """
-    out = []
-    bounds = [int(v) for v in cu_seqlens_padded]
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        ranges = cp_chunk_ranges(end - start, cp_size, cp_rank)
-        out.append(torch.cat([torch.arange(a, b) for a, b in ranges]))
-    return out
 
 
 def shift_left(x: torch.Tensor, fill: float = 0) -> torch.Tensor:

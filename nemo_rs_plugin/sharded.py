@@ -28,14 +28,14 @@ The *metrics* are reduced over the CP group, so every rank reports the full-batc
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
 from nemo_rs_plugin.distributed import SequenceGroups, all_reduce_sum_with_grad, group_is_active
 from nemo_rs_plugin.loss import LossInputs, RSClippedPGLoss
-from nemo_rs_plugin.parallel_layout import cp_shard, packed_cp_positions, shift_left
+from nemo_rs_plugin.parallel_layout import cp_shard, shift_left
 from nemo_rs_plugin.vocab_parallel import target_logprobs
 
 __all__ = ["sharded_loss", "sharded_loss_inputs"]
@@ -61,19 +61,16 @@ def sharded_loss_inputs(
     *,
     cp_group: Any = None,
     tp_group: Any = None,
-    vocab_size: Optional[int] = None,
-    cu_seqlens_padded: Optional[Sequence[int]] = None,
     pad_to_shard: bool = False,
 ) -> LossInputs:
     """Aligned local inputs from a logits shard and NeMo-RL's full-sequence data dict.
 
     Args:
-        logits: ``[B, S/cp, V/tp]`` (unpacked) or ``[1, T_packed/cp, V/tp]`` (packed).
+        logits: ``[B, S/cp, V/tp]`` in Megatron's CP layout (with sequence packing NeMo-RL's
+            ``SequencePackingLossWrapper`` passes one padded sequence at a time, ``B = 1``).
         data: NeMo-RL's data dict with ``[B, S]`` tensors, identical on every rank.
         cp_group: the context-parallel group (or ``None``).
         tp_group: the tensor-parallel group, over which the vocabulary is split (or ``None``).
-        vocab_size: full vocabulary size, checked against the TP sharding when given.
-        cu_seqlens_padded: for packed logits, the cumulative padded sequence lengths.
         pad_to_shard: zero-pad (mask) the data to ``S/cp * cp`` positions when it is
             shorter, as when NeMo-RL's packing wrapper passes one padded sequence's logits
             with that sequence's unpadded data.
@@ -88,7 +85,7 @@ def sharded_loss_inputs(
             "sharded_logits_input; disable the filtering or the sharded input"
         )
     cp, cp_rank = _size_rank(cp_group)
-    if pad_to_shard and cu_seqlens_padded is None:
+    if pad_to_shard:
         data = _pad_sequences(data, logits.shape[1] * cp)
     input_ids = data["input_ids"]
     B, S = input_ids.shape
@@ -96,23 +93,21 @@ def sharded_loss_inputs(
     aligned = {
         name: shift_left(data[key]) for name, key in _ALIGNED_KEYS.items() if key in data
     }
-    if cu_seqlens_padded is None:
-        if S % (2 * cp) != 0:
-            raise ValueError(
-                f"input_ids: sequence length {S} is not divisible by 2 * cp = {2 * cp}; "
-                "pad sequences to a multiple of 2 * cp for the sharded loss path"
-            )
-        if logits.shape[:2] != (B, S // cp):
-            raise ValueError(
-                f"logits shard {tuple(logits.shape)} does not match [B, S/cp] = [{B}, {S // cp}] "
-                f"for sequences of {S} tokens on a CP group of {cp} ranks"
-            )
-        local_logits = logits
-        def shard(x: torch.Tensor) -> torch.Tensor:
-            return cp_shard(x, cp, cp_rank)
-    else:
-        local_logits, shard = _packed_layout(logits, cu_seqlens_padded, cp, cp_rank, B, S)
-    curr = target_logprobs(local_logits, shard(targets), tp_group, vocab_size)
+    if S % (2 * cp) != 0:
+        raise ValueError(
+            f"input_ids: sequence length {S} is not divisible by 2 * cp = {2 * cp}; "
+            "pad sequences to a multiple of 2 * cp for the sharded loss path"
+        )
+    if logits.shape[:2] != (B, S // cp):
+        raise ValueError(
+            f"logits shard {tuple(logits.shape)} does not match [B, S/cp] = [{B}, {S // cp}] "
+            f"for sequences of {S} tokens on a CP group of {cp} ranks"
+        )
+
+    def shard(x: torch.Tensor) -> torch.Tensor:
+        return cp_shard(x, cp, cp_rank)
+
+    curr = target_logprobs(logits, shard(targets), tp_group)
     parts = {name: shard(t) for name, t in aligned.items()}
     return LossInputs(
         curr=curr,
@@ -141,40 +136,6 @@ def _pad_sequences(data: Mapping[str, Any], length: int) -> dict:
     return out
 
 
-def _packed_layout(logits, cu_seqlens_padded, cp, cp_rank, B, S):
-    """Per-sequence rows of a packed local shard, and the matching cut of [B, S] data."""
-    positions = packed_cp_positions(cu_seqlens_padded, cp, cp_rank)
-    if len(positions) != B:
-        raise ValueError(
-            f"cu_seqlens_padded describes {len(positions)} sequences but the batch has {B}"
-        )
-    local_lengths = [len(p) for p in positions]
-    if logits.shape[0] != 1 or logits.shape[1] != sum(local_lengths):
-        raise ValueError(
-            f"packed logits shard {tuple(logits.shape)} does not match [1, {sum(local_lengths)}] "
-            f"implied by cu_seqlens_padded on a CP group of {cp} ranks"
-        )
-    width = max(local_lengths) if local_lengths else 0
-    offsets = torch.tensor([0] + local_lengths[:-1]).cumsum(0)
-    col = torch.arange(width)
-    lengths = torch.tensor(local_lengths)
-    in_seq = col.unsqueeze(0) < lengths.unsqueeze(1)  # [B, width]
-    packed_idx = torch.where(in_seq, offsets.unsqueeze(1) + col.unsqueeze(0), 0)
-    local_logits = logits[0][packed_idx.to(logits.device)]  # [B, width, V_local]
-    seq_len_max = max(int(p.max()) + 1 for p in positions) if positions else 0
-    gather_pos = torch.zeros(B, width, dtype=torch.long)
-    for i, p in enumerate(positions):
-        gather_pos[i, : len(p)] = p
-
-    def shard(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[1] < seq_len_max:  # padded packed segments may be longer than S
-            x = torch.cat([x, x.new_zeros(x.shape[0], seq_len_max - x.shape[1])], dim=1)
-        out = x.gather(1, gather_pos.to(x.device))
-        return out * in_seq.to(x.device, x.dtype) if x.is_floating_point() else out * in_seq.to(x.device)
-
-    return local_logits, shard
-
-
 def sharded_loss(
     loss_fn: RSClippedPGLoss,
     logits: torch.Tensor,
@@ -184,18 +145,14 @@ def sharded_loss(
     *,
     cp_group: Any = None,
     tp_group: Any = None,
-    vocab_size: Optional[int] = None,
-    cu_seqlens_padded: Optional[Sequence[int]] = None,
-    tokens_split_over_tp: bool = False,
     pad_to_shard: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The full loss on every rank (gradients summed over the ranks) and the group-identical
     metrics; see the module docstring for why NeMo-RL's ``/ cp`` then gives its gathered path's
     gradients."""
-    inputs = sharded_loss_inputs(
-        logits, data, cp_group=cp_group, tp_group=tp_group, vocab_size=vocab_size,
-        cu_seqlens_padded=cu_seqlens_padded, pad_to_shard=pad_to_shard,
-    )
-    groups = SequenceGroups.of(cp_group, tp_group if tokens_split_over_tp else None)
+    inputs = sharded_loss_inputs(logits, data, cp_group=cp_group, tp_group=tp_group, pad_to_shard=pad_to_shard)
+    # Only CP splits a sequence's tokens here: TP splits the vocabulary, and Megatron gathers
+    # sequence-parallel activations before the output layer.
+    groups = SequenceGroups.of(cp_group)
     share, metrics = loss_fn.compute(inputs, global_valid_seqs, global_valid_toks, groups)
     return all_reduce_sum_with_grad(share, groups), metrics

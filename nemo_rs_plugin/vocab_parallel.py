@@ -58,7 +58,6 @@ def target_logprobs(
     logits: torch.Tensor,  # [B, T, V_local]
     target: torch.Tensor,  # [B, T] token ids of the next token
     tp_group: Optional[Any] = None,
-    vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
     """``log softmax(logits)[target]`` over the full vocabulary, ``[B, T]`` float32.
 
@@ -66,20 +65,12 @@ def target_logprobs(
         logits: local logits; the vocabulary is split over ``tp_group`` when it has > 1 rank.
         target: next-token ids (global vocabulary indices).
         tp_group: the tensor-parallel group; ``None`` or one rank means full-vocab logits.
-        vocab_size: if given, checked against ``V_local * tp_size`` (a TP group with
-            unsharded logits is an error, not a silent 2x vocabulary).
     """
     if logits.shape[:-1] != target.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and target ids {tuple(target.shape)} disagree on [B, T]"
         )
     tp = dist.get_world_size(tp_group) if group_is_active(tp_group) else 1
-    if vocab_size is not None and logits.shape[-1] * tp != vocab_size:
-        raise ValueError(
-            f"logits hold {logits.shape[-1]} vocabulary columns per rank with a TP group of "
-            f"{tp} ranks, but the vocabulary has {vocab_size}: expected a vocab shard of "
-            f"{vocab_size // tp} columns (are the logits sharded over the TP group?)"
-        )
     if tp == 1:
         return torch.log_softmax(logits.float(), dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     return _VocabParallelTargetLogprob.apply(logits, target, tp_group)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from nemo_rs_plugin import RSClippedPGLoss, RSClippedPGLossConfig
 from nemo_rs_plugin.correction import compute_correction
 from nemo_rs_plugin.distributed import SequenceGroups
-from nemo_rs_plugin.parallel_layout import cp_shard, packed_cp_positions, shift_left
+from nemo_rs_plugin.parallel_layout import cp_shard, shift_left
 from nemo_rs_plugin.sharded import sharded_loss, sharded_loss_inputs
 
 IS = {"use_importance_sampling_correction": True}
@@ -137,7 +137,7 @@ def check_sharded_equals_unsharded(rank, world_size, tp):
         ref_loss, ref_metrics, ref_zgrad, ref_lpgrad = reference(loss_fn, logits, data, gvs, gvt)
         shard = cp_shard(logits, cp, cp_rank)[..., tp_rank * v_local : (tp_rank + 1) * v_local]
         z = shard.clone().requires_grad_(True)
-        inputs = sharded_loss_inputs(z, data, cp_group=cp_group, tp_group=tp_group if tp > 1 else None, vocab_size=V)
+        inputs = sharded_loss_inputs(z, data, cp_group=cp_group, tp_group=tp_group if tp > 1 else None)
         inputs.curr.retain_grad()
         loss, metrics = loss_fn.compute(inputs, gvs, gvt, SequenceGroups.of(cp_group))
         loss.backward()
@@ -206,42 +206,6 @@ def check_statistic_reduced_before_masking(rank, world_size):
     return failures
 
 
-def check_packed_sequences(rank, world_size):
-    """Packed layout under CP: per-sequence padded segments, each cut into 2*cp chunks."""
-    cp = world_size
-    group = dist.new_group(list(range(world_size)))
-    B, S, V = 3, 12, 7
-    logits_rows, data, gvs, gvt = make_data(B, S, V, seed=3)
-    lengths = [12, 8, 4]  # padded lengths, multiples of 2*cp = 4
-    cu = [0]
-    for L in lengths:
-        cu.append(cu[-1] + L)
-    packed = torch.cat([logits_rows[i, :L] for i, L in enumerate(lengths)]).unsqueeze(0)  # [1, 24, V]
-    # data beyond each padded length is masked out in the reference too
-    for i, L in enumerate(lengths):
-        data["token_mask"][i, L:] = 0
-    valid = data["token_mask"][:, 1:].float() * data["sample_mask"][:, None]
-    gvt = valid.sum()
-    failures = []
-    for name in ("gspo/sequence_mean+geo-rs+veto+token-k3", "token-level/filters-sum-max-min-kl"):
-        loss_fn = RSClippedPGLoss(CONFIGS[name])
-        ref_loss, ref_metrics, ref_zgrad, _ = reference(loss_fn, logits_rows, data, gvs, gvt)
-        positions = packed_cp_positions(cu, cp, rank)
-        local = torch.cat([packed[0, cu[i] + p] for i, p in enumerate(positions)]).unsqueeze(0)
-        z = local.clone().requires_grad_(True)
-        loss, metrics = sharded_loss(loss_fn, z, data, gvs, gvt, cp_group=group, cu_seqlens_padded=cu)
-        # The full loss on every rank; backward sums the ranks' gradients, so each rank's 1/cp
-        # gives it the whole dL/dz_r (NeMo-RL's cp_normalize does exactly this).
-        (loss / cp).backward()
-        failures += compare_loss_and_metrics(f"packed {name}", loss / cp, metrics, ref_loss, ref_metrics, group)
-        if not close(loss.detach(), ref_loss):
-            failures.append(f"packed {name}: returned loss {loss.item()} is not the full loss {ref_loss.item()}")
-        want = torch.cat([ref_zgrad[i, p] for i, p in enumerate(positions)]).unsqueeze(0)
-        if not close(z.grad, want, abs_=1e-6 * (ref_zgrad.abs().max().item() + 1e-12)):
-            failures.append(f"packed {name}: logits grad max diff {(z.grad - want).abs().max().item():.3g}")
-    return failures
-
-
 def check_bad_groups(rank, world_size):
     group = dist.new_group(list(range(world_size)))
     logits, data, gvs, gvt = make_data(2, 16, 6)
@@ -251,9 +215,6 @@ def check_bad_groups(rank, world_size):
         "shard shape": (lambda: sharded_loss(loss_fn, logits, data, gvs, gvt, cp_group=group), "does not match [B, S/cp]"),
         "divisibility": (lambda: sharded_loss(loss_fn, logits[:, :7], {**data, "input_ids": data["input_ids"][:, :14]},
                                               gvs, gvt, cp_group=group), "not divisible by 2 * cp"),
-        "tp without vocab sharding": (lambda: sharded_loss(loss_fn, logits, data, gvs, gvt,
-                                                           cp_group=None, tp_group=group, vocab_size=6),
-                                      "are the logits sharded over the TP group"),
     }
     for label, (call, needle) in cases.items():
         try:

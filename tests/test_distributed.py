@@ -36,10 +36,6 @@ def test_statistics_cost_one_sum_and_one_max_and_no_all_gather():
     run_world(2, cases.check_collective_budget)
 
 
-def test_packed_sequences_under_cp2():
-    run_world(2, cases.check_packed_sequences)
-
-
 def test_bad_groups_and_shapes_fail_clearly():
     run_world(2, cases.check_bad_groups)
 
