@@ -384,16 +384,6 @@ class RSClippedPGLossConfig(BaseModel):
             return self.is_correction_level
         return "sequence" if self.sequence_level_importance_ratios else "token"
 
-    @property
-    def has_plugin_fields(self) -> bool:
-        """True when any plugin field differs from its default."""
-        return (
-            self.is_correction_level is not None
-            or bool(self.rejection_sampling)
-            or self.rejection_denominator != "original"
-            or self.sharded_logits_input
-        )
-
 
 def as_plain_dict(cfg: Any) -> dict[str, Any]:
     """A loss section (mapping, pydantic model with its extras, DictConfig, object) as a dict."""

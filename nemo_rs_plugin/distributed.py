@@ -14,7 +14,6 @@ Entry points:
 * :func:`reduce_sequence_statistics`: detached statistics that feed masks: one SUM and at
   most one MAX all-reduce per group, O(batch) bytes.
 * :func:`all_reduce_sum_with_grad`: differentiable SUM (GSPO ratio, sequence-level loss).
-* :func:`all_reduce_metrics`: the metric vector, so every rank reports the same values.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ __all__ = [
     "SequenceGroups",
     "reduce_sequence_statistics",
     "all_reduce_sum_with_grad",
-    "all_reduce_metrics",
     "group_is_active",
 ]
 
@@ -132,17 +130,3 @@ def all_reduce_sum_with_grad(x: torch.Tensor, groups: SequenceGroups = NO_GROUPS
     for group in groups.groups:
         x = _AllReduceSumWithGrad.apply(x, group)
     return x
-
-
-def all_reduce_metrics(
-    summed: torch.Tensor,
-    maxed: torch.Tensor,
-    groups: SequenceGroups = NO_GROUPS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reduce the metric vectors so every rank of a group reports identical values.
-
-    ``summed`` holds metrics that are sums of per-token or per-sequence contributions
-    (already divided by the global denominators); ``maxed`` holds extrema, minima negated.
-    """
-    return reduce_sequence_statistics(summed, maxed, groups)
-

@@ -20,7 +20,7 @@ from typing import Callable, Literal
 
 import torch
 
-from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_metrics
+from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
 
 __all__ = ["MetricSet", "Normalization", "Reduction"]
 
@@ -81,7 +81,7 @@ class MetricSet:
             # Extrema in one MAX collective: minima negated; other entries are neutral.
             neutral = torch.full_like(values, -float("inf"))
             maxed = torch.where(is_max, values, torch.where(is_min, -values, neutral))
-            summed, maxed = all_reduce_metrics(summed.unsqueeze(0), maxed.unsqueeze(0), groups)
+            summed, maxed = reduce_sequence_statistics(summed.unsqueeze(0), maxed.unsqueeze(0), groups)
             summed, maxed = summed[0], maxed[0]
             values = torch.where(is_sum, summed, values)
             values = torch.where(is_max, maxed, values)
