@@ -6,7 +6,8 @@ Subcommands:
   training/inference mismatch (default: NeMo-RL PR #2269's 9k tokens at 2%) or on
   log-probs saved from a run (``--from``); prints a table, can write CSV/JSON/PNG.
 * ``nemo-rs check RECIPE [overrides]``: validate the loss section, print the pipeline in
-  words, warn about legal but likely wrong settings. Exit 2 on errors, one line each.
+  words, warn about legal but likely wrong settings. Exit 2 on errors, one line each; exit 3
+  when no error was found but something could not be checked (``not checked:`` lines).
 * ``nemo-rs recipes``: list the shipped recipes, or copy them next to a NeMo-RL checkout.
 * ``nemo-rs reference``: print the configuration reference (docs/configuration-reference.md).
 """
@@ -18,7 +19,11 @@ import json
 import sys
 from typing import Optional, Sequence
 
-__all__ = ["main"]
+__all__ = ["main", "EXIT_INVALID", "EXIT_UNCHECKED"]
+
+EXIT_INVALID = 2  # bad input: one ``error:`` line each
+EXIT_UNCHECKED = 3  # check: no errors found, but part of the recipe could not be checked
+
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -69,9 +74,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
     report = check_recipe(args.recipe, args.overrides, args.nemo_rl, args.mismatch, args.response_tokens)
     for line in report.errors:
         print(f"error: {line}", file=sys.stderr)
+    for line in report.unchecked:
+        print(f"not checked: {line}", file=sys.stderr)
     if report.errors:
-        return 2
-    print(f"{args.recipe}: valid")
+        return EXIT_INVALID
+    if report.unchecked:
+        print(f"{args.recipe}: no errors found, but not fully checked (the 'not checked' lines on stderr "
+              "say what, why and how to check it)")
+    else:
+        print(f"{args.recipe}: valid")
     for note in report.notes:
         print(f"note: {note}")
     print("correction pipeline:")
@@ -79,7 +90,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"  {line}")
     for warning in report.warnings:
         print(f"warning: {warning}")
-    return 0
+    return EXIT_UNCHECKED if report.unchecked else 0
 
 
 def _cmd_recipes(args: argparse.Namespace) -> int:
