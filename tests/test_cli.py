@@ -81,19 +81,6 @@ def test_simulate_from_jsonl_and_torch(tmp_path, capsys):
     assert main(["simulate", "--from", str(pt), "--configs", "token"]) == 0
 
 
-@pytest.mark.parametrize("content, needle", [
-    ('{"prev_logprobs": [0.1], "generation_logprobs": [0.1]}\n{"prev_logprobs": [0.1]}', ":2: field 'generation_logprobs' is missing"),
-    ('{"prev_logprobs": [0.1, 0.2], "generation_logprobs": [0.1]}', ":1: field 'generation_logprobs' has 1 values, expected 2"),
-    ('{"prev_logprobs": "x", "generation_logprobs": [0.1]}', ":1: field 'prev_logprobs' must be a list of numbers"),
-    ('{"prev_logprobs": [0.1], "generation_logprobs": [0.1]}\nnot json', ":2: record is not valid JSON"),
-])
-def test_simulate_from_malformed_names_record_and_field(tmp_path, content, needle):
-    path = tmp_path / "bad.jsonl"
-    path.write_text(content)
-    code, _, err = run_cli("simulate", "--from", str(path))
-    assert code == 2 and needle in err and "Traceback" not in err
-
-
 def test_check_bad_input_one_line_per_problem_exit_2(tmp_path, capsys):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("loss_fn:\n  name: rs_clipped_pg\n   is_correction_level: x\n")
@@ -123,6 +110,8 @@ def test_console_script_bad_input_exit_code_and_no_traceback(tmp_path):
     """The one run through a real interpreter: exit codes and stderr as a shell sees them."""
     code, out, err = run_cli("check", str(tmp_path / "missing.yaml"))
     assert code == 2 and err.startswith("error: ") and "Traceback" not in err, err
+    code, out, err = run_cli("simulate", "--length", "0")
+    assert code == 2 and err == "error: --length: got 0; must be at least 1\n" and out == "", err
 
 
 @pytest.mark.parametrize("recipe", list_recipes(), ids=lambda p: p.name)
