@@ -13,8 +13,8 @@ real :class:`~nemo_rs_plugin.loss.RSClippedPGLoss` runs forward and backward; th
 the IS weight mean / std / min, effective sample size, fraction of sequences and tokens
 rejected, and the gradient norm relative to the uncorrected loss.
 
-The default reproduces NeMo-RL PR #2269: ~9k-token responses at ~2% per-token mismatch, where
-``sequence`` weights collapse and ``sequence_mean`` stays near 1.
+The default is NeMo-RL PR #2269's situation, ~9k-token responses at ~2% per-token mismatch;
+README.md states what it shows, for which seeds (tests/test_cli_docs.py reruns those commands).
 """
 
 from __future__ import annotations
