@@ -115,6 +115,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from nemo_rs_plugin.check import check_recipe
 
+    problems = []
+    if not math.isfinite(args.mismatch) or args.mismatch < 0:
+        problems.append(f"--mismatch: got {args.mismatch}; allowed: a finite number >= 0")
+    if args.response_tokens is not None and args.response_tokens < 1:
+        problems.append(f"--response-tokens: got {args.response_tokens}; must be at least 1")
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    if problems:
+        return EXIT_INVALID
     report = check_recipe(args.recipe, args.overrides, args.nemo_rl, args.mismatch, args.response_tokens)
     for line in report.errors:
         print(f"error: {line}", file=sys.stderr)
@@ -172,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, help="seed of the synthetic batches (default 0)")
     s.add_argument("--configs", nargs="+", metavar="NAME", help="subset of the built-in configurations")
     s.add_argument("--csv", metavar="FILE", help="write the table as CSV")
-    s.add_argument("--json", metavar="FILE", help="write the table as strict JSON (non-finite values as the strings NaN, Infinity)")
+    s.add_argument("--json", metavar="FILE",
+                   help="write the table as strict JSON (non-finite values as the strings NaN, Infinity)")
     s.add_argument("--plot", metavar="FILE.png", help="bar charts; the suffix names the format (needs matplotlib)")
     s.set_defaults(func=_cmd_simulate)
 

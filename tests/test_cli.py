@@ -1,6 +1,7 @@
 """The nemo-rs command: simulate, check, recipes, reference; bad input gives clear lines."""
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -19,10 +20,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
-def _temporary_files_in_tmp_path(tmp_path, monkeypatch):
+def _files_only_in_tmp_path(tmp_path, monkeypatch):
+    """Temporary files under tmp_path; where NeMo-RL is importable, check imports its GRPO
+    module, and the start-up hook links the plugin for Ray workers and extends PYTHONPATH."""
     temp = tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.setenv("NEMO_RS_PLUGIN_WORKER_PATH", str(tmp_path / "worker-path"))
+    saved = os.environ.get("PYTHONPATH")
+    yield
+    if saved is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = saved
 
 
 @pytest.fixture
@@ -87,8 +97,9 @@ def test_check_bad_input_one_line_per_problem_exit_2(tmp_path, capsys):
     no_loss = tmp_path / "noloss.yaml"
     no_loss.write_text("grpo:\n  num_prompts_per_step: 8\n")
     invalid = tmp_path / "invalid.yaml"
+    token_filter = {"level": "token", "agg": "mean", "upper": 2}
     invalid.write_text(yaml.safe_dump({"loss_fn": {"name": "rs_clipped_pg", "is_correction_level": "seq",
-                                                   "rejection_sampling": [{"level": "token", "agg": "mean", "upper": 2}]}}))
+                                                   "rejection_sampling": [token_filter]}}))
     cases = {  # recipe: (number of problems, what the lines say)
         str(tmp_path / "missing.yaml"): (1, ["missing.yaml: no such file"]),
         str(bad_yaml): (1, ["bad.yaml:3:", "invalid YAML"]),
@@ -135,7 +146,8 @@ def test_check_prints_the_pipeline_and_warnings(tmp_path, capsys, no_nemo_rl):
     }))
     assert main(["check", str(recipe)]) == 3  # NeMo-RL is not importable here: not fully checked
     out = capsys.readouterr().out
-    assert "GSPO sequence ratio" in out and "the geometric mean of its token ratios (Geo-RS) is in [0.9999, 1.0001]" in out
+    assert "GSPO sequence ratio" in out
+    assert "the geometric mean of its token ratios (Geo-RS) is in [0.9999, 1.0001]" in out
     assert "async_grpo.enabled is true but loss_fn.use_importance_sampling_correction is false" in out
     assert "would reject" in out
     recipe.write_text(yaml.safe_dump({

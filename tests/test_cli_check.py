@@ -321,6 +321,19 @@ def test_shorthand_without_defaults_is_fine(tmp_path, capsys, no_nemo_rl):
     assert code == EXIT_UNCHECKED and not error_lines(err)
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--mismatch", "-0.01"], "--mismatch: got -0.01; allowed: a finite number >= 0"),
+    (["--mismatch", "nan"], "--mismatch: got nan; allowed: a finite number >= 0"),
+    (["--response-tokens", "0"], "--response-tokens: got 0; must be at least 1"),
+])
+def test_bad_check_option_is_one_line(tmp_path, capsys, no_nemo_rl, args, needle):
+    recipe = write_recipe(tmp_path / "r.yaml", {"loss_fn": {**LOSS, "rejection_sampling": [
+        {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}]}})
+    code, out, err = run_check(capsys, recipe, *args)
+    assert code == EXIT_INVALID and out == ""
+    assert error_lines(err) == [f"error: {needle}"]
+
+
 # --------------------------------------------------------------------------- temporary files
 def test_no_temporary_directory_is_left_behind(tmp_path, capsys, isolated):
     """A shipped recipe is placed in the checkout through a temporary directory: removed after."""

@@ -89,7 +89,8 @@ def test_synthetic_options_with_from_are_an_error(tmp_path, capsys, no_run, args
     assert code == EXIT_INVALID
     [line] = error_lines(err)
     flags = [a for a in args if a.startswith("--")]
-    assert line == f"error: {', '.join(flags)}: shape(s) the synthetic batch, which --from replaces; drop them or drop --from"
+    assert line == (f"error: {', '.join(flags)}: shape(s) the synthetic batch, which --from replaces; "
+                    "drop them or drop --from")
 
 
 # --------------------------------------------------------------------------- --from
@@ -128,7 +129,8 @@ def test_from_jsonl_one_token_records_and_empty_records(tmp_path, capsys):
 def test_from_torch_drops_position_0_as_nemo_rl(tmp_path, capsys):
     # NeMo-RL's layout: position 0 belongs to no predicted token; d = 0.3 there is ignored.
     pt = tmp_path / "run.pt"
-    torch.save({"prev_logprobs": torch.tensor([[0.3, -0.5, -1.0]]), "generation_logprobs": torch.tensor([[0.0, -1.0, -1.0]]),
+    torch.save({"prev_logprobs": torch.tensor([[0.3, -0.5, -1.0]]),
+                "generation_logprobs": torch.tensor([[0.0, -1.0, -1.0]]),
                 "advantages": torch.ones(1, 3), "sample_mask": torch.ones(1)}, pt)
     rows = rows_of(capsys, tmp_path, "--from", str(pt), "--configs", "sequence")
     assert rows["sequence"]["is_weight_mean"] == pytest.approx(math.exp(0.5), rel=1e-6)
@@ -139,12 +141,14 @@ GOOD = {"prev_logprobs": [-0.1, -0.2], "generation_logprobs": [-0.1, -0.2]}
 
 @pytest.mark.parametrize("records, needle", [
     ([GOOD, {"prev_logprobs": [0.1]}], ":2: field 'generation_logprobs' is missing"),
-    ([{"prev_logprobs": [0.1, 0.2], "generation_logprobs": [0.1]}], ":1: field 'generation_logprobs' has 1 values, expected 2"),
+    ([{"prev_logprobs": [0.1, 0.2], "generation_logprobs": [0.1]}],
+     ":1: field 'generation_logprobs' has 1 values, expected 2"),
     ([{"prev_logprobs": "x", "generation_logprobs": [0.1]}], ":1: field 'prev_logprobs' must be a list of numbers"),
     ([GOOD, "not json"], ":2: record is not valid JSON"),
     (["[1, 2]"], ":1: record must be a JSON object"),
     ([{**GOOD, "prev_logprobs": [-0.1, True]}], ":1: field 'prev_logprobs' value 1 is true; expected a number or null"),
-    ([{**GOOD, "generation_logprobs": [-0.1, "a"]}], ":1: field 'generation_logprobs' value 1 is \"a\"; expected a number"),
+    ([{**GOOD, "generation_logprobs": [-0.1, "a"]}],
+     ":1: field 'generation_logprobs' value 1 is \"a\"; expected a number"),
     ([{**GOOD, "token_mask": [1, 2]}], ":1: field 'token_mask' value 1 is 2; expected 0 or 1"),
     ([{**GOOD, "token_mask": [1, None]}], ":1: field 'token_mask' value 1 is null; expected 0 or 1"),
     ([{**GOOD, "advantage": None}], ":1: field 'advantage' is null; expected a finite number"),
@@ -185,12 +189,16 @@ B2S4 = {"prev_logprobs": torch.zeros(2, 4), "generation_logprobs": torch.zeros(2
     ({**B2S4, "token_mask": [1, 2]}, "field 'token_mask' must be a tensor, got list"),
     ({**B2S4, "token_mask": torch.ones(2, 3)}, "field 'token_mask' has shape [2, 3], expected [2, 4]"),
     ({**B2S4, "token_mask": torch.full((2, 4), 2)}, "field 'token_mask' must hold 0 or 1 only"),
-    ({**B2S4, "generation_logprobs": torch.zeros(2, 5)}, "field 'generation_logprobs' has shape [2, 5], expected [2, 4]"),
-    ({**B2S4, "generation_logprobs": torch.zeros(2, 4, 1)}, "field 'generation_logprobs' must be a [B, S] tensor, got [2, 4, 1]"),
-    ({**B2S4, "prev_logprobs": torch.zeros(2, 4, dtype=torch.complex64)}, "field 'prev_logprobs' must hold real numbers"),
+    ({**B2S4, "generation_logprobs": torch.zeros(2, 5)},
+     "field 'generation_logprobs' has shape [2, 5], expected [2, 4]"),
+    ({**B2S4, "generation_logprobs": torch.zeros(2, 4, 1)},
+     "field 'generation_logprobs' must be a [B, S] tensor, got [2, 4, 1]"),
+    ({**B2S4, "prev_logprobs": torch.zeros(2, 4, dtype=torch.complex64)},
+     "field 'prev_logprobs' must hold real numbers"),
     ({**B2S4, "prev_logprobs": torch.zeros(2, 4, dtype=torch.bool)}, "field 'prev_logprobs' must hold real numbers"),
     ({"prev_logprobs": torch.zeros(0, 4), "generation_logprobs": torch.zeros(0, 4)}, "holds no sequence (B = 0)"),
-    ({"prev_logprobs": torch.zeros(2, 1), "generation_logprobs": torch.zeros(2, 1)}, "has S = 1; position 0 is dropped"),
+    ({"prev_logprobs": torch.zeros(2, 1), "generation_logprobs": torch.zeros(2, 1)},
+     "has S = 1; position 0 is dropped"),
     ({"prev_logprobs": torch.zeros(2, 4)}, "field 'generation_logprobs' is missing"),
     ({**B2S4, "token_mask": torch.tensor([[1, 0, 0, 0], [1, 0, 0, 0]])}, "no valid token in any sequence"),
     ([1, 2], "expected a dict of tensors, got list"),
