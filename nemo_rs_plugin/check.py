@@ -257,7 +257,11 @@ def _inherited_loss_mapping(path: str) -> Optional[str]:
     """The parent (from ``defaults``) that defines a ``loss_fn`` mapping, if any."""
     for parent in _defaults_of(_read_yaml(path)):
         parent_path = _parent_path(path, parent)
-        if os.path.isfile(parent_path) and isinstance(_load_plain(parent_path, []).get("loss_fn"), dict):
+        try:
+            inherited = _load_plain(parent_path, []) if os.path.isfile(parent_path) else {}
+        except (yaml.YAMLError, OSError, UnicodeDecodeError):
+            continue  # reported by the loader that follows
+        if isinstance(inherited.get("loss_fn"), dict):
             return parent
     return None
 

@@ -315,6 +315,15 @@ def test_shorthand_with_an_inherited_loss_mapping_is_one_line(tmp_path, capsys, 
                            "mapping inherited from base.yaml")
 
 
+def test_unreadable_parent_is_one_line(tmp_path, capsys, no_nemo_rl):
+    (tmp_path / "base.yaml").write_text("loss_fn: [unclosed\n")
+    recipe = write_recipe(tmp_path / "r.yaml", {"defaults": "base.yaml", "loss_fn": "rs_clipped_pg"})
+    code, _, err = run_check(capsys, recipe)
+    assert code == EXIT_INVALID
+    [line] = error_lines(err)
+    assert line.startswith(f"error: {recipe}: a file it inherits through defaults does not load ("), line
+
+
 def test_shorthand_without_defaults_is_fine(tmp_path, capsys, no_nemo_rl):
     recipe = write_recipe(tmp_path / "r.yaml", {"loss_fn": "rs_clipped_pg"})
     code, _, err = run_check(capsys, recipe)
