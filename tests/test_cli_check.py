@@ -33,6 +33,8 @@ def isolated(tmp_path, monkeypatch):
     # The start-up hook links the plugin for Ray workers when a GRPO module is imported.
     monkeypatch.setenv("NEMO_RS_PLUGIN_WORKER_PATH", str(tmp_path / "worker-path"))
     saved_modules = {k: v for k, v in sys.modules.items() if _is_nemo_rl(k)}
+    for k in saved_modules:  # each test imports the NeMo-RL it names (or none)
+        del sys.modules[k]
     saved_path = list(sys.path)
     saved_pythonpath = os.environ.get("PYTHONPATH")
     yield temp
