@@ -6,7 +6,8 @@ Subcommands:
   training/inference mismatch (default: NeMo-RL PR #2269's 9k tokens at 2%) or on
   log-probs saved from a run (``--from``); prints a table, can write CSV/JSON/PNG.
 * ``nemo-rs check RECIPE [overrides]``: validate the loss section, print the pipeline in
-  words, warn about legal but likely wrong settings. Exit 2 on errors, one line each.
+  words, warn about legal but likely wrong settings. Exit 2 on errors, one line each; exit 3
+  when no error was found but something could not be checked (``not checked:`` lines).
 * ``nemo-rs recipes``: list the shipped recipes, or copy them next to a NeMo-RL checkout.
 * ``nemo-rs reference``: print the configuration reference (docs/configuration-reference.md).
 """
@@ -14,64 +15,127 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
 from typing import Optional, Sequence
 
-__all__ = ["main"]
+__all__ = ["main", "EXIT_INVALID", "EXIT_UNCHECKED"]
+
+EXIT_INVALID = 2  # bad input: one ``error:`` line each
+EXIT_UNCHECKED = 3  # check: no errors found, but part of the recipe could not be checked
+
+
+# Options that shape the synthetic batch: (flag, default); none of them applies to --from.
+SYNTHETIC_OPTIONS = {
+    "responses": ("--responses", 16),
+    "length": ("--length", 9000),
+    "mismatch": ("--mismatch", 0.02),
+    "outlier_rate": ("--outlier-rate", 0.0),
+    "staleness": ("--staleness", 0.0),
+    "steps": ("--steps", 4),
+    "seed": ("--seed", 0),
+}
+
+
+def _simulate_problems(args: argparse.Namespace) -> list[str]:
+    """Every problem with the options, found before the (minutes long) run."""
+    from nemo_rs_plugin import simulate as sim
+
+    problems = []
+    if args.from_file:
+        given = [flag for dest, (flag, _) in SYNTHETIC_OPTIONS.items() if getattr(args, dest) is not None]
+        if given:
+            problems.append(f"{', '.join(given)}: shape(s) the synthetic batch, which --from replaces; "
+                            "drop them or drop --from")
+    else:
+        for dest, (_, default) in SYNTHETIC_OPTIONS.items():
+            if getattr(args, dest) is None:
+                setattr(args, dest, default)
+        for dest in ("responses", "length", "steps"):
+            if getattr(args, dest) < 1:
+                problems.append(f"{SYNTHETIC_OPTIONS[dest][0]}: got {getattr(args, dest)}; must be at least 1")
+        for dest, upper in (("mismatch", None), ("outlier_rate", 1.0), ("staleness", None)):
+            v = getattr(args, dest)
+            if not math.isfinite(v) or v < 0 or (upper is not None and v > upper):
+                allowed = f"a number in [0, {upper:g}]" if upper is not None else "a finite number >= 0"
+                problems.append(f"{SYNTHETIC_OPTIONS[dest][0]}: got {v}; allowed: {allowed}")
+    for flag, path in (("--csv", args.csv), ("--json", args.json), ("--plot", args.plot)):
+        if path:
+            problems += sim.output_problems(flag, path)
+    if args.plot:
+        problems += sim.plot_problems(args.plot)
+    return problems
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from nemo_rs_plugin import simulate as sim
 
     configs = dict(sim.DEFAULT_CONFIGS)
+    problems = []
     if args.configs:
         unknown = [c for c in args.configs if c not in configs]
         if unknown:
-            print(f"error: unknown configuration(s) {', '.join(unknown)}; known: {', '.join(configs)}",
-                  file=sys.stderr)
-            return 2
-        configs = {c: configs[c] for c in args.configs}
-    if args.from_file:
+            problems.append(f"--configs: unknown configuration(s) {', '.join(unknown)}; known: {', '.join(configs)}")
+        configs = {c: configs[c] for c in args.configs if c in configs}
+    problems += _simulate_problems(args)
+    if not problems and args.from_file:
         try:
             batches = [sim.load_batch(args.from_file)]
         except sim.BatchFormatError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            problems.append(str(exc))
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    if problems:
+        return EXIT_INVALID
+    if args.from_file:
         source = f"{args.from_file}: {batches[0]['prev_logprobs'].shape[0]} sequences"
     else:
         model = sim.MismatchModel(responses=args.responses, length=args.length, mismatch=args.mismatch,
                                   outlier_rate=args.outlier_rate, staleness=args.staleness, seed=args.seed)
         batches = [sim.synthetic_batch(model, step) for step in range(args.steps)]
-        source = (f"synthetic: {args.responses} responses x {args.steps} steps of {args.length // 2}-"
+        source = (f"synthetic: {args.responses} responses x {args.steps} steps of {max(1, args.length // 2)}-"
                   f"{args.length} tokens, {args.mismatch:g} per-token mismatch, outlier rate "
-                  f"{args.outlier_rate:g}, staleness {args.staleness:g}")
+                  f"{args.outlier_rate:g}, staleness {args.staleness:g}, seed {args.seed}")
     print(source)
     rows = sim.run(configs, batches, progress=sim.progress_bar)
     print(sim.format_table(rows))
-    if args.csv:
-        sim.write_csv(rows, args.csv)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"source": source, "rows": rows}, fh, indent=2)
-    if args.plot:
-        try:
+    try:
+        if args.csv:
+            sim.write_csv(rows, args.csv)
+        if args.json:
+            sim.write_json(rows, source, args.json)
+        if args.plot:
             sim.write_plot(rows, args.plot)
-        except ImportError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    except OSError as exc:
+        print(f"error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_INVALID
     return 0
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from nemo_rs_plugin.check import check_recipe
 
+    problems = []
+    if not math.isfinite(args.mismatch) or args.mismatch < 0:
+        problems.append(f"--mismatch: got {args.mismatch}; allowed: a finite number >= 0")
+    if args.response_tokens is not None and args.response_tokens < 1:
+        problems.append(f"--response-tokens: got {args.response_tokens}; must be at least 1")
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    if problems:
+        return EXIT_INVALID
     report = check_recipe(args.recipe, args.overrides, args.nemo_rl, args.mismatch, args.response_tokens)
     for line in report.errors:
         print(f"error: {line}", file=sys.stderr)
+    for line in report.unchecked:
+        print(f"not checked: {line}", file=sys.stderr)
     if report.errors:
-        return 2
-    print(f"{args.recipe}: valid")
+        return EXIT_INVALID
+    if report.unchecked:
+        print(f"{args.recipe}: no errors found, but not fully checked (the 'not checked' lines on stderr "
+              "say what, why and how to check it)")
+    else:
+        print(f"{args.recipe}: valid")
     for note in report.notes:
         print(f"note: {note}")
     print("correction pipeline:")
@@ -79,7 +143,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"  {line}")
     for warning in report.warnings:
         print(f"warning: {warning}")
-    return 0
+    return EXIT_UNCHECKED if report.unchecked else 0
 
 
 def _cmd_recipes(args: argparse.Namespace) -> int:
@@ -108,17 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("simulate", help="run corrections through the real loss on a mismatch")
     s.add_argument("--from", dest="from_file", metavar="FILE",
                    help="per-token log-probs from a run (JSONL or torch file; docs/cli.md)")
-    s.add_argument("--responses", type=int, default=16, help="sequences per batch (default 16)")
-    s.add_argument("--length", type=int, default=9000, help="longest response in tokens (default 9000)")
-    s.add_argument("--mismatch", type=float, default=0.02, help="per-token log-prob noise std (default 0.02)")
-    s.add_argument("--outlier-rate", type=float, default=0.0, help="fraction of MoE-routing outlier tokens")
-    s.add_argument("--staleness", type=float, default=0.0, help="per-sequence log-ratio shift scale (async)")
-    s.add_argument("--steps", type=int, default=4, help="batches to average over (default 4)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--responses", type=int, help="sequences per batch (default 16)")
+    s.add_argument("--length", type=int, help="longest response in tokens (default 9000)")
+    s.add_argument("--mismatch", type=float, help="per-token log-prob noise std (default 0.02)")
+    s.add_argument("--outlier-rate", type=float, help="fraction of MoE-routing outlier tokens (default 0)")
+    s.add_argument("--staleness", type=float, help="per-sequence log-ratio shift scale, async (default 0)")
+    s.add_argument("--steps", type=int, help="batches to average over (default 4)")
+    s.add_argument("--seed", type=int, help="seed of the synthetic batches (default 0)")
     s.add_argument("--configs", nargs="+", metavar="NAME", help="subset of the built-in configurations")
-    s.add_argument("--csv", metavar="FILE")
-    s.add_argument("--json", metavar="FILE")
-    s.add_argument("--plot", metavar="FILE.png", help="bar charts (needs matplotlib)")
+    s.add_argument("--csv", metavar="FILE", help="write the table as CSV")
+    s.add_argument("--json", metavar="FILE",
+                   help="write the table as strict JSON (non-finite values as the strings NaN, Infinity)")
+    s.add_argument("--plot", metavar="FILE.png", help="bar charts; the suffix names the format (needs matplotlib)")
     s.set_defaults(func=_cmd_simulate)
 
     c = sub.add_parser("check", help="validate a recipe's loss_fn and explain it")

@@ -13,13 +13,15 @@ real :class:`~nemo_rs_plugin.loss.RSClippedPGLoss` runs forward and backward; th
 the IS weight mean / std / min, effective sample size, fraction of sequences and tokens
 rejected, and the gradient norm relative to the uncorrected loss.
 
-The default reproduces NeMo-RL PR #2269: ~9k-token responses at ~2% per-token mismatch, where
-``sequence`` weights collapse and ``sequence_mean`` stays near 1.
+The default is NeMo-RL PR #2269's situation, ~9k-token responses at ~2% per-token mismatch;
+README.md states what it shows, for which seeds (tests/test_cli_docs.py reruns those commands).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +32,19 @@ import torch
 from nemo_rs_plugin.loss import RSClippedPGLoss
 from nemo_rs_plugin.masking import log_ratio
 
-__all__ = ["MismatchModel", "DEFAULT_CONFIGS", "synthetic_batch", "load_batch", "run", "BatchFormatError"]
+__all__ = [
+    "MismatchModel",
+    "DEFAULT_CONFIGS",
+    "synthetic_batch",
+    "load_batch",
+    "run",
+    "BatchFormatError",
+    "format_table",
+    "write_csv",
+    "write_json",
+    "write_plot",
+    "plot_figure",
+]
 
 _IS = {"use_importance_sampling_correction": True, "reference_policy_kl_penalty": 0.0}
 DEFAULT_CONFIGS: dict[str, dict] = {
@@ -92,101 +106,170 @@ def synthetic_batch(m: MismatchModel, step: int = 0) -> dict[str, torch.Tensor]:
 
 
 _REQUIRED = ("prev_logprobs", "generation_logprobs")
+_JSONL_FIELDS = ("prev_logprobs", "generation_logprobs", "token_mask", "advantage")
+TORCH_SUFFIXES = (".pt", ".pth", ".torch")
 
 
 def load_batch(path: str) -> dict[str, torch.Tensor]:
     """Per-token log-probs saved from a real run: JSONL (one sequence per line) or torch.
 
-    JSONL record: ``{"prev_logprobs": [...], "generation_logprobs": [...],
-    "token_mask": [...] (optional, default all 1), "advantage": float (optional)}``; lists
-    of one record have equal lengths. Torch file: a dict of ``[B, S]`` tensors with the same
-    keys (``advantages`` ``[B, S]`` or ``[B]``, optional ``sample_mask`` ``[B]``), e.g. the
-    fields of NeMo-RL's ``train_data``. Position 0 is treated as NeMo-RL's first position.
+    JSONL (any suffix but ``.pt``/``.pth``/``.torch``), one JSON object per line, blank lines
+    skipped::
+
+        {"prev_logprobs": [...], "generation_logprobs": [...], "token_mask": [...], "advantage": 0.5}
+
+    Each list holds one entry per response token, in order, and every entry is used (no
+    leading position is dropped); the three lists of a record have equal lengths (records
+    may differ). ``token_mask`` (0/1, default all 1) and ``advantage`` (a finite number,
+    default 1) are optional; ``null`` in a log-prob list marks a non-finite value. Other
+    fields are an error (a misspelt ``advantages`` would otherwise be ignored).
+
+    Torch file (``.pt``/``.pth``/``.torch``): a dict of tensors in NeMo-RL's ``train_data``
+    layout: ``prev_logprobs`` and ``generation_logprobs`` ``[B, S]`` (real dtype),
+    optional ``token_mask`` ``[B, S]`` (0/1), ``advantages`` ``[B]``, ``[B, 1]`` or
+    ``[B, S]``, ``sample_mask`` ``[B]`` (0/1); other keys are ignored. As in NeMo-RL's
+    loss, position 0 is dropped (its log-prob belongs to no predicted token), so ``S >= 2``.
+
+    Returns a batch in the layout of :func:`synthetic_batch` (position 0 a dummy position).
 
     Raises:
-        BatchFormatError: naming the record (line) and the field that is wrong.
+        BatchFormatError: one line naming the file, the record (line) and the field.
     """
     p = Path(path)
     if not p.is_file():
         raise BatchFormatError(f"{path}: no such file")
-    if p.suffix in (".pt", ".pth", ".torch"):
-        return _load_torch(p)
-    return _load_jsonl(p)
+    if p.suffix in TORCH_SUFFIXES:
+        batch = _load_torch(p)
+    else:
+        batch = _load_jsonl(p)
+    valid = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
+    if not bool((valid != 0).any()):
+        raise BatchFormatError(f"{p}: no valid token in any sequence (every one is empty or masked)")
+    return batch
+
+
+def _real_tensor(p: Path, raw: dict, key: str, shapes: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    t = raw[key]
+    if not isinstance(t, torch.Tensor):
+        raise BatchFormatError(f"{p}: field {key!r} must be a tensor, got {type(t).__name__}")
+    if t.is_complex() or (t.dtype == torch.bool and key not in ("token_mask", "sample_mask")):
+        raise BatchFormatError(f"{p}: field {key!r} must hold real numbers, got dtype {t.dtype}")
+    if tuple(t.shape) not in shapes:
+        expected = " or ".join(str(list(s)) for s in shapes)
+        raise BatchFormatError(f"{p}: field {key!r} has shape {list(t.shape)}, expected {expected}")
+    return t
+
+
+def _zero_one(p: Path, key: str, t: torch.Tensor) -> torch.Tensor:
+    t = t.float()
+    if not bool(((t == 0) | (t == 1)).all()):
+        raise BatchFormatError(f"{p}: field {key!r} must hold 0 or 1 only")
+    return t
 
 
 def _load_torch(p: Path) -> dict[str, torch.Tensor]:
     try:
         raw = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is a format error
-        raise BatchFormatError(f"{p}: not a readable torch file ({exc})") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BatchFormatError(f"{p}: not a readable torch file ({first})") from None
     if not isinstance(raw, dict):
         raise BatchFormatError(f"{p}: expected a dict of tensors, got {type(raw).__name__}")
     for key in _REQUIRED:
         if key not in raw:
             raise BatchFormatError(f"{p}: field {key!r} is missing")
         if not isinstance(raw[key], torch.Tensor) or raw[key].dim() != 2:
-            raise BatchFormatError(f"{p}: field {key!r} must be a [B, S] tensor")
+            shape = list(raw[key].shape) if isinstance(raw[key], torch.Tensor) else type(raw[key]).__name__
+            raise BatchFormatError(f"{p}: field {key!r} must be a [B, S] tensor, got {shape}")
     B, S = raw["prev_logprobs"].shape
-    out = {k: raw[k].float() for k in _REQUIRED}
-    if out["generation_logprobs"].shape != (B, S):
-        raise BatchFormatError(f"{p}: field 'generation_logprobs' has shape "
-                               f"{tuple(out['generation_logprobs'].shape)}, expected {(B, S)}")
-    mask = raw.get("token_mask", torch.ones(B, S))
-    if tuple(mask.shape) != (B, S):
-        raise BatchFormatError(f"{p}: field 'token_mask' has shape {tuple(mask.shape)}, expected {(B, S)}")
-    out["token_mask"] = (mask != 0).long()
-    adv = raw.get("advantages", torch.ones(B))
-    out["advantages"] = (adv.float().reshape(B, 1).expand(B, S) if adv.dim() == 1 else adv.float()).contiguous()
-    out["sample_mask"] = raw.get("sample_mask", torch.ones(B)).float()
+    if B == 0:
+        raise BatchFormatError(f"{p}: field 'prev_logprobs' holds no sequence (B = 0)")
+    if S < 2:
+        raise BatchFormatError(f"{p}: field 'prev_logprobs' has S = {S}; position 0 is dropped as in NeMo-RL's "
+                               "loss, so S must be at least 2")
+    out = {k: _real_tensor(p, raw, k, ((B, S),)).float() for k in _REQUIRED}
+    mask = _real_tensor(p, raw, "token_mask", ((B, S),)) if "token_mask" in raw else torch.ones(B, S)
+    out["token_mask"] = _zero_one(p, "token_mask", mask).long()
+    if "advantages" in raw:
+        adv = _real_tensor(p, raw, "advantages", ((B,), (B, 1), (B, S))).float()
+    else:
+        adv = torch.ones(B)
+    out["advantages"] = (adv.reshape(B, 1).expand(B, S) if adv.numel() == B else adv).contiguous()
+    sample = _real_tensor(p, raw, "sample_mask", ((B,),)) if "sample_mask" in raw else torch.ones(B)
+    out["sample_mask"] = _zero_one(p, "sample_mask", sample)
     return out
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _jsonl_record(p: Path, lineno: int, line: str) -> tuple[dict, int, float]:
+    """One validated JSONL record: ``(record, number of tokens, advantage)``."""
+    where = f"{p}:{lineno}"
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise BatchFormatError(f"{where}: record is not valid JSON ({exc.msg})") from None
+    if not isinstance(rec, dict):
+        raise BatchFormatError(f"{where}: record must be a JSON object")
+    unknown = [k for k in rec if k not in _JSONL_FIELDS]
+    if unknown:
+        raise BatchFormatError(f"{where}: field {unknown[0]!r} is unknown (fields: {', '.join(_JSONL_FIELDS)})")
+    n = None
+    for key in _REQUIRED + ("token_mask",):
+        if key not in rec:
+            if key == "token_mask":
+                continue
+            raise BatchFormatError(f"{where}: field {key!r} is missing")
+        value = rec[key]
+        if not isinstance(value, list):
+            raise BatchFormatError(f"{where}: field {key!r} must be a list of numbers")
+        for j, v in enumerate(value):
+            if key == "token_mask" and not (_is_number(v) and v in (0, 1)):
+                raise BatchFormatError(f"{where}: field 'token_mask' value {j} is {json.dumps(v)}; expected 0 or 1")
+            if key != "token_mask" and not (v is None or _is_number(v)):
+                raise BatchFormatError(f"{where}: field {key!r} value {j} is {json.dumps(v)}; expected a number "
+                                       "or null")
+        if n is None:
+            n = len(value)
+        elif len(value) != n:
+            raise BatchFormatError(f"{where}: field {key!r} has {len(value)} values, expected {n}")
+    adv = rec.get("advantage", 1.0)
+    if not _is_number(adv) or not math.isfinite(adv):
+        raise BatchFormatError(f"{where}: field 'advantage' is {json.dumps(adv)}; expected a finite number")
+    return rec, n or 0, float(adv)
 
 
 def _load_jsonl(p: Path) -> dict[str, torch.Tensor]:
     records = []
-    with open(p) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise BatchFormatError(f"{p}:{lineno}: record is not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict):
-                raise BatchFormatError(f"{p}:{lineno}: record must be a JSON object")
-            n = None
-            for key in _REQUIRED + ("token_mask",):
-                if key not in rec:
-                    if key == "token_mask":
-                        continue
-                    raise BatchFormatError(f"{p}:{lineno}: field {key!r} is missing")
-                value = rec[key]
-                if not isinstance(value, list) or not all(isinstance(v, (int, float)) or v is None for v in value):
-                    raise BatchFormatError(f"{p}:{lineno}: field {key!r} must be a list of numbers")
-                if n is None:
-                    n = len(value)
-                elif len(value) != n:
-                    raise BatchFormatError(f"{p}:{lineno}: field {key!r} has {len(value)} values, expected {n}")
-            adv = rec.get("advantage", 1.0)
-            if not isinstance(adv, (int, float)):
-                raise BatchFormatError(f"{p}:{lineno}: field 'advantage' must be a number")
-            records.append((rec, n, float(adv)))
+    try:
+        with open(p, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if line.strip():
+                    records.append(_jsonl_record(p, lineno, line))
+    except UnicodeDecodeError:
+        raise BatchFormatError(f"{p}: not a UTF-8 JSONL file (a torch file needs the suffix "
+                               f"{', '.join(TORCH_SUFFIXES)})") from None
     if not records:
         raise BatchFormatError(f"{p}: no records")
-    B, S = len(records), max(n for _, n, _ in records)
+    # Position 0 is a dummy (NeMo-RL's layout, dropped by the loss): every listed token counts.
+    B, S = len(records), 1 + max(n for _, n, _ in records)
 
-    def column(key: str, fill: float) -> torch.Tensor:
-        out = torch.full((B, S), fill)
+    def column(key: str) -> torch.Tensor:
+        out = torch.zeros(B, S)
         for i, (rec, n, _) in enumerate(records):
-            if key in rec:
-                out[i, :n] = torch.tensor([float("nan") if v is None else float(v) for v in rec[key]])
+            if n:
+                out[i, 1:n + 1] = torch.tensor([float("nan") if v is None else float(v) for v in rec[key]])
         return out
 
     mask = torch.zeros(B, S, dtype=torch.long)
     for i, (rec, n, _) in enumerate(records):
-        mask[i, :n] = torch.tensor(rec["token_mask"], dtype=torch.long) if "token_mask" in rec else 1
+        if n:
+            mask[i, 1:n + 1] = torch.tensor(rec["token_mask"], dtype=torch.long) if "token_mask" in rec else 1
     adv = torch.tensor([a for _, _, a in records]).reshape(B, 1).expand(B, S).contiguous()
-    return {"prev_logprobs": column("prev_logprobs", 0.0), "generation_logprobs": column("generation_logprobs", 0.0),
-            "token_mask": (mask != 0).long(), "sample_mask": torch.ones(B), "advantages": adv}
+    return {"prev_logprobs": column("prev_logprobs"), "generation_logprobs": column("generation_logprobs"),
+            "token_mask": mask, "sample_mask": torch.ones(B), "advantages": adv}
 
 
 def _metrics_of(cfg: dict, batch: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
@@ -204,22 +287,29 @@ def _metrics_of(cfg: dict, batch: dict[str, torch.Tensor]) -> tuple[dict, torch.
 
 
 def _applied_weights(cfg: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per-unit IS weights the loss applies (float64, the loss's own correction function)."""
+    """Per-unit IS weights the loss applies, from the loss's own correction function.
+
+    Computed in the batch's dtype (float32), as the loss computes them: a weight whose
+    ``exp`` overflows float32 is 0 there (:func:`~nemo_rs_plugin.masking.finite_exp`), so it
+    is 0 here too. Returned as float64 for the statistics (``w**2`` of a large float32
+    weight must not overflow).
+    """
     from nemo_rs_plugin.config import RSClippedPGLossConfig
     from nemo_rs_plugin.correction import compute_correction
 
     c = RSClippedPGLossConfig.from_any(cfg)
-    _, d, d_finite = log_ratio(batch["prev_logprobs"][:, 1:].double(), batch["generation_logprobs"][:, 1:].double())
-    tm = batch["token_mask"][:, 1:].double()
-    sm = batch["sample_mask"].double()
+    dtype = batch["prev_logprobs"].dtype
+    _, d, d_finite = log_ratio(batch["prev_logprobs"][:, 1:], batch["generation_logprobs"][:, 1:])
+    tm = batch["token_mask"][:, 1:].to(dtype)
+    sm = batch["sample_mask"].to(dtype)
     valid = tm * sm[:, None]
     out = compute_correction(d, d_finite, valid, tm, sm, d_finite, c, sm.sum(), valid.sum())
     if c.effective_is_level == "token":
         units = valid != 0
-        return (out.is_weight * out.keep)[units]
+        return (out.is_weight * out.keep)[units].double()
     kept_rows = (out.keep * valid).sum(-1) > 0
     units = (sm != 0) & ((valid.sum(-1) > 0))
-    return (out.is_weight.squeeze(-1) * kept_rows)[units]
+    return (out.is_weight.squeeze(-1) * kept_rows)[units].double()
 
 
 def run(
@@ -292,6 +382,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def write_csv(rows: list[dict[str, Any]], path: str) -> None:
+    """The table as CSV (non-finite values as ``nan`` / ``inf``, as Python prints them)."""
     import csv
 
     with open(path, "w", newline="") as fh:
@@ -300,30 +391,110 @@ def write_csv(rows: list[dict[str, Any]], path: str) -> None:
         writer.writerows(rows)
 
 
-def write_plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Bar charts of the IS weight mean, ESS and rejected fraction (needs matplotlib)."""
+def _strict_json_value(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+    return v
+
+
+def write_json(rows: list[dict[str, Any]], source: str, path: str) -> None:
+    """``{"source": ..., "rows": [...]}`` in strict JSON (RFC 8259 has no NaN or Infinity).
+
+    A non-finite value is written as the string ``"NaN"``, ``"Infinity"`` or
+    ``"-Infinity"``, which Python's ``float()`` and JavaScript's ``Number()`` both read back.
+    """
+    data = {"source": source, "rows": [{k: _strict_json_value(v) for k, v in r.items()} for r in rows]}
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=2, allow_nan=False)
+        fh.write("\n")
+
+
+def output_problems(flag: str, path: str) -> list[str]:
+    """Why ``path`` cannot be written (``[]`` if it can), checked before a run."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return [f"{flag} {path}: is a directory"]
+    if not os.path.isdir(parent):
+        return [f"{flag} {path}: directory {parent} does not exist"]
+    if not os.access(parent, os.W_OK):
+        return [f"{flag} {path}: directory {parent} is not writable"]
+    return []
+
+
+PLOT_HELP = "--plot needs matplotlib: pip install 'nemo-rs-plugin[plot]'"
+
+
+def _pyplot() -> Any:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ImportError("--plot needs matplotlib: pip install 'nemo-rs-plugin[plot]'") from exc
+        raise ImportError(PLOT_HELP) from exc
+    return plt
+
+
+def plot_problems(path: str) -> list[str]:
+    """Why ``--plot path`` cannot be drawn (matplotlib missing, format unknown), before a run."""
+    try:
+        plt = _pyplot()
+    except ImportError:
+        return [PLOT_HELP]
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = sorted(plt.figure().canvas.get_supported_filetypes())
+    plt.close("all")
+    if not suffix:
+        return [f"--plot {path}: no suffix; name the format ({', '.join(formats)})"]
+    if suffix not in formats:
+        return [f"--plot {path}: unknown format {suffix!r} (supported: {', '.join(formats)})"]
+    return []
+
+
+# The weight panel's axis: 1 = no change of the learning rate; a bar beyond the axis (a
+# weight far above 1) is cut there and labelled with its value instead of squashing the rest.
+WEIGHT_AXIS_MAX = 2.0
+
+
+def plot_figure(rows: list[dict[str, Any]]) -> Any:
+    """The matplotlib figure of :func:`write_plot` (needs matplotlib).
+
+    Bar charts of the IS weight mean, ESS and rejected fraction. Every panel has a fixed axis
+    starting at 0 (fractions and ESS in [0, 1]; the weight in [0, ``WEIGHT_AXIS_MAX``]), so an
+    all-zero panel still reads as zero and one huge weight does not squash the other bars;
+    values beyond the axis, and non-finite ones, are written on their bar.
+    """
+    plt = _pyplot()
     names = [r["config"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    for ax, (key, title) in zip(axes, (("is_weight_mean", "mean IS weight (1 = no LR shrink)"),
-                                       ("ess", "effective sample size"),
-                                       ("seq_rejected", "fraction of sequences rejected"))):
-        values = [r[key] for r in rows]
-        ax.barh(names, values, color="#4c72b0")
+    panels = (("is_weight_mean", "mean IS weight (1 = no LR change)", WEIGHT_AXIS_MAX),
+              ("ess", "effective sample size", 1.0),
+              ("seq_rejected", "fraction of sequences rejected", 1.0))
+    for ax, (key, title, top) in zip(axes, panels):
+        values = [float(r[key]) for r in rows]
+        shown = [min(v, top) if math.isfinite(v) else 0.0 for v in values]
+        ax.barh(names, shown, color="#4c72b0")
         ax.set_title(title, fontsize=10)
-        ax.set_xlim(0, max(1.05, 1.05 * max(values)))  # fractions and ESS live in [0, 1]
+        ax.set_xlim(0, 1.05 * top)
+        if key == "is_weight_mean":
+            ax.axvline(1.0, color="#888888", linewidth=0.8, linestyle="--")
+        for i, v in enumerate(values):
+            if math.isfinite(v) and v > top:
+                ax.text(0.98 * top, i, f"{v:.3g}", va="center", ha="right", fontsize=8, color="white")
+            elif not math.isfinite(v):
+                ax.text(0.02 * top, i, f"{v}", va="center", ha="left", fontsize=8)
         ax.invert_yaxis()
     for ax in axes[1:]:
         ax.set_yticklabels([])
     fig.tight_layout()
+    return fig
+
+
+def write_plot(rows: list[dict[str, Any]], path: str) -> None:
+    """:func:`plot_figure` saved to ``path`` (the suffix names the format)."""
+    fig = plot_figure(rows)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
 
 
 def progress_bar(done: int, total: int, stream=sys.stderr) -> None:
