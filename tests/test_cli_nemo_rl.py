@@ -8,7 +8,6 @@ NeMo-RL >= 0.7 needs on Python < 3.12 (``typing.TypedDict``; see shared/nemo-rl/
 so that its ``MasterConfig`` imports and the full validation runs.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,17 +18,11 @@ import pytest
 import yaml
 
 from nemo_rs_plugin.recipes import list_recipes
+from tests.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
 
 
-def _hosts():
-    env = os.environ.get("NEMO_RS_NEMO_RL_CHECKOUTS")
-    if env:
-        return [p for p in env.split(os.pathsep) if p]
-    return [""] if importlib.util.find_spec("nemo_rl") is not None else []
-
-
-HOSTS = _hosts()
-pytestmark = pytest.mark.skipif(not HOSTS, reason="NeMo-RL is not importable (set NEMO_RS_NEMO_RL_CHECKOUTS)")
+HOSTS = nemo_rl_hosts()
+pytestmark = no_hosts_mark()
 
 RUNNER = r"""
 import contextlib, io, json, sys
@@ -90,7 +83,7 @@ def errors(result):
     return [line for line in result["err"].splitlines() if line.startswith("error: ")]
 
 
-@pytest.mark.parametrize("host", HOSTS)
+@pytest.mark.parametrize("host", HOSTS, ids=host_label)
 def test_check_as_a_user_runs_it_never_says_valid_without_checking(host, tmp_path):
     root = checkout_of(host)
     recipe = str(next(p for p in list_recipes() if "async" in p.name))
@@ -105,7 +98,7 @@ def test_check_as_a_user_runs_it_never_says_valid_without_checking(host, tmp_pat
     assert left_behind(tmp_path) == []  # the temporary copy of the recipe is gone
 
 
-@pytest.mark.parametrize("host", HOSTS)
+@pytest.mark.parametrize("host", HOSTS, ids=host_label)
 def test_check_validates_fully_in_nemo_rl_s_environment(host, tmp_path):
     root = checkout_of(host)
     base = root / "examples" / "configs" / "grpo_math_1B.yaml"
@@ -122,7 +115,7 @@ def test_check_validates_fully_in_nemo_rl_s_environment(host, tmp_path):
     ])
     api = data["api"]
     if api is None or not data["master_imports"]:
-        pytest.skip(f"NeMo-RL at {host or 'this environment'} does not import with this Python: "
+        skip_or_fail(f"NeMo-RL at {host or 'this environment'} does not import with this Python: "
                     f"{results[0]['err'][-300:]}")
     *recipes, own_base, bad_override, bad_shorthand, bad_master = results
     # Every shipped recipe and NeMo-RL's own base config are fully valid at every version,
