@@ -1,0 +1,162 @@
+"""Count the aten operators one loss call dispatches (forward + backward), against NeMo-RL's loss.
+
+On a GPU the loss moves little data; its cost is one kernel launch per operator plus its host
+syncs. The operator count is measured here on CPU with a ``TorchDispatchMode`` that records
+every aten operator that is not a view (views launch no kernel), over forward and backward.
+Host transfers (``.item()``, ``.tolist()``, ``bool()``/``float()`` of a tensor) are
+counted with a ``TorchFunctionMode``: each is a host-device sync on a GPU. Ratios are against NeMo-RL's own ``ClippedPGLossFn`` in the same process, on its
+plain config, so the numbers are comparable across machines.
+
+Targets (issue "Ready for the GPU"): each upstream-equivalent config dispatches no more ops
+than NeMo-RL's loss on the same config; the five-stage pipeline at most 1.5x NeMo-RL's plain.
+
+Usage: PYTHONPATH=<NeMo-RL checkout> python benchmarks/bench_ops.py [--top 8] [--size 4x256]
+Without NeMo-RL importable the plugin's counts are printed alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nemo_rs_plugin import RSClippedPGLoss  # noqa: E402
+
+TIS = {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
+       "truncated_importance_sampling_ratio": 2.0}
+SEQ_MASK_TIS = {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
+                "truncated_importance_sampling_ratio": 1.002, "truncated_importance_sampling_ratio_min": 0.999}
+UPSTREAM_CONFIGS = {"plain": {}, "tis": TIS, "seq-mask-tis": SEQ_MASK_TIS}
+PIPELINE = {
+    "use_importance_sampling_correction": True,
+    "is_correction_level": "sequence_mean",
+    "truncated_importance_sampling_type": "tis",
+    "truncated_importance_sampling_ratio": 2.0,
+    "rejection_sampling": [
+        {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.999, "upper": 1.002},
+        {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4},
+        {"level": "token", "metric": "ratio", "lower": 0.5, "upper": 2.0},
+    ],
+}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts non-view aten operators by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.counts[str(func.overloadpacket).removeprefix("aten.")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class HostTransferCounter(TorchFunctionMode):
+    """Counts calls that move a tensor's values to the host."""
+
+    TRANSFERS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
+                 torch.Tensor.__int__}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.TRANSFERS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def make_inputs(B: int, S: int):
+    g = torch.Generator().manual_seed(0)
+    prev = -torch.rand(B, S, generator=g) * 2
+    token_mask = torch.ones(B, S, dtype=torch.long)
+    token_mask[:, :2] = 0
+    data = {
+        "input_ids": torch.zeros(B, S, dtype=torch.long),
+        "advantages": torch.randn(B, 1, generator=g).expand(B, S).contiguous(),
+        "prev_logprobs": prev * token_mask,
+        "generation_logprobs": (prev + 0.01 * torch.randn(B, S, generator=g)) * token_mask,
+        "reference_policy_logprobs": prev * token_mask,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(B),
+    }
+    curr = prev[:, 1:] + 0.01 * torch.randn(B, S - 1, generator=g)
+    return curr, data, torch.tensor(float(B)), token_mask[:, 1:].sum().float()
+
+
+def count(loss_fn, B: int, S: int, wrap=lambda d: d) -> collections.Counter:
+    curr, data, gvs, gvt = make_inputs(B, S)
+    loss_fn(curr.clone().requires_grad_(True), wrap(dict(data)), gvs, gvt)[0].backward()  # warm-up
+    lp = curr.clone().requires_grad_(True)
+    with HostTransferCounter() as transfers, OpCounter() as counter:
+        loss, _ = loss_fn(lp, wrap(dict(data)), gvs, gvt)
+        loss.backward()
+    counter.counts["<host transfers>"] = transfers.count
+    return counter.counts
+
+
+def nemo_rl_loss(cfg: dict):
+    """NeMo-RL's own loss for ``cfg`` (and its data wrapper), or ``None`` without NeMo-RL."""
+    try:
+        from tests import nemo_rl_shims
+
+        nemo_rl_shims.install()
+        from nemo_rl.algorithms import loss as host
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+    except Exception:  # noqa: BLE001 - NeMo-RL not importable: plugin numbers alone
+        return None, None
+    full = {"reference_policy_kl_penalty": 0.01, **cfg}
+    config = host.ClippedPGLossConfig(**full) if hasattr(host.ClippedPGLossConfig, "model_fields") else full
+    return host.ClippedPGLossFn(config), BatchedDataDict
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="4x256", help="B x S of the batch (op counts do not depend on it)")
+    parser.add_argument("--top", type=int, default=8, help="most frequent operators to list per config")
+    args = parser.parse_args(argv)
+    B, S = (int(v) for v in args.size.lower().split("x"))
+
+    rows = []
+    nemo_plain = None
+    for name, cfg in UPSTREAM_CONFIGS.items():
+        host, wrap = nemo_rl_loss(cfg)
+        nemo = count(host, B, S, wrap) if host is not None else None
+        if name == "plain" and nemo is not None:
+            nemo_plain = sum(v for k, v in nemo.items() if not k.startswith("<"))
+        rows.append((f"upstream-equivalent/{name}", count(RSClippedPGLoss({"reference_policy_kl_penalty": 0.01, **cfg}),
+                                                           B, S), nemo))
+    rows.append(("sequence_mean+tis+geo-rs+veto+token-mis", count(RSClippedPGLoss(PIPELINE), B, S), None))
+
+    print(f"aten operators per loss call (forward + backward, non-view), B x S = {B} x {S}")
+    print(f"{'config':42s} {'plugin':>7s} {'NeMo-RL':>8s} {'ratio':>6s} {'host transfers':>15s} "
+          f"{'vs NeMo-RL plain':>17s}")
+    for name, ours, theirs in rows:
+        syncs = ours.pop("<host transfers>")
+        their_syncs = theirs.pop("<host transfers>") if theirs is not None else None
+        total = sum(ours.values())
+        ref = sum(theirs.values()) if theirs is not None else None
+        ratio = f"{total / ref:6.2f}" if ref else "     -"
+        plain = f"{total / nemo_plain:17.2f}" if nemo_plain else "                -"
+        transfers = f"{syncs} vs {their_syncs}" if their_syncs is not None else str(syncs)
+        print(f"{name:42s} {total:7d} {ref if ref is not None else '-':>8} {ratio} {transfers:>15s} {plain}")
+    for name, ours, theirs in rows:
+        top = ", ".join(f"{op} {n}" for op, n in ours.most_common(args.top))
+        print(f"  {name}: {top}")
+        if theirs is not None:
+            print(f"  {'NeMo-RL':>{len(name)}}: " + ", ".join(f"{op} {n}" for op, n in theirs.most_common(args.top)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
