@@ -1,19 +1,18 @@
 """Start-up hook of nemo-rs-plugin (run from ``nemo_rs_plugin.pth``; standard library only).
 
-It registers an import hook and returns: nothing is imported until NeMo-RL's own setup
-modules are. When ``nemo_rl.algorithms.grpo``, ``nemo_rl.algorithms.ppo`` or
-``nemo_rl.algorithms.single_controller_utils.setup`` finishes importing, the name
-``ClippedPGLossFn`` in that module is replaced by a selector that builds the loss named by
-``loss_fn.name`` (NeMo-RL's own loss when there is no name); ``nemo_rl.utils.config`` gets the
-``loss_fn: <name>`` shorthand. The same moment the plugin is put on ``PYTHONPATH`` (through a
-directory holding only a link to the package) so that Ray workers in NeMo-RL's per-worker
-virtual environments can unpickle the loss.
+It runs in every interpreter of the environment, so at start-up it imports nothing (``os``
+and ``sys`` are loaded already), registers an import hook and returns: nothing else happens
+until NeMo-RL's own setup modules are imported. When ``nemo_rl.algorithms.grpo``,
+``nemo_rl.algorithms.ppo`` or ``nemo_rl.algorithms.single_controller_utils.setup`` finishes
+importing, the name ``ClippedPGLossFn`` in that module is replaced by a selector that builds
+the loss named by ``loss_fn.name`` (NeMo-RL's own loss when there is no name);
+``nemo_rl.utils.config`` gets the ``loss_fn: <name>`` shorthand. The same moment the plugin is
+put on ``PYTHONPATH`` (through a directory holding only a link to the package) so that Ray
+workers in NeMo-RL's per-worker virtual environments can unpickle the loss.
 
 Set ``NEMO_RS_PLUGIN_DISABLE=1`` to switch all of this off.
 """
 
-import importlib.abc
-import importlib.util
 import os
 import sys
 
@@ -27,7 +26,9 @@ LOSS_MODULES = (
 CONFIG_MODULE = "nemo_rl.utils.config"
 
 
-class _PatchingLoader(importlib.abc.Loader):
+# Plain classes, not importlib.abc subclasses: importing importlib.abc at start-up pulls in
+# ~60 modules (importlib.resources, pathlib, typing, tempfile, ...) in every interpreter.
+class _PatchingLoader:
     """Delegates to the real loader, then patches the freshly executed module."""
 
     def __init__(self, loader, fullname):
@@ -45,7 +46,7 @@ class _PatchingLoader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     """Finds nothing itself: wraps the loader of NeMo-RL's setup modules."""
 
     def find_spec(self, fullname, path, target=None):
@@ -86,6 +87,8 @@ def expose_to_workers():
     NeMo-RL's own ``NEMO_RL_VENV_DIR`` must): set ``NEMO_RS_PLUGIN_WORKER_PATH`` to choose it.
     Returns the directory, or ``None`` when the package location is unknown.
     """
+    import importlib.util
+
     spec = importlib.util.find_spec("nemo_rs_plugin")
     if spec is None or not spec.submodule_search_locations:
         return None

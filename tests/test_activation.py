@@ -100,6 +100,45 @@ def test_shorthand_and_its_limit(tmp_path):
     assert out["mapping.yaml"] == {"loss_fn": {"reference_policy_kl_penalty": 0.0, "name": "rs_clipped_pg"}}
 
 
+def _bare_venv(path: Path) -> tuple[Path, Path]:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
+                   capture_output=True, timeout=300)
+    python = path / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    return python, Path(site)
+
+
+def _startup_modules(python: Path, env=None) -> set:
+    code = "import sys, json; print(json.dumps(sorted(sys.modules)))"
+    # -c imports json after start-up; the modules it pulls in are the same with or without the hook.
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True, env=env)
+    return set(json.loads(proc.stdout))
+
+
+@pytest.mark.parametrize("disabled", [False, True], ids=["enabled", "disabled"])
+def test_startup_hook_adds_only_itself_to_interpreter_start(tmp_path, disabled):
+    # The two files a regular install puts at the root of site-packages.
+    python, site = _bare_venv(tmp_path / "venv")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NEMO_RS_PLUGIN_DISABLE")}
+    if disabled:
+        env["NEMO_RS_PLUGIN_DISABLE"] = "1"
+    without = _startup_modules(python, env)
+    for name in ("_nemo_rs_plugin_hook.py", "nemo_rs_plugin.pth"):
+        (site / name).write_bytes((REPO / name).read_bytes())
+    with_hook = _startup_modules(python, env)
+    assert with_hook - without == {"_nemo_rs_plugin_hook"}, sorted(with_hook - without)
+
+
+def test_pth_line_is_quiet_when_the_hook_module_is_gone(tmp_path):
+    # An editable install whose source tree was removed: no traceback at every start.
+    python, site = _bare_venv(tmp_path / "venv")
+    (site / "nemo_rs_plugin.pth").write_bytes((REPO / "nemo_rs_plugin.pth").read_bytes())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([str(python), "-c", "pass"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and proc.stderr == ""
+
+
 def _deps_dir() -> str:
     import torch
 
@@ -145,7 +184,8 @@ def ray_worker_roundtrip(tmp_path, host):
     # lockfile dependencies, not the plugin), started with the driver's environment.
     worker_python = _make_venv(tmp_path / "worker-venv")
     worker_env = dict(driver["worker_env"])
-    probe = subprocess.run([str(worker_python), "-c", "import importlib.util as u; print(u.find_spec('nemo_rs_plugin') is None)"],
+    probe_code = "import importlib.util as u; print(u.find_spec('nemo_rs_plugin') is None)"
+    probe = subprocess.run([str(worker_python), "-c", probe_code],
                            capture_output=True, text=True, cwd=tmp_path,
                            env={k: v for k, v in worker_env.items() if k != "PYTHONPATH"})
     if probe.stdout.strip() != "True":
