@@ -17,6 +17,21 @@ def startup():
             "pydantic": "pydantic" in sys.modules, "nemo_rs_plugin": "nemo_rs_plugin" in sys.modules}
 
 
+def worker_path():
+    """expose_to_workers on GRPO import: warnings, the link, PYTHONPATH, dangling links pruned."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from nemo_rl.algorithms import grpo  # noqa: F401
+    import _nemo_rs_plugin_hook as hook
+
+    base = hook.worker_path_base()
+    return {"warnings": [str(w.message) for w in caught if "nemo-rs-plugin" in str(w.message)],
+            "pythonpath": os.environ.get("PYTHONPATH", "").split(os.pathsep),
+            "entries": sorted(os.listdir(base)) if os.path.isdir(base) else None}
+
+
 def _batch():
     import torch
 

@@ -100,6 +100,33 @@ def test_shorthand_and_its_limit(tmp_path):
     assert out["mapping.yaml"] == {"loss_fn": {"reference_policy_kl_penalty": 0.0, "name": "rs_clipped_pg"}}
 
 
+@needs_install
+def test_unwritable_worker_path_is_reported(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = dict(os.environ, NEMO_RS_PLUGIN_WORKER_PATH=str(blocker / "worker-path"))
+    out = run_script("worker_path", env=env)
+    assert len(out["warnings"]) == 1, out
+    assert f"cannot link the package into {blocker / 'worker-path'}" in out["warnings"][0]
+    assert "ModuleNotFoundError: No module named 'nemo_rs_plugin'" in out["warnings"][0]
+    assert "NEMO_RS_PLUGIN_WORKER_PATH" in out["warnings"][0]
+
+
+@needs_install
+def test_dangling_worker_links_are_removed_and_taken_off_pythonpath(tmp_path):
+    base = tmp_path / "worker-path"
+    stale = base / "deadbeef"
+    stale.mkdir(parents=True)
+    (stale / "nemo_rs_plugin").symlink_to(tmp_path / "uninstalled" / "nemo_rs_plugin")
+    env = dict(os.environ, NEMO_RS_PLUGIN_WORKER_PATH=str(base), PYTHONPATH=str(stale))
+    out = run_script("worker_path", env=env)
+    assert out["warnings"] == []
+    assert len(out["entries"]) == 1 and out["entries"] != ["deadbeef"], out
+    shim = str(base / out["entries"][0])
+    assert str(stale) not in out["pythonpath"] and out["pythonpath"][-1] == shim
+    assert os.path.isfile(os.path.join(shim, "nemo_rs_plugin", "__init__.py"))
+
+
 def _bare_venv(path: Path) -> tuple[Path, Path]:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
                    capture_output=True, timeout=300)
