@@ -247,14 +247,20 @@ def _keys_of(cfg: Any) -> list[str]:
     return list(extra)
 
 
-def check_host_loss_config(cfg: Any) -> None:
-    """Reject plugin fields (or near-misspellings of them) under NeMo-RL's own loss."""
+def check_host_loss_config(cfg: Any, name: Optional[str] = None) -> None:
+    """Reject plugin fields (or near-misspellings of them) under NeMo-RL's own loss.
+
+    ``name`` is the ``loss_fn.name`` that selected NeMo-RL's loss (``None``: no name).
+    """
+    fix = (
+        "add `name: rs_clipped_pg` to loss_fn" if name is None
+        else f"set `name: rs_clipped_pg` (name {name!r} is NeMo-RL's own loss)"
+    )
     problems = []
     for key in _keys_of(cfg):
         if key in PLUGIN_FIELDS:
             problems.append(
-                f"{key}: a nemo-rs-plugin field under NeMo-RL's own loss, which would ignore "
-                "it; add `name: rs_clipped_pg` to loss_fn"
+                f"{key}: a nemo-rs-plugin field under NeMo-RL's own loss, which would ignore it; {fix}"
             )
         elif key not in UPSTREAM_FIELDS and key != "name":
             guess = difflib.get_close_matches(key, PLUGIN_FIELDS, n=1, cutoff=0.75)
@@ -279,12 +285,12 @@ class ClippedPGLossSelector:
 
     def __call__(self, cfg: Any, *args: Any, **kwargs: Any) -> Any:
         name = loss_name_of(cfg)
-        if name is None:
-            check_host_loss_config(cfg)
-            return self.original(cfg, *args, **kwargs)
-        target = get_loss_class(name)
-        if target is self.original and not _host_accepts_fused_flag():
-            kwargs.pop("use_fused_linear_logprobs", None)
+        target = self.original if name is None else get_loss_class(name)
+        if target is self.original:
+            # NeMo-RL's own loss ignores the plugin's fields: refuse them, named or not.
+            check_host_loss_config(cfg, name)
+            if not _host_accepts_fused_flag():
+                kwargs.pop("use_fused_linear_logprobs", None)
         return target(cfg, *args, **kwargs)
 
     def __instancecheck__(self, obj: Any) -> bool:

@@ -91,6 +91,8 @@ def errors():
         "plugin_field_without_name": {"is_correction_level": "sequence_mean"},
         "misspelled_without_name": {"is_corection_level": "sequence_mean"},
         "misspelled_with_name": {"name": "rs_clipped_pg", "rejection_sampling_": []},
+        "plugin_field_with_host_name": {"name": "clipped_pg", "is_correction_level": "sequence_mean"},
+        "host_name_alone": {"name": "clipped_pg"},
     }.items():
         try:
             grpo.build_loss(ClippedPGLossConfig(**cfg))

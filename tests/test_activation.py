@@ -79,6 +79,10 @@ def test_bad_loss_sections_fail_at_construction_with_the_fix():
     assert "add `name: rs_clipped_pg`" in out["plugin_field_without_name"]
     assert "did you mean 'is_correction_level'" in out["misspelled_without_name"]
     assert "rejection_sampling_: unknown field; did you mean 'rejection_sampling'?" in out["misspelled_with_name"]
+    # name: clipped_pg is NeMo-RL's own loss, which would ignore the plugin's fields.
+    assert ("is_correction_level: a nemo-rs-plugin field under NeMo-RL's own loss, which would ignore it; set "
+            "`name: rs_clipped_pg` (name 'clipped_pg' is NeMo-RL's own loss)") in out["plugin_field_with_host_name"]
+    assert out["host_name_alone"] == "no error"
 
 
 @needs_install
