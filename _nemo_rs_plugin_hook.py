@@ -1,14 +1,21 @@
 """Start-up hook of nemo-rs-plugin (run from ``nemo_rs_plugin.pth``; standard library only).
 
 It runs in every interpreter of the environment, so at start-up it imports nothing (``os``
-and ``sys`` are loaded already), registers an import hook and returns: nothing else happens
-until NeMo-RL's own setup modules are imported. When ``nemo_rl.algorithms.grpo``,
-``nemo_rl.algorithms.ppo`` or ``nemo_rl.algorithms.single_controller_utils.setup`` finishes
-importing, the name ``ClippedPGLossFn`` in that module is replaced by a selector that builds
-the loss named by ``loss_fn.name`` (NeMo-RL's own loss when there is no name);
-``nemo_rl.utils.config`` gets the ``loss_fn: <name>`` shorthand. The same moment the plugin is
-put on ``PYTHONPATH`` (through a directory holding only a link to the package) so that Ray
-workers in NeMo-RL's per-worker virtual environments can unpickle the loss.
+and ``sys`` are loaded already), registers an import hook and returns. Only when NeMo-RL's
+own modules are imported does anything happen:
+
+* ``nemo_rl.algorithms.grpo``, ``nemo_rl.algorithms.ppo`` and
+  ``nemo_rl.algorithms.single_controller_utils.setup``: the name ``ClippedPGLossFn`` there is
+  replaced by a selector that builds the loss named by ``loss_fn.name`` (NeMo-RL's own loss
+  when there is no name), and the plugin is put on ``PYTHONPATH`` (through a directory holding
+  only a link to the package) so that Ray workers in NeMo-RL's per-worker virtual
+  environments can unpickle the loss. A module without that name (a NeMo-RL that builds its
+  loss another way) is reported at once, and recipes naming a plugin loss are then refused.
+* ``nemo_rl.algorithms.loss``: NeMo-RL's own ``ClippedPGLossFn`` refuses a config that names a
+  plugin loss, so a construction site the selector does not cover fails instead of training
+  silently with NeMo-RL's loss.
+* ``nemo_rl.utils.config``: ``load_config`` gets the ``loss_fn: <name>`` shorthand, and refuses
+  a recipe naming a plugin loss when the selector could not be installed.
 
 Set ``NEMO_RS_PLUGIN_DISABLE=1`` to switch all of this off.
 """
@@ -23,8 +30,15 @@ LOSS_MODULES = (
     "nemo_rl.algorithms.ppo",
     "nemo_rl.algorithms.single_controller_utils.setup",
 )
+HOST_LOSS_MODULE = "nemo_rl.algorithms.loss"
 CONFIG_MODULE = "nemo_rl.utils.config"
+WATCHED = LOSS_MODULES + (HOST_LOSS_MODULE, CONFIG_MODULE)
 LINK_NAME = "nemo_rs_plugin"
+
+
+def disabled():
+    """Whether ``NEMO_RS_PLUGIN_DISABLE`` switches the plugin off in this process."""
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 # Plain classes, not importlib.abc subclasses: importing importlib.abc at start-up pulls in
@@ -48,10 +62,10 @@ class _PatchingLoader:
 
 
 class _Finder:
-    """Finds nothing itself: wraps the loader of NeMo-RL's setup modules."""
+    """Finds nothing itself: wraps the loader of the NeMo-RL modules named in ``WATCHED``."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in LOSS_MODULES and fullname != CONFIG_MODULE:
+        if fullname not in WATCHED:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -74,8 +88,16 @@ def _patch(fullname, module):
 
     if fullname == CONFIG_MODULE:
         nemo_rl_adapter.patch_config_loader(module)
+    elif fullname == HOST_LOSS_MODULE:
+        if hasattr(nemo_rl_adapter, "guard_host_loss"):
+            nemo_rl_adapter.guard_host_loss(module)
+        # else the adapter is being imported and imported NeMo-RL's loss first: it guards the
+        # class itself once it is complete (the end of nemo_rl_adapter).
     else:
-        nemo_rl_adapter.install_into(module)
+        if not nemo_rl_adapter.install_into(module):
+            import warnings
+
+            warnings.warn(nemo_rl_adapter.install_failure(module), RuntimeWarning, stacklevel=2)
         expose_to_workers()
 
 
@@ -169,15 +191,19 @@ def expose_to_workers():
     return shim
 
 
+def installed():
+    """Whether the import hook is registered in this interpreter."""
+    return any(isinstance(f, _Finder) for f in sys.meta_path)
+
+
 def install():
     """Register the import hook once per interpreter (idempotent)."""
-    if os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
-        return False
-    if any(isinstance(f, _Finder) for f in sys.meta_path):
+    if disabled() or installed():
         return False
     sys.meta_path.insert(0, _Finder())
-    # NeMo-RL imported before the hook (an unusual start-up order): patch in place.
-    for name in LOSS_MODULES + (CONFIG_MODULE,):
+    # NeMo-RL imported before the hook (an unusual start-up order): patch in place. The
+    # loss class first, so a setup module patched after it finds the guard in place.
+    for name in (HOST_LOSS_MODULE, CONFIG_MODULE) + LOSS_MODULES:
         if name in sys.modules:
             _patch(name, sys.modules[name])
     return True

@@ -17,6 +17,44 @@ def startup():
             "pydantic": "pydantic" in sys.modules, "nemo_rs_plugin": "nemo_rs_plugin" in sys.modules}
 
 
+def _attempt(fn):
+    try:
+        fn()
+        return "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is what is tested
+        return f"{type(exc).__name__}: {exc}"
+
+
+def elsewhere():
+    """A NeMo-RL whose GRPO builds the loss without the name ClippedPGLossFn."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from nemo_rl.algorithms import grpo
+    from nemo_rl.algorithms.loss import ClippedPGLossConfig
+    from nemo_rl.utils import config as host_config
+
+    out = {"warnings": [str(w.message) for w in caught if "nemo-rs-plugin" in str(w.message)]}
+    for recipe in sys.argv[2:]:
+        out[os.path.basename(recipe)] = _attempt(lambda: host_config.load_config(recipe))
+    for label, cfg in {"build_named": {"name": "rs_clipped_pg"}, "build_host_named": {"name": "clipped_pg"},
+                       "build_host_with_plugin_field": {"is_correction_level": "sequence_mean"},
+                       "build_unnamed": {}}.items():
+        out[label] = _attempt(lambda: grpo.build_loss(ClippedPGLossConfig(**cfg)))
+    return out
+
+
+def guard_with_adapter_first():
+    """The adapter imported before NeMo-RL's loss (a worker unpickling, user code): still guarded."""
+    import importlib
+
+    importlib.import_module("nemo_rs_plugin.nemo_rl_adapter")  # first
+    from nemo_rl.algorithms import loss
+
+    return {"guarded": getattr(loss.ClippedPGLossFn.__init__, "_nemo_rs_guard", False)}
+
+
 def worker_path():
     """expose_to_workers on GRPO import: warnings, the link, PYTHONPATH, dangling links pruned."""
     import warnings

@@ -86,6 +86,27 @@ def test_bad_loss_sections_fail_at_construction_with_the_fix():
 
 
 @needs_install
+def test_a_loss_built_where_the_selector_cannot_reach_is_refused(tmp_path):
+    (tmp_path / "named.yaml").write_text("loss_fn:\n  name: rs_clipped_pg\n")
+    (tmp_path / "plain.yaml").write_text("loss_fn:\n  reference_policy_kl_penalty: 0.0\n")
+    out = run_script("elsewhere", str(tmp_path / "named.yaml"), str(tmp_path / "plain.yaml"), host="elsewhere")
+    # Said at once, when NeMo-RL's GRPO module is imported ...
+    assert len(out["warnings"]) == 1
+    assert "nemo_rl.algorithms.grpo has no class ClippedPGLossFn to replace" in out["warnings"][0]
+    # ... refused when a recipe names the plugin's loss, on loading and on construction ...
+    assert out["named.yaml"].startswith("PluginNotActiveError: ") and "NeMo-RL would train with its own loss" in out[
+        "named.yaml"]
+    assert out["build_named"].startswith("PluginNotActiveError: loss_fn.name is 'rs_clipped_pg', but NeMo-RL's own "
+                                         "ClippedPGLossFn is being built")
+    assert "a nemo-rs-plugin field under NeMo-RL's own loss" in out["build_host_with_plugin_field"]
+    # ... and NeMo-RL's own loss still builds for recipes that ask for it.
+    assert out["plain.yaml"] == "no error"
+    assert out["build_unnamed"] == "no error" and out["build_host_named"] == "no error"
+    # The guard is in place whichever is imported first, the plugin or NeMo-RL's loss.
+    assert run_script("guard_with_adapter_first", host="elsewhere") == {"guarded": True}
+
+
+@needs_install
 def test_unsupported_host_version_is_named():
     out = run_script("unsupported", host="unsupported")
     assert "NeMo-RL 0.3.1+fake is not supported" in out["error"]
