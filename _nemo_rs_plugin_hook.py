@@ -17,7 +17,11 @@ own modules are imported does anything happen:
 * ``nemo_rl.utils.config``: ``load_config`` gets the ``loss_fn: <name>`` shorthand, and refuses
   a recipe naming a plugin loss when the selector could not be installed.
 
-Set ``NEMO_RS_PLUGIN_DISABLE=1`` to switch all of this off.
+``NEMO_RS_PLUGIN_DISABLE=1`` switches the plugin off: nothing of the package is imported and
+NeMo-RL builds its own loss. The hook then only guards: a recipe that still names a plugin
+loss (``loss_fn.name`` other than ``clipped_pg``) is refused when ``load_config`` reads it or
+when NeMo-RL's ``ClippedPGLossFn`` is built from it, instead of training with a loss the recipe
+did not ask for.
 """
 
 import os
@@ -33,7 +37,13 @@ LOSS_MODULES = (
 HOST_LOSS_MODULE = "nemo_rl.algorithms.loss"
 CONFIG_MODULE = "nemo_rl.utils.config"
 WATCHED = LOSS_MODULES + (HOST_LOSS_MODULE, CONFIG_MODULE)
+#: ``loss_fn.name`` values that mean NeMo-RL's own loss (no name means it too).
+HOST_LOSS_NAMES = ("clipped_pg",)
 LINK_NAME = "nemo_rs_plugin"
+
+
+class PluginDisabledError(RuntimeError):
+    """A recipe names a plugin loss while ``NEMO_RS_PLUGIN_DISABLE`` switches the plugin off."""
 
 
 def disabled():
@@ -82,6 +92,9 @@ class _Finder:
 
 
 def _patch(fullname, module):
+    if disabled():
+        _guard_disabled(fullname, module)
+        return
     # The heavy imports (torch, pydantic, NeMo-RL's loss) happen here, after NeMo-RL itself
     # imported them; errors propagate so a broken install is reported where it happens.
     from nemo_rs_plugin import nemo_rl_adapter
@@ -99,6 +112,69 @@ def _patch(fullname, module):
 
             warnings.warn(nemo_rl_adapter.install_failure(module), RuntimeWarning, stacklevel=2)
         expose_to_workers()
+
+
+# ----------------------------------------------------------------------------- disabled
+def _disabled_message(name, where):
+    return (
+        f"loss_fn.name is {name!r} ({where}), but nemo-rs-plugin is switched off by "
+        f"{DISABLE_ENV}={os.environ.get(DISABLE_ENV)}: NeMo-RL would train with its own loss and "
+        f"ignore the recipe's correction settings. Unset {DISABLE_ENV} to use the plugin, or "
+        "remove loss_fn.name (and the plugin's fields) to train with NeMo-RL's own loss."
+    )
+
+
+def _name_of(loss):
+    if loss is None or isinstance(loss, str):
+        return loss
+    getter = getattr(loss, "get", None)
+    if getter is not None:
+        try:
+            return getter("name")
+        except Exception:  # noqa: BLE001 - a mapping that refuses unknown keys
+            return None
+    return getattr(loss, "name", None)
+
+
+def _refuse_if_named(loss, where):
+    name = _name_of(loss)
+    if name is not None and name not in HOST_LOSS_NAMES:
+        raise PluginDisabledError(_disabled_message(name, where))
+
+
+def _guard_disabled(fullname, module):
+    """With the plugin off: refuse, at the two places NeMo-RL reads the loss section."""
+    if fullname == CONFIG_MODULE:
+        load = getattr(module, "load_config", None)
+        if load is None or getattr(load, "_nemo_rs_guard", False):
+            return
+
+        def load_config(config_path, *args, **kwargs):
+            config = load(config_path, *args, **kwargs)
+            getter = getattr(config, "get", None)
+            if getter is not None:
+                _refuse_if_named(getter("loss_fn"), f"in {config_path}")
+            return config
+
+        load_config._nemo_rs_guard = True
+        load_config.__doc__ = load.__doc__
+        load_config.__wrapped__ = load
+        module.load_config = load_config
+    elif fullname == HOST_LOSS_MODULE:
+        cls = getattr(module, "ClippedPGLossFn", None)
+        init = getattr(cls, "__init__", None)
+        if not isinstance(cls, type) or getattr(init, "_nemo_rs_guard", False):
+            return
+
+        def __init__(self, cfg, *args, **kwargs):
+            if type(self) is cls:
+                _refuse_if_named(cfg, "the config NeMo-RL's ClippedPGLossFn was built from")
+            init(self, cfg, *args, **kwargs)
+
+        __init__._nemo_rs_guard = True
+        __init__.__wrapped__ = init
+        __init__.__doc__ = init.__doc__
+        cls.__init__ = __init__
 
 
 # ----------------------------------------------------------------------------- workers
@@ -197,16 +273,19 @@ def installed():
 
 
 def install():
-    """Register the import hook once per interpreter (idempotent)."""
-    if disabled() or installed():
-        return False
+    """Register the import hook once per interpreter (idempotent).
+
+    Returns ``"enabled"``, ``"disabled"`` (guard only) or ``None`` when already registered.
+    """
+    if installed():
+        return None
     sys.meta_path.insert(0, _Finder())
     # NeMo-RL imported before the hook (an unusual start-up order): patch in place. The
     # loss class first, so a setup module patched after it finds the guard in place.
     for name in (HOST_LOSS_MODULE, CONFIG_MODULE) + LOSS_MODULES:
         if name in sys.modules:
             _patch(name, sys.modules[name])
-    return True
+    return "disabled" if disabled() else "enabled"
 
 
 install()

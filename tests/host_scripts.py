@@ -25,6 +25,22 @@ def _attempt(fn):
         return f"{type(exc).__name__}: {exc}"
 
 
+def disabled_guard():
+    """NEMO_RS_PLUGIN_DISABLE=1: nothing of the plugin loads, and a plugin-named recipe is refused."""
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.algorithms.loss import ClippedPGLossConfig
+    from nemo_rl.utils import config as host_config
+
+    out = {"selector": type(grpo.ClippedPGLossFn).__name__}
+    for recipe in sys.argv[2:]:
+        out[os.path.basename(recipe)] = _attempt(lambda: host_config.load_config(recipe))
+    for label, cfg in {"build_named": {"name": "rs_clipped_pg"}, "build_host_named": {"name": "clipped_pg"},
+                       "build_unnamed": {}}.items():
+        out[label] = _attempt(lambda: grpo.build_loss(ClippedPGLossConfig(**cfg)))
+    out["plugin_imported"] = sorted(m for m in sys.modules if m.startswith("nemo_rs_plugin"))
+    return out
+
+
 def elsewhere():
     """A NeMo-RL whose GRPO builds the loss without the name ClippedPGLossFn."""
     import warnings

@@ -51,12 +51,26 @@ def test_startup_hook_imports_nothing_heavy():
 
 
 @needs_install
-def test_environment_variable_disables_activation():
+def test_environment_variable_disables_activation_but_refuses_plugin_recipes(tmp_path):
     env = dict(os.environ, NEMO_RS_PLUGIN_DISABLE="1")
-    assert run_script("startup", host=None, env=env)["finder"] is False
-    out = run_script("errors", env=env)
-    # NeMo-RL's own (fake) loss is built: a plugin name means nothing without the plugin.
-    assert out["unknown_name"] == "no error"
+    # The hook still registers (a guard), and imports nothing.
+    assert run_script("startup", host=None, env=env) == {
+        "finder": True, "torch": False, "pydantic": False, "nemo_rs_plugin": False}
+    (tmp_path / "named.yaml").write_text("loss_fn:\n  name: rs_clipped_pg\n  is_correction_level: sequence_mean\n")
+    (tmp_path / "short.yaml").write_text("loss_fn: rs_clipped_pg\n")
+    (tmp_path / "plain.yaml").write_text("loss_fn:\n  reference_policy_kl_penalty: 0.0\n")
+    out = run_script("disabled_guard", *(str(tmp_path / n) for n in ("named.yaml", "short.yaml", "plain.yaml")),
+                     env=env)
+    # NeMo-RL's own loss is built, the plugin never loads ...
+    assert out["selector"] == "type" and out["plugin_imported"] == []
+    assert out["plain.yaml"] == "no error"
+    assert out["build_unnamed"] == "no error" and out["build_host_named"] == "no error"
+    # The guard is in place whichever is imported first, the plugin or NeMo-RL's loss.
+    assert run_script("guard_with_adapter_first", host="elsewhere") == {"guarded": True}
+    # ... but a recipe that names a plugin loss is refused, on loading and on construction.
+    for key in ("named.yaml", "short.yaml", "build_named"):
+        assert out[key].startswith("PluginDisabledError: loss_fn.name is 'rs_clipped_pg'"), (key, out[key])
+        assert "NEMO_RS_PLUGIN_DISABLE=1" in out[key] and "NeMo-RL would train with its own loss" in out[key]
 
 
 @needs_install
