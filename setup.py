@@ -15,8 +15,11 @@ HERE = Path(__file__).resolve().parent
 
 
 class BuildPyWithPth(build_py):
-    """Regular wheel: the .pth at the build root (so it lands in site-packages), and the
-    recipes as package data (``nemo_rs_plugin/recipes/``; a source tree reads ``recipes/``)."""
+    """Regular wheel: the .pth at the build root, and the recipes as package data.
+
+    The .pth lands at the root of site-packages; the recipes in ``nemo_rs_plugin/recipes/``
+    (a source tree reads ``recipes/``). Both come from the sdist (MANIFEST.in).
+    """
 
     def run(self):
         super().run()

@@ -345,14 +345,28 @@ def _keys_of(cfg: Any) -> list[str]:
     return list(extra)
 
 
-def check_host_loss_config(cfg: Any) -> None:
-    """Reject plugin fields (or near-misspellings of them) under NeMo-RL's own loss."""
+class PluginNotActiveError(RuntimeError):
+    """A recipe names a plugin loss where the plugin cannot build it.
+
+    Raised instead of letting NeMo-RL train with its own loss: the selector is missing from
+    a NeMo-RL setup module, or NeMo-RL's own class is being built from such a config.
+    """
+
+
+def check_host_loss_config(cfg: Any, name: Optional[str] = None) -> None:
+    """Reject plugin fields (or near-misspellings of them) under NeMo-RL's own loss.
+
+    ``name`` is the ``loss_fn.name`` that selected NeMo-RL's loss (``None``: no name).
+    """
+    fix = (
+        "add `name: rs_clipped_pg` to loss_fn" if name is None
+        else f"set `name: rs_clipped_pg` (name {name!r} is NeMo-RL's own loss)"
+    )
     problems = []
     for key in _keys_of(cfg):
         if key in PLUGIN_FIELDS:
             problems.append(
-                f"{key}: a nemo-rs-plugin field under NeMo-RL's own loss, which would ignore "
-                "it; add `name: rs_clipped_pg` to loss_fn"
+                f"{key}: a nemo-rs-plugin field under NeMo-RL's own loss, which would ignore it; {fix}"
             )
         elif key not in UPSTREAM_FIELDS and key != "name":
             guess = difflib.get_close_matches(key, PLUGIN_FIELDS, n=1, cutoff=0.75)
@@ -377,12 +391,12 @@ class ClippedPGLossSelector:
 
     def __call__(self, cfg: Any, *args: Any, **kwargs: Any) -> Any:
         name = loss_name_of(cfg)
-        if name is None:
-            check_host_loss_config(cfg)
-            return self.original(cfg, *args, **kwargs)
-        target = get_loss_class(name)
-        if target is self.original and not _host_accepts_fused_flag():
-            kwargs.pop("use_fused_linear_logprobs", None)
+        target = self.original if name is None else get_loss_class(name)
+        if target is self.original:
+            # NeMo-RL's own loss ignores the plugin's fields: refuse them, named or not.
+            check_host_loss_config(cfg, name)
+            if not _host_accepts_fused_flag():
+                kwargs.pop("use_fused_linear_logprobs", None)
         return target(cfg, *args, **kwargs)
 
     def __instancecheck__(self, obj: Any) -> bool:
@@ -399,11 +413,89 @@ class ClippedPGLossSelector:
 
 
 def install_into(module: Any) -> bool:
-    """Replace ``module.ClippedPGLossFn`` by a selector; returns whether anything changed."""
+    """Put a selector in place of ``module.ClippedPGLossFn``.
+
+    Returns whether the selector is in place afterwards (installed now or before); ``False``
+    means the module has no ``ClippedPGLossFn`` to replace: that NeMo-RL builds its loss some
+    other way, and :func:`install_failure` says so.
+    """
     current = getattr(module, "ClippedPGLossFn", None)
-    if current is None or isinstance(current, ClippedPGLossSelector):
+    if isinstance(current, ClippedPGLossSelector):
+        return True
+    if not isinstance(current, type):
         return False
     module.ClippedPGLossFn = ClippedPGLossSelector(current)
+    return True
+
+
+def install_failure(module: Any) -> str:
+    """The message for a setup module :func:`install_into` could not patch."""
+    return (
+        f"nemo-rs-plugin: {module.__name__} has no class ClippedPGLossFn to replace, so the "
+        f"plugin cannot select the loss there: NeMo-RL {_host_version()} builds its loss some "
+        f"other way (supported: {SUPPORTED_NEMO_RL}). Recipes that name a plugin loss "
+        "(loss_fn.name: rs_clipped_pg) will be refused rather than trained with NeMo-RL's own "
+        "loss; check with `python -m nemo_rs_plugin.doctor`."
+    )
+
+
+def selector_problems() -> list[str]:
+    """One message per imported NeMo-RL setup module whose ``ClippedPGLossFn`` is not a selector."""
+    import sys
+
+    from _nemo_rs_plugin_hook import LOSS_MODULES
+
+    return [
+        install_failure(sys.modules[name]) for name in LOSS_MODULES
+        if name in sys.modules
+        and not isinstance(getattr(sys.modules[name], "ClippedPGLossFn", None), ClippedPGLossSelector)
+    ]
+
+
+def names_plugin_loss(cfg: Any) -> Optional[str]:
+    """``loss_fn.name`` when it asks for something other than NeMo-RL's own loss, else ``None``."""
+    name = loss_name_of(cfg)
+    if name is None:
+        return None
+    try:
+        return None if get_loss_class(name) is ClippedPGLossFn else name
+    except (ImportError, ValueError):
+        return name  # unknown or broken: certainly not NeMo-RL's own loss
+
+
+def guard_host_loss(module: Any) -> bool:
+    """Make NeMo-RL's own ``ClippedPGLossFn`` (in ``module``) refuse configs naming another loss.
+
+    The selector covers the construction sites it is installed in; this covers every other
+    one (``loss_lib.ClippedPGLossFn(cfg)``, a new setup module): a config that names a plugin
+    loss must never be built by NeMo-RL's class. Subclasses (``RSClippedPGLossFn`` calls
+    ``super().__init__`` with NeMo-RL's own fields) are not affected. Returns whether the guard
+    was installed now.
+    """
+    import functools
+
+    cls = getattr(module, "ClippedPGLossFn", None)
+    init = getattr(cls, "__init__", None)
+    if not isinstance(cls, type) or getattr(init, "_nemo_rs_guard", False):
+        return False
+
+    @functools.wraps(init)
+    def __init__(self: Any, cfg: Any, *args: Any, **kwargs: Any) -> None:
+        if type(self) is cls:
+            name = names_plugin_loss(cfg)
+            if name is not None:
+                raise PluginNotActiveError(
+                    f"loss_fn.name is {name!r}, but NeMo-RL's own ClippedPGLossFn is being built "
+                    "from this config, not through nemo-rs-plugin's selector: this NeMo-RL "
+                    f"({_host_version()}) constructs its loss somewhere the plugin does not patch, "
+                    f"and would train with its own loss. Supported: {SUPPORTED_NEMO_RL}. "
+                    "Run `python -m nemo_rs_plugin.doctor` for details."
+                )
+            check_host_loss_config(cfg, loss_name_of(cfg))
+        init(self, cfg, *args, **kwargs)
+
+    __init__._nemo_rs_guard = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
     return True
 
 
@@ -419,7 +511,12 @@ SHORTHAND_HELP = (
 
 
 def patch_config_loader(module: Any) -> bool:
-    """Wrap ``module.load_config`` so ``loss_fn: <name>`` becomes ``loss_fn: {name: <name>}``."""
+    """Wrap ``module.load_config``: the ``loss_fn: <name>`` shorthand, and an early refusal.
+
+    ``loss_fn: <name>`` becomes ``loss_fn: {name: <name>}``. A recipe naming a plugin loss is
+    refused here, before any worker starts, when the selector is missing from an imported
+    NeMo-RL setup module (:func:`selector_problems`).
+    """
     original = getattr(module, "load_config", None)
     if original is None or getattr(original, "_nemo_rs_wrapped", False):
         return False
@@ -433,6 +530,15 @@ def patch_config_loader(module: Any) -> bool:
             if _inherits_loss_mapping(config_path, original):
                 raise ConfigError([SHORTHAND_HELP])
             config["loss_fn"] = {"name": loss}
+            loss = config["loss_fn"]
+        name = names_plugin_loss(loss) if loss is not None else None
+        if name is not None:
+            problems = selector_problems()
+            if problems:
+                raise PluginNotActiveError(
+                    f"{config_path}: loss_fn.name is {name!r}, but NeMo-RL would train with its "
+                    "own loss:\n  " + "\n  ".join(problems)
+                )
         return config
 
     load_config._nemo_rs_wrapped = True  # type: ignore[attr-defined]
@@ -462,3 +568,16 @@ def _inherits_loss_mapping(config_path: Any, load: Any) -> bool:
         if hasattr(parent_cfg.get("loss_fn"), "keys"):
             return True
     return False
+
+
+def _guard_when_imported_first() -> None:
+    # Importing this module may be what first imports NeMo-RL's loss module; the start-up
+    # hook then finds this module incomplete and leaves the guard to it.
+    import sys
+
+    hook = sys.modules.get("_nemo_rs_plugin_hook")
+    if hook is not None and hook.installed() and not hook.disabled():
+        guard_host_loss(sys.modules[ClippedPGLossFn.__module__])
+
+
+_guard_when_imported_first()

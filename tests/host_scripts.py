@@ -17,6 +17,75 @@ def startup():
             "pydantic": "pydantic" in sys.modules, "nemo_rs_plugin": "nemo_rs_plugin" in sys.modules}
 
 
+def _attempt(fn):
+    try:
+        fn()
+        return "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is what is tested
+        return f"{type(exc).__name__}: {exc}"
+
+
+def disabled_guard():
+    """NEMO_RS_PLUGIN_DISABLE=1: nothing of the plugin loads, and a plugin-named recipe is refused."""
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.algorithms.loss import ClippedPGLossConfig
+    from nemo_rl.utils import config as host_config
+
+    out = {"selector": type(grpo.ClippedPGLossFn).__name__}
+    for recipe in sys.argv[2:]:
+        out[os.path.basename(recipe)] = _attempt(lambda: host_config.load_config(recipe))
+    for label, cfg in {"build_named": {"name": "rs_clipped_pg"}, "build_host_named": {"name": "clipped_pg"},
+                       "build_unnamed": {}}.items():
+        out[label] = _attempt(lambda: grpo.build_loss(ClippedPGLossConfig(**cfg)))
+    out["plugin_imported"] = sorted(m for m in sys.modules if m.startswith("nemo_rs_plugin"))
+    return out
+
+
+def elsewhere():
+    """A NeMo-RL whose GRPO builds the loss without the name ClippedPGLossFn."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from nemo_rl.algorithms import grpo
+    from nemo_rl.algorithms.loss import ClippedPGLossConfig
+    from nemo_rl.utils import config as host_config
+
+    out = {"warnings": [str(w.message) for w in caught if "nemo-rs-plugin" in str(w.message)]}
+    for recipe in sys.argv[2:]:
+        out[os.path.basename(recipe)] = _attempt(lambda: host_config.load_config(recipe))
+    for label, cfg in {"build_named": {"name": "rs_clipped_pg"}, "build_host_named": {"name": "clipped_pg"},
+                       "build_host_with_plugin_field": {"is_correction_level": "sequence_mean"},
+                       "build_unnamed": {}}.items():
+        out[label] = _attempt(lambda: grpo.build_loss(ClippedPGLossConfig(**cfg)))
+    return out
+
+
+def guard_with_adapter_first():
+    """The adapter imported before NeMo-RL's loss (a worker unpickling, user code): still guarded."""
+    import importlib
+
+    importlib.import_module("nemo_rs_plugin.nemo_rl_adapter")  # first
+    from nemo_rl.algorithms import loss
+
+    return {"guarded": getattr(loss.ClippedPGLossFn.__init__, "_nemo_rs_guard", False)}
+
+
+def worker_path():
+    """expose_to_workers on GRPO import: warnings, the link, PYTHONPATH, dangling links pruned."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from nemo_rl.algorithms import grpo  # noqa: F401
+    import _nemo_rs_plugin_hook as hook
+
+    base = hook.worker_path_base()
+    return {"warnings": [str(w.message) for w in caught if "nemo-rs-plugin" in str(w.message)],
+            "pythonpath": os.environ.get("PYTHONPATH", "").split(os.pathsep),
+            "entries": sorted(os.listdir(base)) if os.path.isdir(base) else None}
+
+
 def _batch():
     import torch
 
@@ -76,6 +145,8 @@ def errors():
         "plugin_field_without_name": {"is_correction_level": "sequence_mean"},
         "misspelled_without_name": {"is_corection_level": "sequence_mean"},
         "misspelled_with_name": {"name": "rs_clipped_pg", "rejection_sampling_": []},
+        "plugin_field_with_host_name": {"name": "clipped_pg", "is_correction_level": "sequence_mean"},
+        "host_name_alone": {"name": "clipped_pg"},
     }.items():
         try:
             grpo.build_loss(ClippedPGLossConfig(**cfg))

@@ -51,12 +51,26 @@ def test_startup_hook_imports_nothing_heavy():
 
 
 @needs_install
-def test_environment_variable_disables_activation():
+def test_environment_variable_disables_activation_but_refuses_plugin_recipes(tmp_path):
     env = dict(os.environ, NEMO_RS_PLUGIN_DISABLE="1")
-    assert run_script("startup", host=None, env=env)["finder"] is False
-    out = run_script("errors", env=env)
-    # NeMo-RL's own (fake) loss is built: a plugin name means nothing without the plugin.
-    assert out["unknown_name"] == "no error"
+    # The hook still registers (a guard), and imports nothing.
+    assert run_script("startup", host=None, env=env) == {
+        "finder": True, "torch": False, "pydantic": False, "nemo_rs_plugin": False}
+    (tmp_path / "named.yaml").write_text("loss_fn:\n  name: rs_clipped_pg\n  is_correction_level: sequence_mean\n")
+    (tmp_path / "short.yaml").write_text("loss_fn: rs_clipped_pg\n")
+    (tmp_path / "plain.yaml").write_text("loss_fn:\n  reference_policy_kl_penalty: 0.0\n")
+    out = run_script("disabled_guard", *(str(tmp_path / n) for n in ("named.yaml", "short.yaml", "plain.yaml")),
+                     env=env)
+    # NeMo-RL's own loss is built, the plugin never loads ...
+    assert out["selector"] == "type" and out["plugin_imported"] == []
+    assert out["plain.yaml"] == "no error"
+    assert out["build_unnamed"] == "no error" and out["build_host_named"] == "no error"
+    # The guard is in place whichever is imported first, the plugin or NeMo-RL's loss.
+    assert run_script("guard_with_adapter_first", host="elsewhere") == {"guarded": True}
+    # ... but a recipe that names a plugin loss is refused, on loading and on construction.
+    for key in ("named.yaml", "short.yaml", "build_named"):
+        assert out[key].startswith("PluginDisabledError: loss_fn.name is 'rs_clipped_pg'"), (key, out[key])
+        assert "NEMO_RS_PLUGIN_DISABLE=1" in out[key] and "NeMo-RL would train with its own loss" in out[key]
 
 
 @needs_install
@@ -79,6 +93,31 @@ def test_bad_loss_sections_fail_at_construction_with_the_fix():
     assert "add `name: rs_clipped_pg`" in out["plugin_field_without_name"]
     assert "did you mean 'is_correction_level'" in out["misspelled_without_name"]
     assert "rejection_sampling_: unknown field; did you mean 'rejection_sampling'?" in out["misspelled_with_name"]
+    # name: clipped_pg is NeMo-RL's own loss, which would ignore the plugin's fields.
+    assert ("is_correction_level: a nemo-rs-plugin field under NeMo-RL's own loss, which would ignore it; set "
+            "`name: rs_clipped_pg` (name 'clipped_pg' is NeMo-RL's own loss)") in out["plugin_field_with_host_name"]
+    assert out["host_name_alone"] == "no error"
+
+
+@needs_install
+def test_a_loss_built_where_the_selector_cannot_reach_is_refused(tmp_path):
+    (tmp_path / "named.yaml").write_text("loss_fn:\n  name: rs_clipped_pg\n")
+    (tmp_path / "plain.yaml").write_text("loss_fn:\n  reference_policy_kl_penalty: 0.0\n")
+    out = run_script("elsewhere", str(tmp_path / "named.yaml"), str(tmp_path / "plain.yaml"), host="elsewhere")
+    # Said at once, when NeMo-RL's GRPO module is imported ...
+    assert len(out["warnings"]) == 1
+    assert "nemo_rl.algorithms.grpo has no class ClippedPGLossFn to replace" in out["warnings"][0]
+    # ... refused when a recipe names the plugin's loss, on loading and on construction ...
+    assert out["named.yaml"].startswith("PluginNotActiveError: ") and "NeMo-RL would train with its own loss" in out[
+        "named.yaml"]
+    assert out["build_named"].startswith("PluginNotActiveError: loss_fn.name is 'rs_clipped_pg', but NeMo-RL's own "
+                                         "ClippedPGLossFn is being built")
+    assert "a nemo-rs-plugin field under NeMo-RL's own loss" in out["build_host_with_plugin_field"]
+    # ... and NeMo-RL's own loss still builds for recipes that ask for it.
+    assert out["plain.yaml"] == "no error"
+    assert out["build_unnamed"] == "no error" and out["build_host_named"] == "no error"
+    # The guard is in place whichever is imported first, the plugin or NeMo-RL's loss.
+    assert run_script("guard_with_adapter_first", host="elsewhere") == {"guarded": True}
 
 
 @needs_install
@@ -98,6 +137,72 @@ def test_shorthand_and_its_limit(tmp_path):
     assert out["short.yaml"] == {"loss_fn": {"name": "rs_clipped_pg"}}
     assert "name: rs_clipped_pg" in out["inherits.yaml"]["error"] and "defaults" in out["inherits.yaml"]["error"]
     assert out["mapping.yaml"] == {"loss_fn": {"reference_policy_kl_penalty": 0.0, "name": "rs_clipped_pg"}}
+
+
+@needs_install
+def test_unwritable_worker_path_is_reported(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = dict(os.environ, NEMO_RS_PLUGIN_WORKER_PATH=str(blocker / "worker-path"))
+    out = run_script("worker_path", env=env)
+    assert len(out["warnings"]) == 1, out
+    assert f"cannot link the package into {blocker / 'worker-path'}" in out["warnings"][0]
+    assert "ModuleNotFoundError: No module named 'nemo_rs_plugin'" in out["warnings"][0]
+    assert "NEMO_RS_PLUGIN_WORKER_PATH" in out["warnings"][0]
+
+
+@needs_install
+def test_dangling_worker_links_are_removed_and_taken_off_pythonpath(tmp_path):
+    base = tmp_path / "worker-path"
+    stale = base / "deadbeef"
+    stale.mkdir(parents=True)
+    (stale / "nemo_rs_plugin").symlink_to(tmp_path / "uninstalled" / "nemo_rs_plugin")
+    env = dict(os.environ, NEMO_RS_PLUGIN_WORKER_PATH=str(base), PYTHONPATH=str(stale))
+    out = run_script("worker_path", env=env)
+    assert out["warnings"] == []
+    assert len(out["entries"]) == 1 and out["entries"] != ["deadbeef"], out
+    shim = str(base / out["entries"][0])
+    assert str(stale) not in out["pythonpath"] and out["pythonpath"][-1] == shim
+    assert os.path.isfile(os.path.join(shim, "nemo_rs_plugin", "__init__.py"))
+
+
+def _bare_venv(path: Path) -> tuple[Path, Path]:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
+                   capture_output=True, timeout=300)
+    python = path / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    return python, Path(site)
+
+
+def _startup_modules(python: Path, env=None) -> set:
+    code = "import sys, json; print(json.dumps(sorted(sys.modules)))"
+    # -c imports json after start-up; the modules it pulls in are the same with or without the hook.
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True, env=env)
+    return set(json.loads(proc.stdout))
+
+
+@pytest.mark.parametrize("disabled", [False, True], ids=["enabled", "disabled"])
+def test_startup_hook_adds_only_itself_to_interpreter_start(tmp_path, disabled):
+    # The two files a regular install puts at the root of site-packages.
+    python, site = _bare_venv(tmp_path / "venv")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NEMO_RS_PLUGIN_DISABLE")}
+    if disabled:
+        env["NEMO_RS_PLUGIN_DISABLE"] = "1"
+    without = _startup_modules(python, env)
+    for name in ("_nemo_rs_plugin_hook.py", "nemo_rs_plugin.pth"):
+        (site / name).write_bytes((REPO / name).read_bytes())
+    with_hook = _startup_modules(python, env)
+    assert with_hook - without == {"_nemo_rs_plugin_hook"}, sorted(with_hook - without)
+
+
+def test_pth_line_is_quiet_when_the_hook_module_is_gone(tmp_path):
+    # An editable install whose source tree was removed: no traceback at every start.
+    python, site = _bare_venv(tmp_path / "venv")
+    (site / "nemo_rs_plugin.pth").write_bytes((REPO / "nemo_rs_plugin.pth").read_bytes())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([str(python), "-c", "pass"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and proc.stderr == ""
 
 
 def _deps_dir() -> str:
@@ -145,7 +250,8 @@ def ray_worker_roundtrip(tmp_path, host):
     # lockfile dependencies, not the plugin), started with the driver's environment.
     worker_python = _make_venv(tmp_path / "worker-venv")
     worker_env = dict(driver["worker_env"])
-    probe = subprocess.run([str(worker_python), "-c", "import importlib.util as u; print(u.find_spec('nemo_rs_plugin') is None)"],
+    probe_code = "import importlib.util as u; print(u.find_spec('nemo_rs_plugin') is None)"
+    probe = subprocess.run([str(worker_python), "-c", probe_code],
                            capture_output=True, text=True, cwd=tmp_path,
                            env={k: v for k, v in worker_env.items() if k != "PYTHONPATH"})
     if probe.stdout.strip() != "True":

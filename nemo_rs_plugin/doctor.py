@@ -1,0 +1,323 @@
+"""``python -m nemo_rs_plugin.doctor [RECIPE]``: prove the plugin is active where NeMo-RL runs.
+
+Run it the way training runs, from NeMo-RL's checkout (``uv run python -m
+nemo_rs_plugin.doctor my-recipe.yaml``). In this interpreter, the driver, it checks that:
+
+* the start-up hook ran here and is not switched off (``NEMO_RS_PLUGIN_DISABLE``);
+* NeMo-RL is importable and its loss API supported;
+* after importing ``nemo_rl.algorithms.grpo`` (and ``ppo``, and the single-controller setup
+  where they exist) the name ``ClippedPGLossFn`` there is the plugin's selector, and the
+  module calls it; NeMo-RL's own class refuses configs naming a plugin loss; ``load_config``
+  is patched;
+* a loss built through GRPO's ``ClippedPGLossFn`` from RECIPE's ``loss_fn`` (loaded with
+  NeMo-RL's ``load_config``), or from ``name: rs_clipped_pg``, is the plugin's class;
+* the plugin is a dependency of NeMo-RL's project (a ``uv pip install`` is undone by the next
+  ``uv sync``);
+* the worker-path link is in place; then every worker virtual environment NeMo-RL has built
+  (``$NEMO_RL_VENV_DIR``, else ``venvs/`` in the checkout) unpickles that loss, started with
+  the environment the driver hands its Ray workers.
+
+One line per check; exit status 0 when none fails, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib
+import importlib.util
+import json
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+from typing import Any, Optional, Sequence, TextIO
+
+__all__ = ["HELP", "add_arguments", "main", "run", "run_checks"]
+
+HELP = "prove the plugin is active where NeMo-RL runs (driver and worker venvs)"
+PLUGIN_NAME = "rs_clipped_pg"
+
+WORKER_PROBE = (
+    "import json, pickle, sys\n"
+    "loss = pickle.loads(sys.stdin.buffer.read())\n"
+    "import nemo_rs_plugin\n"
+    "print(json.dumps({'type': type(loss).__name__, 'plugin_from': nemo_rs_plugin.__file__,"
+    " 'version': nemo_rs_plugin.__version__}))\n"
+)
+
+
+class _Stop(Exception):
+    """A failed check that later checks depend on."""
+
+
+class _Report:
+    def __init__(self, out: TextIO):
+        self.out = out
+        self.failures = 0
+
+    def line(self, status: str, check: str, detail: str) -> None:
+        if status == "FAIL":
+            self.failures += 1
+        print(f"{status:<4} {check}: {detail}", file=self.out, flush=True)
+
+    def ok(self, check: str, detail: str) -> None:
+        self.line("ok", check, detail)
+
+    def warn(self, check: str, detail: str) -> None:
+        self.line("warn", check, detail)
+
+    def fail(self, check: str, detail: str, stop: bool = False) -> None:
+        self.line("FAIL", check, detail)
+        if stop:
+            raise _Stop
+
+
+def _hook(report: _Report) -> Any:
+    hook = sys.modules.get("_nemo_rs_plugin_hook")
+    if hook is None or not hook.installed():
+        import nemo_rs_plugin
+
+        report.fail(
+            "start-up hook",
+            f"did not run in this interpreter ({sys.executable}): nemo-rs-plugin is not installed "
+            f"in {sys.prefix} (nemo_rs_plugin was imported from "
+            f"{os.path.dirname(nemo_rs_plugin.__file__)}), so NeMo-RL builds its own loss "
+            "whatever the recipe names. In NeMo-RL's checkout: uv add --editable "
+            "/path/to/nemo-rs-plugin (README: Use it in NeMo-RL).",
+            stop=True,
+        )
+    if hook.disabled():
+        report.fail(
+            "start-up hook",
+            f"{hook.DISABLE_ENV}={os.environ.get(hook.DISABLE_ENV)} switches the plugin off: "
+            "NeMo-RL builds its own loss, and recipes naming a plugin loss are refused.",
+            stop=True,
+        )
+    report.ok("start-up hook", f"active in {sys.executable} ({hook.__file__})")
+    return hook
+
+
+def _nemo_rl(report: _Report) -> Any:
+    try:
+        import nemo_rl
+    except ImportError as exc:
+        report.fail("NeMo-RL", f"not importable here ({exc}); run the doctor in NeMo-RL's "
+                    "environment (uv run python -m nemo_rs_plugin.doctor)", stop=True)
+    from nemo_rs_plugin import nemo_rl_adapter
+
+    try:
+        api = nemo_rl_adapter.host_api()
+    except ImportError as exc:
+        report.fail("NeMo-RL", str(exc), stop=True)
+    report.ok("NeMo-RL", f"{getattr(nemo_rl, '__version__', 'unknown')} at "
+              f"{os.path.dirname(nemo_rl.__file__)} ({api} config)")
+    return nemo_rl
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
+def _selectors(report: _Report, hook: Any) -> Any:
+    from nemo_rs_plugin import nemo_rl_adapter as adapter
+
+    grpo = None
+    for name in hook.LOSS_MODULES:
+        required = name == "nemo_rl.algorithms.grpo"
+        if not required and not _module_exists(name):
+            continue
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - reported, not hidden
+            (report.fail if required else report.warn)(name, f"cannot import: {type(exc).__name__}: {exc}")
+            continue
+        if not isinstance(getattr(module, "ClippedPGLossFn", None), adapter.ClippedPGLossSelector):
+            report.fail(name, adapter.install_failure(module))
+            continue
+        try:
+            calls = "ClippedPGLossFn(" in inspect_source(module)
+        except (OSError, TypeError):
+            calls = None
+        if calls is False:
+            report.fail(name, "ClippedPGLossFn is the plugin's selector, but the module never calls "
+                        "ClippedPGLossFn(...): this NeMo-RL builds its loss somewhere else "
+                        f"(supported: {adapter.SUPPORTED_NEMO_RL})")
+            continue
+        report.ok(name, "ClippedPGLossFn is the plugin's selector"
+                  + ("" if calls else " (module source not readable: call site not checked)"))
+        if required:
+            grpo = module
+    from nemo_rl.algorithms import loss as host_loss
+
+    if getattr(host_loss.ClippedPGLossFn.__init__, "_nemo_rs_guard", False):
+        report.ok("NeMo-RL's ClippedPGLossFn", "refuses configs that name a plugin loss")
+    else:
+        report.fail("NeMo-RL's ClippedPGLossFn", "not guarded: a construction site the selector "
+                    "misses would train with NeMo-RL's loss")
+    if _module_exists(hook.CONFIG_MODULE):
+        config = importlib.import_module(hook.CONFIG_MODULE)
+        if getattr(config.load_config, "_nemo_rs_wrapped", False):
+            report.ok(hook.CONFIG_MODULE, "load_config is patched (loss_fn shorthand, early refusal)")
+        else:
+            report.fail(hook.CONFIG_MODULE, "load_config is not patched")
+    if grpo is None:
+        raise _Stop
+    return grpo
+
+
+def inspect_source(module: Any) -> str:
+    """The source of ``module`` (its loader may be the plugin's, which delegates)."""
+    import inspect
+
+    return inspect.getsource(module)
+
+
+def _plain(section: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(section, DictConfig):
+            return OmegaConf.to_container(section, resolve=True)
+    except ImportError:
+        pass
+    return dict(section) if hasattr(section, "keys") else section
+
+
+def _build(report: _Report, grpo: Any, hook: Any, recipe: Optional[str]) -> Any:
+    from nemo_rs_plugin.registry import get_loss_class
+
+    cfg: Any = {"name": PLUGIN_NAME}
+    if recipe:
+        config = importlib.import_module(hook.CONFIG_MODULE).load_config(recipe)
+        section = config.get("loss_fn")
+        name = section.get("name") if hasattr(section, "get") else None
+        if name is None:
+            report.warn("recipe", f"{recipe} names no loss (loss_fn.name): NeMo-RL's own loss will be "
+                        f"built; the checks below use `name: {PLUGIN_NAME}`")
+        else:
+            cfg = _plain(section)
+    try:
+        loss = grpo.ClippedPGLossFn(cfg)
+    except Exception as exc:  # noqa: BLE001 - the message is the diagnosis
+        report.fail("loss", f"{type(exc).__name__}: {exc}", stop=True)
+    expected = get_loss_class(cfg["name"])
+    if type(loss) is not expected:
+        report.fail("loss", f"loss_fn.name {cfg['name']!r} built {type(loss).__module__}."
+                    f"{type(loss).__qualname__}, not {expected.__module__}.{expected.__qualname__}",
+                    stop=True)
+    report.ok("loss", f"loss_fn.name {cfg['name']!r} builds {expected.__module__}.{expected.__qualname__}"
+              + (f" from {recipe}" if recipe else ""))
+    return loss
+
+
+def _project(report: _Report, nemo_rl: Any) -> None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(nemo_rl.__file__)))
+    pyproject = os.path.join(root, "pyproject.toml")
+    try:
+        with open(pyproject) as fh:
+            text = fh.read()
+    except OSError:
+        return
+    if "nemo-rs-plugin" in text or "nemo_rs_plugin" in text:
+        report.ok("install", f"a dependency in {pyproject}: `uv sync` keeps it, worker venvs get it")
+    else:
+        report.warn("install", f"not a dependency in {pyproject}: unless this runs under "
+                    "`uv run --with`, the next `uv sync` removes it; `uv add --editable "
+                    "/path/to/nemo-rs-plugin` keeps it (README: Use it in NeMo-RL)")
+
+
+def _worker_path(report: _Report, hook: Any) -> Optional[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shim = hook.expose_to_workers()
+    if shim is None:
+        detail = "; ".join(str(w.message) for w in caught) or "the package location is unknown"
+        report.fail("worker path", detail)
+        return None
+    report.ok("worker path", f"{shim} is on PYTHONPATH, linking to "
+              f"{os.path.realpath(os.path.join(shim, hook.LINK_NAME))}")
+    for dangling in hook.dangling_links():
+        report.warn("worker path", f"dangling link left by a removed install: {dangling} (remove it)")
+    return shim
+
+
+def _workers(report: _Report, nemo_rl: Any, loss: Any, venvs: Optional[str]) -> None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(nemo_rl.__file__)))
+    venv_dir = venvs or os.environ.get("NEMO_RL_VENV_DIR") or os.path.join(root, "venvs")
+    pythons = sorted(glob.glob(os.path.join(venv_dir, "*", "bin", "python")))
+    if not pythons:
+        report.warn("workers", f"no worker virtual environments in {venv_dir} yet: NeMo-RL builds them "
+                    "on its first run; run the doctor again after it (or pass --venvs DIR)")
+        return
+    blob = pickle.dumps(loss)
+    for python in pythons:
+        venv = os.path.dirname(os.path.dirname(python))
+        name = os.path.basename(venv)
+        # What NeMo-RL hands a worker: the driver's environment, pointed at the worker venv.
+        env = {**os.environ, "VIRTUAL_ENV": venv, "UV_PROJECT_ENVIRONMENT": venv}
+        try:
+            proc = subprocess.run([python, "-c", WORKER_PROBE], input=blob, env=env,
+                                  capture_output=True, timeout=600, cwd=venv)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            report.fail(f"worker {name}", f"{type(exc).__name__}: {exc}")
+            continue
+        if proc.returncode != 0:
+            tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            report.fail(f"worker {name}", f"cannot unpickle the loss: {tail[0]}")
+            continue
+        out = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+        report.ok(f"worker {name}", f"unpickles {out['type']} (nemo_rs_plugin {out['version']} from "
+                  f"{os.path.dirname(out['plugin_from'])})")
+
+
+def run_checks(recipe: Optional[str] = None, venvs: Optional[str] = None, workers: bool = True,
+               out: TextIO = sys.stdout) -> int:
+    """Run every check, printing one line each; returns the number of failed checks."""
+    report = _Report(out)
+    try:
+        hook = _hook(report)
+        nemo_rl = _nemo_rl(report)
+        grpo = _selectors(report, hook)
+        loss = _build(report, grpo, hook, recipe)
+        _project(report, nemo_rl)
+        if _worker_path(report, hook) is not None and workers:
+            _workers(report, nemo_rl, loss, venvs)
+    except _Stop:
+        pass
+    if report.failures:
+        print(f"{report.failures} check(s) failed: a recipe naming {PLUGIN_NAME} will not train "
+              "with the plugin's loss here", file=out)
+    else:
+        print(f"nemo-rs-plugin is active: loss_fn.name: {PLUGIN_NAME} builds the plugin's loss",
+              file=out)
+    return report.failures
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The doctor's options, for ``nemo-rs doctor`` and ``python -m nemo_rs_plugin.doctor``."""
+    parser.add_argument("recipe", nargs="?", help="a recipe to load with NeMo-RL's load_config and build")
+    parser.add_argument("--venvs", metavar="DIR",
+                        help="worker virtual environments (default: $NEMO_RL_VENV_DIR, else venvs/ in NeMo-RL)")
+    parser.add_argument("--no-workers", dest="workers", action="store_false",
+                        help="skip the worker virtual environments")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the checks for parsed ``args``; the exit status (0: active, 1: not)."""
+    return 1 if run_checks(args.recipe, args.venvs, args.workers) else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m nemo_rs_plugin.doctor``."""
+    parser = argparse.ArgumentParser(prog="python -m nemo_rs_plugin.doctor", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
