@@ -202,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("reference", help="print the configuration reference (Markdown)")
     f.set_defaults(func=_cmd_reference)
+
+    from nemo_rs_plugin import doctor  # standard library only at import
+
+    d = sub.add_parser("doctor", help=doctor.HELP)
+    doctor.add_arguments(d)
+    d.set_defaults(func=doctor.run)
     return parser
 
 

@@ -421,7 +421,7 @@ def output_problems(flag: str, path: str) -> list[str]:
     return []
 
 
-PLOT_HELP = "--plot needs matplotlib: pip install 'nemo-rs-plugin[plot]'"
+PLOT_HELP = "--plot needs matplotlib: pip install matplotlib (or: uv add matplotlib)"
 
 
 def _pyplot() -> Any:

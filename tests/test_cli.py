@@ -181,3 +181,22 @@ def test_recipes_export_rewrites_defaults(tmp_path):
 def test_configuration_reference_is_current():
     doc = (REPO / "docs" / "configuration-reference.md").read_text()
     assert doc == render_reference(), "docs are stale: run `nemo-rs reference > docs/configuration-reference.md`"
+
+
+def test_doctor_is_a_nemo_rs_subcommand(capsys, monkeypatch):
+    """`nemo-rs doctor` runs the activation check; without NeMo-RL it fails, saying so."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_nemo_rl(name, *args, **kwargs):
+        if name == "nemo_rl" or name.startswith("nemo_rl."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_nemo_rl)
+    from nemo_rs_plugin.cli import main
+
+    assert main(["doctor", "--no-workers"]) == 1
+    out = capsys.readouterr().out
+    assert "NeMo-RL: not importable here" in out and "will not train with the plugin's loss" in out

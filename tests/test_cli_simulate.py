@@ -78,7 +78,7 @@ def test_plot_without_matplotlib_fails_before_the_run(tmp_path, capsys, monkeypa
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, _, err = run_simulate(capsys, "--plot", str(tmp_path / "p.png"))
     assert code == EXIT_INVALID
-    assert error_lines(err) == ["error: --plot needs matplotlib: pip install 'nemo-rs-plugin[plot]'"]
+    assert error_lines(err) == ["error: --plot needs matplotlib: pip install matplotlib (or: uv add matplotlib)"]
 
 
 @pytest.mark.parametrize("args", [["--length", "100"], ["--steps", "2", "--seed", "1"], ["--mismatch", "0.02"]])
