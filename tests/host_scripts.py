@@ -179,8 +179,19 @@ def shorthand():
     return out
 
 
+def _real_host_shims():
+    """Python 3.11 / CPU shims for a real NeMo-RL checkout (tests/nemo_rl_shims.py; harmless
+    for the fake hosts). Appended to sys.path: the plugin still comes from its installation."""
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests import nemo_rl_shims
+
+    nemo_rl_shims.install()
+    sys.path.pop()
+
+
 def driver_pickle():
     """The driver side of the Ray-worker test: build, pickle, report the env a worker gets."""
+    _real_host_shims()
     from nemo_rl.algorithms import grpo
     from nemo_rl.algorithms.loss import ClippedPGLossConfig
 
@@ -196,6 +207,7 @@ def driver_pickle():
 
 def worker_unpickle():
     spec_before = "nemo_rs_plugin" in sys.modules
+    _real_host_shims()
     with open(sys.argv[2], "rb") as fh:
         loss_fn = pickle.load(fh)
     lp, data, gvs, gvt = _batch()
