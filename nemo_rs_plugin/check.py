@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import yaml
 
-from nemo_rs_plugin.config import PLUGIN_FIELDS, ConfigError, RSClippedPGLossConfig
+from nemo_rs_plugin.config import PLUGIN_FIELDS, ConfigError, RSClippedPGLossConfig, own_loss_problems
 
 __all__ = ["CheckReport", "check_recipe", "load_recipe"]
 
@@ -508,14 +508,12 @@ def _check(report: CheckReport, path: str, overrides: list[str], nemo_rl_path: O
         report.errors.append(f"loss_fn: got a {type(loss).__name__}; expected a mapping")
         return
     name = loss.get("name")
-    if name is None:
-        stray = [k for k in loss if k in PLUGIN_FIELDS]
-        for k in stray:
-            report.errors.append(
-                f"loss_fn.{k}: a nemo-rs-plugin field under NeMo-RL's own loss; add name: rs_clipped_pg"
-            )
-        report.notes.append("loss_fn has no name: NeMo-RL's own ClippedPGLossFn is used")
-    elif name not in ("rs_clipped_pg", "clipped_pg"):
+    if name is None or name == "clipped_pg":
+        # The run's own rule (the adapter's selector refuses the same sections).
+        report.errors.extend(f"loss_fn.{p}" for p in own_loss_problems(loss, name))
+        report.notes.append(f"loss_fn {'has no name' if name is None else 'names clipped_pg'}: "
+                            "NeMo-RL's own ClippedPGLossFn is used")
+    elif name != "rs_clipped_pg":
         from nemo_rs_plugin.registry import LossRegistryError, get_loss_class
 
         try:
@@ -525,7 +523,8 @@ def _check(report: CheckReport, path: str, overrides: list[str], nemo_rl_path: O
     if report.nemo_rl:
         loss = _host_loss_section(loss, report)
     try:
-        config = RSClippedPGLossConfig.from_any({k: v for k, v in loss.items() if name or k not in PLUGIN_FIELDS})
+        own = name is None or name == "clipped_pg"
+        config = RSClippedPGLossConfig.from_any({k: v for k, v in loss.items() if not (own and k in PLUGIN_FIELDS)})
     except ConfigError as exc:
         report.errors.extend(exc.problems)
         return

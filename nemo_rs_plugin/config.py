@@ -31,6 +31,7 @@ __all__ = [
     "RSClippedPGLossConfig",
     "UPSTREAM_FIELDS",
     "PLUGIN_FIELDS",
+    "own_loss_problems",
 ]
 
 ISCorrectionLevel = Literal["token", "sequence", "sequence_mean"]
@@ -383,6 +384,29 @@ class RSClippedPGLossConfig(BaseModel):
         if self.is_correction_level is not None:
             return self.is_correction_level
         return "sequence" if self.sequence_level_importance_ratios else "token"
+
+
+def own_loss_problems(keys: Any, name: Optional[str] = None) -> list[str]:
+    """Fields of a loss section that selects NeMo-RL's own loss and would be silently ignored.
+
+    ``keys`` are the section's field names; ``name`` is the ``loss_fn.name`` that selected
+    NeMo-RL's loss (``None``: no name). A plugin field, or a near-misspelling of one, is a
+    problem: NeMo-RL's loss accepts extra fields and would train without the correction. One
+    rule for the run (the adapter's selector) and ``nemo-rs check``.
+    """
+    fix = (
+        "add `name: rs_clipped_pg` to loss_fn" if name is None
+        else f"set `name: rs_clipped_pg` (name {name!r} is NeMo-RL's own loss)"
+    )
+    problems = []
+    for key in (str(k) for k in keys):
+        if key in PLUGIN_FIELDS:
+            problems.append(f"{key}: a nemo-rs-plugin field under NeMo-RL's own loss, which would ignore it; {fix}")
+        elif key not in UPSTREAM_FIELDS and key != "name":
+            guess = difflib.get_close_matches(key, PLUGIN_FIELDS, n=1, cutoff=0.75)
+            if guess:
+                problems.append(f"{key}: unknown field; did you mean {guess[0]!r} (with `name: rs_clipped_pg`)?")
+    return problems
 
 
 def as_plain_dict(cfg: Any) -> dict[str, Any]:

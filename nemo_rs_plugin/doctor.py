@@ -276,9 +276,12 @@ def _workers(report: _Report, nemo_rl: Any, loss: Any, venvs: Optional[str]) -> 
 
 
 def run_checks(recipe: Optional[str] = None, venvs: Optional[str] = None, workers: bool = True,
-               out: TextIO = sys.stdout) -> int:
-    """Run every check, printing one line each; returns the number of failed checks."""
-    report = _Report(out)
+               out: Optional[TextIO] = None) -> int:
+    """Run every check, printing one line each (to ``out``, else the current ``sys.stdout``).
+
+    Returns the number of failed checks.
+    """
+    report = _Report(out if out is not None else sys.stdout)
     try:
         hook = _hook(report)
         nemo_rl = _nemo_rl(report)

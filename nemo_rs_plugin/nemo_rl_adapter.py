@@ -18,7 +18,6 @@ with the loss in ``nemo_rl.algorithms.loss`` taking next-token log-probs.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from typing import Any, Mapping, Optional
 
@@ -35,11 +34,11 @@ except ImportError as exc:  # pragma: no cover - exercised where NeMo-RL is abse
     ) from exc
 
 from nemo_rs_plugin.config import (
-    PLUGIN_FIELDS,
     UPSTREAM_FIELDS,
     ConfigError,
     RSClippedPGLossConfig,
     as_plain_dict,
+    own_loss_problems,
 )
 from nemo_rs_plugin.loss import RSClippedPGLoss, metric_normalizations
 from nemo_rs_plugin.registry import get_loss_class
@@ -354,26 +353,11 @@ class PluginNotActiveError(RuntimeError):
 
 
 def check_host_loss_config(cfg: Any, name: Optional[str] = None) -> None:
-    """Reject plugin fields (or near-misspellings of them) under NeMo-RL's own loss.
+    """Refuse plugin fields (or near-misspellings) under NeMo-RL's own loss.
 
-    ``name`` is the ``loss_fn.name`` that selected NeMo-RL's loss (``None``: no name).
+    The rule is :func:`~nemo_rs_plugin.config.own_loss_problems`, shared with ``nemo-rs check``.
     """
-    fix = (
-        "add `name: rs_clipped_pg` to loss_fn" if name is None
-        else f"set `name: rs_clipped_pg` (name {name!r} is NeMo-RL's own loss)"
-    )
-    problems = []
-    for key in _keys_of(cfg):
-        if key in PLUGIN_FIELDS:
-            problems.append(
-                f"{key}: a nemo-rs-plugin field under NeMo-RL's own loss, which would ignore it; {fix}"
-            )
-        elif key not in UPSTREAM_FIELDS and key != "name":
-            guess = difflib.get_close_matches(key, PLUGIN_FIELDS, n=1, cutoff=0.75)
-            if guess:
-                problems.append(
-                    f"{key}: unknown field; did you mean {guess[0]!r} (with `name: rs_clipped_pg`)?"
-                )
+    problems = own_loss_problems(_keys_of(cfg), name)
     if problems:
         raise ConfigError(problems)
 

@@ -147,9 +147,10 @@ def sharded_loss(
     tp_group: Any = None,
     pad_to_shard: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The full loss on every rank (gradients summed over the ranks) and the group-identical
-    metrics; see the module docstring for why NeMo-RL's ``/ cp`` then gives its gathered path's
-    gradients."""
+    """The full loss on every rank (gradients summed over the ranks) and the group-identical metrics.
+
+    See the module docstring for why NeMo-RL's ``/ cp`` then gives its gathered path's gradients.
+    """
     inputs = sharded_loss_inputs(logits, data, cp_group=cp_group, tp_group=tp_group, pad_to_shard=pad_to_shard)
     # Only CP splits a sequence's tokens here: TP splits the vocabulary, and Megatron gathers
     # sequence-parallel activations before the output layer.

@@ -112,6 +112,8 @@ GRPO_BROKEN = ('raise TypeError("Please use `typing_extensions.TypedDict` instea
 GRPO_PYDANTIC = '''
 from pydantic import BaseModel, ConfigDict
 
+from nemo_rl.algorithms.loss import ClippedPGLossFn  # as NeMo-RL's GRPO module (the plugin patches it)
+
 class GRPOConfig(BaseModel):
     num_prompts_per_step: int = 8
 
@@ -120,7 +122,8 @@ class MasterConfig(BaseModel):
     grpo: GRPOConfig = GRPOConfig()
     loss_fn: dict
 '''
-GRPO_TYPEDDICT = "class MasterConfig(dict):  # v0.6.0: a TypedDict\n    pass\n"
+GRPO_TYPEDDICT = ("from nemo_rl.algorithms.loss import ClippedPGLossFn\n\n"
+                  "class MasterConfig(dict):  # v0.6.0: a TypedDict\n    pass\n")
 
 
 def fake_nemo_rl(root, grpo, typeddict=False):
