@@ -175,8 +175,19 @@ _METRICS = ("reward", "mismatch_mean", "mismatch_max", "routing_diff_frac", "is_
 
 
 def run_one(name: str, seed: int, s: LabSettings, tick: Optional[Callable[[], None]] = None) -> list[dict]:
-    """Train one configuration with one seed; one dict of metrics per rollout step."""
+    """Train one configuration with one seed; one dict of metrics per rollout step.
+
+    Deterministic given (name, seed, settings): one thread, every random draw seeded.
+    """
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _run_one(name, seed, s, tick)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_one(name: str, seed: int, s: LabSettings, tick: Optional[Callable[[], None]]) -> list[dict]:
     torch.manual_seed(seed)
     loss_fn = RSClippedPGLoss({**_BASE_LOSS, **CONFIGS[name]})
     applies_is = bool(CONFIGS[name].get("use_importance_sampling_correction", False))
