@@ -36,7 +36,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -320,7 +320,7 @@ def run_all(s: LabSettings, workers: int = 1, progress: Optional[Callable[[int, 
             rows += run_one(c, seed, s, tick)
     else:
         import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor, wait, FIRST_COMPLETED
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
         ctx = mp.get_context("spawn")
         with ctx.Manager() as manager, ProcessPoolExecutor(workers, mp_context=ctx) as pool:
