@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("reference", help="print the configuration reference (Markdown)")
     f.set_defaults(func=_cmd_reference)
 
+    sub.add_parser("lab", help="GRPO on a tiny MoE with a real sampler/trainer mismatch (docs/lab.md)",
+                   add_help=False)
+
     from nemo_rs_plugin import doctor  # standard library only at import
 
     d = sub.add_parser("doctor", help=doctor.HELP)
@@ -213,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``nemo-rs`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lab"]:  # the lab parses its own flags (docs/lab.md)
+        from nemo_rs_plugin import lab
+
+        return lab.main(argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Hydra-style overrides may come after options (check RECIPE --nemo-rl X a.b=1).
