@@ -23,6 +23,7 @@ from typing import Any, Optional
 import yaml
 
 from nemo_rs_plugin.config import PLUGIN_FIELDS, ConfigError, RSClippedPGLossConfig, own_loss_problems
+from nemo_rs_plugin.recipes import defaults_of, parent_paths
 
 __all__ = ["CheckReport", "check_recipe", "load_recipe"]
 
@@ -119,23 +120,12 @@ def _find_nemo_rl(nemo_rl_path: Optional[str], report: CheckReport) -> tuple[boo
     return True, root
 
 
-def _defaults_of(raw: dict) -> list[str]:
-    defaults = raw.get("defaults")
-    if not defaults:
-        return []
-    return [str(d) for d in ([defaults] if isinstance(defaults, str) else defaults)]
-
-
-def _parent_path(path: str, parent: str) -> str:
-    return parent if os.path.isabs(parent) else os.path.join(os.path.dirname(os.path.abspath(path)), parent)
-
-
 def _defaults_resolve(path: str) -> bool:
     try:
         raw = _read_yaml(path)
     except (yaml.YAMLError, OSError, UnicodeDecodeError):
         return True
-    return all(os.path.isfile(_parent_path(path, d)) for d in _defaults_of(raw))
+    return all(os.path.isfile(p) for p in parent_paths(path, raw))
 
 
 class OverrideError(ValueError):
@@ -241,11 +231,10 @@ def _read_yaml(path: str) -> dict:
 def _load_plain(path: str, missing: list[str]) -> dict:
     """Resolve ``defaults`` relative to each file, as NeMo-RL does, where the files exist."""
     raw = _read_yaml(path)
-    parents = _defaults_of(raw)
+    parents = zip(defaults_of(raw), parent_paths(path, raw))
     raw.pop("defaults", None)
     merged: dict = {}
-    for parent in parents:
-        parent_path = _parent_path(path, parent)
+    for parent, parent_path in parents:
         if not os.path.isfile(parent_path):
             missing.append(parent)
             continue
@@ -255,8 +244,8 @@ def _load_plain(path: str, missing: list[str]) -> dict:
 
 def _inherited_loss_mapping(path: str) -> Optional[str]:
     """The parent (from ``defaults``) that defines a ``loss_fn`` mapping, if any."""
-    for parent in _defaults_of(_read_yaml(path)):
-        parent_path = _parent_path(path, parent)
+    raw = _read_yaml(path)
+    for parent, parent_path in zip(defaults_of(raw), parent_paths(path, raw)):
         try:
             inherited = _load_plain(parent_path, []) if os.path.isfile(parent_path) else {}
         except (yaml.YAMLError, OSError, UnicodeDecodeError):
@@ -297,7 +286,7 @@ def load_recipe(path: str, overrides: list[str], nemo_rl_path: Optional[str], re
         return None
     with tempfile.TemporaryDirectory(prefix="nemo-rs-check-") as tmp:
         load_path = path
-        if root and _defaults_of(raw) and not _defaults_resolve(path):
+        if root and defaults_of(raw) and not _defaults_resolve(path):
             # A shipped recipe outside a checkout: resolve its defaults as if it sat in
             # <NeMo-RL>/examples/configs/recipes/llm/ (where `nemo-rs recipes` puts it).
             from nemo_rs_plugin.recipes import export_recipe

@@ -456,8 +456,9 @@ def write_plot(rows: list[dict], s: LabSettings, path: str, title: str = "") -> 
     plt.close(fig)
 
 
-def progress_bar(done: int, total: int, stream=sys.stderr, _state={"t0": None, "last": -1}) -> None:
+def progress_bar(done: int, total: int, stream=None, _state={"t0": None, "last": -1}) -> None:
     """Progress with an ETA: a redrawn bar on a terminal, a line per 5% otherwise."""
+    stream = stream if stream is not None else sys.stderr  # the current one, not the one at import
     if _state["t0"] is None or done <= 1:
         _state["t0"], _state["last"] = time.perf_counter(), -1
     el = time.perf_counter() - _state["t0"]
@@ -481,6 +482,7 @@ def progress_bar(done: int, total: int, stream=sys.stderr, _state={"t0": None, "
 # ---------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of ``python -m nemo_rs_plugin.lab`` / ``nemo-rs lab``."""
+    stream = stream if stream is not None else sys.stderr  # the current one, not the one at import
     d = LabSettings()
     p = argparse.ArgumentParser(prog="nemo-rs lab", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run (< 2 min): 2 configs x 2 seeds, tiny sizes")

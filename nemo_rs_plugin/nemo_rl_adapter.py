@@ -534,24 +534,13 @@ def patch_config_loader(module: Any) -> bool:
 
 def _inherits_loss_mapping(config_path: Any, load: Any) -> bool:
     """Whether any recipe named in ``defaults`` of ``config_path`` defines a loss_fn mapping."""
-    import os
-
     import yaml
+
+    from nemo_rs_plugin.recipes import parent_paths
 
     with open(config_path) as fh:
         raw = yaml.safe_load(fh) or {}
-    defaults = raw.get("defaults") if isinstance(raw, dict) else None
-    if not defaults:
-        return False
-    if isinstance(defaults, str):
-        defaults = [defaults]
-    base = os.path.dirname(os.path.abspath(str(config_path)))
-    for parent in defaults:
-        path = parent if os.path.isabs(str(parent)) else os.path.join(base, str(parent))
-        parent_cfg = load(path)
-        if hasattr(parent_cfg.get("loss_fn"), "keys"):
-            return True
-    return False
+    return any(hasattr(load(path).get("loss_fn"), "keys") for path in parent_paths(config_path, raw))
 
 
 def _guard_when_imported_first() -> None:

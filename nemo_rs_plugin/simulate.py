@@ -497,8 +497,9 @@ def write_plot(rows: list[dict[str, Any]], path: str) -> None:
     _pyplot().close(fig)
 
 
-def progress_bar(done: int, total: int, stream=sys.stderr) -> None:
+def progress_bar(done: int, total: int, stream=None) -> None:
     """A one-line text progress bar (only drawn on a terminal)."""
+    stream = stream if stream is not None else sys.stderr  # the current one, not the one at import
     if not stream.isatty():
         return
     width = 30
