@@ -90,5 +90,12 @@ def make_batch(
 
 
 @pytest.fixture(autouse=True)
+def _own_worker_path(tmp_path, monkeypatch):
+    """The start-up hook's worker-path link goes under this test's tmp_path (in every
+    interpreter the test starts), never to a folder shared between tests or runs."""
+    monkeypatch.setenv("NEMO_RS_PLUGIN_WORKER_PATH", str(tmp_path / "worker-path"))
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,8 +33,6 @@ def run_script(name, *args, host="supported", python=sys.executable, env=None, c
     """Run tests/host_scripts.py by path: the repository root is not on sys.path, so the
     plugin is imported from wherever it is installed (or not at all)."""
     env = dict(os.environ if env is None else env)
-    # Keep the worker-path link the hook creates out of the user's home during tests.
-    env.setdefault("NEMO_RS_PLUGIN_WORKER_PATH", os.path.join(tempfile.gettempdir(), "nemo-rs-test-worker-path"))
     paths = [str(host if os.path.isabs(str(host)) else FAKE / host)] if host else []
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     proc = subprocess.run([python, str(SCRIPTS), name, *args], capture_output=True, text=True,

@@ -8,7 +8,6 @@ plugin, started with the driver's environment.
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -17,7 +16,6 @@ from tests.test_activation import FAKE, REPO, _make_venv, needs_install
 
 def doctor(*args, host="supported", env=None, python=sys.executable, cwd):
     env = dict(os.environ if env is None else env)
-    env.setdefault("NEMO_RS_PLUGIN_WORKER_PATH", os.path.join(tempfile.gettempdir(), "nemo-rs-test-worker-path"))
     env["PYTHONPATH"] = os.pathsep.join([str(FAKE / host)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                               if p])
     proc = subprocess.run([python, "-m", "nemo_rs_plugin.doctor", *args], capture_output=True, text=True, env=env,

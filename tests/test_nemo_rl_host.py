@@ -29,12 +29,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _own_worker_path(tmp_path, monkeypatch):
-    """The plugin's worker-path link goes to this test's temporary folder, not a shared one."""
-    monkeypatch.setenv("NEMO_RS_PLUGIN_WORKER_PATH", str(tmp_path / "worker-path"))
-
-
 def run(host, name, *args):
     env = dict(os.environ)
     if host:
