@@ -182,5 +182,28 @@ def new_upstream_field():
             "host_saw_default": getattr(built, "new_upstream_option", "absent"), "error": error}
 
 
+def all_checks():
+    """Every check above in this one interpreter (NeMo-RL's import is the costly part).
+
+    ``argv``: ``all TMPDIR FIXTURES``. Each check's result, or its traceback under "error";
+    ``new_upstream_field`` runs last because it replaces NeMo-RL's config class.
+    """
+    import traceback
+
+    tmp, fixtures = sys.argv[2], sys.argv[3]
+    plan = [("recipe", os.path.join(tmp, "recipe")), ("prepare", None), ("parity", fixtures),
+            ("recipes_load", os.path.join(tmp, "recipes")), ("new_upstream_field", None)]
+    out = {}
+    for name, arg in plan:
+        if arg is not None and name != "parity":
+            os.makedirs(arg, exist_ok=True)
+        sys.argv[2:] = [arg] if arg is not None else []
+        try:
+            out[name] = globals()[name]()
+        except Exception:  # noqa: BLE001 - reported to the test that owns the check
+            out[name] = {"__traceback__": traceback.format_exc()[-4000:]}
+    return out
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]]()))

@@ -41,9 +41,24 @@ def run(host, name, *args):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+_RESULTS: dict = {}
+
+
+def checked(host, name, tmp_path_factory):
+    """The result of check ``name`` at ``host``; all checks of a host run in one interpreter."""
+    if host not in _RESULTS:
+        fx = fixtures_path()
+        if fx is None:
+            skip_or_fail("the recorded NeMo-RL fixtures are not found")
+        _RESULTS[host] = run(host, "all_checks", str(tmp_path_factory.mktemp("nemo-rl-host")), str(fx))
+    out = _RESULTS[host][name]
+    assert "__traceback__" not in out, out.get("__traceback__")
+    return out
+
+
 @pytest.mark.parametrize("host", HOSTS, ids=host_label)
-def test_recipe_through_nemo_rl_config_loading_builds_the_plugin(host, tmp_path):
-    out = run(host, "recipe", str(tmp_path))
+def test_recipe_through_nemo_rl_config_loading_builds_the_plugin(host, tmp_path_factory):
+    out = checked(host, "recipe", tmp_path_factory)
     assert out["type"] == "RSClippedPGLossFn" and out["is_host_instance"]
     assert out["level"] == "sequence_mean" and out["filters"] == 2
     assert out["ratio_clip_max"] == 0.28  # the Hydra override
@@ -52,8 +67,8 @@ def test_recipe_through_nemo_rl_config_loading_builds_the_plugin(host, tmp_path)
 
 
 @pytest.mark.parametrize("host", HOSTS, ids=host_label)
-def test_inside_nemo_rl_input_preparation_and_packing(host):
-    out = run(host, "prepare")
+def test_inside_nemo_rl_input_preparation_and_packing(host, tmp_path_factory):
+    out = checked(host, "prepare", tmp_path_factory)
     for mode in ("unpacked", "packed"):
         loss_diff, metric_diffs = out[mode]
         assert loss_diff < 1e-6, (mode, loss_diff)
@@ -61,25 +76,22 @@ def test_inside_nemo_rl_input_preparation_and_packing(host):
 
 
 @pytest.mark.parametrize("host", HOSTS, ids=host_label)
-def test_fixture_parity_through_the_subclass(host):
-    fx = fixtures_path()
-    if fx is None:
-        skip_or_fail("shared/fixtures not found")
-    out = run(host, "parity", str(fx))
+def test_fixture_parity_through_the_subclass(host, tmp_path_factory):
+    out = checked(host, "parity", tmp_path_factory)
     assert out["type"] == "RSClippedPGLossFn"
     assert out["cases"] == 120 and out["failures"] == []
 
 
 @pytest.mark.parametrize("host", HOSTS, ids=host_label)
-def test_shipped_recipes_load_with_nemo_rl(host, tmp_path):
-    out = run(host, "recipes_load", str(tmp_path))
+def test_shipped_recipes_load_with_nemo_rl(host, tmp_path_factory):
+    out = checked(host, "recipes_load", tmp_path_factory)
     assert len(out) >= 5
     assert all(v == "RSClippedPGLossFn" for v in out.values()), out
 
 
 @pytest.mark.parametrize("host", HOSTS, ids=host_label)
-def test_a_new_upstream_field_passes_at_its_default_and_is_refused_when_set(host):
-    out = run(host, "new_upstream_field")
+def test_a_new_upstream_field_passes_at_its_default_and_is_refused_when_set(host, tmp_path_factory):
+    out = checked(host, "new_upstream_field", tmp_path_factory)
     if out["api"] == "typeddict":  # v0.6.0: a TypedDict has no defaults; nothing to decide
         return
     assert out["default_builds"] == "RSClippedPGLossFn"
