@@ -60,6 +60,18 @@ def filter_label(f: dict) -> str:
     return "_".join(parts)
 
 
+def with_unique_labels(filters: list[dict]) -> list[dict]:
+    """Filters with a ``name`` added where a label repeats (the config refuses duplicates)."""
+    seen: set[str] = set()
+    out = []
+    for i, f in enumerate(filters):
+        if filter_label(f) in seen:
+            f = {**f, "name": f"{filter_label(f)}_stage{i}"}
+        seen.add(filter_label(f))
+        out.append(f)
+    return out
+
+
 def token_statistic(metric: str, d: float) -> float:
     """Per-token statistic: the ratio ``exp(d)`` itself, or a KL(gen || prev) estimator."""
     if metric == "ratio":

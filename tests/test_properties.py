@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from nemo_rs_plugin import RSClippedPGLoss, RSClippedPGLossConfig
 from nemo_rs_plugin.correction import compute_correction, token_filter_statistic
+from tests.naive_reference import with_unique_labels
 
 BAD = [float("nan"), float("inf"), float("-inf")]
 
@@ -41,7 +42,7 @@ def configs(draw):
         "positive_example_nll_weight": draw(st.sampled_from([0.0, 0.3])),
         "ratio_clip_c": draw(st.sampled_from([None, 3.0])),
         "disable_ppo_ratio": draw(st.booleans()),
-        "rejection_sampling": draw(st.lists(filters, max_size=3)),
+        "rejection_sampling": with_unique_labels(draw(st.lists(filters, max_size=3))),
         "rejection_denominator": draw(st.sampled_from(["original", "kept"])),
     }
     if cfg["use_importance_sampling_correction"]:

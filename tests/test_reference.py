@@ -22,7 +22,7 @@ import nemo_rs_plugin.loss as loss_module
 from nemo_rs_plugin import RSClippedPGLoss
 from nemo_rs_plugin.distributed import SequenceGroups
 from nemo_rs_plugin.loss import LossInputs
-from tests.naive_reference import reference, sequence_statistic, token_statistic
+from tests.naive_reference import reference, sequence_statistic, token_statistic, with_unique_labels
 from tests.threaded_world import ThreadGroup, run_ranks
 
 RTOL, ATOL = 1e-6, 1e-9
@@ -294,7 +294,8 @@ def random_pipeline_cfg(rng: random.Random, batch: dict) -> dict:
     if trunc == "seq-mask-tis" and objective == "gspo" and level is None:
         trunc = "tis"
     cfg = {**objective_cfg(rng, objective, level), **draw_kl(rng), **draw_truncation(rng, trunc)}
-    cfg["rejection_sampling"] = [draw_filter(rng, batch, *rng.choice(FILTER_KINDS)) for _ in range(rng.randint(2, 4))]
+    cfg["rejection_sampling"] = with_unique_labels(
+        [draw_filter(rng, batch, *rng.choice(FILTER_KINDS)) for _ in range(rng.randint(2, 4))])
     return cfg
 
 
