@@ -188,14 +188,18 @@ def sharded_loss(
     cu_seqlens_padded: Optional[Sequence[int]] = None,
     tokens_split_over_tp: bool = False,
     pad_to_shard: bool = False,
+    data_parallel_group: Any = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The full loss on every rank (gradients summed over the ranks) and the group-identical
     metrics; see the module docstring for why NeMo-RL's ``/ cp`` then gives its gathered path's
-    gradients."""
+    gradients. ``data_parallel_group`` is read only by ``is_batch_normalization:
+    data_parallel``."""
     inputs = sharded_loss_inputs(
         logits, data, cp_group=cp_group, tp_group=tp_group, vocab_size=vocab_size,
         cu_seqlens_padded=cu_seqlens_padded, pad_to_shard=pad_to_shard,
     )
-    groups = SequenceGroups.of(cp_group, tp_group if tokens_split_over_tp else None)
+    groups = SequenceGroups.of(
+        cp_group, tp_group if tokens_split_over_tp else None, data_parallel=data_parallel_group
+    )
     share, metrics = loss_fn.compute(inputs, global_valid_seqs, global_valid_toks, groups)
     return all_reduce_sum_with_grad(share, groups), metrics
