@@ -19,7 +19,8 @@ Entry points (all pure torch; no NeMo-RL, no Megatron, no ``.item()``):
 
 IS weights and masks are detached: they change the measure the gradient is estimated under,
 not the objective being differentiated.
-See: docs/guide.md#is-correction-level and docs/guide.md#rejection-sampling.
+See: docs/guide.md#is-correction-level, docs/guide.md#rejection-sampling, docs/guide.md#filter-statistics
+and docs/guide.md#batch-normalisation.
 """
 
 from __future__ import annotations
