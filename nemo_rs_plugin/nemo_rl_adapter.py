@@ -41,7 +41,7 @@ from nemo_rs_plugin.config import (
     RSClippedPGLossConfig,
     as_plain_dict,
 )
-from nemo_rs_plugin.distributed import SequenceGroups, group_is_active
+from nemo_rs_plugin.distributed import SequenceGroups
 from nemo_rs_plugin.loss import RSClippedPGLoss, metric_normalizations
 from nemo_rs_plugin.registry import get_loss_class
 
@@ -270,7 +270,7 @@ def batch_data_parallel_group(config: RSClippedPGLossConfig) -> Any:
         return parallel_state.get_data_parallel_group()
     import torch.distributed as dist
 
-    if group_is_active(dist.group.WORLD if dist.is_available() and dist.is_initialized() else None):
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ConfigError([
             "is_batch_normalization: got 'data_parallel', but no data-parallel group is known "
             "here (megatron-core's parallel_state is not initialised, as under NeMo-RL's DTensor "
