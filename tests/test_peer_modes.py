@@ -249,6 +249,27 @@ def test_opsm_drops_negative_advantage_tokens_of_off_policy_sequences():
     torch.testing.assert_close(coef, keep)
 
 
+def test_advantage_condition_on_a_token_filter_and_on_two_sequence_filters():
+    # Token filter, ratio band [0.5, 2] on r = [3, 3, 1] with A = [-1, +1, -1]: only token 0
+    # (out of band and negative) leaves.
+    gen = [[-1.0, -1.0, -1.0]]
+    prev = [[-1.0 + log(3.0), -1.0 + log(3.0), -1.0]]
+    adv = [[-1.0, 1.0, -1.0]]
+    token = {"rejection_sampling": [{"level": "token", "lower": 0.5, "upper": 2.0, "negative_advantages_only": True}]}
+    _, keep, m = correction(token, prev, gen, [[1, 1, 1]], advantages=adv)
+    assert keep.tolist() == [[0, 1, 1]]
+    assert m["rs/token_ratio_negative_advantages/token_rejected_frac"] == pytest.approx(1 / 3)
+    # Two conditional sequence filters rejecting the same row: the second removes nothing new.
+    two = {"rejection_sampling": [
+        {"level": "sequence", "agg": "max", "upper": 2.0, "negative_advantages_only": True, "name": "first"},
+        {"level": "sequence", "agg": "sum", "upper": 2.0, "negative_advantages_only": True, "name": "second"}]}
+    _, keep, m = correction(two, prev, gen, [[1, 1, 1]], advantages=adv)
+    assert keep.tolist() == [[0, 1, 0]]
+    assert m["rs/first/token_rejected_frac"] == pytest.approx(2 / 3) and m["rs/first/seq_rejected_frac"] == 1.0
+    assert m["rs/second/token_rejected_frac"] == 0.0 and m["rs/second/seq_rejected_frac"] == 0.0
+    assert m["rs_token_rejected_frac"] == pytest.approx(2 / 3) and m["rs_seq_rejected_frac"] == 1.0
+
+
 def test_slime_opsm_reads_the_trainer_log_probs():
     # slime: seq_kl = mean_t (old - curr) with old = the trainer's log-probs (prev): 0.02 > 1e-4.
     curr, prev, gen = [[-1.0, -1.0]], [[-0.98, -0.98]], [[-2.0, -2.0]]
@@ -339,3 +360,47 @@ def test_every_metric_key_is_declared():
         cfg = RSClippedPGLossConfig.from_any({**mode["plugin_config"], "disable_ppo_ratio": True,
                                               "reference_policy_kl_penalty": 0.0})
         assert set(metrics) == set(metric_normalizations(cfg)), mode["name"]
+
+
+# ============================================================ batch mean over DP x CP ranks
+@pytest.mark.parametrize("name", ["verl/token_tis_2_batch_normalize", "verl/sequence_tis_2_batch_normalize"])
+def test_data_parallel_batch_mean_on_emulated_dp2_cp2_ranks(name, monkeypatch):
+    """VERL's mean over the whole batch, with the batch split over two data-parallel ranks
+    (rows) and each row's tokens over two CP ranks: every rank reproduces VERL's weights on
+    its part, and the totals cost one SUM over CP (token weights only) and one over DP."""
+    from nemo_rs_plugin.distributed import SequenceGroups
+    from nemo_rs_plugin.parallel_layout import cp_shard
+    from tests.threaded_world import ThreadGroup, run_ranks
+
+    mode = next(m for m in RECORDED["modes"] if m["name"] == name)
+    b = RECORDED["batch"]
+    prev, gen, curr, adv = (torch.tensor(b[k], dtype=torch.float64) for k in ("prev", "gen", "curr", "advantages"))
+    mask = torch.tensor(b["token_mask"], dtype=torch.float64)
+    want = torch.tensor(mode["weight"], dtype=torch.float64)
+    cfg = RSClippedPGLossConfig.from_any(mode["plugin_config"])
+    cp_groups = [ThreadGroup([0, 1]), ThreadGroup([2, 3])]  # rank = 2 * dp_rank + cp_rank
+    dp_groups = [ThreadGroup([0, 2]), ThreadGroup([1, 3])]
+
+    def rank_fn(rank):
+        dp_rank, cp_rank = divmod(rank, 2)
+        rows = slice(4 * dp_rank, 4 * dp_rank + 4)
+        part = lambda x: cp_shard(x[rows], 2, cp_rank)  # noqa: E731
+        p, g, m = part(prev), part(gen), part(mask)
+        d = p - g
+        ones = torch.ones_like(d)
+        groups = SequenceGroups((cp_groups[dp_rank],), data_parallel=dp_groups[cp_rank])
+        out = compute_correction(d, ones, m, m, torch.ones(4, dtype=d.dtype), ones, cfg,
+                                 torch.tensor(8.0), mask.sum(), groups,
+                                 log_probs=PolicyLogProbs(curr=part(curr), prev=p, gen=g), advantages=part(adv))
+        return out.is_weight.expand_as(d) * out.keep * m, part(want), out.metrics["is_batch_norm_factor"][0]
+
+    results = run_ranks(4, rank_fn, cp_groups + dp_groups, monkeypatch)
+    factors = {float(r[0][2]) for r in results}
+    assert len(factors) == 1  # one mean on every rank
+    token_level = cfg.effective_is_level == "token"
+    for rank, ((got, expected, _), log) in enumerate(results):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
+        dp_rank, cp_rank = divmod(rank, 2)
+        # The one statistics reduction over CP, then the batch totals.
+        totals = [grp for _, grp in log[-2:]] if token_level else [grp for _, grp in log[-1:]]
+        assert totals == ([cp_groups[dp_rank]] if token_level else []) + [dp_groups[cp_rank]], log
