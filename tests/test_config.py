@@ -41,7 +41,7 @@ def test_defaults_equal_nemo_rl_defaults():
         ({**IS_ON, "truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio": 1.002},
          ["truncated_importance_sampling_ratio_min: got null", "seq-mask-tis"]),
         ({**IS_ON, "truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 2.0,
-          "truncated_importance_sampling_ratio_min": 3.0}, ["3.0 > ", "min <= max"]),
+          "truncated_importance_sampling_ratio_min": 3.0}, ["3.0 > ", "must be <= truncated_importance_sampling_ratio"]),
         ({**IS_ON, "truncated_importance_sampling_type": "clip", "truncated_importance_sampling_ratio": 2.0},
          ["truncated_importance_sampling_type: got 'clip'", "'tis', 'icepop' or 'seq-mask-tis'"]),
         ({"truncated_importance_sampling_ratio": 2.0}, ["truncated_importance_sampling_type: null"]),
