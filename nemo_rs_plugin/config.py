@@ -7,6 +7,7 @@ One pydantic model, :class:`RSClippedPGLossConfig`, holds every field of NeMo-RL
   ``sequence_level_importance_ratios`` (which keeps choosing the GSPO policy ratio only).
 * ``rejection_sampling``: an ordered list of filters (:class:`RejectionFilter`).
 * ``rejection_denominator``: what the loss divides by after rejection.
+* ``is_batch_normalization``: IS weights divided by their batch mean (VERL, slime).
 
 NeMo-RL checks most of its combinations with ``assert`` inside the loss; here every one of
 them is a :class:`ConfigError` raised at construction, with a message that names the field,
@@ -37,16 +38,25 @@ __all__ = [
 ISCorrectionLevel = Literal["token", "sequence", "sequence_mean"]
 TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
 FilterLevel = Literal["token", "sequence"]
-FilterMetric = Literal["ratio", "kl_k1", "kl_k2", "kl_k3"]
+FilterMetric = Literal[
+    "ratio", "kl_k1", "kl_k2", "kl_k3", "mult_prob_error", "binary_kl", "total_variation"
+]
 FilterAgg = Literal["mean", "sum", "max", "min", "any"]
+FilterLogRatio = Literal["prev-gen", "gen-prev", "curr-gen", "curr-prev"]
+BatchNormalization = Literal["microbatch", "data_parallel"]
 
 # Aggregations allowed per metric: ratios aggregate in log space, so min/max/any are
-# well defined; KL estimators aggregate arithmetically (mean, sum, max), as in VERL/AReaL.
+# well defined; every other statistic aggregates arithmetically (mean, sum, max), as in
+# VERL/AReaL/OpenRLHF/NeMo-RL.
+_ARITHMETIC_AGGS = ("mean", "sum", "max")
 _AGGS_FOR_METRIC: dict[str, tuple[str, ...]] = {
     "ratio": ("mean", "sum", "max", "min", "any"),
-    "kl_k1": ("mean", "sum", "max"),
-    "kl_k2": ("mean", "sum", "max"),
-    "kl_k3": ("mean", "sum", "max"),
+    "kl_k1": _ARITHMETIC_AGGS,
+    "kl_k2": _ARITHMETIC_AGGS,
+    "kl_k3": _ARITHMETIC_AGGS,
+    "mult_prob_error": _ARITHMETIC_AGGS,
+    "binary_kl": _ARITHMETIC_AGGS,
+    "total_variation": _ARITHMETIC_AGGS,
 }
 
 
@@ -65,20 +75,32 @@ class ConfigError(ValueError, AssertionError):
 class RejectionFilter(BaseModel):
     """One stage of rejection sampling.
 
-    A filter computes a statistic from ``d = prev_logprobs - generation_logprobs`` and keeps
-    a token (``level: token``) or a whole sequence (``level: sequence``) iff
-    ``lower <= statistic <= upper`` (a missing bound is open). Rejected units get weight 0
-    in the whole loss (policy-gradient, KL and NLL terms); denominators do not change.
+    A filter computes a statistic from the per-token log-ratio ``d = log pi_a - log pi_b``
+    chosen by ``log_ratio`` (default ``prev-gen``: ``d = prev_logprobs -
+    generation_logprobs``) and keeps a token (``level: token``) or a whole sequence
+    (``level: sequence``) iff ``lower <= statistic <= upper`` (a missing bound is open).
+    Rejected units get weight 0 in the whole loss (policy-gradient, KL and NLL terms);
+    denominators do not change.
 
-    Statistics (``m`` = valid-token mask of the stage, ``n = sum_t m``):
+    Statistics (``m`` = valid-token mask of the stage, ``n = sum_t m``, ``r = exp(d)``,
+    ``p_a = exp(log pi_a)``, ``p_b = exp(log pi_b)`` clamped to ``[1e-6, 1 - 1e-6]``):
 
-    * ``ratio`` (log space): token ``exp(d)``; sequence ``mean`` = ``exp(sum_t m d / n)``
+    * ``ratio`` (log space): token ``r``; sequence ``mean`` = ``exp(sum_t m d / n)``
       (geometric mean, "Geo-RS"), ``sum`` = ``exp(sum_t m d)`` (product), ``max``/``min`` =
       extreme token ratio, ``any`` = reject when any valid token ratio is outside the bounds
       (outlier-token veto).
     * ``kl_k1 = -d``, ``kl_k2 = d^2 / 2``, ``kl_k3 = exp(d) - 1 - d`` (estimators of
-      KL(gen || prev) under rollout samples; VERL's direction), aggregated arithmetically by
-      ``mean``, ``sum`` or ``max``.
+      KL(pi_b || pi_a) under samples of pi_b; with ``prev-gen`` VERL's direction, with
+      ``gen-prev`` AReaL's: its ``kl_k1 = log r``, ``kl_k3 = 1/r - 1 + log r``).
+    * ``mult_prob_error = exp(|d|) = max(r, 1/r)`` (NeMo-RL's ``token_mult_prob_error``;
+      ``agg: mean`` is its ``grpo.seq_logprob_error_threshold`` statistic).
+    * ``binary_kl = p_b log(p_b / p_a) + (1 - p_b) log((1 - p_b) / (1 - p_a))`` and
+      ``total_variation = |p_b - p_a|``: the sampled token's probabilities as a Bernoulli
+      pair (OpenRLHF's ``binary_kl`` / ``tv`` gating, its clamp included).
+
+    Every statistic but ``ratio`` aggregates arithmetically by ``mean``, ``sum`` or ``max``.
+    With ``negative_advantages_only`` the filter rejects only tokens whose advantage is
+    negative (TRL's and slime's off-policy sequence masking, OPSM).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -86,15 +108,28 @@ class RejectionFilter(BaseModel):
     level: FilterLevel
     """``token`` rejects single tokens; ``sequence`` rejects whole sequences."""
     metric: FilterMetric = "ratio"
-    """Statistic compared with the bounds: ``ratio``, ``kl_k1``, ``kl_k2`` or ``kl_k3``."""
+    """Statistic compared with the bounds: ``ratio``, ``kl_k1``, ``kl_k2``, ``kl_k3``,
+    ``mult_prob_error``, ``binary_kl`` or ``total_variation`` (formulas above)."""
     agg: Optional[FilterAgg] = None
     """Sequence filters only: how token values are aggregated (default ``mean``)."""
     lower: Optional[float] = None
     """Inclusive lower bound; ``None`` leaves the low side open."""
     upper: Optional[float] = None
     """Inclusive upper bound; ``None`` leaves the high side open."""
+    log_ratio: FilterLogRatio = "prev-gen"
+    """The log-ratio ``d = log pi_a - log pi_b`` the statistic reads: ``prev-gen``
+    (default; trainer before the update over the inference engine), ``gen-prev`` (the
+    reverse: AReaL's KL direction, VERL's k1 band on gen/prev), ``curr-gen`` or
+    ``curr-prev`` (the detached current policy: TRL's and slime's OPSM)."""
+    negative_advantages_only: bool = False
+    """Reject only tokens whose advantage is < 0 (a rejected sequence loses its
+    negative-advantage tokens; with one advantage per sequence, as in GRPO, the whole
+    sequence iff its advantage is negative). TRL ``off_policy_mask_threshold``, slime
+    ``use_opsm``."""
     name: Optional[str] = None
-    """Label used in metric names; default ``<level>_<metric>[_<agg>]``."""
+    """Label used in metric names; default
+    ``<level>_<metric>[_<agg>][_<log_ratio>][_negative_advantages]`` (the last two only
+    when not at their defaults). Labels must be unique within ``rejection_sampling``."""
 
     @model_validator(mode="after")
     def _check(self) -> "RejectionFilter":
@@ -116,6 +151,10 @@ class RejectionFilter(BaseModel):
         if self.name:
             return self.name
         parts = [self.level, self.metric] + ([self.aggregation] if self.aggregation else [])
+        if self.log_ratio != "prev-gen":
+            parts.append(self.log_ratio)
+        if self.negative_advantages_only:
+            parts.append("negative_advantages")
         return "_".join(parts)
 
 
@@ -150,6 +189,20 @@ def _filter_problems(f: RejectionFilter) -> list[str]:
     return problems
 
 
+def _duplicate_label_problems(filters: tuple[RejectionFilter, ...]) -> list[str]:
+    """Filters sharing a label would overwrite each other's ``rs/<label>/*`` metrics."""
+    positions: dict[str, list[int]] = {}
+    for i, f in enumerate(filters):
+        positions.setdefault(f.label, []).append(i)
+    return [
+        f"rejection_sampling: filters {', '.join(map(str, where))} share the label {label!r}, "
+        f"so their rs/{label}/* metrics would overwrite each other; allowed: unique labels, "
+        "give each a distinct `name`"
+        for label, where in positions.items()
+        if len(where) > 1
+    ]
+
+
 # Fields of NeMo-RL's ClippedPGLossConfig (v0.7.0 / main), with NeMo-RL's defaults.
 UPSTREAM_FIELDS = (
     "disable_ppo_ratio",
@@ -174,6 +227,7 @@ UPSTREAM_FIELDS = (
 )
 PLUGIN_FIELDS = (
     "is_correction_level",
+    "is_batch_normalization",
     "rejection_sampling",
     "rejection_denominator",
     "sharded_logits_input",
@@ -249,6 +303,16 @@ class RSClippedPGLossConfig(BaseModel):
     ``exp(mean_t d_t)``. ``None``: ``sequence`` if ``sequence_level_importance_ratios``
     else ``token`` (NeMo-RL's behaviour). For responses of thousands of tokens pick
     ``sequence_mean``."""
+
+    is_batch_normalization: Optional[BatchNormalization] = None
+    """Divide the IS weights (after truncation) by their batch mean, so that they average 1
+    (VERL ``rollout_is_batch_normalize``, slime ``tis_batch_normalize``). The mean is over
+    the IS level's units before rejection: valid tokens (``token``), or sequences with a
+    valid token (``sequence``, ``sequence_mean``); weights zeroed by truncation count as 0.
+    ``microbatch``: the units of this loss call (slime: one microbatch of one
+    data-parallel rank); ``data_parallel``: also those of the other data-parallel ranks'
+    microbatches (VERL; SUM over the data-parallel group). A mean <= 1e-8 leaves the
+    weights as they are. ``None`` disables it."""
 
     # --- Plugin: rejection sampling ---
     rejection_sampling: tuple[RejectionFilter, ...] = Field(default_factory=tuple)
@@ -348,6 +412,14 @@ class RSClippedPGLossConfig(BaseModel):
                 f"truncated_importance_sampling_ratio_min: got {lo} with "
                 "truncated_importance_sampling_type: null; set the type or remove it"
             )
+        if self.is_batch_normalization is not None and not self.use_importance_sampling_correction:
+            p.append(
+                f"is_batch_normalization: got {self.is_batch_normalization!r} with "
+                "use_importance_sampling_correction: false; normalising weights that are not "
+                "applied changes nothing: set use_importance_sampling_correction: true or "
+                "is_batch_normalization: null"
+            )
+        p.extend(_duplicate_label_problems(self.rejection_sampling))
         return p
 
     # ------------------------------------------------------------------ construction

@@ -8,15 +8,19 @@ mismatch is too large to correct.
 
 Entry points (all pure torch; no NeMo-RL, no Megatron, no ``.item()``):
 
-* :func:`token_filter_statistic`, :func:`in_bounds`: token-level building blocks.
+* :func:`token_filter_statistic`, :func:`filter_log_ratio`, :func:`in_bounds`: token-level
+  building blocks.
 * :func:`compute_correction`: the whole pipeline. It computes every per-sequence statistic
   locally, passes all of them through **one** call of
   :func:`~nemo_rs_plugin.distributed.reduce_sequence_statistics` (one SUM and one MAX
   all-reduce when sequences are sharded), and only then derives masks and weights.
+* :func:`batch_normalize_weights`: IS weights over their batch mean (one more SUM of two
+  numbers, over the data-parallel group too when asked).
 
 IS weights and masks are detached: they change the measure the gradient is estimated under,
 not the objective being differentiated.
-See: docs/guide.md#is-correction-level and docs/guide.md#rejection-sampling.
+See: docs/guide.md#is-correction-level, docs/guide.md#rejection-sampling, docs/guide.md#filter-statistics
+and docs/guide.md#batch-normalisation.
 """
 
 from __future__ import annotations
@@ -28,18 +32,57 @@ from typing import Optional
 import torch
 
 from nemo_rs_plugin.config import RejectionFilter, RSClippedPGLossConfig
-from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
-from nemo_rs_plugin.masking import EPS, extrema_penalty, finite_exp, masked_extrema, masked_sum, outside
+from nemo_rs_plugin.distributed import (
+    NO_GROUPS,
+    SequenceGroups,
+    reduce_batch_totals,
+    reduce_sequence_statistics,
+)
+from nemo_rs_plugin.masking import (
+    EPS,
+    extrema_penalty,
+    finite_exp,
+    masked_extrema,
+    masked_sum,
+    nonfinite,
+    outside,
+    sanitize,
+)
 
 __all__ = [
+    "BATCH_MEAN_FLOOR",
     "CorrectionResult",
+    "PolicyLogProbs",
+    "PROBABILITY_CLAMP",
+    "batch_normalize_weights",
     "is_weights",
     "truncate_weights",
     "compute_correction",
+    "filter_log_ratio",
     "in_bounds",
     "token_filter_statistic",
     "finite_exp",
 ]
+
+# Probability-space statistics clamp the sampled token's probabilities to [1e-6, 1 - 1e-6]
+# (OpenRLHF's clamp), which keeps both logs of the binary KL finite.
+PROBABILITY_CLAMP = 1e-6
+# A batch mean at or below this leaves the weights unnormalised (VERL and slime's guard).
+BATCH_MEAN_FLOOR = 1e-8
+
+
+@dataclass
+class PolicyLogProbs:
+    """Detached per-token log-probs a filter's ``log_ratio`` may compare, ``[B, T]`` each.
+
+    Raw values (non-finite entries included): :func:`filter_log_ratio` sanitises them and
+    marks where the log-ratio was not finite. ``prev`` is ``curr`` under a forced on-policy
+    ratio.
+    """
+
+    curr: torch.Tensor
+    prev: torch.Tensor
+    gen: torch.Tensor
 
 
 def in_bounds(x: torch.Tensor, lower: Optional[float], upper: Optional[float]) -> torch.Tensor:
@@ -53,11 +96,20 @@ def in_bounds(x: torch.Tensor, lower: Optional[float], upper: Optional[float]) -
     return (x >= lower) & (x <= upper)
 
 
-def token_filter_statistic(d: torch.Tensor, metric: str) -> torch.Tensor:
-    """Per-token statistic of a filter, from ``d = prev - gen``.
+def token_filter_statistic(
+    d: torch.Tensor,
+    metric: str,
+    target: Optional[torch.Tensor] = None,
+    behaviour: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Per-token statistic of a filter, from ``d = target - behaviour`` (log-probs).
 
     ``ratio`` is returned in log space (``d`` itself; bounds are compared as ``log``);
-    ``kl_k1 = -d``, ``kl_k2 = d^2/2``, ``kl_k3 = exp(d) - 1 - d`` estimate KL(gen || prev).
+    ``kl_k1 = -d``, ``kl_k2 = d^2/2``, ``kl_k3 = exp(d) - 1 - d`` estimate
+    KL(behaviour || target); ``mult_prob_error = exp(|d|)``. The probability-space
+    statistics read ``p_a = exp(target)`` and ``p_b = exp(behaviour)``, both clamped to
+    ``[1e-6, 1 - 1e-6]``: ``binary_kl = p_b log(p_b/p_a) + (1-p_b) log((1-p_b)/(1-p_a))``,
+    ``total_variation = |p_b - p_a|``.
     """
     if metric == "ratio":
         return d
@@ -67,7 +119,52 @@ def token_filter_statistic(d: torch.Tensor, metric: str) -> torch.Tensor:
         return d.square() / 2
     if metric == "kl_k3":
         return torch.expm1(d) - d
-    raise ValueError(f"metric: got {metric!r}; allowed: ratio, kl_k1, kl_k2, kl_k3")
+    if metric == "mult_prob_error":
+        return torch.exp(d.abs())
+    if metric in ("binary_kl", "total_variation"):
+        if target is None or behaviour is None:
+            raise ValueError(f"metric {metric!r} needs the target and behaviour log-probs")
+        p_a = target.exp().clamp(PROBABILITY_CLAMP, 1.0 - PROBABILITY_CLAMP)
+        p_b = behaviour.exp().clamp(PROBABILITY_CLAMP, 1.0 - PROBABILITY_CLAMP)
+        if metric == "total_variation":
+            return (p_b - p_a).abs()
+        return p_b * (p_b / p_a).log() + (1.0 - p_b) * ((1.0 - p_b) / (1.0 - p_a)).log()
+    raise ValueError(
+        f"metric: got {metric!r}; allowed: ratio, kl_k1, kl_k2, kl_k3, mult_prob_error, "
+        "binary_kl, total_variation"
+    )
+
+
+def filter_log_ratio(
+    log_ratio: str,
+    d: torch.Tensor,  # [B, T] prev - gen, sanitised
+    d_finite: torch.Tensor,  # [B, T] 0/1
+    log_probs: Optional[PolicyLogProbs],
+    needs_log_probs: bool,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(d, d_finite, target, behaviour)`` for a filter's ``log_ratio`` ``"a-b"``.
+
+    ``d = log pi_a - log pi_b`` with non-finite entries replaced by 0 and ``d_finite`` the
+    0/1 mask of where it was finite; ``target``/``behaviour`` are the sanitised log-probs of
+    ``a`` and ``b`` (``None`` unless ``needs_log_probs``). ``prev-gen`` reuses the loss's
+    ``d``; the others read :class:`PolicyLogProbs`.
+    """
+    target_name, behaviour_name = log_ratio.split("-")
+    if log_ratio != "prev-gen" or needs_log_probs:
+        if log_probs is None:
+            raise ValueError(
+                f"log_ratio {log_ratio!r}: this filter needs the policies' log-probs "
+                "(compute_correction(..., log_probs=PolicyLogProbs(...)))"
+            )
+        target_raw = getattr(log_probs, target_name).detach()
+        behaviour_raw = getattr(log_probs, behaviour_name).detach()
+        target, behaviour = sanitize(target_raw), sanitize(behaviour_raw)
+    else:
+        target = behaviour = None
+    if log_ratio == "prev-gen":
+        return d, d_finite, target, behaviour
+    d_raw = target_raw - behaviour_raw
+    return sanitize(d_raw), 1.0 - nonfinite(d_raw), target, behaviour
 
 
 def _log_bound(v: Optional[float]) -> Optional[float]:
@@ -149,6 +246,12 @@ class _Stage:
     sum_idx: int = -1
     max_idx: int = -1
     negmin_idx: int = -1
+    # Only when some filter is advantage-conditioned: per row, the negative-advantage tokens
+    # a token filter rejects, or those alive at a sequence filter.
+    negative_idx: int = -1
+
+
+_PROBABILITY_METRICS = ("binary_kl", "total_variation")
 
 
 def needs_sequence_statistics(cfg: RSClippedPGLossConfig) -> bool:
@@ -173,33 +276,46 @@ def _plan_stages(
     d_finite: torch.Tensor,  # [B, T] 0/1
     valid_bin: torch.Tensor,  # [B, T] 0/1
     valid: torch.Tensor,  # [B, T]
+    negative: Optional[torch.Tensor],  # [B, T] 0/1 negative advantage; None if unused
+    log_probs: Optional[PolicyLogProbs],
     pack: _StatPack,
-) -> tuple[list[_Stage], torch.Tensor, int]:
+) -> tuple[list[_Stage], torch.Tensor, int, int]:
     """Token-filter masks (local decisions) and the local statistics of sequence filters.
 
     A sequence filter reads the valid tokens that the token filters listed before it kept.
     Returns the stages, the ``[B, T]`` 0/1 mask of valid tokens every token filter kept, and
-    the pack index of its per-row count (weighted like ``valid``).
+    the pack indices of its per-row count and of its negative-advantage part (weighted like
+    ``valid``; -1 when no filter is advantage-conditioned).
     """
     big = torch.finfo(d.dtype).max
-    d_bad = 1.0 - d_finite
     stages = []
     alive = valid_bin  # [B, T] valid tokens kept by the token filters so far
     for f in cfg.rejection_sampling:
         lo, hi = _filter_bounds(f)
-        stat = token_filter_statistic(d, f.metric)
-        if f.metric != "ratio":  # d is finite; KL estimators can overflow: keep them finite
+        fd, f_finite, target, behaviour = filter_log_ratio(
+            f.log_ratio, d, d_finite, log_probs, f.metric in _PROBABILITY_METRICS
+        )
+        stat = token_filter_statistic(fd, f.metric, target, behaviour)
+        if f.metric != "ratio":  # fd is finite; the statistics can overflow: keep them finite
             stat = torch.nan_to_num(stat, nan=0.0, posinf=big, neginf=-big)
         st = _Stage(spec=f)
+        # Tokens this filter may reject: all, or only those with a negative advantage.
+        eligible = negative if f.negative_advantages_only else None  # [B, T] or None
         if f.level == "token":
-            st.keep_tok = (1.0 - outside(stat, lo, hi)) * d_finite  # non-finite d: rejected
+            in_band = (1.0 - outside(stat, lo, hi)) * f_finite  # non-finite d: out of band
+            st.keep_tok = in_band if eligible is None else 1.0 - (1.0 - in_band) * eligible
             kept = alive * st.keep_tok
-            st.touch_idx = pack.add_sum((alive - kept).sum(-1))
+            rejected = alive - kept
+            st.touch_idx = pack.add_sum(rejected.sum(-1))
+            if negative is not None:
+                st.negative_idx = pack.add_sum((rejected * negative).sum(-1))
             alive = kept
         else:
-            alive_fin = alive * d_finite
+            alive_fin = alive * f_finite
             st.count_idx = pack.add_sum(alive.sum(-1))
-            st.nonfinite_idx = pack.add_sum((alive * d_bad).sum(-1))
+            st.nonfinite_idx = pack.add_sum((alive * (1.0 - f_finite)).sum(-1))
+            if negative is not None:
+                st.negative_idx = pack.add_sum((alive * negative).sum(-1))
             agg = f.aggregation
             masked = stat * alive_fin  # [B, T], 0 off the stage's tokens
             if agg in ("mean", "sum"):
@@ -211,7 +327,9 @@ def _plan_stages(
                 if agg in ("min", "any"):
                     st.negmin_idx = pack.add_max(_row_max(-masked - penalty, -big))
         stages.append(st)
-    return stages, alive, pack.add_sum((alive * valid).sum(-1))
+    kept_idx = pack.add_sum((alive * valid).sum(-1))
+    kept_negative_idx = pack.add_sum((alive * valid * negative).sum(-1)) if negative is not None else -1
+    return stages, alive, kept_idx, kept_negative_idx
 
 
 def _row_max(x: torch.Tensor, empty: float) -> torch.Tensor:
@@ -243,46 +361,84 @@ def _sequence_keep(st: _Stage, sums: torch.Tensor, maxima: Optional[torch.Tensor
     return keep | (count == 0)
 
 
+@dataclass
+class _RejectionOutcome:
+    """The sequence-level result of the filters, from reduced statistics (``[B]`` each)."""
+
+    sequence_kept: torch.Tensor  # bool: no unconditional sequence filter rejected the row
+    conditional_rows: Optional[torch.Tensor]  # 0/1: an advantage-conditioned sequence filter
+    # rejected the row, which loses its negative-advantage tokens (None: no such filter)
+    kept_tokens: torch.Tensor  # valid tokens of the row still in the loss (weighted like valid)
+    sequence_in_loss: torch.Tensor  # 0/1: not dropped as a whole sequence
+
+
 def _apply_stages(
     stages: list[_Stage],
     sums: torch.Tensor,
     maxima: Optional[torch.Tensor],
     kept_rows: torch.Tensor,  # [B] valid tokens every token filter kept (weighted, reduced)
+    kept_negative_rows: Optional[torch.Tensor],  # [B] their negative-advantage part, or None
     seq_n: torch.Tensor,  # [B] valid tokens (weighted, reduced)
     sm: torch.Tensor,  # [B]
     gvs: torch.Tensor,
     gvt: torch.Tensor,
     metrics: dict,
-) -> torch.Tensor:
+) -> _RejectionOutcome:
     """Run the sequence decisions in stage order and record per-stage metrics.
 
     Every number comes from the reduced per-row statistics, so the metrics are identical on
-    all ranks and cost O(batch). Returns the ``[B]`` bool mask of sequences every sequence
-    filter kept.
+    all ranks and cost O(batch). A stage's metrics count only what it removed from the
+    loss: units an earlier stage had already removed are not counted again.
     """
     stage_seq = torch.ones(sm.shape[0], dtype=torch.bool, device=sm.device)
     fdtype = sm.dtype
+    conditional = sm.new_zeros(sm.shape)  # [B] rows an advantage-conditioned filter rejected
+    conditional_touched = sm.new_zeros(sm.shape)  # [B] ... and that lost a token to it
     per_tok, per_seq = 1.0 / (gvt + EPS), 1.0 / (gvs + EPS)
     for st in stages:
         key = f"rs/{st.spec.label}"
         live = stage_seq.to(fdtype) * sm  # rows still alive at this stage, weighted like valid
         if st.keep_tok is not None:
             rejected = sums[st.touch_idx]  # tokens this filter rejected per row
+            if st.negative_idx >= 0:  # not those an earlier conditional rejection removed
+                rejected = rejected - conditional * sums[st.negative_idx]
             metrics[f"{key}/token_rejected_frac"] = ((rejected * live).sum() * per_tok, "tokens", "replicated")
             touched = (rejected > 0).to(fdtype)
             metrics[f"{key}/seq_touched_frac"] = ((touched * live).sum() * per_seq, "sequences", "replicated")
-        else:
-            keep_s = _sequence_keep(st, sums, maxima)
-            rejected = live * (~keep_s).to(fdtype)  # [B]
-            stage_seq = stage_seq & keep_s
-            metrics[f"{key}/seq_rejected_frac"] = (rejected.sum() * per_seq, "sequences", "replicated")
-            # The tokens those sequences still had at this stage.
-            in_rejected = (rejected * sums[st.count_idx]).sum()
-            metrics[f"{key}/token_rejected_frac"] = (in_rejected * per_tok, "tokens", "replicated")
-    kept = (kept_rows * stage_seq.to(fdtype)).sum()
-    metrics["rs_token_rejected_frac"] = ((seq_n.sum() - kept) * per_tok, "tokens", "replicated")
-    metrics["rs_seq_rejected_frac"] = (((~stage_seq).to(fdtype) * sm).sum() * per_seq, "sequences", "replicated")
-    return stage_seq
+            continue
+        keep_s = _sequence_keep(st, sums, maxima)
+        rejected = live * (~keep_s).to(fdtype)  # [B]
+        in_loss = sums[st.count_idx]  # the tokens those rows still have at this stage
+        if st.negative_idx >= 0:
+            in_loss = in_loss - conditional * sums[st.negative_idx]
+        if st.spec.negative_advantages_only:
+            negative_alive = sums[st.negative_idx]  # [B]
+            # Rows that lose negative-advantage tokens now (not already removed earlier).
+            newly = rejected * (1.0 - conditional) * torch.sign(negative_alive)
+            conditional = torch.maximum(conditional, torch.sign(rejected))
+            conditional_touched = torch.maximum(conditional_touched, torch.sign(newly))
+            metrics[f"{key}/seq_rejected_frac"] = (newly.sum() * per_seq, "sequences", "replicated")
+            removed = (newly * negative_alive).sum()
+            metrics[f"{key}/token_rejected_frac"] = (removed * per_tok, "tokens", "replicated")
+            continue
+        stage_seq = stage_seq & keep_s
+        metrics[f"{key}/seq_rejected_frac"] = (rejected.sum() * per_seq, "sequences", "replicated")
+        metrics[f"{key}/token_rejected_frac"] = ((rejected * in_loss).sum() * per_tok, "tokens", "replicated")
+    seq_kept = stage_seq.to(fdtype)
+    kept_tokens = kept_rows
+    sequence_in_loss = seq_kept
+    conditional_rows = None
+    if kept_negative_rows is not None:
+        conditional_rows = conditional
+        kept_tokens = kept_rows - conditional * kept_negative_rows
+        # A conditionally rejected row that has no token left leaves as a whole sequence.
+        emptied = conditional_touched * (kept_tokens <= 0).to(fdtype)
+        sequence_in_loss = seq_kept * (1.0 - emptied)
+    kept_tokens = kept_tokens * seq_kept
+    metrics["rs_token_rejected_frac"] = ((seq_n.sum() - kept_tokens.sum()) * per_tok, "tokens", "replicated")
+    dropped = torch.maximum((~stage_seq).to(fdtype), conditional_touched)
+    metrics["rs_seq_rejected_frac"] = ((dropped * sm).sum() * per_seq, "sequences", "replicated")
+    return _RejectionOutcome(stage_seq, conditional_rows, kept_tokens, sequence_in_loss)
 
 
 def compute_correction(
@@ -296,17 +452,24 @@ def compute_correction(
     global_valid_seqs: torch.Tensor,
     global_valid_toks: torch.Tensor,
     groups: SequenceGroups = NO_GROUPS,
+    *,
+    log_probs: Optional[PolicyLogProbs] = None,
+    advantages: Optional[torch.Tensor] = None,  # [B, T]; read by advantage-conditioned filters
 ) -> CorrectionResult:
-    """IS weights, truncation and rejection masks for one microbatch.
+    """IS weights, truncation, batch normalisation and rejection masks for one microbatch.
 
     Order: token filters are local decisions and run first; each sequence filter aggregates
     over the valid tokens kept by the token filters listed *before* it (SkyRL's order when a
     token filter comes first, VERL's when it comes after); all per-sequence statistics are
-    reduced over ``groups`` in one step; then sequence decisions, IS weights and truncation.
+    reduced over ``groups`` in one step; then sequence decisions, IS weights, truncation and
+    the batch normalisation (:func:`batch_normalize_weights`).
 
     IS weight per level (``n_i = sum_t m_it``):
     ``token``: ``w_it = exp(d_it)``; ``sequence``: ``w_i = exp(sum_t m_it d_it)``;
     ``sequence_mean``: ``w_i = exp(sum_t m_it d_it / n_i)``.
+
+    ``log_probs`` is needed by filters whose ``log_ratio`` is not ``prev-gen`` or whose
+    statistic lives in probability space; ``advantages`` by advantage-conditioned filters.
 
     Token masks are 0/1 floats throughout: on CPU, float arithmetic is several times cheaper
     than boolean ops, and none of it syncs with the host.
@@ -317,6 +480,14 @@ def compute_correction(
     d_bad = 1.0 - d_finite  # [B, T] 1 where d was not finite
     sm = sample_mask.to(fdtype)
     metrics: dict = {}
+    negative = None  # [B, T] 0/1 tokens with a negative advantage
+    if any(f.negative_advantages_only for f in cfg.rejection_sampling):
+        if advantages is None:
+            raise ValueError(
+                "rejection_sampling: a filter with negative_advantages_only needs the "
+                "advantages (compute_correction(..., advantages=...))"
+            )
+        negative = (sanitize(advantages.detach()) < 0).to(fdtype)
 
     # ---- local statistics, then the one reduction: nothing after it reads a partial value
     seq_stats = needs_sequence_statistics(cfg)
@@ -325,7 +496,9 @@ def compute_correction(
     alive = None
     if seq_stats:
         pack = _StatPack()
-        stages, alive, alive_idx = _plan_stages(cfg, d, d_finite, valid_bin, valid, pack)
+        stages, alive, kept_idx, kept_negative_idx = _plan_stages(
+            cfg, d, d_finite, valid_bin, valid, negative, log_probs, pack
+        )
         idx_d_sum = pack.add_sum((d * valid).sum(-1))  # sum_t m d
         idx_n = pack.add_sum(valid.sum(-1).to(fdtype))  # n_i
         idx_ntok = pack.add_sum(token_mask.sum(-1).to(fdtype))  # token_mask count
@@ -341,34 +514,44 @@ def compute_correction(
         metrics["nonfinite_log_ratio_count"] = (masked_sum(valid_bin, d_bad), "none", "sum")
 
     # ---- rejection: sequence decisions, the combined mask, per-stage metrics ----
-    stage_seq = torch.ones(valid.shape[0], dtype=torch.bool, device=valid.device)
+    seq_in_loss = torch.ones(valid.shape[0], dtype=fdtype, device=valid.device)
     keep = inputs_finite  # [B, T]
-    if stages:
-        stage_seq = _apply_stages(
-            stages, sums, maxima, sums[alive_idx], seq_n, sm, global_valid_seqs, global_valid_toks, metrics
-        )
-        keep = alive * stage_seq.to(fdtype).unsqueeze(-1) * inputs_finite
-    loss_tokens = valid * keep  # [B, T] valid tokens that reach the loss
     kept_token_count = kept_seq_count = ratio_token_count = None
+    if stages:
+        kept_negative = sums[kept_negative_idx] if kept_negative_idx >= 0 else None
+        outcome = _apply_stages(
+            stages, sums, maxima, sums[kept_idx], kept_negative, seq_n, sm,
+            global_valid_seqs, global_valid_toks, metrics,
+        )
+        keep = alive * outcome.sequence_kept.to(fdtype).unsqueeze(-1) * inputs_finite
+        if outcome.conditional_rows is not None:
+            keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1) * negative)
+        seq_in_loss = outcome.sequence_in_loss
+        kept_token_count = outcome.kept_tokens.sum()
+    elif seq_stats:
+        kept_token_count = sums[kept_idx].sum()
+    loss_tokens = valid * keep  # [B, T] valid tokens that reach the loss
     if seq_stats and cfg.sequence_level_importance_ratios:
         ratio_token_count = sums[idx_ratio]
     if seq_stats:
-        seq_kept = stage_seq.to(fdtype)
-        kept_token_count = (sums[alive_idx] * seq_kept).sum()
-        kept_seq_count = (seq_kept * sm * has_tokens.to(fdtype)).sum()
+        kept_seq_count = (seq_in_loss * sm * has_tokens.to(fdtype)).sum()
 
     usable_bin = valid_bin * inputs_finite  # [B, T]
     usable_penalty = extrema_penalty(usable_bin)  # shared by every per-token extreme
 
-    # ---- IS weights at the chosen level, then truncation ----
+    # ---- IS weights at the chosen level, truncation, batch normalisation ----
     level = cfg.effective_is_level
     raw_weight = is_weights(level, d, d_finite, seq_d_sum, seq_n, seq_nonfinite)
     weight, trunc_metrics = truncate_weights(
         raw_weight, cfg, seq_d_sum, seq_ntok, valid, sm, global_valid_seqs, global_valid_toks
     )
     metrics.update(trunc_metrics)
+    if cfg.is_batch_normalization is not None:
+        units = valid if level == "token" else sm * has_tokens.to(fdtype)
+        weight, factor = batch_normalize_weights(weight, units, level, cfg.is_batch_normalization, groups)
+        metrics["is_batch_norm_factor"] = (factor, "none", "replicated")
     _add_weight_metrics(
-        metrics, raw_weight, weight, loss_tokens, stage_seq, valid, usable_bin, usable_penalty,
+        metrics, raw_weight, weight, loss_tokens, seq_in_loss, valid, usable_bin, usable_penalty,
         sm, level, global_valid_seqs, global_valid_toks, has_tokens,
     )
     return CorrectionResult(
@@ -384,6 +567,40 @@ def compute_correction(
         usable_penalty=usable_penalty,
         metrics=metrics,
     )
+
+
+def batch_normalize_weights(
+    weight: torch.Tensor,  # [B, T] (token level) or [B, 1] (sequence levels), truncated
+    units: torch.Tensor,  # [B, T] valid tokens, or [B] sequences with a valid token
+    level: str,
+    scope: str,
+    groups: SequenceGroups = NO_GROUPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """IS weights over their batch mean, and the 0-dim factor divided by.
+
+    ``w / mu`` with ``mu = sum_u m_u w_u / sum_u m_u`` over the IS level's units ``u``
+    before rejection (``m`` = ``units``): valid tokens at the ``token`` level (VERL and
+    slime), sequences with a valid token at the sequence levels (VERL; slime's sequence mean
+    also counts empty sequences, as 0). Weights zeroed by truncation count as 0; where
+    ``mu <= 1e-8`` the weights are left as they are (factor 1), as both peers do.
+
+    ``scope`` ``microbatch``: the units of this call. Token totals are partial sums when CP
+    splits the tokens, so they are summed over ``groups.groups``; per-sequence weights are
+    already identical there. ``data_parallel``: also summed over ``groups.data_parallel``,
+    the ranks holding the batch's other sequences.
+    """
+    token_level = level == "token"
+    if token_level:
+        totals = torch.stack([masked_sum(weight, units), units.sum()])
+    else:
+        w_seq = weight.squeeze(-1)  # [B]
+        totals = torch.stack([(w_seq * units).sum(), units.sum()])
+    totals = reduce_batch_totals(
+        totals, groups, tokens_split=token_level, across_data_parallel=scope == "data_parallel"
+    )
+    mean = totals[0] / totals[1].clamp_min(EPS)
+    factor = torch.where(mean > BATCH_MEAN_FLOOR, mean, torch.ones_like(mean))
+    return weight / factor, factor
 
 
 def is_weights(

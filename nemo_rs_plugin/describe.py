@@ -13,7 +13,14 @@ _AGG_WORDS = {
     "min": "its smallest token ratio",
     "any": "every one of its token ratios (outlier-token veto)",
 }
-_KL_WORDS = {"kl_k1": "k1 = -d", "kl_k2": "k2 = d^2/2", "kl_k3": "k3 = exp(d)-1-d"}
+_STATISTIC_WORDS = {
+    "kl_k1": "its KL estimate k1 = -d",
+    "kl_k2": "its KL estimate k2 = d^2/2",
+    "kl_k3": "its KL estimate k3 = exp(d)-1-d",
+    "mult_prob_error": "its multiplicative probability error exp(|d|)",
+    "binary_kl": "the binary KL of its sampled-token probabilities",
+    "total_variation": "the total variation |p_b - p_a| of its sampled-token probabilities",
+}
 
 
 def _bounds(f: RejectionFilter) -> str:
@@ -24,15 +31,23 @@ def _bounds(f: RejectionFilter) -> str:
 
 def describe_filter(f: RejectionFilter) -> str:
     """One filter as a sentence, e.g. 'reject a sequence unless the geometric mean ... is in [..]'."""
+    a, b = f.log_ratio.split("-")
     if f.level == "token":
-        what = "its ratio pi_prev/pi_gen" if f.metric == "ratio" else f"its KL estimate {_KL_WORDS[f.metric]}"
-        return f"reject a token unless {what} is in {_bounds(f)}"
-    agg = f.aggregation
-    if f.metric == "ratio":
-        what = _AGG_WORDS[agg]
+        what = f"its ratio pi_{a}/pi_{b}" if f.metric == "ratio" else _STATISTIC_WORDS[f.metric]
+        unit = "a token"
     else:
-        what = f"the {agg} over its tokens of the KL estimate {_KL_WORDS[f.metric]}"
-    return f"reject a sequence unless {what} is in {_bounds(f)}"
+        agg = f.aggregation
+        if f.metric == "ratio":
+            what = _AGG_WORDS[agg]
+        else:
+            what = f"the {agg} over its tokens of {_STATISTIC_WORDS[f.metric].replace('its ', 'the ', 1)}"
+        unit = "a sequence"
+    sentence = f"reject {unit} unless {what} is in {_bounds(f)}"
+    if f.log_ratio != "prev-gen" and not (f.level == "token" and f.metric == "ratio"):
+        sentence += f", with d = {a} - {b}"
+    if f.negative_advantages_only:
+        sentence += " (only its tokens with a negative advantage)"
+    return sentence
 
 
 def describe_pipeline(cfg: RSClippedPGLossConfig) -> list[str]:
@@ -77,6 +92,11 @@ def describe_pipeline(cfg: RSClippedPGLossConfig) -> list[str]:
         )
     else:
         lines.append("truncation: none")
+    if cfg.is_batch_normalization is not None:
+        scope = {"microbatch": "this microbatch",
+                 "data_parallel": "the microbatches of all data-parallel ranks"}[cfg.is_batch_normalization]
+        units = "valid tokens" if level == "token" else "sequences"
+        lines.append(f"batch normalisation: weights divided by their mean over the {units} of {scope}")
     if cfg.rejection_sampling:
         for i, f in enumerate(cfg.rejection_sampling, 1):
             lines.append(f"rejection stage {i}: {describe_filter(f)}")

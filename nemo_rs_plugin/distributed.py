@@ -10,9 +10,12 @@ single-process runs on NeMo-RL's gathered log-probs.
 
 Entry points:
 
-* :class:`SequenceGroups`: the process groups that split a sequence's tokens.
+* :class:`SequenceGroups`: the process groups that split a sequence's tokens, and the
+  data-parallel group that holds the other sequences of the batch.
 * :func:`reduce_sequence_statistics`: detached statistics that feed masks: one SUM and at
   most one MAX all-reduce per group, O(batch) bytes.
+* :func:`reduce_batch_totals`: detached totals over the whole batch (IS batch
+  normalisation): one SUM of two numbers per group.
 * :func:`all_reduce_sum_with_grad`: differentiable SUM (GSPO ratio, sequence-level loss).
 """
 
@@ -27,6 +30,7 @@ import torch.distributed as dist
 __all__ = [
     "SequenceGroups",
     "reduce_sequence_statistics",
+    "reduce_batch_totals",
     "all_reduce_sum_with_grad",
     "group_is_active",
 ]
@@ -45,21 +49,27 @@ def group_is_active(group: Any) -> bool:
 
 @dataclass(frozen=True)
 class SequenceGroups:
-    """Process groups over which a sequence's tokens are split.
+    """Process groups over which a sequence's tokens are split, and the batch's other ranks.
 
     Attributes:
         groups: the groups to reduce over, in order (typically the CP group; add the TP group
             only when tokens, not just vocabulary, are split over TP ranks). Passing
             Megatron's combined ``tensor_and_context_parallel`` group instead of two groups
             halves the number of collectives.
+        data_parallel: the data-parallel group: ranks that hold *other* sequences of the same
+            batch (Megatron's ``get_data_parallel_group()``, without CP). Only batch-wide
+            totals (``is_batch_normalization: data_parallel``) are reduced over it; no
+            per-sequence statistic ever is. ``None`` when there is none.
     """
 
     groups: tuple[Any, ...] = field(default_factory=tuple)
+    data_parallel: Any = None
 
     @classmethod
-    def of(cls, *groups: Any) -> "SequenceGroups":
+    def of(cls, *groups: Any, data_parallel: Any = None) -> "SequenceGroups":
         """Build from groups, dropping ``None`` and single-rank groups."""
-        return cls(tuple(g for g in groups if group_is_active(g)))
+        dp = data_parallel if group_is_active(data_parallel) else None
+        return cls(tuple(g for g in groups if group_is_active(g)), dp)
 
     @property
     def active(self) -> bool:
@@ -101,6 +111,33 @@ def reduce_sequence_statistics(
         if maxima is not None and maxima.numel():
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
     return sums, maxima
+
+
+def reduce_batch_totals(
+    totals: torch.Tensor,
+    groups: SequenceGroups = NO_GROUPS,
+    *,
+    tokens_split: bool,
+    across_data_parallel: bool,
+) -> torch.Tensor:
+    """SUM-all-reduce detached totals of the whole batch (e.g. ``[sum of weights, units]``).
+
+    SUM over ``groups.groups`` when ``tokens_split`` (the totals are sums over local tokens,
+    and a sequence's tokens are split across those ranks; per-sequence values are already
+    identical there and must not be summed again), then over ``groups.data_parallel`` when
+    ``across_data_parallel`` (its ranks hold the batch's other sequences). One collective of
+    ``totals.numel()`` numbers per group; none without groups.
+    """
+    totals = totals.detach()
+    targets = list(groups.groups) if tokens_split else []
+    if across_data_parallel and groups.data_parallel is not None:
+        targets.append(groups.data_parallel)
+    if not targets:
+        return totals
+    totals = totals.clone()
+    for group in targets:
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+    return totals
 
 
 class _AllReduceSumWithGrad(torch.autograd.Function):

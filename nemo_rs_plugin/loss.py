@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from nemo_rs_plugin.config import RSClippedPGLossConfig
-from nemo_rs_plugin.correction import compute_correction
+from nemo_rs_plugin.correction import PolicyLogProbs, compute_correction
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
 from nemo_rs_plugin.masking import EPS, log_ratio, masked_extrema, masked_sum, nonfinite, sanitize
 from nemo_rs_plugin.metrics import MetricSet
@@ -285,9 +285,12 @@ class RSClippedPGLoss:
             else:
                 curr_unfiltered = curr
         inputs_finite = 1.0 - torch.sign(bad_any)  # [B, T] 0/1: every log-prob input finite
+        advantages = sanitize(x.advantages)  # a non-finite advantage: no policy-gradient term
 
         corr = compute_correction(
-            d, d_finite, valid, token_mask, sample_mask, inputs_finite, c, gvs, gvt, groups
+            d, d_finite, valid, token_mask, sample_mask, inputs_finite, c, gvs, gvt, groups,
+            log_probs=PolicyLogProbs(curr=curr_raw.detach(), prev=prev_raw.detach(), gen=x.generation),
+            advantages=advantages,
         )
         keep = corr.keep  # [B, T]
         loss_tokens = corr.loss_tokens  # [B, T] tokens that contribute to the loss
@@ -315,7 +318,6 @@ class RSClippedPGLoss:
             groups=groups,
             row_count=corr.ratio_token_count,
         )
-        advantages = sanitize(x.advantages)  # a non-finite advantage: no policy-gradient term
         pg = clipped_objective(
             advantages, ratios, ratios_clamped, curr,
             use_cispo=c.use_cispo, dual_clip_c=c.ratio_clip_c,
@@ -591,6 +593,8 @@ def metric_normalizations(cfg: RSClippedPGLossConfig) -> dict[str, str]:
             out[f"{key}/seq_touched_frac"] = "sequences"
         else:
             out[f"{key}/seq_rejected_frac"] = "sequences"
+    if cfg.is_batch_normalization is not None:
+        out["is_batch_norm_factor"] = "none"
     if cfg.rejection_sampling:
         out["rs_token_rejected_frac"] = "tokens"
         out["rs_seq_rejected_frac"] = "sequences"

@@ -40,6 +40,7 @@ from nemo_rs_plugin.config import (
     as_plain_dict,
     own_loss_problems,
 )
+from nemo_rs_plugin.distributed import SequenceGroups
 from nemo_rs_plugin.loss import RSClippedPGLoss, metric_normalizations
 from nemo_rs_plugin.registry import get_loss_class
 
@@ -167,13 +168,15 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         """
         if data is None:
             raise TypeError("rs_clipped_pg: the data dict is required")
+        dp_group = batch_data_parallel_group(self.rs_config)
         if not self.rs_config.sharded_logits_input:
             if next_token_logprobs is None:
                 raise TypeError(
                     "rs_clipped_pg: next_token_logprobs is required (input_type LOGPROB); set "
                     "sharded_logits_input: true to pass logits"
                 )
-            return self.core(next_token_logprobs, data, global_valid_seqs, global_valid_toks)
+            return self.core(next_token_logprobs, data, global_valid_seqs, global_valid_toks,
+                             SequenceGroups.of(data_parallel=dp_group))
         if logits is None:
             raise TypeError("rs_clipped_pg with sharded_logits_input: logits are required")
         _refuse_training_time_filtering(_callers_sampling_params())
@@ -182,7 +185,7 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         tp_group, cp_group = megatron_groups()
         return sharded_loss(
             self.core, logits, data, global_valid_seqs, global_valid_toks,
-            cp_group=cp_group, tp_group=tp_group, pad_to_shard=True,
+            cp_group=cp_group, tp_group=tp_group, pad_to_shard=True, data_parallel_group=dp_group,
         )
 
 
@@ -244,6 +247,36 @@ def megatron_groups() -> tuple[Any, Any]:
         parallel_state.get_tensor_model_parallel_group(),
         parallel_state.get_context_parallel_group(),
     )
+
+
+def batch_data_parallel_group(config: RSClippedPGLossConfig) -> Any:
+    """The data-parallel group ``is_batch_normalization: data_parallel`` reduces over, or None.
+
+    Megatron backend: megatron-core's ``get_data_parallel_group()`` (without CP: on NeMo-RL's
+    gathered path every CP rank holds whole copies of the same sequences, and the sharded
+    path sums the CP split through its sequence groups). A single process needs none.
+    NeMo-RL's DTensor worker keeps its device mesh to itself, so with several ranks and no
+    megatron-core the group is unknown: a ``ConfigError`` rather than a silent per-rank mean.
+    See: docs/guide.md#batch-normalisation
+    """
+    if config.is_batch_normalization != "data_parallel":
+        return None
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        parallel_state = None
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_data_parallel_group()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigError([
+            "is_batch_normalization: got 'data_parallel', but no data-parallel group is known "
+            "here (megatron-core's parallel_state is not initialised, as under NeMo-RL's DTensor "
+            "backend); allowed here: 'microbatch', or call the core loss with "
+            "SequenceGroups(data_parallel=...)"
+        ])
+    return None
 
 
 def _v06_semantics(cfg: Any) -> Any:

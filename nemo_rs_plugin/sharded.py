@@ -146,14 +146,16 @@ def sharded_loss(
     cp_group: Any = None,
     tp_group: Any = None,
     pad_to_shard: bool = False,
+    data_parallel_group: Any = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The full loss on every rank (gradients summed over the ranks) and the group-identical metrics.
 
     See the module docstring for why NeMo-RL's ``/ cp`` then gives its gathered path's gradients.
+    ``data_parallel_group`` is read only by ``is_batch_normalization: data_parallel``.
     """
     inputs = sharded_loss_inputs(logits, data, cp_group=cp_group, tp_group=tp_group, pad_to_shard=pad_to_shard)
     # Only CP splits a sequence's tokens here: TP splits the vocabulary, and Megatron gathers
     # sequence-parallel activations before the output layer.
-    groups = SequenceGroups.of(cp_group)
+    groups = SequenceGroups.of(cp_group, data_parallel=data_parallel_group)
     share, metrics = loss_fn.compute(inputs, global_valid_seqs, global_valid_toks, groups)
     return all_reduce_sum_with_grad(share, groups), metrics

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_rs_plugin import RSClippedPGLoss, RSClippedPGLossConfig
-from nemo_rs_plugin.correction import compute_correction
+from nemo_rs_plugin.correction import PolicyLogProbs, compute_correction
 from nemo_rs_plugin.distributed import SequenceGroups
 from nemo_rs_plugin.parallel_layout import cp_shard, shift_left
 from nemo_rs_plugin.sharded import sharded_loss, sharded_loss_inputs
@@ -51,6 +51,24 @@ CONFIGS = {
             {"level": "sequence", "metric": "kl_k3", "agg": "max", "upper": 0.2},
             {"level": "token", "metric": "kl_k1", "lower": -0.3, "upper": 0.3},
         ]},
+    # Issue 9: the peers' statistics, OPSM's advantage condition and batch normalisation.
+    "token-level/peer-statistics+opsm+batch-norm": {
+        **IS, "is_correction_level": "token", "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.3, "is_batch_normalization": "microbatch",
+        "rejection_sampling": [
+            {"level": "token", "metric": "total_variation", "upper": 0.015, "negative_advantages_only": True},
+            {"level": "sequence", "metric": "kl_k1", "agg": "mean", "upper": -0.01,
+             "log_ratio": "curr-gen", "negative_advantages_only": True},
+            {"level": "token", "metric": "binary_kl", "upper": 0.002},
+            {"level": "sequence", "metric": "kl_k3", "agg": "max", "upper": 0.03, "log_ratio": "gen-prev"},
+            {"level": "sequence", "metric": "binary_kl", "agg": "sum", "upper": 0.001, "log_ratio": "curr-prev"},
+            {"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "upper": 1.09},
+            {"level": "sequence", "metric": "total_variation", "agg": "mean", "upper": 0.0095},
+        ]},
+    "seq-level/sequence_mean+batch-norm+mult_prob_error": {
+        **IS, "is_correction_level": "sequence_mean", "token_level_loss": False,
+        "is_batch_normalization": "microbatch",
+        "rejection_sampling": [{"level": "sequence", "metric": "mult_prob_error", "agg": "max", "upper": 1.2}]},
 }
 
 
@@ -149,7 +167,8 @@ def check_sharded_equals_unsharded(rank, world_size, tp):
         want_lp = cp_shard(ref_lpgrad, cp, cp_rank)
         if not close(inputs.curr.grad, want_lp, abs_=1e-6 * scale):
             failures.append(f"{name}: logprob grad@{rank} max diff {(inputs.curr.grad - want_lp).abs().max().item():.3g}")
-        failures += _check_masks(name, loss_fn.cfg, data, cp_group, cp, cp_rank, gvs, gvt)
+        failures += _check_masks(name, loss_fn.cfg, data, cp_group, cp, cp_rank, gvs, gvt,
+                                 _aligned_curr(logits, data))
         # every rank of the group reports identical metrics
         vec = torch.tensor([v for k, v in sorted(metrics.items()) if math.isfinite(v)])
         hi, lo = vec.clone(), vec.clone()
@@ -160,19 +179,29 @@ def check_sharded_equals_unsharded(rank, world_size, tp):
     return failures
 
 
-def _correction_keep(cfg, data, groups, shard_fn, gvs, gvt):
-    d_full = shift_left(data["prev_logprobs"] - data["generation_logprobs"])
-    tm = shift_left(data["token_mask"]).float()
-    d, tm = shard_fn(d_full), shard_fn(tm)
+def _correction_keep(cfg, data, groups, shard_fn, gvs, gvt, curr):
+    """``curr``: ``[B, S]`` current log-probs, already aligned (position t predicts t + 1)."""
+    prev, gen = (shard_fn(shift_left(data[k])) for k in ("prev_logprobs", "generation_logprobs"))
+    tm = shard_fn(shift_left(data["token_mask"]).float())
+    d = prev - gen
     sm = data["sample_mask"]
     out = compute_correction(d, torch.isfinite(d).float(), tm * sm[:, None], tm, sm, torch.isfinite(d).float(),
-                             cfg, gvs, gvt, groups)
+                             cfg, gvs, gvt, groups,
+                             log_probs=PolicyLogProbs(curr=shard_fn(curr), prev=prev, gen=gen),
+                             advantages=shard_fn(shift_left(data["advantages"])))
     return out.keep * tm * sm[:, None], out.is_weight
 
 
-def _check_masks(name, cfg, data, cp_group, cp, cp_rank, gvs, gvt):
-    full_keep, full_w = _correction_keep(cfg, data, SequenceGroups(), lambda x: x, gvs, gvt)
-    keep, w = _correction_keep(cfg, data, SequenceGroups.of(cp_group), lambda x: cp_shard(x, cp, cp_rank), gvs, gvt)
+def _aligned_curr(logits, data):
+    """Current log-probs ``[B, S]`` at the positions that predict each token (last is 0)."""
+    lp = torch.log_softmax(logits, -1).gather(-1, shift_left(data["input_ids"]).unsqueeze(-1)).squeeze(-1)
+    return torch.cat([lp[:, :-1], torch.zeros_like(lp[:, :1])], 1)
+
+
+def _check_masks(name, cfg, data, cp_group, cp, cp_rank, gvs, gvt, curr):
+    full_keep, full_w = _correction_keep(cfg, data, SequenceGroups(), lambda x: x, gvs, gvt, curr)
+    keep, w = _correction_keep(cfg, data, SequenceGroups.of(cp_group), lambda x: cp_shard(x, cp, cp_rank), gvs, gvt,
+                               curr)
     out = []
     if not torch.equal(keep, cp_shard(full_keep, cp, cp_rank)):
         out.append(f"{name}: rejection mask differs from the unsharded one")
@@ -242,8 +271,9 @@ def check_collective_budget(rank, world_size):
     def no_gather(*args, **kwargs):
         raise AssertionError("all_gather issued")
 
-    stat_calls = []
+    stat_calls, total_calls = [], []
     orig_reduce = correction_mod.reduce_sequence_statistics
+    orig_totals = correction_mod.reduce_batch_totals
 
     def spy(sums, maxima, groups):
         before = len(calls)
@@ -251,15 +281,25 @@ def check_collective_budget(rank, world_size):
         stat_calls.append(calls[before:])
         return out
 
+    def spy_totals(totals, groups, **kwargs):
+        before = len(calls)
+        out = orig_totals(totals, groups, **kwargs)
+        total_calls.append(calls[before:])
+        return out
+
     saved = (dist.all_reduce, dist.all_gather, dist.all_gather_into_tensor)
     dist.all_reduce, dist.all_gather, dist.all_gather_into_tensor = counting_all_reduce, no_gather, no_gather
     correction_mod.reduce_sequence_statistics = spy
+    correction_mod.reduce_batch_totals = spy_totals
     failures = []
     try:
         B, S, V = 5, 16, 12
         logits, data, gvs, gvt = make_data(B, S, V)
-        for name in ("gspo/sequence_mean+geo-rs+veto+token-k3", "token-level/filters-sum-max-min-kl"):
+        for name in ("gspo/sequence_mean+geo-rs+veto+token-k3", "token-level/filters-sum-max-min-kl",
+                     "token-level/peer-statistics+opsm+batch-norm",
+                     "seq-level/sequence_mean+batch-norm+mult_prob_error"):
             stat_calls.clear()
+            total_calls.clear()
             loss, _ = sharded_loss(RSClippedPGLoss(CONFIGS[name]), cp_shard(logits, world_size, rank).requires_grad_(True),
                                    data, gvs, gvt, cp_group=group)
             loss.backward()
@@ -267,9 +307,18 @@ def check_collective_budget(rank, world_size):
                 failures.append(f"{name}: statistics reduced {len(stat_calls)} times, expected once")
             elif len(stat_calls[0]) > 2 or any(n > 64 * B for _, n in stat_calls[0]):
                 failures.append(f"{name}: statistic collectives {stat_calls[0]}")
+            # Batch normalisation: one SUM of two numbers over CP for token totals (partial
+            # sums), none for per-sequence weights (already identical on the CP ranks).
+            normalized = RSClippedPGLoss(CONFIGS[name]).cfg.is_batch_normalization is not None
+            token_level = RSClippedPGLoss(CONFIGS[name]).cfg.effective_is_level == "token"
+            want = ([[("ReduceOp.SUM", 2)]] if token_level else [[]]) if normalized else []
+            if [[(op.split(".")[-1], n) for op, n in c] for c in total_calls] != [
+                    [(op.split(".")[-1], n) for op, n in c] for c in want]:
+                failures.append(f"{name}: batch-total collectives {total_calls}, expected {want}")
     finally:
         dist.all_reduce, dist.all_gather, dist.all_gather_into_tensor = saved
         correction_mod.reduce_sequence_statistics = orig_reduce
+        correction_mod.reduce_batch_totals = orig_totals
     return failures
 
 
@@ -288,3 +337,54 @@ def check_bad_global_count_raises_on_every_rank(rank, world_size):
             return [f"unclear error on rank {rank}: {exc}"]
         return []
     return [f"no error on rank {rank}"]
+
+
+def check_data_parallel_batch_normalization(rank, world_size):
+    """DP2 x CP2: each data-parallel rank holds half of the batch's sequences, CP splits their
+    tokens. ``is_batch_normalization: data_parallel`` divides every rank's weights by the mean
+    over the whole batch (the single-process run on all sequences); ``microbatch`` by the mean
+    over its own half (the single-process run on that half), which differs here."""
+    cp, dp = 2, world_size // 2
+    cp_groups = [dist.new_group([j * cp + c for c in range(cp)]) for j in range(dp)]
+    dp_groups = [dist.new_group([j * cp + c for j in range(dp)]) for c in range(cp)]
+    dp_rank, cp_rank = rank // cp, rank % cp
+    cp_group, dp_group = cp_groups[dp_rank], dp_groups[cp_rank]
+    B, S, V = 6, 16, 12
+    logits, data, gvs, gvt = make_data(B, S, V, seed=11)
+    rows = slice(dp_rank * B // dp, (dp_rank + 1) * B // dp)
+    local = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in data.items()}
+    shard = lambda x: cp_shard(x, cp, cp_rank)  # noqa: E731
+    failures = []
+    for level in ("token", "sequence_mean"):
+        cfg = {**IS, "is_correction_level": level, "truncated_importance_sampling_type": "tis",
+               "truncated_importance_sampling_ratio": 1.1, "is_batch_normalization": "data_parallel",
+               "rejection_sampling": [{"level": "sequence", "metric": "mult_prob_error", "agg": "mean",
+                                       "upper": 1.09}]}
+        loss_fn = RSClippedPGLoss(cfg)
+        ref_loss, ref_metrics, _, _ = reference(loss_fn, logits, data, gvs, gvt)
+        _, full_w = _correction_keep(loss_fn.cfg, data, SequenceGroups(), lambda x: x, gvs, gvt,
+                                     _aligned_curr(logits, data))
+        groups = SequenceGroups.of(cp_group, data_parallel=dp_group)
+        _, w = _correction_keep(loss_fn.cfg, local, groups, shard, gvs, gvt, _aligned_curr(logits[rows], local))
+        want = full_w[rows] if full_w.shape[1] == 1 else shard(full_w[rows])
+        if not close(w, want):
+            failures.append(f"{level}: weights@{rank} differ from the whole batch's, max diff "
+                            f"{(w - want).abs().max().item():.3g}")
+        z = shard(logits[rows]).clone().requires_grad_(True)
+        loss, metrics = sharded_loss(loss_fn, z, local, gvs, gvt, cp_group=cp_group, data_parallel_group=dp_group)
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=dp_group)  # each DP rank's loss is its share of the batch's
+        if not close(total, ref_loss):
+            failures.append(f"{level}: loss summed over DP {total.item()} vs {ref_loss.item()}")
+        if not close(metrics["is_batch_norm_factor"], ref_metrics["is_batch_norm_factor"]):
+            failures.append(f"{level}: factor@{rank} {metrics['is_batch_norm_factor']} vs "
+                            f"{ref_metrics['is_batch_norm_factor']}")
+        per_rank = RSClippedPGLoss({**cfg, "is_batch_normalization": "microbatch"})
+        _, half = sharded_loss(per_rank, z.detach(), local, gvs, gvt, cp_group=cp_group, data_parallel_group=dp_group)
+        half_ref = reference(per_rank, logits[rows], local, gvs, gvt)[1]
+        if not close(half["is_batch_norm_factor"], half_ref["is_batch_norm_factor"]):
+            failures.append(f"{level}: microbatch factor@{rank} {half['is_batch_norm_factor']} vs "
+                            f"{half_ref['is_batch_norm_factor']}")
+        if close(half["is_batch_norm_factor"], ref_metrics["is_batch_norm_factor"]):
+            failures.append(f"{level}: test data broken: a half has the whole batch's mean")
+    return failures

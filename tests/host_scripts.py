@@ -264,5 +264,55 @@ def sharded_adapter():
             "padded_diff": abs(float(padded_loss) - float(ref_short)), "groups": seen, "errors": errors}
 
 
+def batch_norm_adapter():
+    """Where ``is_batch_normalization: data_parallel`` gets its group, through the adapter."""
+    import torch
+    import torch.distributed as dist
+
+    from nemo_rs_plugin import nemo_rl_adapter, sharded
+    from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
+
+    cfg = {**{k: v for k, v in PLUGIN_CFG.items() if k != "name"}, "is_batch_normalization": "data_parallel"}
+    lp, data, gvs, gvt = _batch()
+    out = {}
+    # Single process, no megatron-core: no group is needed, the loss runs.
+    loss, metrics = RSClippedPGLossFn(cfg)(lp, data, gvs, gvt)
+    out["single_process_factor"] = metrics["is_batch_norm_factor"]
+    # Several ranks and no megatron-core (NeMo-RL's DTensor backend): refused, naming the field.
+    saved = dist.is_initialized, dist.get_world_size
+    dist.is_initialized, dist.get_world_size = (lambda: True), (lambda group=None: 2)
+    try:
+        RSClippedPGLossFn(cfg)(lp, data, gvs, gvt)
+    except Exception as exc:  # noqa: BLE001
+        out["dtensor_error"] = str(exc)
+    dist.is_initialized, dist.get_world_size = saved
+    # Megatron: both paths receive parallel_state's data-parallel group.
+    from megatron_stub import install_parallel_state  # tests/, this script's folder
+
+    tp, cp, dp = object(), object(), object()
+    install_parallel_state(tp, cp, dp)
+    seen = {}
+    real_groups = nemo_rl_adapter.SequenceGroups
+
+    class Recorder:
+        @staticmethod
+        def of(*groups, data_parallel=None):
+            seen["gathered"] = data_parallel is dp
+            return real_groups()
+
+    def record(*args, **kwargs):
+        seen["sharded"] = kwargs["data_parallel_group"] is dp
+        return torch.zeros(()), {}
+
+    nemo_rl_adapter.SequenceGroups, sharded.sharded_loss = Recorder, record
+    RSClippedPGLossFn(cfg)(lp, data, gvs, gvt)
+    RSClippedPGLossFn({**cfg, "sharded_logits_input": True})(logits=torch.zeros(3, 8, 5), data=data,
+                                                             global_valid_seqs=gvs, global_valid_toks=gvt)
+    out["groups"] = seen
+    micro = RSClippedPGLossFn({**cfg, "is_batch_normalization": "microbatch"})
+    out["microbatch_group"] = nemo_rl_adapter.batch_data_parallel_group(micro.rs_config)
+    return out
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]]()))

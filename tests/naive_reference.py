@@ -10,7 +10,9 @@ hand, token by token.
 Scope (anything else raises ``NotImplementedError``): PPO token ratio, GSPO sequence ratio,
 REINFORCE; token- or sequence-level loss; the reference-policy KL penalty (k1/k2/k3 with input
 and output clamps, no on-policy approximation); IS weights at every level; ``tis``,
-``icepop``, ``seq-mask-tis``; every rejection filter; both rejection denominators. Not
+``icepop``, ``seq-mask-tis``; the batch normalisation of one process (``microbatch``, and
+``data_parallel`` without a data-parallel group); every rejection filter (every metric,
+``log_ratio`` and ``negative_advantages_only``); both rejection denominators. Not
 covered (parity with NeMo-RL's recordings covers them): CISPO, dual clip, forced on-policy
 ratio, on-policy KL approximation, the VAPO NLL term.
 
@@ -44,24 +46,46 @@ SUPPORTED = {
     "ratio_clip_max", "reference_policy_kl_penalty", "reference_policy_kl_type", "kl_input_clamp_value",
     "kl_output_clamp_value", "use_importance_sampling_correction", "truncated_importance_sampling_type",
     "truncated_importance_sampling_ratio", "truncated_importance_sampling_ratio_min", "is_correction_level",
-    "rejection_sampling", "rejection_denominator", "use_kl_in_reward",
+    "rejection_sampling", "rejection_denominator", "use_kl_in_reward", "is_batch_normalization",
 }
 OFF = {"use_cispo": False, "ratio_clip_c": None, "force_on_policy_ratio": False,
        "use_on_policy_kl_approximation": False, "positive_example_nll_weight": 0.0}
 
 
 def filter_label(f: dict) -> str:
-    """``<level>_<metric>[_<agg>]`` unless the filter names itself (docs/guide.md)."""
+    """``<level>_<metric>[_<agg>][_<log_ratio>][_negative_advantages]`` unless the filter names
+    itself (docs/guide.md)."""
     if f.get("name"):
         return f["name"]
     parts = [f["level"], f.get("metric", "ratio")]
     if f["level"] == "sequence":
         parts.append(f.get("agg") or "mean")
+    if f.get("log_ratio", "prev-gen") != "prev-gen":
+        parts.append(f["log_ratio"])
+    if f.get("negative_advantages_only"):
+        parts.append("negative_advantages")
     return "_".join(parts)
 
 
-def token_statistic(metric: str, d: float) -> float:
-    """Per-token statistic: the ratio ``exp(d)`` itself, or a KL(gen || prev) estimator."""
+def with_unique_labels(filters: list[dict]) -> list[dict]:
+    """Filters with a ``name`` added where a label repeats (the config refuses duplicates)."""
+    seen: set[str] = set()
+    out = []
+    for i, f in enumerate(filters):
+        if filter_label(f) in seen:
+            f = {**f, "name": f"{filter_label(f)}_stage{i}"}
+        seen.add(filter_label(f))
+        out.append(f)
+    return out
+
+
+PROBABILITY_CLAMP = 1e-6  # OpenRLHF's clamp of the sampled token's probabilities
+
+
+def token_statistic(metric: str, d: float, a: Optional[float] = None, b: Optional[float] = None) -> float:
+    """Per-token statistic from ``d = a - b`` (log-probs of the target ``a`` and behaviour ``b``):
+    the ratio ``exp(d)`` itself, a KL(b || a) estimator, ``exp(|d|)``, or the sampled token's
+    binary KL / total variation (probabilities clamped to [1e-6, 1 - 1e-6])."""
     if metric == "ratio":
         return math.exp(d)
     if metric == "kl_k1":
@@ -70,14 +94,23 @@ def token_statistic(metric: str, d: float) -> float:
         return d * d / 2
     if metric == "kl_k3":
         return math.exp(d) - 1 - d
+    if metric == "mult_prob_error":
+        return math.exp(abs(d))
+    pa = min(max(math.exp(a), PROBABILITY_CLAMP), 1 - PROBABILITY_CLAMP)
+    pb = min(max(math.exp(b), PROBABILITY_CLAMP), 1 - PROBABILITY_CLAMP)
+    if metric == "total_variation":
+        return abs(pb - pa)
+    if metric == "binary_kl":
+        return pb * math.log(pb / pa) + (1 - pb) * math.log((1 - pb) / (1 - pa))
     raise ValueError(metric)
 
 
-def sequence_statistic(metric: str, agg: str, ds: list[float]) -> Optional[float]:
-    """A sequence filter's statistic over the log-ratios ``ds`` of its tokens (None if empty).
+def sequence_statistic(metric: str, agg: str, ds: list[float], pairs: Optional[list] = None) -> Optional[float]:
+    """A sequence filter's statistic over the log-ratios ``ds`` of its tokens (None if empty);
+    ``pairs`` holds each token's ``(a, b)`` log-probs for the probability-space metrics.
 
     Ratios aggregate in log space: ``mean`` the geometric mean, ``sum`` the product,
-    ``max``/``min`` the extreme token ratio. KL estimators aggregate arithmetically.
+    ``max``/``min`` the extreme token ratio. Every other statistic aggregates arithmetically.
     (``any`` has no single statistic; see :func:`_sequence_keep`.)
     """
     if not ds:
@@ -85,7 +118,8 @@ def sequence_statistic(metric: str, agg: str, ds: list[float]) -> Optional[float
     if metric == "ratio":
         logs = {"mean": sum(ds) / len(ds), "sum": sum(ds), "max": max(ds), "min": min(ds)}[agg]
         return math.exp(logs)
-    vals = [token_statistic(metric, d) for d in ds]
+    pairs = pairs or [(None, None)] * len(ds)
+    vals = [token_statistic(metric, d, a, b) for d, (a, b) in zip(ds, pairs)]
     return {"mean": sum(vals) / len(vals), "sum": sum(vals), "max": max(vals)}[agg]
 
 
@@ -217,15 +251,38 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
                 out_of_bounds = False
             oob_tokens += valid[i][t] and out_of_bounds
 
+    # ---- batch normalisation (docs/guide.md#batch-normalisation): one process holds the batch
+    batch_norm = cfg.get("is_batch_normalization")
+    if batch_norm is not None:
+        if level == "token":
+            unit_w = [weight[i][t] for i in rows for t in range(T) if valid[i][t]]
+        else:
+            unit_w = [weight[i][0] for i in rows if sm[i] > 0 and n[i] > 0]
+        mu = sum(unit_w) / len(unit_w) if unit_w else 0.0
+        factor = mu if mu > 1e-8 else 1.0
+        weight = [[w / factor for w in row] for row in weight]
+
     # ---- rejection: the ordered filters (docs/guide.md#rejection-sampling)
     metrics: dict[str, float] = {}
+    if batch_norm is not None:
+        metrics["is_batch_norm_factor"] = factor
+    logp = {"curr": curr, "prev": prev, "gen": gen}
+    negative = [[math.isfinite(adv[i][t]) and adv[i][t] < 0 for t in range(T)] for i in rows]
     alive = [[valid[i][t] for t in range(T)] for i in rows]  # valid tokens kept by token filters
-    seq_alive = [True] * B  # not rejected by a sequence filter so far
+    seq_alive = [True] * B  # not rejected by an unconditional sequence filter so far
+    # Tokens an advantage-conditioned sequence filter removed, and the rows that lost one.
+    removed = [[False] * T for _ in rows]
+    cond_touched = [False] * B
     for f in filters:
         key = f"rs/{filter_label(f)}"
         metric = f.get("metric", "ratio")
         lo, hi = f.get("lower"), f.get("upper")
         log_space = metric == "ratio"
+        only_negative = f.get("negative_advantages_only", False)
+        a_name, b_name = f.get("log_ratio", "prev-gen").split("-")
+        fa, fb = logp[a_name], logp[b_name]
+        f_ok = [[math.isfinite(fa[i][t] - fb[i][t]) for t in range(T)] for i in rows]
+        fd = [[fa[i][t] - fb[i][t] if f_ok[i][t] else 0.0 for t in range(T)] for i in rows]
         live = [seq_alive[i] and sm[i] > 0 for i in rows]  # rows still in play at this stage
         if f["level"] == "token":
             rejected_tokens, touched = 0, 0
@@ -234,10 +291,11 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
                 for t in range(T):
                     if not alive[i][t]:
                         continue
-                    keep = d_ok[i][t] and margins.inside(token_statistic(metric, d[i][t]), lo, hi, log_space)
-                    if not keep:
+                    in_band = f_ok[i][t] and margins.inside(
+                        token_statistic(metric, fd[i][t], fa[i][t], fb[i][t]), lo, hi, log_space)
+                    if not in_band and (negative[i][t] or not only_negative):
                         alive[i][t] = False
-                        count += 1
+                        count += not removed[i][t]  # not already counted by a conditional filter
                 if live[i]:
                     rejected_tokens += count
                     touched += count > 0
@@ -250,25 +308,38 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
                 toks = [t for t in range(T) if alive[i][t]]
                 if not toks:
                     keep = True  # a sequence with no token left is never rejected
-                elif any(not d_ok[i][t] for t in toks):
+                elif any(not f_ok[i][t] for t in toks):
                     keep = False  # a non-finite log-ratio rejects its sequence
                 elif agg == "any":
-                    keep = all([margins.inside(math.exp(d[i][t]), lo, hi, True) for t in toks])
+                    keep = all([margins.inside(math.exp(fd[i][t]), lo, hi, True) for t in toks])
                 else:
-                    stat = sequence_statistic(metric, agg, [d[i][t] for t in toks])
+                    stat = sequence_statistic(metric, agg, [fd[i][t] for t in toks],
+                                              [(fa[i][t], fb[i][t]) for t in toks])
                     keep = margins.inside(stat, lo, hi, log_space)
-                if live[i] and not keep:
+                if keep or not live[i]:
+                    continue
+                if only_negative:
+                    newly = [t for t in toks if negative[i][t] and not removed[i][t]]
+                    for t in newly:
+                        removed[i][t] = True
+                    rejected_seqs += bool(newly)
+                    rejected_tokens += len(newly)
+                    cond_touched[i] = cond_touched[i] or bool(newly)
+                else:
                     rejected_seqs += 1
-                    rejected_tokens += len(toks)
-                seq_alive[i] = seq_alive[i] and keep
+                    rejected_tokens += sum(1 for t in toks if not removed[i][t])
+                    seq_alive[i] = False
             metrics[f"{key}/seq_rejected_frac"] = rejected_seqs / gvs
             metrics[f"{key}/token_rejected_frac"] = rejected_tokens / gvt
-    kept_not_rejected = [[alive[i][t] and seq_alive[i] for t in range(T)] for i in rows]
+    kept_not_rejected = [[alive[i][t] and seq_alive[i] and not removed[i][t] for t in range(T)] for i in rows]
     kept = [[kept_not_rejected[i][t] and ok[i][t] for t in range(T)] for i in rows]
+    # A conditionally rejected row left with no token leaves as a sequence.
+    seq_in_loss = [seq_alive[i] and not (cond_touched[i] and not any(kept_not_rejected[i])) for i in rows]
     if filters:
         n_kept = sum(sum(kept_not_rejected[i]) for i in rows)
         metrics["rs_token_rejected_frac"] = (sum(n) - n_kept) / gvt
-        metrics["rs_seq_rejected_frac"] = sum(1 for i in rows if sm[i] > 0 and not seq_alive[i]) / gvs
+        metrics["rs_seq_rejected_frac"] = sum(
+            1 for i in rows if sm[i] > 0 and (not seq_alive[i] or cond_touched[i])) / gvs
 
     # ---- denominators: the batch's, or shrunk by the kept fraction (VERL decoupled)
     gvt_loss, gvs_loss = gvt, gvs
@@ -276,7 +347,7 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
         n_valid = sum(n)
         n_seqs = sum(1 for i in rows if sm[i] > 0 and n[i] > 0)
         kept_toks = sum(sum(kept_not_rejected[i]) for i in rows)
-        kept_seqs = sum(1 for i in rows if sm[i] > 0 and n[i] > 0 and seq_alive[i])
+        kept_seqs = sum(1 for i in rows if sm[i] > 0 and n[i] > 0 and seq_in_loss[i])
         gvt_loss = gvt * kept_toks / n_valid if n_valid else 0.0
         gvs_loss = gvs * kept_seqs / n_seqs if n_seqs else 0.0
 
@@ -355,7 +426,7 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
     else:
         units = [i for i in rows if sm[i] > 0 and n[i] > 0]
         raw_of = {i: raw[i][0] for i in units}
-        applied = {i: weight[i][0] for i in units if seq_alive[i]}
+        applied = {i: weight[i][0] for i in units if seq_in_loss[i]}
         raw_range = list(raw_of.values())
         denom = gvs
         if cfg.get("is_correction_level") is None:  # NeMo-RL's [B, 1] x [B] broadcast (#3753)
@@ -404,6 +475,8 @@ def normalizations(cfg: dict) -> dict[str, str]:
     trunc = cfg.get("truncated_importance_sampling_type")
     if trunc is not None:
         out["is_oob_ratio"] = "sequences" if trunc == "seq-mask-tis" else "tokens"
+    if cfg.get("is_batch_normalization") is not None:
+        out["is_batch_norm_factor"] = "none"
     for f in cfg.get("rejection_sampling") or []:
         key = f"rs/{filter_label(f)}"
         out[f"{key}/token_rejected_frac"] = "tokens"

@@ -185,7 +185,7 @@ def new_upstream_field():
 def all_checks():
     """Every check above in this one interpreter (NeMo-RL's import is the costly part).
 
-    ``argv``: ``all TMPDIR FIXTURES``. Each check's result, or its traceback under "error";
+    ``argv``: ``all_checks TMPDIR FIXTURES``. Each check's result, or its traceback under "__traceback__";
     ``new_upstream_field`` runs last because it replaces NeMo-RL's config class.
     """
     import traceback

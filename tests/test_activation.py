@@ -273,3 +273,13 @@ def test_sharded_logits_input_through_the_adapter():
     assert out["diff"] < 1e-6 and out["padded_diff"] < 1e-6
     assert out["groups"] == {"cp": True, "tp": True}
     assert "use_fused_linear_logprobs" in out["errors"]["fused"]
+
+
+@needs_install
+def test_batch_normalization_data_parallel_group_through_the_adapter():
+    out = run_script("batch_norm_adapter")
+    assert out["single_process_factor"] > 0
+    assert "is_batch_normalization: got 'data_parallel'" in out["dtensor_error"]
+    assert "allowed here: 'microbatch'" in out["dtensor_error"]
+    assert out["groups"] == {"gathered": True, "sharded": True}
+    assert out["microbatch_group"] is None

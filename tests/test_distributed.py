@@ -28,6 +28,10 @@ def test_tp2_cp2_sharded_equals_unsharded():
     run_world(4, cases.check_sharded_equals_unsharded, 2)
 
 
+def test_data_parallel_batch_normalization_dp2_cp2():
+    run_world(4, cases.check_data_parallel_batch_normalization)
+
+
 def test_statistic_is_reduced_before_any_mask():
     run_world(2, cases.check_statistic_reduced_before_masking)
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from nemo_rs_plugin import RSClippedPGLoss, RSClippedPGLossConfig
 from nemo_rs_plugin.correction import compute_correction, token_filter_statistic
+from tests.naive_reference import with_unique_labels
 
 BAD = [float("nan"), float("inf"), float("-inf")]
 
@@ -27,8 +28,18 @@ filters = st.one_of(
 )
 
 
+# Issue 9's options: probability-space statistics, every log-ratio, the advantage condition.
+option_filters = st.builds(
+    lambda level, metric, log_ratio, negative, hi: {
+        "level": level, "metric": metric, "upper": hi, "log_ratio": log_ratio, "negative_advantages_only": negative,
+        **({"agg": "mean"} if level == "sequence" else {})},
+    st.sampled_from(["token", "sequence"]), st.sampled_from(["mult_prob_error", "binary_kl", "total_variation", "kl_k3"]),
+    st.sampled_from(["prev-gen", "gen-prev", "curr-gen", "curr-prev"]), st.booleans(),
+    st.sampled_from([0.01, 0.5, 2.0]))
+
+
 @st.composite
-def configs(draw):
+def configs(draw, with_options=False):
     gspo = draw(st.booleans())
     cfg = {
         "sequence_level_importance_ratios": gspo,
@@ -41,7 +52,8 @@ def configs(draw):
         "positive_example_nll_weight": draw(st.sampled_from([0.0, 0.3])),
         "ratio_clip_c": draw(st.sampled_from([None, 3.0])),
         "disable_ppo_ratio": draw(st.booleans()),
-        "rejection_sampling": draw(st.lists(filters, max_size=3)),
+        "rejection_sampling": with_unique_labels(draw(st.lists(
+            st.one_of(filters, option_filters) if with_options else filters, max_size=3))),
         "rejection_denominator": draw(st.sampled_from(["original", "kept"])),
     }
     if cfg["use_importance_sampling_correction"]:
@@ -127,6 +139,25 @@ def test_loss_and_gradients_are_finite(cfg, batch):
         if key.endswith(("_min", "_max")):
             assert not math.isnan(value), key
         else:
+            assert math.isfinite(value), (key, value, cfg)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(with_options=True), batch=batches())
+def test_issue9_options_keep_loss_gradients_and_metrics_finite(cfg, batch):
+    if cfg["use_importance_sampling_correction"]:
+        cfg["is_batch_normalization"] = "microbatch"
+    tensors, token_mask, sample_mask, advantages, rewards = batch
+    data, gvs, gvt = to_nemo_rl(tensors, token_mask, sample_mask, advantages, rewards)
+    lp = tensors["curr"].clone().requires_grad_(True)
+    loss, metrics = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all(), cfg
+    valid = token_mask.bool() & (sample_mask[:, None] > 0)
+    assert torch.all(lp.grad[~valid] == 0)
+    for key, value in metrics.items():
+        assert not math.isnan(value), (key, cfg)
+        if not key.endswith(("_min", "_max")):
             assert math.isfinite(value), (key, value, cfg)
 
 

@@ -22,7 +22,7 @@ import nemo_rs_plugin.loss as loss_module
 from nemo_rs_plugin import RSClippedPGLoss
 from nemo_rs_plugin.distributed import SequenceGroups
 from nemo_rs_plugin.loss import LossInputs
-from tests.naive_reference import reference, sequence_statistic, token_statistic
+from tests.naive_reference import reference, sequence_statistic, token_statistic, with_unique_labels
 from tests.threaded_world import ThreadGroup, run_ranks
 
 RTOL, ATOL = 1e-6, 1e-9
@@ -30,10 +30,18 @@ MIN_MARGIN = 1e-7  # statistics this close to a bound could fall either side by 
 BAD = [math.nan, math.inf, -math.inf]
 
 AGGS = {"ratio": ["mean", "sum", "max", "min", "any"], "kl_k1": ["mean", "sum", "max"],
-        "kl_k2": ["mean", "sum", "max"], "kl_k3": ["mean", "sum", "max"]}
+        "kl_k2": ["mean", "sum", "max"], "kl_k3": ["mean", "sum", "max"],
+        "mult_prob_error": ["mean", "sum", "max"], "binary_kl": ["mean", "sum", "max"],
+        "total_variation": ["mean", "sum", "max"]}
 BOUND_KINDS = ["lower", "upper", "both"]
 FILTER_KINDS = [("token", m, None, b) for m in AGGS for b in BOUND_KINDS] + [
     ("sequence", m, a, b) for m in AGGS for a in AGGS[m] for b in BOUND_KINDS]
+# What a filter compares, and whether it rejects only negative-advantage tokens (OPSM).
+LOG_RATIOS = ["gen-prev", "curr-gen", "curr-prev"]
+OPTION_KINDS = [(level, metric, agg, log_ratio, negative)
+                for level, agg in (("token", None), ("sequence", "mean"), ("sequence", "max"))
+                for metric in ("ratio", "kl_k3", "binary_kl") for log_ratio in LOG_RATIOS
+                for negative in (False, True)]
 LEVELS = [None, "token", "sequence", "sequence_mean"]
 OBJECTIVES = {
     "ppo-token-mean": {"token_level_loss": True},
@@ -90,27 +98,35 @@ def _split(values: list[float], rng: random.Random, lo_q: tuple, hi_q: tuple, lo
     return min(lo, hi), max(lo, hi)
 
 
-def draw_filter(rng: random.Random, batch: dict, level: str, metric: str, agg, bounds: str) -> dict:
+def draw_filter(rng: random.Random, batch: dict, level: str, metric: str, agg, bounds: str,
+                log_ratio: str = "prev-gen", negative: bool = False) -> dict:
     """A filter whose bounds split this batch's statistics (before earlier stages)."""
     B, T = len(batch["token_mask"]), len(batch["token_mask"][0])
-    ds = []
+    a_name, b_name = log_ratio.split("-")
+    ds, pairs = [], []
     for i in range(B):
-        row = []
+        row, row_pairs = [], []
         for t in range(T):
-            x = batch["prev"][i][t] - batch["gen"][i][t]
-            if batch["token_mask"][i][t] and batch["sample_mask"][i] and math.isfinite(x):
-                row.append(x)
+            a, b = batch[a_name][i][t], batch[b_name][i][t]
+            if batch["token_mask"][i][t] and batch["sample_mask"][i] and math.isfinite(a - b):
+                row.append(a - b)
+                row_pairs.append((a, b))
         ds.append(row)
+        pairs.append(row_pairs)
     if level == "token" or agg == "any":
-        values = [token_statistic(metric, x) for row in ds for x in row]
+        values = [token_statistic(metric, x, *ab) for row, rp in zip(ds, pairs) for x, ab in zip(row, rp)]
         qs = ((0.02, 0.3), (0.7, 0.98)) if agg == "any" else ((0.05, 0.45), (0.55, 0.95))
     else:
-        values = [sequence_statistic(metric, agg, row) for row in ds if row]
+        values = [sequence_statistic(metric, agg, row, rp) for row, rp in zip(ds, pairs) if row]
         qs = ((0.05, 0.45), (0.55, 0.95))
     lo, hi = _split(values, rng, *qs, log_space=metric == "ratio")
     f = {"level": level, "metric": metric}
     if agg is not None:
         f["agg"] = agg
+    if log_ratio != "prev-gen":
+        f["log_ratio"] = log_ratio
+    if negative:
+        f["negative_advantages_only"] = True
     if bounds in ("lower", "both"):
         f["lower"] = lo
     if bounds in ("upper", "both"):
@@ -264,6 +280,44 @@ def test_each_filter_kind_matches_the_reference(kind):
         assert_matches_reference(f"{kind} case {case} {cfg}", cfg, batch, want)
 
 
+@pytest.mark.parametrize("kind", OPTION_KINDS, ids=["-".join(str(x) for x in k if x) for k in OPTION_KINDS])
+def test_log_ratio_and_advantage_condition_match_the_reference(kind):
+    level, metric, agg, log_ratio, negative = kind
+    rng = random.Random(f"option-{kind}")
+    for case in range(2):  # a finite batch, then one with non-finite log-probs
+        batch = random_batch(rng, nonfinite=case == 1)
+        base = {**objective_cfg(rng, rng.choice(sorted(OBJECTIVES)), rng.choice(LEVELS)), **draw_kl(rng)}
+
+        def make(r, base=base, batch=batch):
+            return {**base, "rejection_sampling": [
+                draw_filter(r, batch, level, metric, agg, "upper", log_ratio, negative)]}
+
+        cfg, want = with_margin(rng, batch, make)
+        assert_matches_reference(f"{kind} case {case} {cfg}", cfg, batch, want)
+
+
+BATCH_NORM_CASES = [(lv, tr, scope) for lv in ("token", "sequence", "sequence_mean") for tr in (None, "tis", "icepop")
+                    for scope in ("microbatch", "data_parallel")]
+
+
+@pytest.mark.parametrize("case", BATCH_NORM_CASES, ids=["-".join(str(x) for x in c) for c in BATCH_NORM_CASES])
+def test_batch_normalisation_matches_the_reference(case):
+    level, trunc, scope = case
+    rng = random.Random(f"batch-norm-{case}")
+    batch = random_batch(rng, nonfinite=rng.random() < 0.3)
+
+    def make(r):
+        cfg = {**objective_cfg(r, r.choice(sorted(OBJECTIVES)), level), **draw_kl(r), **draw_truncation(r, trunc),
+               "use_importance_sampling_correction": True, "is_batch_normalization": scope}
+        # Rejected units still count in the batch mean; an OPSM filter rejects some of them.
+        cfg["rejection_sampling"] = [draw_filter(r, batch, "sequence", "ratio", "mean", "both"),
+                                     draw_filter(r, batch, "sequence", "kl_k1", "mean", "upper", "curr-gen", True)]
+        return cfg
+
+    cfg, want = with_margin(rng, batch, make)
+    assert_matches_reference(f"{case} {cfg}", cfg, batch, want)
+
+
 IS_CASES = [(lv, tr, den, obj) for lv in LEVELS for tr in (None, "tis", "icepop", "seq-mask-tis")
             for den in ("original", "kept") for obj in ("ppo-token-mean", "ppo-sequence-mean", "gspo")
             if not (tr == "seq-mask-tis" and obj == "gspo" and lv is None)]
@@ -294,7 +348,14 @@ def random_pipeline_cfg(rng: random.Random, batch: dict) -> dict:
     if trunc == "seq-mask-tis" and objective == "gspo" and level is None:
         trunc = "tis"
     cfg = {**objective_cfg(rng, objective, level), **draw_kl(rng), **draw_truncation(rng, trunc)}
-    cfg["rejection_sampling"] = [draw_filter(rng, batch, *rng.choice(FILTER_KINDS)) for _ in range(rng.randint(2, 4))]
+    filters = [draw_filter(rng, batch, *rng.choice(FILTER_KINDS)) for _ in range(rng.randint(2, 4))]
+    for _ in range(rng.choice([0, 0, 1, 2])):  # filters with a log-ratio option or the advantage condition
+        level_, metric, agg, log_ratio, negative = rng.choice(OPTION_KINDS)
+        filters.insert(rng.randrange(len(filters) + 1),
+                       draw_filter(rng, batch, level_, metric, agg, "upper", log_ratio, negative))
+    cfg["rejection_sampling"] = with_unique_labels(filters)
+    if cfg.get("use_importance_sampling_correction") and rng.random() < 0.3:
+        cfg["is_batch_normalization"] = rng.choice(["microbatch", "data_parallel"])
     return cfg
 
 
