@@ -482,7 +482,6 @@ def progress_bar(done: int, total: int, stream=None, _state={"t0": None, "last":
 # ---------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of ``python -m nemo_rs_plugin.lab`` / ``nemo-rs lab``."""
-    stream = stream if stream is not None else sys.stderr  # the current one, not the one at import
     d = LabSettings()
     p = argparse.ArgumentParser(prog="nemo-rs lab", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run (< 2 min): 2 configs x 2 seeds, tiny sizes")
