@@ -4,8 +4,8 @@ Candidates, each forward + backward + the metrics' host transfer, on the inputs 
 ``bench_loss.py`` (ragged responses, 2% log-prob mismatch):
 
   upstream-equivalent           NeMo-RL's defaults + IS correction + token TIS (no plugin field)
-  upstream-equivalent compiled  the same with NEMO_RS_COMPILE=1 (benchmarks a second compile
-                                nothing: dynamic shapes, one graph for every size)
+  upstream-equivalent compiled  the same with NEMO_RS_COMPILE=1 (dynamic shapes: one graph
+                                for every size)
   rs-pipeline-3 [compiled]      Geo-RS + outlier veto + token kl_k3 filter, sequence_mean weights
   NeMo-RL ClippedPGLossFn       NeMo-RL's own loss on the upstream-equivalent config, when a
                                 checkout is given (--nemo-rl) and importable; else one line says why
