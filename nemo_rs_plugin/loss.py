@@ -23,6 +23,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from nemo_rs_plugin.compiled import core_fn
 from nemo_rs_plugin.config import RSClippedPGLossConfig
 from nemo_rs_plugin.correction import PolicyLogProbs, compute_correction
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
@@ -249,6 +250,14 @@ class RSClippedPGLoss:
         fp16 gradient beyond +-65504 saturates to +-inf there). float32 inputs are untouched.
         """
         x.validate()
+        # The tensor math (optionally torch.compile'd, see nemo_rs_plugin/compiled.py) never
+        # leaves the device; the one host transfer stays here, eager.
+        loss, metrics = core_fn(self, groups)(self, x, global_valid_seqs, global_valid_toks, groups)
+        return loss, metrics.finalize(groups)
+
+    def _tensors(self, x: LossInputs, global_valid_seqs: Any, global_valid_toks: Any,
+                 groups: SequenceGroups) -> tuple[torch.Tensor, MetricSet]:
+        """The pure-tensor part of :meth:`compute`: the loss and the unreduced metric tensors."""
         x = x.to_dtype(x.compute_dtype())
         c = self.cfg
         curr_raw = x.curr
@@ -359,7 +368,7 @@ class RSClippedPGLoss:
                                d, usable, sample_mask, corr, gvs, gvt)
         metrics.update(corr.metrics)
         self._nonfinite_metrics(metrics, valid, bad_curr, bad_ref, x.advantages)
-        return loss, metrics.finalize(groups)
+        return loss, metrics
 
     # ------------------------------------------------------------------ pieces
     def _aggregate(

@@ -1,5 +1,7 @@
 """GPU lane: on CUDA the loss makes no host sync beyond its one metric transfer.
 
+fp32 and bf16 log-probs, eager and with the compiled core (``NEMO_RS_COMPILE=1``).
+
 Skipped without a GPU (CI has none); run it where one is available.
 """
 
@@ -33,23 +35,61 @@ PEER_MODES_SEQUENCE = {**PEER_MODES, "is_correction_level": "sequence", "is_batc
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.mark.parametrize("cfg", [{}, FULL, PEER_MODES, PEER_MODES_SEQUENCE])
-def test_single_host_sync_on_cuda(cfg):
+LOGPROB_KEYS = ("prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
+
+
+def cuda_batch(dtype):
+    """The test batch on CUDA, its log-probs in ``dtype`` (masks, advantages and counts as they are)."""
     from tests.test_inputs import batch
 
+    torch.manual_seed(0)  # the same values on every call
     lp, data, gvs, gvt = batch()
-    lp = lp.detach().cuda().requires_grad_(True)
-    data = {k: v.cuda() for k, v in data.items()}
-    loss_fn = RSClippedPGLoss(cfg)
-    loss_fn(lp, data, gvs.cuda(), gvt.cuda())  # warm-up
+    lp = lp.detach().to("cuda", dtype).requires_grad_(True)
+    data = {k: v.to("cuda", dtype) if k in LOGPROB_KEYS else v.cuda() for k, v in data.items()}
+    return lp, data, gvs.cuda(), gvt.cuda()
+
+
+def syncs_of_one_call(loss_fn, lp, data, gvs, gvt):
+    loss_fn(lp, data, gvs, gvt)  # warm-up (and, with NEMO_RS_COMPILE=1, compilation)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            loss, _ = loss_fn(lp, data, gvs.cuda(), gvt.cuda())
+            loss, metrics = loss_fn(lp, data, gvs, gvt)
             loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
-    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert loss.dtype == torch.float32 and lp.grad.dtype == lp.dtype
+    assert torch.isfinite(loss).item() and torch.isfinite(lp.grad).all().item()
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()], metrics
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cfg", [{}, FULL, PEER_MODES, PEER_MODES_SEQUENCE],
+                         ids=["plain", "full", "peer-modes", "peer-modes-sequence"])
+def test_single_host_sync_on_cuda(cfg, dtype, monkeypatch):
+    monkeypatch.delenv("NEMO_RS_COMPILE", raising=False)
+    syncs, metrics = syncs_of_one_call(RSClippedPGLoss(cfg), *cuda_batch(dtype))
+    assert len(syncs) == 1, syncs
+    if dtype == torch.bfloat16:  # computed in float32: same metrics as from float32 inputs
+        _, ref = syncs_of_one_call(RSClippedPGLoss(cfg), *cuda_batch_from_bf16())
+        for key, value in ref.items():
+            assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+
+
+def cuda_batch_from_bf16():
+    """The bf16 batch's values in float32 (bf16 -> fp32 is exact): the float32 reference."""
+    lp, data, gvs, gvt = cuda_batch(torch.bfloat16)
+    lp = lp.detach().float().requires_grad_(True)
+    data = {k: v.float() if k in LOGPROB_KEYS else v for k, v in data.items()}
+    return lp, data, gvs, gvt
+
+
+def test_single_host_sync_on_cuda_compiled(monkeypatch):
+    """The compiled core (NEMO_RS_COMPILE=1) keeps the one transfer, outside the graph."""
+    from nemo_rs_plugin import compiled
+
+    monkeypatch.setenv(compiled.COMPILE_ENV, "1")
+    syncs, _ = syncs_of_one_call(RSClippedPGLoss(FULL), *cuda_batch(torch.float32))
+    assert len(syncs) == 1, syncs

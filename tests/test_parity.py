@@ -3,7 +3,12 @@
 Tolerances (from the fixtures' README): loss rtol 1e-4 / atol 1e-5; each metric
 |a - b| <= 1e-5 + 1e-4 |b| (or equal, for inf); gradient rtol 1e-4 / atol 1e-4 * max|grad|.
 A 1% loss scaling or an ignored sample_mask fails these.
+
+``NEMO_RS_TEST_DEVICE=cuda`` runs every case on that device (inputs moved there, results
+compared on the host with the same tolerances); the default is ``cpu``.
 """
+
+import os
 
 import pytest
 import torch
@@ -13,15 +18,21 @@ from tests.conftest import fixtures_path
 
 # Shipped in tests/data (or $NEMO_RS_FIXTURES): a missing recording fails, it never skips.
 CASES = torch.load(fixtures_path())["cases"]
+DEVICE = torch.device(os.environ.get("NEMO_RS_TEST_DEVICE") or "cpu")
 
 
-def run_case(loss_fn, case):
-    lp = case["next_token_logprobs"].clone().requires_grad_(True)
-    data = {k: v.clone() for k, v in case["data"].items()}
-    loss, metrics = loss_fn(lp, data, case["global_valid_seqs"], case["global_valid_toks"])
+def run_case(loss_fn, case, device=DEVICE):
+    """Loss, metrics and gradient of one case computed on ``device``; tensors returned on the host."""
+    lp = case["next_token_logprobs"].to(device, copy=True).requires_grad_(True)
+    data = {k: v.to(device, copy=True) for k, v in case["data"].items()}
+
+    def count(v):
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+
+    loss, metrics = loss_fn(lp, data, count(case["global_valid_seqs"]), count(case["global_valid_toks"]))
     loss.backward()
     grad = lp.grad if lp.grad is not None else torch.zeros_like(lp)
-    return loss.detach(), metrics, grad
+    return loss.detach().cpu(), metrics, grad.cpu()
 
 
 def assert_matches_upstream(case, loss, metrics, grad):

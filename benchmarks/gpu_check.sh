@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One command for a GPU machine (H100/H200, no network, a CUDA torch, no pydantic): the CUDA
+# tests, the parity fixtures on CUDA (eager and compiled) and bench_gpu.py's timings and peak
+# memory against NeMo-RL's loss. See docs/performance.md#on-a-gpu.
+#
+#   bash benchmarks/gpu_check.sh            # from the repository root, < 8 minutes
+#   bash benchmarks/gpu_check.sh --dry-run  # any machine: skips the CUDA parts, proves it starts
+#
+# Before (where pip works): bash benchmarks/gpu_wheels.sh fills .whl/; optionally
+#   mkdir -p .nemo-rl && tar -xzf ../shared/nemo-rl/nemo-rl-main.tar.gz -C .nemo-rl
+# Environment: OUT (output folder, default ./gpu-check-out), NEMO_RL (NeMo-RL checkout,
+# default .nemo-rl/nemo-rl-main), PYTHON (default python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+DRY=0
+[[ "${1:-}" == "--dry-run" ]] && DRY=1
+OUT=${OUT:-$REPO/gpu-check-out}
+NEMO_RL=${NEMO_RL:-$REPO/.nemo-rl/nemo-rl-main}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+exec > >(tee "$LOG") 2>&1
+START=$SECONDS
+FAILED=()
+
+step() {  # step NAME TIMEOUT_S CMD...: run, report rc and seconds, remember failures
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name"
+  timeout "$limit" "$@"
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+  [[ $rc -ne 0 ]] && FAILED+=("$name (rc=$rc)")
+  return 0
+}
+
+echo "gpu_check: $(date -u +%FT%TZ), dry-run=$DRY, out=$OUT"
+# --- dependencies: the plugin's (pydantic, pyyaml) and the tests' (pytest, hypothesis)
+if $PY -c "import pydantic, yaml, pytest, hypothesis" 2>/dev/null; then
+  echo "deps: already importable, no install"
+else
+  if ! ls .whl/*.whl >/dev/null 2>&1; then
+    echo "deps: missing and no wheels in .whl/ (run benchmarks/gpu_wheels.sh where pip works)"; exit 2
+  fi
+  $PY -m pip install -q --no-index --no-deps --find-links .whl --target /tmp/site \
+    pydantic pydantic-core annotated-types typing-inspection typing_extensions pyyaml \
+    pytest pluggy iniconfig packaging pygments hypothesis sortedcontainers || exit 2
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  echo "deps: installed from .whl/ into /tmp/site"
+fi
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+$PY - <<'PY'
+import sys, torch, pydantic
+cuda = torch.cuda.is_available()
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"pydantic {pydantic.VERSION}, device: {torch.cuda.get_device_name() if cuda else 'no CUDA'}")
+PY
+if [[ -d "$NEMO_RL/nemo_rl" ]]; then echo "NeMo-RL: $NEMO_RL"; else echo "NeMo-RL: no checkout at $NEMO_RL; its comparison will be skipped"; fi
+PYTEST=($PY -m pytest -q -p no:cacheprovider -rs)
+TESTS=(tests/test_cuda_sync.py tests/test_parity.py tests/test_compile.py)
+
+if [[ $DRY -eq 1 ]]; then
+  # Everything but CUDA: the GPU tests import and collect; the benchmark runs on CPU, the
+  # compiled rows with the aot_eager backend (same graph, no kernel generation: seconds).
+  step "collect the GPU tests" 120 "${PYTEST[@]}" --collect-only "${TESTS[@]}"
+  step "bench_gpu on CPU (dry run)" 180 env NEMO_RS_COMPILE_BACKEND=aot_eager \
+    $PY benchmarks/bench_gpu.py --device cpu --sizes 2x1024 --repeats 2 --nemo-rl "$NEMO_RL" \
+    --json "$OUT/bench_gpu.json"
+else
+  # CUDA tests: sync count (fp32/bf16, eager/compiled), 120 parity fixtures on CUDA, and the
+  # compiled core vs eager with inductor (slow-marked cases included).
+  step "CUDA tests (sync count, parity on cuda, compiled vs eager)" 300 \
+    env NEMO_RS_TEST_DEVICE=cuda "${PYTEST[@]}" -m "slow or not slow" "${TESTS[@]}"
+  step "bench_gpu (CUDA events, peak memory, 8x32k and 4x64k)" 240 \
+    $PY benchmarks/bench_gpu.py --device cuda --sizes 8x32768,4x65536 --repeats 20 \
+    --nemo-rl "$NEMO_RL" --json "$OUT/bench_gpu.json"
+fi
+echo "gpu_check: $((SECONDS - START)) s; failed steps: ${#FAILED[@]}${FAILED:+ (${FAILED[*]})}"
+[[ ${#FAILED[@]} -eq 0 ]] && echo "gpu_check: done" && exit 0
+exit 1

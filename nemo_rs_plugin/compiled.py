@@ -1,0 +1,77 @@
+"""Opt-in ``torch.compile`` of the loss's pure-tensor core (``NEMO_RS_COMPILE=1``).
+
+:meth:`RSClippedPGLoss.compute <nemo_rs_plugin.loss.RSClippedPGLoss.compute>` runs in three
+parts: input validation (Python, eager), the tensor math (``RSClippedPGLoss._tensors``: the
+loss and the 0-dim metric tensors, no host transfer) and
+:meth:`MetricSet.finalize <nemo_rs_plugin.metrics.MetricSet.finalize>` (the one ``tolist()``,
+eager). With ``NEMO_RS_COMPILE=1`` in the environment the middle part is
+``torch.compile(..., dynamic=True)``: sequence length and batch size are symbolic from the
+first call, so microbatches of other sizes reuse the same graph instead of recompiling.
+Each distinct configuration (its flags are guarded constants) compiles once.
+
+Left eager, whatever the variable says:
+
+* the sharded TP/CP path (``groups`` active): its collectives stay outside the graph;
+* any call while ``torch.compiler.is_compiling()`` (the caller compiles the loss itself).
+
+The variable is read at every call, so it can be switched in a running process; the
+compiled function is built once per process, with the backend named by
+``NEMO_RS_COMPILE_BACKEND`` at that moment (default ``inductor``; ``aot_eager`` traces the
+same graph without generating kernels, for debugging). See docs/performance.md#torchcompile.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["BACKEND_ENV", "COMPILE_ENV", "compile_enabled", "core_fn"]
+
+COMPILE_ENV = "NEMO_RS_COMPILE"
+BACKEND_ENV = "NEMO_RS_COMPILE_BACKEND"  # default "inductor"; "aot_eager" compiles in seconds
+
+_COMPILED: dict[Callable, Callable] = {}
+
+
+def compile_enabled() -> bool:
+    """Whether ``NEMO_RS_COMPILE`` asks for the compiled core (``1``/``true``/``yes``/``on``)."""
+    return os.environ.get(COMPILE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def core_fn(loss: Any, groups: Any) -> Callable:
+    """The function computing ``(loss, MetricSet)`` for ``loss`` (called with ``loss`` first).
+
+    The plain ``type(loss)._tensors`` unless compilation is enabled and applicable, then its
+    compiled twin (built on first use and shared by every instance).
+    """
+    fn = type(loss)._tensors
+    if not compile_enabled() or getattr(groups, "active", False) or torch.compiler.is_compiling():
+        return fn
+    compiled = _COMPILED.get(fn)
+    if compiled is None:
+        backend = os.environ.get(BACKEND_ENV, "").strip() or "inductor"
+        compiled = _COMPILED[fn] = _without_duck_sizing(torch.compile(fn, dynamic=True, backend=backend))
+    return compiled
+
+
+def _without_duck_sizing(compiled: Callable) -> Callable:
+    """Run ``compiled`` with duck sizing off: sizes equal by chance get no equality guard.
+
+    With duck sizing (torch's default) two dimensions that happen to be equal at the first
+    call share one symbol, and a later microbatch where they differ recompiles: e.g. the batch
+    size and the length of the global batch a ``rewards`` view was sliced from.
+    """
+    try:
+        from torch.fx.experimental import _config as fx_config
+    except ImportError:  # pragma: no cover - older torch: keep its default
+        return compiled
+    if not hasattr(fx_config, "use_duck_shape"):  # pragma: no cover
+        return compiled
+
+    def run(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return run

@@ -1,0 +1,104 @@
+"""The opt-in compiled core (``NEMO_RS_COMPILE=1``): equal to eager, one graph, no recompiles.
+
+The ``aot_eager`` backend traces exactly what inductor would compile (dynamo's graph, its
+guards and graph breaks, AOTAutograd's joint forward/backward) in seconds; the ``inductor``
+cases add the generated kernels' numerics and take ~30 s of compilation per configuration on
+a 2-core CPU, so they are marked slow. ``NEMO_RS_TEST_DEVICE=cuda`` runs them on a GPU.
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from nemo_rs_plugin import RSClippedPGLoss, compiled
+from nemo_rs_plugin.distributed import NO_GROUPS
+from tests.test_inputs import FULL, batch
+from tests.test_parity import CASES, DEVICE, assert_matches_upstream, run_case
+
+# One case per loss level (token, seq, GSPO), covering every KL kind's path (none, k3, k1 with
+# the on-policy approximation, KL in the reward) and the NLL term; 4 configurations stay under
+# dynamo's recompile limit (8), past which it would fall back to eager without failing.
+SAMPLE = [
+    "081-gspo-ppo-tis_min-k3-nll0.5-B2S256-global",
+    "090-seq-ppo-icepop-k1_op-nll0.5-B4S16-local",
+    "108-token-reinforce-off-k1_op-nll0.0-B3S32-global",
+    "117-gspo-dual-icepop-in_reward-nll0.0-B4S16-global",
+]
+BY_NAME = {c["name"]: c for c in CASES}
+BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+
+
+@pytest.fixture
+def compile_on(monkeypatch, request):
+    """``NEMO_RS_COMPILE=1`` with the requested backend, from a clean dynamo cache."""
+    monkeypatch.setenv(compiled.COMPILE_ENV, "1")
+    monkeypatch.setenv(compiled.BACKEND_ENV, request.param)
+    torch._dynamo.reset()
+    compiled._COMPILED.clear()
+    counters.clear()
+    yield request.param
+    torch._dynamo.reset()
+    compiled._COMPILED.clear()
+
+
+def run_eager(loss_fn, case, monkeypatch):
+    with monkeypatch.context() as m:
+        m.delenv(compiled.COMPILE_ENV, raising=False)
+        return run_case(loss_fn, case)
+
+
+@pytest.mark.parametrize("compile_on", BACKENDS, indirect=True)
+def test_compiled_equals_eager_on_parity_cases(compile_on, monkeypatch):
+    for name in SAMPLE:
+        case = BY_NAME[name]
+        loss_fn = RSClippedPGLoss(case["config"])
+        loss_c, metrics_c, grad_c = run_case(loss_fn, case)
+        loss_e, metrics_e, grad_e = run_eager(loss_fn, case, monkeypatch)
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad_c, grad_e, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert metrics_c.keys() == metrics_e.keys()
+        for key, ref in metrics_e.items():
+            got = metrics_c[key]
+            assert got == ref or abs(got - ref) <= 1e-6 + 1e-6 * abs(ref), (name, key, got, ref)
+        assert_matches_upstream(case, loss_c, metrics_c, grad_c)
+    assert counters["stats"]["unique_graphs"] == len(SAMPLE), dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("compile_on", BACKENDS, indirect=True)
+@pytest.mark.parametrize("cfg", [{}, FULL], ids=["plain", "full"])
+def test_other_microbatch_sizes_do_not_recompile(compile_on, cfg):
+    loss_fn = RSClippedPGLoss(cfg)
+
+    def call(B, T):
+        lp, data, gvs, gvt = batch(B, T)
+        lp = lp.detach().to(DEVICE).requires_grad_(True)
+        data = {k: v.to(DEVICE) for k, v in data.items()}
+        loss, metrics = loss_fn(lp, data, gvs.to(DEVICE), gvt.to(DEVICE))
+        loss.backward()
+        assert torch.isfinite(loss) and lp.grad is not None
+        return metrics
+
+    call(3, 6)
+    assert counters["stats"]["unique_graphs"] == 1
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises here
+        for B, T in [(2, 9), (3, 40), (2, 6)]:
+            call(B, T)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_compile_is_opt_in(monkeypatch):
+    loss_fn = RSClippedPGLoss({})
+    monkeypatch.delenv(compiled.COMPILE_ENV, raising=False)
+    assert compiled.core_fn(loss_fn, NO_GROUPS) is RSClippedPGLoss._tensors
+    monkeypatch.setenv(compiled.COMPILE_ENV, "0")
+    assert compiled.core_fn(loss_fn, NO_GROUPS) is RSClippedPGLoss._tensors
+    monkeypatch.setenv(compiled.COMPILE_ENV, "1")
+    monkeypatch.setattr(compiled, "_COMPILED", {})
+    assert compiled.core_fn(loss_fn, NO_GROUPS) is not RSClippedPGLoss._tensors
+
+    class Sharded:
+        active = True
+
+    assert compiled.core_fn(loss_fn, Sharded()) is RSClippedPGLoss._tensors  # collectives stay eager
