@@ -199,6 +199,7 @@ class RSClippedPGLoss:
         self.token_level_loss = c.token_level_loss
         # use_kl_in_reward moves the KL into the reward: the loss has no KL term then.
         self.kl_coef = 0.0 if c.use_kl_in_reward else c.reference_policy_kl_penalty
+        self._normalizations: Optional[dict[str, str]] = None
 
     # ------------------------------------------------------------------ public API
     def __call__(
@@ -219,8 +220,25 @@ class RSClippedPGLoss:
         return self.compute(inputs, global_valid_seqs, global_valid_toks, groups)
 
     def metric_normalizations(self) -> dict[str, str]:
-        """Metric name -> ``tokens`` / ``sequences`` / ``none``; see :func:`metric_normalizations`."""
-        return metric_normalizations(self.cfg)
+        """Metric name -> ``tokens`` / ``sequences`` / ``none``, as each metric declares it.
+
+        Every metric is declared once, where it is computed (``MetricSet.add(name, value,
+        normalization, reduction)``); this reads the declarations off one run of the tensor
+        core on a tiny probe batch (two sequences with valid tokens and rewards, on the CPU,
+        eager), cached per instance. Which metrics exist depends on the config only.
+        """
+        if self._normalizations is None:
+            B, S = 2, 4
+            ones = torch.ones(B, S)
+            data = {"input_ids": torch.zeros(B, S, dtype=torch.long), "advantages": ones,
+                    "prev_logprobs": -ones, "generation_logprobs": -ones, "reference_policy_logprobs": -ones,
+                    "token_mask": torch.ones(B, S, dtype=torch.long), "sample_mask": torch.ones(B),
+                    "rewards": torch.ones(B)}
+            inputs = LossInputs.from_nemo_rl(-torch.ones(B, S - 1), data, need_prev=not self.cfg.force_on_policy_ratio,
+                                             need_reference=self.kl_coef != 0)
+            _, metrics = type(self)._tensors(self, inputs, float(B), float(B * (S - 1)), NO_GROUPS)
+            self._normalizations = metrics.normalizations()
+        return dict(self._normalizations)
 
     def compute(
         self,
@@ -554,57 +572,10 @@ def _check_global_counts(
         metrics.check(f"_bad_{name}", bad.to(count.dtype), error)
 
 
-def metric_normalizations(cfg: RSClippedPGLossConfig) -> dict[str, str]:
-    """Metric name -> global denominator (``tokens``, ``sequences``, ``none``), from the config.
+def metric_normalizations(cfg: Any) -> dict[str, str]:
+    """Metric name -> global denominator (``tokens``, ``sequences``, ``none``) for a config.
 
-    Built from the same flags that choose the denominators, next to NeMo-RL's
-    ``metric_normalizations``; a test checks it lists exactly the keys a call returns.
+    NeMo-RL's ``metric_normalizations`` counterpart, read from the declarations next to each
+    metric's computation (see :meth:`RSClippedPGLoss.metric_normalizations`).
     """
-    grad = "tokens" if cfg.token_level_loss else "sequences"
-    unit = "tokens" if cfg.effective_is_level == "token" else "sequences"
-    out = {
-        "loss": grad,
-        "kl_penalty": grad,
-        "probs_ratio": "tokens",
-        "probs_ratio_clamped": "tokens",
-        "probs_ratio_min": "none",
-        "probs_ratio_max": "none",
-        "probs_ratio_clamped_min": "none",
-        "probs_ratio_clamped_max": "none",
-        "token_mult_prob_error": "tokens",
-        "gen_kl_error": "tokens",
-        "policy_kl_error": "tokens",
-        "js_divergence_error": "tokens",
-        "sampling_importance_ratio": unit,
-        "num_valid_samples": "none",
-        "approx_entropy": "tokens",
-        "positive_nll_loss": "none",
-        "nonfinite_log_ratio_count": "none",
-        "nonfinite_curr_logprobs_count": "none",
-        "nonfinite_reference_logprobs_count": "none",
-        "nonfinite_advantages_count": "none",
-        "is_weight_raw_mean": unit,
-        "is_weight_mean": unit,
-        "is_weight_sq_mean": unit,
-        "is_weight_raw_min": "none",
-        "is_weight_raw_max": "none",
-        "is_weight_min": "none",
-        "is_weight_max": "none",
-        "is_ess": "none",
-    }
-    t = cfg.truncated_importance_sampling_type
-    if t is not None:
-        out["is_oob_ratio"] = "sequences" if t == "seq-mask-tis" else "tokens"
-    for f in cfg.rejection_sampling:
-        key = f"rs/{f.label}"
-        out[f"{key}/token_rejected_frac"] = "tokens"
-        if f.level == "token":
-            out[f"{key}/seq_touched_frac"] = "sequences"
-        else:
-            out[f"{key}/seq_rejected_frac"] = "sequences"
-    if cfg.is_batch_normalization is not None:
-        out["is_batch_norm_factor"] = "none"
-    if cfg.rejection_sampling:
-        out["rs_token_rejected_frac"] = "tokens"
-        out["rs_seq_rejected_frac"] = "sequences"
-    return out
+    return RSClippedPGLoss(cfg).metric_normalizations()

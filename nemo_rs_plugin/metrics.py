@@ -48,6 +48,18 @@ class MetricSet:
             value = value.reshape(())
         self._entries[name] = (value, normalization, reduction)
 
+    # Metrics :meth:`finalize` derives on the host: name -> (hidden entry it needs, normalization).
+    DERIVED = {"is_ess": ("_ess_sum_w", "none")}
+
+    def normalizations(self) -> dict[str, str]:
+        """Public metric name -> the normalization declared with it (what NeMo-RL's
+        ``MetricNormalizer`` reads); the names :meth:`finalize` returns."""
+        out = {name: norm for name, (_, norm, _) in self._entries.items() if not name.startswith("_")}
+        for name, (source, norm) in self.DERIVED.items():
+            if source in self._entries:
+                out[name] = norm
+        return out
+
     def check(self, name: str, bad: torch.Tensor, error: Callable[[dict[str, float]], Exception]) -> None:
         """Raise ``error(values)`` from :meth:`finalize` when the 0-dim ``bad`` is > 0 on any rank.
 

@@ -101,8 +101,9 @@ MUTANTS: list[Mutant] = [
            "with filters, sampling_importance_ratio (and NeMo-RL's token metrics) average over kept tokens only"),
     Mutant(L, "value = (w_seq * sample_mask).sum() / (gvs + EPS)", "value = w_seq.sum() / (gvs + EPS)",
            "decoupled sampling_importance_ratio ignores sample_mask"),
-    Mutant(L, 'unit = "tokens" if cfg.effective_is_level == "token" else "sequences"', 'unit = "tokens"',
-           "every IS metric normalized by tokens, also at sequence levels"),
+    Mutant("nemo_rs_plugin/correction.py", 'norm, red, denom = "sequences", "replicated", gvs',
+           'norm, red, denom = "tokens", "replicated", gvs',
+           "sequence-level IS metrics declared as normalized by tokens"),
     Mutant(L, "loss = loss / torch.distributed.get_world_size(g)", "loss = loss",
            "sequence-level loss not split into per-rank shares (counted once per CP rank)"),
     # ---- policy ratios, objective, KL penalty
