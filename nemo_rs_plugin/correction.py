@@ -333,8 +333,10 @@ def _plan_stages(
 
 
 def _row_max(x: torch.Tensor, empty: float) -> torch.Tensor:
-    """``[B]`` max over the last dimension; ``empty`` when it has no position (T = 0, as in
-    a CP shard or a batch of prompts without a response), where ``amax`` raises."""
+    """``[B]`` max over the last dimension; ``empty`` when it has no position.
+
+    T = 0 happens in a CP shard or a batch of prompts without a response, where ``amax`` raises.
+    """
     if x.shape[-1] == 0:
         return x.new_full(x.shape[:-1], empty)
     return x.amax(-1)

@@ -52,8 +52,10 @@ class MetricSet:
     DERIVED = {"is_ess": ("_ess_sum_w", "none")}
 
     def normalizations(self) -> dict[str, str]:
-        """Public metric name -> the normalization declared with it (what NeMo-RL's
-        ``MetricNormalizer`` reads); the names :meth:`finalize` returns."""
+        """Public metric name -> the normalization declared with it.
+
+        What NeMo-RL's ``MetricNormalizer`` reads; the names are those :meth:`finalize` returns.
+        """
         out = {name: norm for name, (_, norm, _) in self._entries.items() if not name.startswith("_")}
         for name, (source, norm) in self.DERIVED.items():
             if source in self._entries:
