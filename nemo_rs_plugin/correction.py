@@ -214,41 +214,69 @@ class CorrectionResult:
 
 
 class _StatPack:
-    """Collects [B] statistics to be reduced together (SUM or MAX) in one collective each."""
+    """Named ``[B]`` per-sequence statistics, reduced together: plan, reduce once, then read.
+
+    ``add_sum``/``add_max`` record this rank's partial value of a statistic under a name;
+    :meth:`reduce` runs the one SUM (and at most one MAX) collective over the groups that
+    split the sequences and returns :class:`_ReducedStatistics`, read by the same names. A
+    name read that was never added is a ``KeyError`` naming it, not a silent wrong row.
+    """
 
     def __init__(self) -> None:
-        self.sum_rows: list[torch.Tensor] = []
-        self.max_rows: list[torch.Tensor] = []
+        self._sums: dict[str, torch.Tensor] = {}
+        self._maxima: dict[str, torch.Tensor] = {}
 
-    def add_sum(self, row: torch.Tensor) -> int:
-        self.sum_rows.append(row)
-        return len(self.sum_rows) - 1
+    def add_sum(self, name: str, row: torch.Tensor) -> str:
+        if name in self._sums:
+            raise KeyError(f"per-sequence statistic {name!r} added twice")
+        self._sums[name] = row
+        return name
 
-    def add_max(self, row: torch.Tensor) -> int:
-        self.max_rows.append(row)
-        return len(self.max_rows) - 1
+    def add_max(self, name: str, row: torch.Tensor) -> str:
+        if name in self._maxima:
+            raise KeyError(f"per-sequence maximum {name!r} added twice")
+        self._maxima[name] = row
+        return name
 
-    def reduce(self, groups: SequenceGroups) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        sums = torch.stack(self.sum_rows)  # [K, B]
-        maxima = torch.stack(self.max_rows) if self.max_rows else None  # [J, B]
-        return reduce_sequence_statistics(sums, maxima, groups)
+    def reduce(self, groups: SequenceGroups) -> "_ReducedStatistics":
+        sums = torch.stack(list(self._sums.values()))  # [K, B]
+        maxima = torch.stack(list(self._maxima.values())) if self._maxima else None  # [J, B]
+        sums, maxima = reduce_sequence_statistics(sums, maxima, groups)
+        return _ReducedStatistics(
+            dict(zip(self._sums, sums)),
+            dict(zip(self._maxima, maxima)) if maxima is not None else {},
+        )
+
+
+@dataclass(frozen=True)
+class _ReducedStatistics:
+    """The per-sequence statistics after the reduction, identical on every rank of a group."""
+
+    sums: dict
+    maxima: dict
+
+    def sum(self, name: str) -> torch.Tensor:
+        return self.sums[name]
+
+    def max(self, name: str) -> torch.Tensor:
+        return self.maxima[name]
 
 
 @dataclass
 class _Stage:
-    """One rejection filter, with the pack indices of its per-sequence statistics."""
+    """One rejection filter, with the names of its per-sequence statistics (``None``: unused)."""
 
     spec: RejectionFilter
     keep_tok: Optional[torch.Tensor] = None  # token filter: [B, T] 0/1
-    touch_idx: int = -1  # token filter: tokens it rejects per row
-    count_idx: int = -1  # sequence filter: tokens alive at this stage per row
-    nonfinite_idx: int = -1
-    sum_idx: int = -1
-    max_idx: int = -1
-    negmin_idx: int = -1
+    touched: Optional[str] = None  # token filter: tokens it rejects per row
+    count: Optional[str] = None  # sequence filter: tokens alive at this stage per row
+    nonfinite: Optional[str] = None  # sequence filter: of those, with a non-finite log-ratio
+    total: Optional[str] = None  # sequence filter (mean, sum): sum of the statistic
+    maximum: Optional[str] = None  # sequence filter (max, any): max of the statistic
+    negated_minimum: Optional[str] = None  # sequence filter (min, any): max of -statistic
     # Only when some filter is advantage-conditioned: per row, the negative-advantage tokens
     # a token filter rejects, or those alive at a sequence filter.
-    negative_idx: int = -1
+    negative: Optional[str] = None
 
 
 _PROBABILITY_METRICS = ("binary_kl", "total_variation")
@@ -279,18 +307,20 @@ def _plan_stages(
     negative: Optional[torch.Tensor],  # [B, T] 0/1 negative advantage; None if unused
     log_probs: Optional[PolicyLogProbs],
     pack: _StatPack,
-) -> tuple[list[_Stage], torch.Tensor, int, int]:
+) -> tuple[list[_Stage], torch.Tensor]:
     """Token-filter masks (local decisions) and the local statistics of sequence filters.
 
     A sequence filter reads the valid tokens that the token filters listed before it kept.
-    Returns the stages, the ``[B, T]`` 0/1 mask of valid tokens every token filter kept, and
-    the pack indices of its per-row count and of its negative-advantage part (weighted like
-    ``valid``; -1 when no filter is advantage-conditioned).
+    Returns the stages and the ``[B, T]`` 0/1 mask of valid tokens every token filter kept;
+    adds to ``pack`` each stage's statistics and, per row, ``kept`` (those tokens, weighted
+    like ``valid``) and ``kept_negative`` (their negative-advantage part, only when some
+    filter is advantage-conditioned).
     """
     big = torch.finfo(d.dtype).max
     stages = []
     alive = valid_bin  # [B, T] valid tokens kept by the token filters so far
-    for f in cfg.rejection_sampling:
+    for i, f in enumerate(cfg.rejection_sampling):
+        name = f"stage{i}"
         lo, hi = _filter_bounds(f)
         fd, f_finite, target, behaviour = filter_log_ratio(
             f.log_ratio, d, d_finite, log_probs, f.metric in _PROBABILITY_METRICS
@@ -306,30 +336,31 @@ def _plan_stages(
             st.keep_tok = in_band if eligible is None else 1.0 - (1.0 - in_band) * eligible
             kept = alive * st.keep_tok
             rejected = alive - kept
-            st.touch_idx = pack.add_sum(rejected.sum(-1))
+            st.touched = pack.add_sum(f"{name}/touched", rejected.sum(-1))
             if negative is not None:
-                st.negative_idx = pack.add_sum((rejected * negative).sum(-1))
+                st.negative = pack.add_sum(f"{name}/negative", (rejected * negative).sum(-1))
             alive = kept
         else:
             alive_fin = alive * f_finite
-            st.count_idx = pack.add_sum(alive.sum(-1))
-            st.nonfinite_idx = pack.add_sum((alive * (1.0 - f_finite)).sum(-1))
+            st.count = pack.add_sum(f"{name}/count", alive.sum(-1))
+            st.nonfinite = pack.add_sum(f"{name}/nonfinite", (alive * (1.0 - f_finite)).sum(-1))
             if negative is not None:
-                st.negative_idx = pack.add_sum((alive * negative).sum(-1))
+                st.negative = pack.add_sum(f"{name}/negative", (alive * negative).sum(-1))
             agg = f.aggregation
             masked = stat * alive_fin  # [B, T], 0 off the stage's tokens
             if agg in ("mean", "sum"):
-                st.sum_idx = pack.add_sum(masked.sum(-1))
+                st.total = pack.add_sum(f"{name}/total", masked.sum(-1))
             if agg in ("max", "min", "any"):
                 penalty = (1.0 - alive_fin) * big  # pushes other tokens out of max/min
                 if agg in ("max", "any"):
-                    st.max_idx = pack.add_max(_row_max(masked - penalty, -big))
+                    st.maximum = pack.add_max(f"{name}/max", _row_max(masked - penalty, -big))
                 if agg in ("min", "any"):
-                    st.negmin_idx = pack.add_max(_row_max(-masked - penalty, -big))
+                    st.negated_minimum = pack.add_max(f"{name}/negated_min", _row_max(-masked - penalty, -big))
         stages.append(st)
-    kept_idx = pack.add_sum((alive * valid).sum(-1))
-    kept_negative_idx = pack.add_sum((alive * valid * negative).sum(-1)) if negative is not None else -1
-    return stages, alive, kept_idx, kept_negative_idx
+    pack.add_sum("kept", (alive * valid).sum(-1))
+    if negative is not None:
+        pack.add_sum("kept_negative", (alive * valid * negative).sum(-1))
+    return stages, alive
 
 
 def _row_max(x: torch.Tensor, empty: float) -> torch.Tensor:
@@ -342,23 +373,23 @@ def _row_max(x: torch.Tensor, empty: float) -> torch.Tensor:
     return x.amax(-1)
 
 
-def _sequence_keep(st: _Stage, sums: torch.Tensor, maxima: Optional[torch.Tensor]) -> torch.Tensor:
+def _sequence_keep(st: _Stage, stats: _ReducedStatistics) -> torch.Tensor:
     """``[B]`` bool: the sequence filter's decision on reduced statistics."""
     f = st.spec
     lo, hi = _filter_bounds(f)
-    count = sums[st.count_idx]
+    count = stats.sum(st.count)
     agg = f.aggregation
     if agg == "mean":
-        keep = in_bounds(sums[st.sum_idx] / (count + EPS), lo, hi)
+        keep = in_bounds(stats.sum(st.total) / (count + EPS), lo, hi)
     elif agg == "sum":
-        keep = in_bounds(sums[st.sum_idx], lo, hi)
+        keep = in_bounds(stats.sum(st.total), lo, hi)
     elif agg == "max":
-        keep = in_bounds(maxima[st.max_idx], lo, hi)
+        keep = in_bounds(stats.max(st.maximum), lo, hi)
     elif agg == "min":
-        keep = in_bounds(-maxima[st.negmin_idx], lo, hi)
+        keep = in_bounds(-stats.max(st.negated_minimum), lo, hi)
     else:  # any: every valid token within the bounds
-        keep = in_bounds(maxima[st.max_idx], None, hi) & in_bounds(-maxima[st.negmin_idx], lo, None)
-    keep = keep & (sums[st.nonfinite_idx] == 0)
+        keep = in_bounds(stats.max(st.maximum), None, hi) & in_bounds(-stats.max(st.negated_minimum), lo, None)
+    keep = keep & (stats.sum(st.nonfinite) == 0)
     # A sequence with no token left at this stage is never rejected (and never NaN).
     return keep | (count == 0)
 
@@ -376,10 +407,7 @@ class _RejectionOutcome:
 
 def _apply_stages(
     stages: list[_Stage],
-    sums: torch.Tensor,
-    maxima: Optional[torch.Tensor],
-    kept_rows: torch.Tensor,  # [B] valid tokens every token filter kept (weighted, reduced)
-    kept_negative_rows: Optional[torch.Tensor],  # [B] their negative-advantage part, or None
+    stats: _ReducedStatistics,
     seq_n: torch.Tensor,  # [B] valid tokens (weighted, reduced)
     sm: torch.Tensor,  # [B]
     gvs: torch.Tensor,
@@ -401,20 +429,20 @@ def _apply_stages(
         key = f"rs/{st.spec.label}"
         live = stage_seq.to(fdtype) * sm  # rows still alive at this stage, weighted like valid
         if st.keep_tok is not None:
-            rejected = sums[st.touch_idx]  # tokens this filter rejected per row
-            if st.negative_idx >= 0:  # not those an earlier conditional rejection removed
-                rejected = rejected - conditional * sums[st.negative_idx]
+            rejected = stats.sum(st.touched)  # tokens this filter rejected per row
+            if st.negative is not None:  # not those an earlier conditional rejection removed
+                rejected = rejected - conditional * stats.sum(st.negative)
             metrics[f"{key}/token_rejected_frac"] = ((rejected * live).sum() * per_tok, "tokens", "replicated")
             touched = (rejected > 0).to(fdtype)
             metrics[f"{key}/seq_touched_frac"] = ((touched * live).sum() * per_seq, "sequences", "replicated")
             continue
-        keep_s = _sequence_keep(st, sums, maxima)
+        keep_s = _sequence_keep(st, stats)
         rejected = live * (~keep_s).to(fdtype)  # [B]
-        in_loss = sums[st.count_idx]  # the tokens those rows still have at this stage
-        if st.negative_idx >= 0:
-            in_loss = in_loss - conditional * sums[st.negative_idx]
+        in_loss = stats.sum(st.count)  # the tokens those rows still have at this stage
+        if st.negative is not None:
+            in_loss = in_loss - conditional * stats.sum(st.negative)
         if st.spec.negative_advantages_only:
-            negative_alive = sums[st.negative_idx]  # [B]
+            negative_alive = stats.sum(st.negative)  # [B]
             # Rows that lose negative-advantage tokens now (not already removed earlier).
             newly = rejected * (1.0 - conditional) * torch.sign(negative_alive)
             conditional = torch.maximum(conditional, torch.sign(rejected))
@@ -427,12 +455,13 @@ def _apply_stages(
         metrics[f"{key}/seq_rejected_frac"] = (rejected.sum() * per_seq, "sequences", "replicated")
         metrics[f"{key}/token_rejected_frac"] = ((rejected * in_loss).sum() * per_tok, "tokens", "replicated")
     seq_kept = stage_seq.to(fdtype)
+    kept_rows = stats.sum("kept")  # [B] valid tokens every token filter kept (weighted)
     kept_tokens = kept_rows
     sequence_in_loss = seq_kept
     conditional_rows = None
-    if kept_negative_rows is not None:
+    if "kept_negative" in stats.sums:  # some filter is advantage-conditioned
         conditional_rows = conditional
-        kept_tokens = kept_rows - conditional * kept_negative_rows
+        kept_tokens = kept_rows - conditional * stats.sum("kept_negative")
         # A conditionally rejected row that has no token left leaves as a whole sequence.
         emptied = conditional_touched * (kept_tokens <= 0).to(fdtype)
         sequence_in_loss = seq_kept * (1.0 - emptied)
@@ -493,23 +522,21 @@ def compute_correction(
 
     # ---- local statistics, then the one reduction: nothing after it reads a partial value
     seq_stats = needs_sequence_statistics(cfg)
-    sums = maxima = seq_d_sum = seq_n = seq_ntok = seq_nonfinite = has_tokens = None
+    stats = seq_d_sum = seq_n = seq_ntok = seq_nonfinite = has_tokens = None
     stages: list[_Stage] = []
     alive = None
     if seq_stats:
         pack = _StatPack()
-        stages, alive, kept_idx, kept_negative_idx = _plan_stages(
-            cfg, d, d_finite, valid_bin, valid, negative, log_probs, pack
-        )
-        idx_d_sum = pack.add_sum((d * valid).sum(-1))  # sum_t m d
-        idx_n = pack.add_sum(valid.sum(-1).to(fdtype))  # n_i
-        idx_ntok = pack.add_sum(token_mask.sum(-1).to(fdtype))  # token_mask count
-        idx_nonfinite = pack.add_sum((valid_bin * d_bad).sum(-1))
+        stages, alive = _plan_stages(cfg, d, d_finite, valid_bin, valid, negative, log_probs, pack)
+        pack.add_sum("d_sum", (d * valid).sum(-1))  # sum_t m d
+        pack.add_sum("valid", valid.sum(-1).to(fdtype))  # n_i
+        pack.add_sum("token_mask", token_mask.sum(-1).to(fdtype))  # token_mask count
+        pack.add_sum("nonfinite", (valid_bin * d_bad).sum(-1))
         if cfg.sequence_level_importance_ratios:
-            idx_ratio = pack.add_sum((token_mask * inputs_finite).sum(-1).to(fdtype))
-        sums, maxima = pack.reduce(groups)
-        seq_d_sum, seq_n, seq_ntok = sums[idx_d_sum], sums[idx_n], sums[idx_ntok]
-        seq_nonfinite = sums[idx_nonfinite]
+            pack.add_sum("ratio_tokens", (token_mask * inputs_finite).sum(-1).to(fdtype))
+        stats = pack.reduce(groups)
+        seq_d_sum, seq_n, seq_ntok = stats.sum("d_sum"), stats.sum("valid"), stats.sum("token_mask")
+        seq_nonfinite = stats.sum("nonfinite")
         has_tokens = seq_n > 0
         metrics["nonfinite_log_ratio_count"] = (seq_nonfinite.sum(), "none", "replicated")
     else:
@@ -520,21 +547,17 @@ def compute_correction(
     keep = inputs_finite  # [B, T]
     kept_token_count = kept_seq_count = ratio_token_count = None
     if stages:
-        kept_negative = sums[kept_negative_idx] if kept_negative_idx >= 0 else None
-        outcome = _apply_stages(
-            stages, sums, maxima, sums[kept_idx], kept_negative, seq_n, sm,
-            global_valid_seqs, global_valid_toks, metrics,
-        )
+        outcome = _apply_stages(stages, stats, seq_n, sm, global_valid_seqs, global_valid_toks, metrics)
         keep = alive * outcome.sequence_kept.to(fdtype).unsqueeze(-1) * inputs_finite
         if outcome.conditional_rows is not None:
             keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1) * negative)
         seq_in_loss = outcome.sequence_in_loss
         kept_token_count = outcome.kept_tokens.sum()
     elif seq_stats:
-        kept_token_count = sums[kept_idx].sum()
+        kept_token_count = stats.sum("kept").sum()
     loss_tokens = valid * keep  # [B, T] valid tokens that reach the loss
     if seq_stats and cfg.sequence_level_importance_ratios:
-        ratio_token_count = sums[idx_ratio]
+        ratio_token_count = stats.sum("ratio_tokens")
     if seq_stats:
         kept_seq_count = (seq_in_loss * sm * has_tokens.to(fdtype)).sum()
 
