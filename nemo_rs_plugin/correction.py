@@ -193,8 +193,11 @@ class CorrectionResult:
         seq_mask_count: ``[B]`` ``token_mask`` tokens per sequence over all ranks.
         kept_token_count: ``[]`` kept valid tokens over all ranks (for ``kept`` denominators).
         kept_seq_count: ``[]`` kept valid sequences.
-        ratio_token_count: ``[B]`` ``token_mask`` tokens with finite inputs per sequence over
-            all ranks: the GSPO ratio's denominator (``None`` without the GSPO ratio).
+        ratio_mask: ``[B, T]`` the tokens the GSPO ratio averages over: ``token_mask`` tokens
+            with finite inputs, less valid tokens a token filter rejected (``None`` without
+            the GSPO ratio; with no token filter it is NeMo-RL's mask).
+        ratio_token_count: ``[B]`` ``ratio_mask`` tokens per sequence over all ranks: the GSPO
+            ratio's denominator.
         usable_bin: ``[B, T]`` float 0/1, valid tokens whose log-prob inputs are all finite.
         usable_penalty: :func:`~nemo_rs_plugin.masking.extrema_penalty` of ``usable_bin``.
         metrics: name -> (0-dim tensor, normalization, reduction) of the correction layer.
@@ -208,6 +211,7 @@ class CorrectionResult:
     kept_token_count: Optional[torch.Tensor]
     kept_seq_count: Optional[torch.Tensor]
     ratio_token_count: Optional[torch.Tensor]
+    ratio_mask: Optional[torch.Tensor]
     usable_bin: torch.Tensor
     usable_penalty: torch.Tensor
     metrics: dict = field(default_factory=dict)
@@ -522,7 +526,7 @@ def compute_correction(
 
     # ---- local statistics, then the one reduction: nothing after it reads a partial value
     seq_stats = needs_sequence_statistics(cfg)
-    stats = seq_d_sum = seq_n = seq_ntok = seq_nonfinite = has_tokens = None
+    stats = seq_d_sum = seq_n = seq_ntok = seq_nonfinite = has_tokens = ratio_mask = None
     stages: list[_Stage] = []
     alive = None
     if seq_stats:
@@ -533,7 +537,11 @@ def compute_correction(
         pack.add_sum("token_mask", token_mask.sum(-1).to(fdtype))  # token_mask count
         pack.add_sum("nonfinite", (valid_bin * d_bad).sum(-1))
         if cfg.sequence_level_importance_ratios:
-            pack.add_sum("ratio_tokens", (token_mask * inputs_finite).sum(-1).to(fdtype))
+            # The GSPO ratio averages over the row's token_mask tokens with finite inputs, less
+            # the valid tokens a token filter rejected (a rejected token gets no gradient; as
+            # VERL, whose rejection edits the response mask its GSPO ratio reads).
+            ratio_mask = token_mask * inputs_finite * (1.0 - valid_bin + alive)
+            pack.add_sum("ratio_tokens", ratio_mask.sum(-1).to(fdtype))
         stats = pack.reduce(groups)
         seq_d_sum, seq_n, seq_ntok = stats.sum("d_sum"), stats.sum("valid"), stats.sum("token_mask")
         seq_nonfinite = stats.sum("nonfinite")
@@ -588,6 +596,7 @@ def compute_correction(
         kept_token_count=kept_token_count,
         kept_seq_count=kept_seq_count,
         ratio_token_count=ratio_token_count,
+        ratio_mask=ratio_mask,
         usable_bin=usable_bin,
         usable_penalty=usable_penalty,
         metrics=metrics,

@@ -334,7 +334,7 @@ class RSClippedPGLoss:
 
         # ---- policy-gradient term ----
         # Tokens with a non-finite input take no part in the GSPO sequence ratio either.
-        ratio_mask = token_mask * inputs_finite if c.sequence_level_importance_ratios else token_mask
+        ratio_mask = corr.ratio_mask if c.sequence_level_importance_ratios else token_mask
         ratios, ratios_clamped = policy_ratios(
             curr, prev, ratio_mask,
             force_on_policy=c.force_on_policy_ratio,

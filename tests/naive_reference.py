@@ -23,8 +23,8 @@ Conventions the docs leave open and the reference fixes (each says where it come
 * ``is_weight_min/max`` range over kept units whose applied weight is non-zero; a weight
   zeroed by truncation or a non-finite log-ratio counts as removed, like a rejected unit.
 * The GSPO ratio averages ``curr - prev`` over the row's ``token_mask`` tokens with finite
-  inputs (NeMo-RL's ratio), rejected tokens included; see
-  ``test_reference.py::test_rejected_token_gets_no_gradient_under_gspo``.
+  inputs (NeMo-RL's ratio), less the valid tokens a token filter rejected, so that a rejected
+  token gets no gradient (VERL's rejection edits the mask its GSPO ratio reads).
 * Tokens whose inputs are not finite are not "rejected": they count as kept for the
   ``kept`` denominators, but carry no loss (every term is 0 there).
 
@@ -354,9 +354,11 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
     # ---- objective per token, and its derivative in curr
     gspo_r = [1.0] * B
     gspo_m = [0] * B
+    gspo_idx = [[] for _ in rows]  # the tokens each row's GSPO ratio averages over
     if gspo and not reinforce:
         for i in rows:
-            idx = [t for t in range(T) if tm[i][t] and ok[i][t]]
+            idx = [t for t in range(T) if tm[i][t] and ok[i][t] and (alive[i][t] or not valid[i][t])]
+            gspo_idx[i] = idx
             gspo_m[i] = len(idx)
             x = sum(curr[i][t] - prev[i][t] for t in idx) / len(idx) if idx else 0.0
             gspo_r[i] = math.exp(max(-LOG_RATIO_CLAMP, min(LOG_RATIO_CLAMP, x)))
@@ -408,9 +410,8 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
             else:
                 grad[i][t] += scale * (is_w[i][t] * dpg + dkl)
         if gspo and not reinforce and gspo_m[i]:
-            for s in range(T):  # d r_i / d curr_is = r_i / m_i on the ratio's tokens
-                if tm[i][s] and ok[i][s]:
-                    grad[i][s] += gspo_dr * gspo_r[i] / gspo_m[i]
+            for s in gspo_idx[i]:  # d r_i / d curr_is = r_i / m_i on the ratio's tokens
+                grad[i][s] += gspo_dr * gspo_r[i] / gspo_m[i]
 
     # ---- metrics of the correction layer
     metrics["loss"] = loss

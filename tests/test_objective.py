@@ -62,11 +62,6 @@ def test_kl_input_clamp_stops_the_sampling_weight_gradient_too():
     torch.testing.assert_close(grad, torch.tensor([[0.0, 0.5]], dtype=torch.float64), rtol=1e-7, atol=1e-15)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "finding: docs/guide.md#rejection-sampling says a rejected token contributes exactly 0 to the "
-    "gradient, but with the GSPO ratio a token rejected by a token filter still enters its row's "
-    "sequence ratio (token_mask, as NeMo-RL's), so it receives gradient through the kept tokens. "
-    "Resolve in the docs or in policy_loss/loss, then drop this marker or the test."))
 def test_rejected_token_gets_no_gradient_under_gspo():
     # Token 2 has d = 2 (ratio e^2 > 2): the token filter rejects it; the row is kept.
     cfg = {"sequence_level_importance_ratios": True, "token_level_loss": False, "reference_policy_kl_penalty": 0.0,
