@@ -171,6 +171,8 @@ MUTANTS: list[Mutant] = [
            "    if False:", "batch totals never reduced over the data-parallel group"),
     Mutant("nemo_rs_plugin/config.py", "        if len(where) > 1", "        if len(where) > 2",
            "two filters with one label are accepted (their metrics overwrite each other)"),
+    Mutant("nemo_rs_plugin/correction.py", "ratio_mask = token_mask * inputs_finite * (1.0 - valid_bin + alive)",
+           "ratio_mask = token_mask * inputs_finite", "GSPO ratio keeps the tokens a token filter rejected"),
     # ---- equivalent
     Mutant(D, "sums = sums.clone()", "sums = sums",
            "statistics reduced in place in the caller's tensor",
