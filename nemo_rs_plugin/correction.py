@@ -48,6 +48,7 @@ from nemo_rs_plugin.masking import (
     outside,
     sanitize,
 )
+from nemo_rs_plugin.policy_loss import kl_estimate
 
 __all__ = [
     "BATCH_MEAN_FLOOR",
@@ -113,12 +114,8 @@ def token_filter_statistic(
     """
     if metric == "ratio":
         return d
-    if metric == "kl_k1":
-        return -d
-    if metric == "kl_k2":
-        return d.square() / 2
-    if metric == "kl_k3":
-        return torch.expm1(d) - d
+    if metric in ("kl_k1", "kl_k2", "kl_k3"):
+        return kl_estimate(d, metric[3:])
     if metric == "mult_prob_error":
         return torch.exp(d.abs())
     if metric in ("binary_kl", "total_variation"):

@@ -30,10 +30,8 @@ MUTANTS: list[Mutant] = [
     Mutant(C, "return x >= lower", "return x > lower",
            "sequence filter with a lower bound only: bound made exclusive"),
     # ---- filter statistics: KL(gen || prev) estimators from d = prev - gen
-    Mutant(C, "return -d", "return d", "filter kl_k1 with the wrong sign (log r instead of -log r)"),
-    Mutant(C, "return d.square() / 2", "return d.square()", "filter kl_k2 without the 1/2"),
-    Mutant(C, "return torch.expm1(d) - d", "return torch.expm1(-d) + d",
-           "filter kl_k3 in AReaL's direction (1/r - 1 + log r)"),
+    Mutant(C, "return kl_estimate(d, metric[3:])", "return kl_estimate(-d, metric[3:])",
+           "filters' KL statistics in the reverse direction (AReaL's k3 where VERL's is meant)"),
     # ---- sequence aggregations
     Mutant(C, "keep = in_bounds(stats.sum(st.total) / (count + EPS), lo, hi)",
            "keep = in_bounds(stats.sum(st.total) / (count + 1.0), lo, hi)",
@@ -119,7 +117,7 @@ MUTANTS: list[Mutant] = [
            "loss = torch.min(neg_adv * ratios, neg_adv * ratios_clamped)", "PPO takes the optimistic branch"),
     Mutant(P, "return -log_ratio", "return log_ratio", "KL penalty k1 with the wrong sign"),
     Mutant(P, "return log_ratio.square() / 2", "return log_ratio.square()", "KL penalty k2 without the 1/2"),
-    Mutant(P, "return torch.exp(log_ratio) - 1 - log_ratio", "return torch.exp(-log_ratio) - 1 + log_ratio",
+    Mutant(P, "return torch.expm1(log_ratio) - log_ratio", "return torch.expm1(-log_ratio) + log_ratio",
            "KL penalty k3 in the reverse direction"),
     Mutant(P, "weights = torch.lerp(weights.detach(), weights, free)", "weights = weights",
            "KL sampling weight not detached where the input clamp is active"),
