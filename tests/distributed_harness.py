@@ -28,7 +28,47 @@ def _worker(rank, world_size, rdzv, fn, args, queue):
         queue.put((rank, [f"exception:\n{traceback.format_exc()}"]))
 
 
+def run_cases(rank, world_size, cases):
+    """Rank function running several ``(name, fn, args)`` checks in one world.
+
+    Every rank runs every case in the same order (so process groups are created alike); a
+    case's failures, or its traceback, come back prefixed with ``name::``.
+    """
+    failures = []
+    for name, fn, args in cases:
+        try:
+            failures += [f"{name}::{f}" for f in (fn(rank, world_size, *args) or [])]
+        except BaseException:  # one broken case must not hide the others
+            failures.append(f"{name}::exception:\n{traceback.format_exc()}")
+    return failures
+
+
+def run_world_cases(world_size: int, cases, timeout: float = 600.0) -> dict:
+    """Run ``cases`` (see :func:`run_cases`) in one world; ``{name: [failures]}`` over ranks.
+
+    Starting a world (processes, imports, the gloo rendezvous) costs more than most checks:
+    tests share one world per size and each asserts its own case's entry.
+    """
+    out = {name: [] for name, _, _ in cases}
+    for problem in _world_problems(world_size, run_cases, (cases,), timeout):
+        rank, _, rest = problem.partition(": ")
+        name, sep, failure = rest.partition("::")
+        if sep and name in out:
+            out[name].append(f"{rank}: {failure}")
+        else:  # a world-level problem (a rank died or reported nothing): every case has it
+            for key in out:
+                out[key].append(problem)
+    return out
+
+
 def run_world(world_size: int, fn, *args, timeout: float = 240.0) -> None:
+    """Run ``fn`` on every rank; raise with every rank's failures (the first 40 lines)."""
+    problems = _world_problems(world_size, fn, args, timeout)
+    if problems:
+        raise AssertionError("\n".join(problems[:40]))
+
+
+def _world_problems(world_size: int, fn, args, timeout: float) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -41,6 +81,8 @@ def run_world(world_size: int, fn, *args, timeout: float = 240.0) -> None:
             for _ in range(world_size):
                 rank, failures = queue.get(timeout=timeout)
                 results[rank] = failures
+        except Exception:  # queue.Empty: a rank hung or died; reported below
+            pass
         finally:
             for p in procs:
                 p.join(timeout=10)
@@ -49,6 +91,5 @@ def run_world(world_size: int, fn, *args, timeout: float = 240.0) -> None:
     problems = [f"rank {r}: {f}" for r in sorted(results) for f in results[r]]
     missing = set(range(world_size)) - set(results)
     if missing:
-        problems.append(f"ranks {sorted(missing)} reported nothing")
-    if problems:
-        raise AssertionError("\n".join(problems[:40]))
+        problems.append(f"ranks {sorted(missing)} reported nothing within {timeout:.0f} s")
+    return problems

@@ -15,37 +15,61 @@ import torch
 from nemo_rs_plugin.distributed import SequenceGroups, reduce_sequence_statistics
 from nemo_rs_plugin.parallel_layout import cp_shard, cp_unshard
 from tests import distributed_cases as cases
-from tests.distributed_harness import run_world
+from tests.distributed_harness import run_world_cases
 
 pytestmark = pytest.mark.distributed
 
 
+WORLDS = {
+    2: [("cp2-sharded-equals-unsharded", cases.check_sharded_equals_unsharded, (1,)),
+        ("statistic-reduced-before-masking", cases.check_statistic_reduced_before_masking, ()),
+        ("collective-budget", cases.check_collective_budget, ()),
+        ("bad-groups", cases.check_bad_groups, ()),
+        ("bad-global-count", cases.check_bad_global_count_raises_on_every_rank, ())],
+    4: [("tp2-cp2-sharded-equals-unsharded", cases.check_sharded_equals_unsharded, (2,)),
+        ("dp2-cp2-batch-normalization", cases.check_data_parallel_batch_normalization, ())],
+}
+_RESULTS: dict = {}
+
+
+def failures_of(world_size: int, name: str) -> list:
+    """The failures of one case; each world size runs all its cases once, in one world."""
+    if world_size not in _RESULTS:
+        _RESULTS[world_size] = run_world_cases(world_size, WORLDS[world_size])
+    return _RESULTS[world_size][name]
+
+
+def check(world_size: int, name: str) -> None:
+    failures = failures_of(world_size, name)
+    assert not failures, "\n".join(failures[:40])
+
+
 def test_cp2_sharded_equals_unsharded():
-    run_world(2, cases.check_sharded_equals_unsharded, 1)
+    check(2, "cp2-sharded-equals-unsharded")
 
 
 def test_tp2_cp2_sharded_equals_unsharded():
-    run_world(4, cases.check_sharded_equals_unsharded, 2)
+    check(4, "tp2-cp2-sharded-equals-unsharded")
 
 
 def test_data_parallel_batch_normalization_dp2_cp2():
-    run_world(4, cases.check_data_parallel_batch_normalization)
+    check(4, "dp2-cp2-batch-normalization")
 
 
 def test_statistic_is_reduced_before_any_mask():
-    run_world(2, cases.check_statistic_reduced_before_masking)
+    check(2, "statistic-reduced-before-masking")
 
 
 def test_statistics_cost_one_sum_and_one_max_and_no_all_gather():
-    run_world(2, cases.check_collective_budget)
+    check(2, "collective-budget")
 
 
 def test_bad_groups_and_shapes_fail_clearly():
-    run_world(2, cases.check_bad_groups)
+    check(2, "bad-groups")
 
 
 def test_bad_global_count_raises_on_every_rank():
-    run_world(2, cases.check_bad_global_count_raises_on_every_rank)
+    check(2, "bad-global-count")
 
 
 def test_cp_layout_roundtrip_and_chunk_order():
