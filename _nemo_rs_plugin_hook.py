@@ -258,7 +258,8 @@ def expose_to_workers():
     prune_dangling_links(base)
     prefix = os.path.join(os.path.realpath(base), "")
     parts = [
-        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        p
+        for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
         if p and (p == shim or not os.path.realpath(p).startswith(prefix))
     ]
     if shim not in parts:

@@ -31,8 +31,10 @@ class BuildPyWithPth(build_py):
 
     def get_outputs(self, include_bytecode=True):
         extra = [str(Path(self.build_lib) / PTH)]
-        extra += [str(Path(self.build_lib) / "nemo_rs_plugin" / "recipes" / p.name)
-                  for p in sorted((HERE / "recipes").glob("*.yaml"))]
+        extra += [
+            str(Path(self.build_lib) / "nemo_rs_plugin" / "recipes" / p.name)
+            for p in sorted((HERE / "recipes").glob("*.yaml"))
+        ]
         return super().get_outputs(include_bytecode) + extra
 
 

@@ -84,8 +84,15 @@ def _rank_main(rank, world, rdzv, B, S, repeats, out_q):
 
     def sharded_call():
         lp = local(curr).clone().requires_grad_(True)
-        x = LossInputs(curr=lp, prev=local(prev), generation=local(gen), reference=local(prev),
-                       advantages=local(adv), token_mask=local(mask), sample_mask=torch.ones(B))
+        x = LossInputs(
+            curr=lp,
+            prev=local(prev),
+            generation=local(gen),
+            reference=local(prev),
+            advantages=local(adv),
+            token_mask=local(mask),
+            sample_mask=torch.ones(B),
+        )
         loss, _ = loss_fn.compute(x, gvs, gvt, groups)
         loss.backward()
 
@@ -97,8 +104,15 @@ def _rank_main(rank, world, rdzv, B, S, repeats, out_q):
         from nemo_rs_plugin.parallel_layout import cp_unshard
 
         full = cp_unshard(parts)
-        x = LossInputs(curr=full, prev=prev, generation=gen, reference=prev, advantages=adv,
-                       token_mask=mask, sample_mask=torch.ones(B))
+        x = LossInputs(
+            curr=full,
+            prev=prev,
+            generation=gen,
+            reference=prev,
+            advantages=adv,
+            token_mask=mask,
+            sample_mask=torch.ones(B),
+        )
         loss, _ = loss_fn.compute(x, gvs, gvt)
         (loss / world).backward()
 
@@ -153,12 +167,17 @@ def main() -> None:
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     print(f"B x S = {args.batch} x {args.seq}, gloo on CPU, median of {args.repeats}")
-    print(f"{'cp':>3} | {'reduce bytes':>12} | {'gather bytes':>12} | bytes ratio | reduce/gather time | sharded/gathered loss time")
+    header = f"{'cp':>3} | {'reduce bytes':>12} | {'gather bytes':>12} | bytes ratio"
+    print(f"{header} | reduce/gather time | sharded/gathered loss time")
     for cp in (int(c) for c in args.cp.split(",")):
         q = ctx.Queue()
         with tempfile.TemporaryDirectory() as tmp:
-            procs = [ctx.Process(target=_rank_main, args=(r, cp, os.path.join(tmp, "rdzv"), args.batch, args.seq, args.repeats, q))
-                     for r in range(cp)]
+            procs = [
+                ctx.Process(
+                    target=_rank_main, args=(r, cp, os.path.join(tmp, "rdzv"), args.batch, args.seq, args.repeats, q)
+                )
+                for r in range(cp)
+            ]
             for p in procs:
                 p.start()
             rb, gb, tr, tg, ts, tgl = q.get(timeout=600)

@@ -129,8 +129,7 @@ def measure(candidates: dict, batch, device, repeats: int) -> dict:
                 times[name].append(dt)
                 if peak is not None:
                     peaks[name].append(peak)
-    return {name: (statistics.median(times[name]), max(peaks[name]) if peaks[name] else None)
-            for name in candidates}
+    return {name: (statistics.median(times[name]), max(peaks[name]) if peaks[name] else None) for name in candidates}
 
 
 def main(argv=None) -> int:
@@ -138,8 +137,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--sizes", default="8x32768,4x65536")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="dtype of the log-prob inputs (the loss computes in float32 either way)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype of the log-prob inputs (the loss computes in float32 either way)",
+    )
     ap.add_argument("--nemo-rl", type=Path, default=DEFAULT_NEMO_RL, help="NeMo-RL checkout (holds nemo_rl/)")
     ap.add_argument("--no-compile", action="store_true", help="eager rows only")
     ap.add_argument("--json", type=Path, help="also write the rows here")
@@ -167,8 +170,10 @@ def main(argv=None) -> int:
         print(f"NeMo-RL comparison skipped: {why}")
 
     name_dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"torch {torch.__version__}, device {name_dev}, log-probs {args.dtype}, "
-          f"median of {args.repeats}, forward + backward + metrics transfer")
+    print(
+        f"torch {torch.__version__}, device {name_dev}, log-probs {args.dtype}, "
+        f"median of {args.repeats}, forward + backward + metrics transfer"
+    )
     rows = []
     for size in args.sizes.split(","):
         B, S = (int(v) for v in size.lower().split("x"))
@@ -183,8 +188,10 @@ def main(argv=None) -> int:
                 compile_s[name] = time.perf_counter() - t0
                 kernels = inductor_metrics.generated_kernel_count - kernels
                 backend = os.environ.get("NEMO_RS_COMPILE_BACKEND") or "inductor"
-                print(f"compile {name}: {compile_s[name]:.1f} s (first call, {size}, {backend}), "
-                      f"{kernels} generated kernels forward + backward")
+                print(
+                    f"compile {name}: {compile_s[name]:.1f} s (first call, {size}, {backend}), "
+                    f"{kernels} generated kernels forward + backward"
+                )
         results = measure(candidates, batch, device, args.repeats)
         base_t, base_m = results[BASE]
         header = f"{'B x S':>9} | {'candidate':<28} | {'ms':>8} | {'time/base':>9} | {'peak MiB':>9} | mem/base"
@@ -194,8 +201,16 @@ def main(argv=None) -> int:
             mem = f"{m / 2**20:9.1f}" if m is not None else f"{'n/a':>9}"
             mem_ratio = f"{m / base_m:7.2f}x" if m is not None and base_m else "    n/a"
             print(f"{size:>9} | {name:<28} | {t * 1e3:8.2f} | {t / base_t:8.2f}x | {mem} | {mem_ratio}")
-            rows.append({"size": size, "candidate": name, "ms": t * 1e3, "time_ratio": t / base_t,
-                         "peak_bytes": m, "mem_ratio": (m / base_m) if m is not None and base_m else None})
+            rows.append(
+                {
+                    "size": size,
+                    "candidate": name,
+                    "ms": t * 1e3,
+                    "time_ratio": t / base_t,
+                    "peak_bytes": m,
+                    "mem_ratio": (m / base_m) if m is not None and base_m else None,
+                }
+            )
         if HOST in results:
             host_t, host_m = results[HOST]
             line = f"{size:>9} | upstream-equivalent / NeMo-RL: time {base_t / host_t:.2f}x"
@@ -211,13 +226,25 @@ def main(argv=None) -> int:
         from torch._dynamo.utils import counters
 
         stats = counters["stats"]
-        print(f"dynamo: {stats['unique_graphs']} graphs for {len(compile_s)} compiled configurations "
-              f"over {len(args.sizes.split(','))} sizes (more means a recompile), "
-              f"{sum(counters['graph_break'].values())} graph breaks")
+        print(
+            f"dynamo: {stats['unique_graphs']} graphs for {len(compile_s)} compiled configurations "
+            f"over {len(args.sizes.split(','))} sizes (more means a recompile), "
+            f"{sum(counters['graph_break'].values())} graph breaks"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"device": name_dev, "torch": torch.__version__, "dtype": args.dtype,
-                                         "compile_s": compile_s, "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": name_dev,
+                    "torch": torch.__version__,
+                    "dtype": args.dtype,
+                    "compile_s": compile_s,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -4,8 +4,9 @@ On a GPU the loss moves little data; its cost is one kernel launch per operator 
 syncs. The operator count is measured here on CPU with a ``TorchDispatchMode`` that records
 every aten operator that is not a view (views launch no kernel), over forward and backward.
 Host transfers (``.item()``, ``.tolist()``, ``bool()``/``float()`` of a tensor) are
-counted with a ``TorchFunctionMode``: each is a host-device sync on a GPU. Ratios are against NeMo-RL's own ``ClippedPGLossFn`` in the same process, on its
-plain config, so the numbers are comparable across machines.
+counted with a ``TorchFunctionMode``: each is a host-device sync on a GPU. Ratios are against
+NeMo-RL's own ``ClippedPGLossFn`` in the same process, on its plain config, so the numbers are
+comparable across machines.
 
 Targets (issue "Ready for the GPU"): each upstream-equivalent config dispatches no more ops
 than NeMo-RL's loss on the same config; the five-stage pipeline at most 1.5x NeMo-RL's plain.
@@ -29,10 +30,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nemo_rs_plugin import RSClippedPGLoss  # noqa: E402
 
-TIS = {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
-       "truncated_importance_sampling_ratio": 2.0}
-SEQ_MASK_TIS = {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
-                "truncated_importance_sampling_ratio": 1.002, "truncated_importance_sampling_ratio_min": 0.999}
+TIS = {
+    "use_importance_sampling_correction": True,
+    "truncated_importance_sampling_type": "tis",
+    "truncated_importance_sampling_ratio": 2.0,
+}
+SEQ_MASK_TIS = {
+    "use_importance_sampling_correction": True,
+    "truncated_importance_sampling_type": "seq-mask-tis",
+    "truncated_importance_sampling_ratio": 1.002,
+    "truncated_importance_sampling_ratio_min": 0.999,
+}
 UPSTREAM_CONFIGS = {"plain": {}, "tis": TIS, "seq-mask-tis": SEQ_MASK_TIS}
 PIPELINE = {
     "use_importance_sampling_correction": True,
@@ -63,8 +71,13 @@ class OpCounter(TorchDispatchMode):
 class HostTransferCounter(TorchFunctionMode):
     """Counts calls that move a tensor's values to the host."""
 
-    TRANSFERS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
-                 torch.Tensor.__int__}
+    TRANSFERS = {
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.__bool__,
+        torch.Tensor.__float__,
+        torch.Tensor.__int__,
+    }
 
     def __init__(self):
         super().__init__()
@@ -134,13 +147,19 @@ def main(argv=None) -> int:
         nemo = count(host, B, S, wrap) if host is not None else None
         if name == "plain" and nemo is not None:
             nemo_plain = sum(v for k, v in nemo.items() if not k.startswith("<"))
-        rows.append((f"upstream-equivalent/{name}", count(RSClippedPGLoss({"reference_policy_kl_penalty": 0.01, **cfg}),
-                                                           B, S), nemo))
+        rows.append(
+            (
+                f"upstream-equivalent/{name}",
+                count(RSClippedPGLoss({"reference_policy_kl_penalty": 0.01, **cfg}), B, S),
+                nemo,
+            )
+        )
     rows.append(("sequence_mean+tis+geo-rs+veto+token-mis", count(RSClippedPGLoss(PIPELINE), B, S), None))
 
     print(f"aten operators per loss call (forward + backward, non-view), B x S = {B} x {S}")
-    print(f"{'config':42s} {'plugin':>7s} {'NeMo-RL':>8s} {'ratio':>6s} {'host transfers':>15s} "
-          f"{'vs NeMo-RL plain':>17s}")
+    print(
+        f"{'config':42s} {'plugin':>7s} {'NeMo-RL':>8s} {'ratio':>6s} {'host transfers':>15s} {'vs NeMo-RL plain':>17s}"
+    )
     for name, ours, theirs in rows:
         syncs = ours.pop("<host transfers>")
         their_syncs = theirs.pop("<host transfers>") if theirs is not None else None

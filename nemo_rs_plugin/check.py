@@ -55,7 +55,7 @@ def _one_line(exc: BaseException, strip: str = "") -> str:
     """``Type: message`` on one line (Hydra and pydantic messages span several)."""
     text = str(exc)
     if strip and text.startswith(strip):
-        text = text[len(strip):]
+        text = text[len(strip) :]
     parts = [line.strip() for line in text.splitlines()]
     parts = [p for p in parts if p and set(p) != {"^"} and not p.startswith("See https://")]
     return f"{type(exc).__name__}: {' '.join(parts)}" if parts else type(exc).__name__
@@ -111,9 +111,7 @@ def _find_nemo_rl(nemo_rl_path: Optional[str], report: CheckReport) -> tuple[boo
 
     found = os.path.dirname(os.path.dirname(os.path.realpath(nemo_rl.__file__)))
     if root and found != os.path.realpath(root):
-        report.errors.append(
-            f"--nemo-rl {nemo_rl_path}: this process already imported NeMo-RL from {found}"
-        )
+        report.errors.append(f"--nemo-rl {nemo_rl_path}: this process already imported NeMo-RL from {found}")
         return False, None
     if root is None and os.path.isdir(os.path.join(found, "examples", "configs")):
         root = found
@@ -140,7 +138,7 @@ def _override_key(override: str) -> tuple[str, str, Optional[str]]:
         value = value or None
     else:
         kind = "++" if override.startswith("++") else "+" if override.startswith("+") else ""
-        key, sep, value = override[len(kind):].partition("=")
+        key, sep, value = override[len(kind) :].partition("=")
         if not sep:
             raise OverrideError(f"override {override!r}: expected key=value")
     parts = key.split(".")
@@ -169,9 +167,7 @@ def _index(node: list, key: str, where: str, override: str) -> int:
     except ValueError:
         raise OverrideError(f"override {override!r}: {where} is a list; {key!r} is not an index") from None
     if not 0 <= i < len(node):
-        raise OverrideError(
-            f"override {override!r}: {where} has {len(node)} entries; index {i} is out of range"
-        )
+        raise OverrideError(f"override {override!r}: {where} has {len(node)} entries; index {i} is out of range")
     return i
 
 
@@ -379,8 +375,7 @@ def _master_config_problems(cfg: dict, report: CheckReport) -> list[str]:
         from nemo_rl.algorithms.grpo import MasterConfig
     except Exception as exc:  # noqa: BLE001 - e.g. NeMo-RL >= 0.7 on Python < 3.12
         report.unchecked.append(
-            f"NeMo-RL's MasterConfig: nemo_rl.algorithms.grpo does not import here ({_one_line(exc)}); "
-            + HOW_TO_CHECK
+            f"NeMo-RL's MasterConfig: nemo_rl.algorithms.grpo does not import here ({_one_line(exc)}); " + HOW_TO_CHECK
         )
         return []
     if not hasattr(MasterConfig, "model_validate"):
@@ -440,8 +435,7 @@ def _parallelism_problems(cfg: dict, config: RSClippedPGLossConfig, report: Chec
         )
     elif megatron is not True:
         report.warnings.append(
-            "loss_fn.sharded_logits_input needs the Megatron backend, and policy.megatron_cfg.enabled "
-            "is not set here"
+            "loss_fn.sharded_logits_input needs the Megatron backend, and policy.megatron_cfg.enabled is not set here"
         )
     if megatron is True and _get(cfg, "policy.megatron_cfg.use_fused_linear_logprobs") is True:
         problems.append(
@@ -479,8 +473,14 @@ def check_recipe(
     return report
 
 
-def _check(report: CheckReport, path: str, overrides: list[str], nemo_rl_path: Optional[str],
-           mismatch: float, response_tokens: Optional[int]) -> None:
+def _check(
+    report: CheckReport,
+    path: str,
+    overrides: list[str],
+    nemo_rl_path: Optional[str],
+    mismatch: float,
+    response_tokens: Optional[int],
+) -> None:
     cfg = load_recipe(path, overrides, nemo_rl_path, report)
     if cfg is None:
         return
@@ -500,8 +500,9 @@ def _check(report: CheckReport, path: str, overrides: list[str], nemo_rl_path: O
     if name is None or name == "clipped_pg":
         # The run's own rule (the adapter's selector refuses the same sections).
         report.errors.extend(f"loss_fn.{p}" for p in own_loss_problems(loss, name))
-        report.notes.append(f"loss_fn {'has no name' if name is None else 'names clipped_pg'}: "
-                            "NeMo-RL's own ClippedPGLossFn is used")
+        report.notes.append(
+            f"loss_fn {'has no name' if name is None else 'names clipped_pg'}: NeMo-RL's own ClippedPGLossFn is used"
+        )
     elif name != "rs_clipped_pg":
         from nemo_rs_plugin.registry import LossRegistryError, get_loss_class
 
@@ -531,16 +532,20 @@ def _describe(config: RSClippedPGLossConfig) -> list[str]:
     return describe_pipeline(config)
 
 
-def _warn(report: CheckReport, cfg: dict, config: RSClippedPGLossConfig, mismatch: float,
-          response_tokens: Optional[int]) -> None:
+def _warn(
+    report: CheckReport, cfg: dict, config: RSClippedPGLossConfig, mismatch: float, response_tokens: Optional[int]
+) -> None:
     if _get(cfg, "grpo.async_grpo.enabled", False) and not config.use_importance_sampling_correction:
         report.warnings.append(
             "grpo.async_grpo.enabled is true but loss_fn.use_importance_sampling_correction is "
             "false: stale rollouts are trained on without correction (NeMo-RL requires it for "
             "async GRPO)"
         )
-    tokens = response_tokens or _get(cfg, "policy.generation.max_new_tokens") or _get(
-        cfg, "policy.max_total_sequence_length")
+    tokens = (
+        response_tokens
+        or _get(cfg, "policy.generation.max_new_tokens")
+        or _get(cfg, "policy.max_total_sequence_length")
+    )
     if (
         config.use_importance_sampling_correction
         and config.effective_is_level == "sequence"
@@ -565,8 +570,11 @@ def _warn_rejection(report: CheckReport, config: RSClippedPGLossConfig, mismatch
     fields = config.model_dump()
     fields.update(name=None, reference_policy_kl_penalty=0.0, sharded_logits_input=False)
     metrics, _ = _metrics_of(fields, synthetic_batch(model))
-    stages = [(f"rejection stage {i}", metrics.get(f"rs/{f.label}/seq_rejected_frac", 0.0))
-              for i, f in enumerate(config.rejection_sampling, 1) if f.level == "sequence"]
+    stages = [
+        (f"rejection stage {i}", metrics.get(f"rs/{f.label}/seq_rejected_frac", 0.0))
+        for i, f in enumerate(config.rejection_sampling, 1)
+        if f.level == "sequence"
+    ]
     if config.truncated_importance_sampling_type == "seq-mask-tis":
         stages.append(("seq-mask-tis", metrics.get("is_oob_ratio", 0.0)))
     total = metrics.get("rs_seq_rejected_frac", 0.0)
@@ -579,6 +587,5 @@ def _warn_rejection(report: CheckReport, config: RSClippedPGLossConfig, mismatch
             )
     if total > REJECT_WARN_FRACTION and not any(frac > REJECT_WARN_FRACTION for _, frac in stages):
         report.warnings.append(
-            f"the filters together would reject ~{total:.0%} of sequences at {mismatch:g} "
-            "per-token mismatch"
+            f"the filters together would reject ~{total:.0%} of sequences at {mismatch:g} per-token mismatch"
         )

@@ -45,8 +45,9 @@ def _simulate_problems(args: argparse.Namespace) -> list[str]:
     if args.from_file:
         given = [flag for dest, (flag, _) in SYNTHETIC_OPTIONS.items() if getattr(args, dest) is not None]
         if given:
-            problems.append(f"{', '.join(given)}: shape(s) the synthetic batch, which --from replaces; "
-                            "drop them or drop --from")
+            problems.append(
+                f"{', '.join(given)}: shape(s) the synthetic batch, which --from replaces; drop them or drop --from"
+            )
     else:
         for dest, (_, default) in SYNTHETIC_OPTIONS.items():
             if getattr(args, dest) is None:
@@ -90,12 +91,20 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.from_file:
         source = f"{args.from_file}: {batches[0]['prev_logprobs'].shape[0]} sequences"
     else:
-        model = sim.MismatchModel(responses=args.responses, length=args.length, mismatch=args.mismatch,
-                                  outlier_rate=args.outlier_rate, staleness=args.staleness, seed=args.seed)
+        model = sim.MismatchModel(
+            responses=args.responses,
+            length=args.length,
+            mismatch=args.mismatch,
+            outlier_rate=args.outlier_rate,
+            staleness=args.staleness,
+            seed=args.seed,
+        )
         batches = [sim.synthetic_batch(model, step) for step in range(args.steps)]
-        source = (f"synthetic: {args.responses} responses x {args.steps} steps of {max(1, args.length // 2)}-"
-                  f"{args.length} tokens, {args.mismatch:g} per-token mismatch, outlier rate "
-                  f"{args.outlier_rate:g}, staleness {args.staleness:g}, seed {args.seed}")
+        source = (
+            f"synthetic: {args.responses} responses x {args.steps} steps of {max(1, args.length // 2)}-"
+            f"{args.length} tokens, {args.mismatch:g} per-token mismatch, outlier rate "
+            f"{args.outlier_rate:g}, staleness {args.staleness:g}, seed {args.seed}"
+        )
     print(source)
     rows = sim.run(configs, batches, progress=sim.progress_bar)
     print(sim.format_table(rows))
@@ -132,8 +141,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if report.errors:
         return EXIT_INVALID
     if report.unchecked:
-        print(f"{args.recipe}: no errors found, but not fully checked (the 'not checked' lines on stderr "
-              "say what, why and how to check it)")
+        print(
+            f"{args.recipe}: no errors found, but not fully checked (the 'not checked' lines on stderr "
+            "say what, why and how to check it)"
+        )
     else:
         print(f"{args.recipe}: valid")
     for note in report.notes:
@@ -170,8 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("simulate", help="run corrections through the real loss on a mismatch")
-    s.add_argument("--from", dest="from_file", metavar="FILE",
-                   help="per-token log-probs from a run (JSONL or torch file; docs/cli.md)")
+    s.add_argument(
+        "--from",
+        dest="from_file",
+        metavar="FILE",
+        help="per-token log-probs from a run (JSONL or torch file; docs/cli.md)",
+    )
     s.add_argument("--responses", type=int, help="sequences per batch (default 16)")
     s.add_argument("--length", type=int, help="longest response in tokens (default 9000)")
     s.add_argument("--mismatch", type=float, help="per-token log-prob noise std (default 0.02)")
@@ -181,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, help="seed of the synthetic batches (default 0)")
     s.add_argument("--configs", nargs="+", metavar="NAME", help="subset of the built-in configurations")
     s.add_argument("--csv", metavar="FILE", help="write the table as CSV")
-    s.add_argument("--json", metavar="FILE",
-                   help="write the table as strict JSON (non-finite values as the strings NaN, Infinity)")
+    s.add_argument(
+        "--json", metavar="FILE", help="write the table as strict JSON (non-finite values as the strings NaN, Infinity)"
+    )
     s.add_argument("--plot", metavar="FILE.png", help="bar charts; the suffix names the format (needs matplotlib)")
     s.set_defaults(func=_cmd_simulate)
 
@@ -190,8 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("recipe")
     c.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. loss_fn.ratio_clip_max=0.28")
     c.add_argument("--nemo-rl", metavar="PATH", help="NeMo-RL checkout, to load the recipe with its loader")
-    c.add_argument("--mismatch", type=float, default=0.02,
-                   help="per-token mismatch you see (std of prev - gen), for the rejection estimate")
+    c.add_argument(
+        "--mismatch",
+        type=float,
+        default=0.02,
+        help="per-token mismatch you see (std of prev - gen), for the rejection estimate",
+    )
     c.add_argument("--response-tokens", type=int, help="typical response length (default: from the recipe)")
     c.set_defaults(func=_cmd_check)
 
@@ -203,8 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("reference", help="print the configuration reference (Markdown)")
     f.set_defaults(func=_cmd_reference)
 
-    sub.add_parser("lab", help="GRPO on a tiny MoE with a real sampler/trainer mismatch (docs/lab.md)",
-                   add_help=False)
+    sub.add_parser("lab", help="GRPO on a tiny MoE with a real sampler/trainer mismatch (docs/lab.md)", add_help=False)
 
     from nemo_rs_plugin import doctor  # standard library only at import
 

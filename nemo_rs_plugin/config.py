@@ -38,9 +38,7 @@ __all__ = [
 ISCorrectionLevel = Literal["token", "sequence", "sequence_mean"]
 TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
 FilterLevel = Literal["token", "sequence"]
-FilterMetric = Literal[
-    "ratio", "kl_k1", "kl_k2", "kl_k3", "mult_prob_error", "binary_kl", "total_variation"
-]
+FilterMetric = Literal["ratio", "kl_k1", "kl_k2", "kl_k3", "mult_prob_error", "binary_kl", "total_variation"]
 FilterAgg = Literal["mean", "sum", "max", "min", "any"]
 FilterLogRatio = Literal["prev-gen", "gen-prev", "curr-gen", "curr-prev"]
 BatchNormalization = Literal["microbatch", "data_parallel"]
@@ -177,15 +175,11 @@ def _filter_problems(f: RejectionFilter) -> list[str]:
         if f.upper is not None and f.upper <= 0:
             problems.append(f"upper: got {f.upper}; a ratio upper bound must be > 0")
     if f.level == "token" and f.agg is not None:
-        problems.append(
-            f"agg: got {f.agg!r} on a token filter; agg is only allowed with level: sequence"
-        )
+        problems.append(f"agg: got {f.agg!r} on a token filter; agg is only allowed with level: sequence")
     if f.level == "sequence" and f.agg is not None:
         allowed = _AGGS_FOR_METRIC[f.metric]
         if f.agg not in allowed:
-            problems.append(
-                f"agg: got {f.agg!r} with metric {f.metric!r}; allowed: {', '.join(allowed)}"
-            )
+            problems.append(f"agg: got {f.agg!r} with metric {f.metric!r}; allowed: {', '.join(allowed)}")
     return problems
 
 
@@ -356,9 +350,7 @@ class RSClippedPGLossConfig(BaseModel):
                 if bad:
                     p.append(f"{field}: got true with use_cispo: true; allowed: false")
             if self.ratio_clip_c is not None:
-                p.append(
-                    f"ratio_clip_c: got {self.ratio_clip_c} with use_cispo: true; allowed: null"
-                )
+                p.append(f"ratio_clip_c: got {self.ratio_clip_c} with use_cispo: true; allowed: null")
             if not self.token_level_loss:
                 p.append("token_level_loss: got false with use_cispo: true; allowed: true")
         t = self.truncated_importance_sampling_type
@@ -396,11 +388,7 @@ class RSClippedPGLossConfig(BaseModel):
                 )
             if lo is not None and lo < 0:
                 p.append(f"truncated_importance_sampling_ratio_min: got {lo}; allowed: >= 0")
-            if (
-                t == "seq-mask-tis"
-                and self.sequence_level_importance_ratios
-                and self.is_correction_level is None
-            ):
+            if t == "seq-mask-tis" and self.sequence_level_importance_ratios and self.is_correction_level is None:
                 p.append(
                     "truncated_importance_sampling_type: got 'seq-mask-tis' with "
                     "sequence_level_importance_ratios: true, which ties the IS weight to "
@@ -440,9 +428,7 @@ class RSClippedPGLossConfig(BaseModel):
             if key not in known:
                 guess = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
                 hint = f"; did you mean {guess[0]!r}?" if guess else ""
-                problems.append(
-                    f"{key}: unknown field{hint} (fields: see docs/configuration-reference.md)"
-                )
+                problems.append(f"{key}: unknown field{hint} (fields: see docs/configuration-reference.md)")
         if problems:
             raise ConfigError(problems, prefix)
         try:
@@ -467,7 +453,8 @@ def own_loss_problems(keys: Any, name: Optional[str] = None) -> list[str]:
     rule for the run (the adapter's selector) and ``nemo-rs check``.
     """
     fix = (
-        "add `name: rs_clipped_pg` to loss_fn" if name is None
+        "add `name: rs_clipped_pg` to loss_fn"
+        if name is None
         else f"set `name: rs_clipped_pg` (name {name!r} is NeMo-RL's own loss)"
     )
     problems = []

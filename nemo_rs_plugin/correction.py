@@ -127,8 +127,7 @@ def token_filter_statistic(
             return (p_b - p_a).abs()
         return p_b * (p_b / p_a).log() + (1.0 - p_b) * ((1.0 - p_b) / (1.0 - p_a)).log()
     raise ValueError(
-        f"metric: got {metric!r}; allowed: ratio, kl_k1, kl_k2, kl_k3, mult_prob_error, "
-        "binary_kl, total_variation"
+        f"metric: got {metric!r}; allowed: ratio, kl_k1, kl_k2, kl_k3, mult_prob_error, binary_kl, total_variation"
     )
 
 
@@ -581,8 +580,19 @@ def compute_correction(
         weight, factor = batch_normalize_weights(weight, units, level, cfg.is_batch_normalization, groups)
         metrics["is_batch_norm_factor"] = (factor, "none", "replicated")
     _add_weight_metrics(
-        metrics, raw_weight, weight, loss_tokens, seq_in_loss, valid, usable_bin, usable_penalty,
-        sm, level, global_valid_seqs, global_valid_toks, has_tokens,
+        metrics,
+        raw_weight,
+        weight,
+        loss_tokens,
+        seq_in_loss,
+        valid,
+        usable_bin,
+        usable_penalty,
+        sm,
+        level,
+        global_valid_seqs,
+        global_valid_toks,
+        has_tokens,
     )
     return CorrectionResult(
         is_weight=weight,
@@ -751,4 +761,3 @@ def _add_weight_metrics(
     metrics["_ess_sum_w"] = (sum_w, "none", red)
     metrics["_ess_sum_w2"] = (sum_w2, "none", red)
     metrics["_ess_n"] = (unit_mask.sum(), "none", red)
-

@@ -68,8 +68,11 @@ def describe_pipeline(cfg: RSClippedPGLossConfig) -> list[str]:
         clip += f", dual clip c={cfg.ratio_clip_c:g}"
     lines.append(f"policy ratio: {ratio}{clip if not (cfg.force_on_policy_ratio or cfg.disable_ppo_ratio) else ''}")
     level = cfg.effective_is_level
-    formula = {"token": "exp(d_t) per token", "sequence": "exp(sum_t d_t) per sequence (product)",
-               "sequence_mean": "exp(mean_t d_t) per sequence (geometric mean)"}[level]
+    formula = {
+        "token": "exp(d_t) per token",
+        "sequence": "exp(sum_t d_t) per sequence (product)",
+        "sequence_mean": "exp(mean_t d_t) per sequence (geometric mean)",
+    }[level]
     source = "set" if cfg.is_correction_level is not None else "NeMo-RL's default for this ratio"
     if cfg.use_importance_sampling_correction:
         lines.append(f"IS weight ({source}): {level}, {formula}, d = prev - gen")
@@ -93,8 +96,9 @@ def describe_pipeline(cfg: RSClippedPGLossConfig) -> list[str]:
     else:
         lines.append("truncation: none")
     if cfg.is_batch_normalization is not None:
-        scope = {"microbatch": "this microbatch",
-                 "data_parallel": "the microbatches of all data-parallel ranks"}[cfg.is_batch_normalization]
+        scope = {"microbatch": "this microbatch", "data_parallel": "the microbatches of all data-parallel ranks"}[
+            cfg.is_batch_normalization
+        ]
         units = "valid tokens" if level == "token" else "sequences"
         lines.append(f"batch normalisation: weights divided by their mean over the {units} of {scope}")
     if cfg.rejection_sampling:
@@ -102,9 +106,11 @@ def describe_pipeline(cfg: RSClippedPGLossConfig) -> list[str]:
             lines.append(f"rejection stage {i}: {describe_filter(f)}")
     else:
         lines.append("rejection sampling: none")
-    denom = ("the valid tokens/sequences before rejection (rejected units count as 0)"
-             if cfg.rejection_denominator == "original"
-             else "the kept tokens/sequences (VERL decoupled semantics)")
+    denom = (
+        "the valid tokens/sequences before rejection (rejected units count as 0)"
+        if cfg.rejection_denominator == "original"
+        else "the kept tokens/sequences (VERL decoupled semantics)"
+    )
     loss = "token mean" if cfg.token_level_loss else "mean over sequences of token means"
     lines.append(f"loss: {loss}, divided by {denom}")
     if cfg.reference_policy_kl_penalty and not cfg.use_kl_in_reward:

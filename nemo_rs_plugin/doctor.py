@@ -103,16 +103,21 @@ def _nemo_rl(report: _Report) -> Any:
     try:
         import nemo_rl
     except ImportError as exc:
-        report.fail("NeMo-RL", f"not importable here ({exc}); run the doctor in NeMo-RL's "
-                    "environment (uv run python -m nemo_rs_plugin.doctor)", stop=True)
+        report.fail(
+            "NeMo-RL",
+            f"not importable here ({exc}); run the doctor in NeMo-RL's "
+            "environment (uv run python -m nemo_rs_plugin.doctor)",
+            stop=True,
+        )
     from nemo_rs_plugin import nemo_rl_adapter
 
     try:
         api = nemo_rl_adapter.host_api()
     except ImportError as exc:
         report.fail("NeMo-RL", str(exc), stop=True)
-    report.ok("NeMo-RL", f"{getattr(nemo_rl, '__version__', 'unknown')} at "
-              f"{os.path.dirname(nemo_rl.__file__)} ({api} config)")
+    report.ok(
+        "NeMo-RL", f"{getattr(nemo_rl, '__version__', 'unknown')} at {os.path.dirname(nemo_rl.__file__)} ({api} config)"
+    )
     return nemo_rl
 
 
@@ -144,12 +149,18 @@ def _selectors(report: _Report, hook: Any) -> Any:
         except (OSError, TypeError):
             calls = None
         if calls is False:
-            report.fail(name, "ClippedPGLossFn is the plugin's selector, but the module never calls "
-                        "ClippedPGLossFn(...): this NeMo-RL builds its loss somewhere else "
-                        f"(supported: {adapter.SUPPORTED_NEMO_RL})")
+            report.fail(
+                name,
+                "ClippedPGLossFn is the plugin's selector, but the module never calls "
+                "ClippedPGLossFn(...): this NeMo-RL builds its loss somewhere else "
+                f"(supported: {adapter.SUPPORTED_NEMO_RL})",
+            )
             continue
-        report.ok(name, "ClippedPGLossFn is the plugin's selector"
-                  + ("" if calls else " (module source not readable: call site not checked)"))
+        report.ok(
+            name,
+            "ClippedPGLossFn is the plugin's selector"
+            + ("" if calls else " (module source not readable: call site not checked)"),
+        )
         if required:
             grpo = module
     from nemo_rl.algorithms import loss as host_loss
@@ -157,8 +168,10 @@ def _selectors(report: _Report, hook: Any) -> Any:
     if getattr(host_loss.ClippedPGLossFn.__init__, "_nemo_rs_guard", False):
         report.ok("NeMo-RL's ClippedPGLossFn", "refuses configs that name a plugin loss")
     else:
-        report.fail("NeMo-RL's ClippedPGLossFn", "not guarded: a construction site the selector "
-                    "misses would train with NeMo-RL's loss")
+        report.fail(
+            "NeMo-RL's ClippedPGLossFn",
+            "not guarded: a construction site the selector misses would train with NeMo-RL's loss",
+        )
     if _module_exists(hook.CONFIG_MODULE):
         config = importlib.import_module(hook.CONFIG_MODULE)
         if getattr(config.load_config, "_nemo_rs_wrapped", False):
@@ -197,8 +210,11 @@ def _build(report: _Report, grpo: Any, hook: Any, recipe: Optional[str]) -> Any:
         section = config.get("loss_fn")
         name = section.get("name") if hasattr(section, "get") else None
         if name is None:
-            report.warn("recipe", f"{recipe} names no loss (loss_fn.name): NeMo-RL's own loss will be "
-                        f"built; the checks below use `name: {PLUGIN_NAME}`")
+            report.warn(
+                "recipe",
+                f"{recipe} names no loss (loss_fn.name): NeMo-RL's own loss will be "
+                f"built; the checks below use `name: {PLUGIN_NAME}`",
+            )
         else:
             cfg = _plain(section)
     try:
@@ -207,11 +223,17 @@ def _build(report: _Report, grpo: Any, hook: Any, recipe: Optional[str]) -> Any:
         report.fail("loss", f"{type(exc).__name__}: {exc}", stop=True)
     expected = get_loss_class(cfg["name"])
     if type(loss) is not expected:
-        report.fail("loss", f"loss_fn.name {cfg['name']!r} built {type(loss).__module__}."
-                    f"{type(loss).__qualname__}, not {expected.__module__}.{expected.__qualname__}",
-                    stop=True)
-    report.ok("loss", f"loss_fn.name {cfg['name']!r} builds {expected.__module__}.{expected.__qualname__}"
-              + (f" from {recipe}" if recipe else ""))
+        report.fail(
+            "loss",
+            f"loss_fn.name {cfg['name']!r} built {type(loss).__module__}."
+            f"{type(loss).__qualname__}, not {expected.__module__}.{expected.__qualname__}",
+            stop=True,
+        )
+    report.ok(
+        "loss",
+        f"loss_fn.name {cfg['name']!r} builds {expected.__module__}.{expected.__qualname__}"
+        + (f" from {recipe}" if recipe else ""),
+    )
     return loss
 
 
@@ -226,9 +248,12 @@ def _project(report: _Report, nemo_rl: Any) -> None:
     if "nemo-rs-plugin" in text or "nemo_rs_plugin" in text:
         report.ok("install", f"a dependency in {pyproject}: `uv sync` keeps it, worker venvs get it")
     else:
-        report.warn("install", f"not a dependency in {pyproject}: unless this runs under "
-                    "`uv run --with`, the next `uv sync` removes it; `uv add --editable "
-                    "/path/to/nemo-rs-plugin` keeps it (README: Use it in NeMo-RL)")
+        report.warn(
+            "install",
+            f"not a dependency in {pyproject}: unless this runs under "
+            "`uv run --with`, the next `uv sync` removes it; `uv add --editable "
+            "/path/to/nemo-rs-plugin` keeps it (README: Use it in NeMo-RL)",
+        )
 
 
 def _worker_path(report: _Report, hook: Any) -> Optional[str]:
@@ -239,8 +264,9 @@ def _worker_path(report: _Report, hook: Any) -> Optional[str]:
         detail = "; ".join(str(w.message) for w in caught) or "the package location is unknown"
         report.fail("worker path", detail)
         return None
-    report.ok("worker path", f"{shim} is on PYTHONPATH, linking to "
-              f"{os.path.realpath(os.path.join(shim, hook.LINK_NAME))}")
+    report.ok(
+        "worker path", f"{shim} is on PYTHONPATH, linking to {os.path.realpath(os.path.join(shim, hook.LINK_NAME))}"
+    )
     for dangling in hook.dangling_links():
         report.warn("worker path", f"dangling link left by a removed install: {dangling} (remove it)")
     return shim
@@ -251,8 +277,11 @@ def _workers(report: _Report, nemo_rl: Any, loss: Any, venvs: Optional[str]) -> 
     venv_dir = venvs or os.environ.get("NEMO_RL_VENV_DIR") or os.path.join(root, "venvs")
     pythons = sorted(glob.glob(os.path.join(venv_dir, "*", "bin", "python")))
     if not pythons:
-        report.warn("workers", f"no worker virtual environments in {venv_dir} yet: NeMo-RL builds them "
-                    "on its first run; run the doctor again after it (or pass --venvs DIR)")
+        report.warn(
+            "workers",
+            f"no worker virtual environments in {venv_dir} yet: NeMo-RL builds them "
+            "on its first run; run the doctor again after it (or pass --venvs DIR)",
+        )
         return
     blob = pickle.dumps(loss)
     for python in pythons:
@@ -261,8 +290,9 @@ def _workers(report: _Report, nemo_rl: Any, loss: Any, venvs: Optional[str]) -> 
         # What NeMo-RL hands a worker: the driver's environment, pointed at the worker venv.
         env = {**os.environ, "VIRTUAL_ENV": venv, "UV_PROJECT_ENVIRONMENT": venv}
         try:
-            proc = subprocess.run([python, "-c", WORKER_PROBE], input=blob, env=env,
-                                  capture_output=True, timeout=600, cwd=venv)
+            proc = subprocess.run(
+                [python, "-c", WORKER_PROBE], input=blob, env=env, capture_output=True, timeout=600, cwd=venv
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             report.fail(f"worker {name}", f"{type(exc).__name__}: {exc}")
             continue
@@ -271,12 +301,15 @@ def _workers(report: _Report, nemo_rl: Any, loss: Any, venvs: Optional[str]) -> 
             report.fail(f"worker {name}", f"cannot unpickle the loss: {tail[0]}")
             continue
         out = json.loads(proc.stdout.decode().strip().splitlines()[-1])
-        report.ok(f"worker {name}", f"unpickles {out['type']} (nemo_rs_plugin {out['version']} from "
-                  f"{os.path.dirname(out['plugin_from'])})")
+        report.ok(
+            f"worker {name}",
+            f"unpickles {out['type']} (nemo_rs_plugin {out['version']} from {os.path.dirname(out['plugin_from'])})",
+        )
 
 
-def run_checks(recipe: Optional[str] = None, venvs: Optional[str] = None, workers: bool = True,
-               out: Optional[TextIO] = None) -> int:
+def run_checks(
+    recipe: Optional[str] = None, venvs: Optional[str] = None, workers: bool = True, out: Optional[TextIO] = None
+) -> int:
     """Run every check, printing one line each (to ``out``, else the current ``sys.stdout``).
 
     Returns the number of failed checks.
@@ -293,21 +326,27 @@ def run_checks(recipe: Optional[str] = None, venvs: Optional[str] = None, worker
     except _Stop:
         pass
     if report.failures:
-        print(f"{report.failures} check(s) failed: a recipe naming {PLUGIN_NAME} will not train "
-              "with the plugin's loss here", file=out)
+        print(
+            f"{report.failures} check(s) failed: a recipe naming {PLUGIN_NAME} will not train "
+            "with the plugin's loss here",
+            file=out,
+        )
     else:
-        print(f"nemo-rs-plugin is active: loss_fn.name: {PLUGIN_NAME} builds the plugin's loss",
-              file=out)
+        print(f"nemo-rs-plugin is active: loss_fn.name: {PLUGIN_NAME} builds the plugin's loss", file=out)
     return report.failures
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The doctor's options, for ``nemo-rs doctor`` and ``python -m nemo_rs_plugin.doctor``."""
     parser.add_argument("recipe", nargs="?", help="a recipe to load with NeMo-RL's load_config and build")
-    parser.add_argument("--venvs", metavar="DIR",
-                        help="worker virtual environments (default: $NEMO_RL_VENV_DIR, else venvs/ in NeMo-RL)")
-    parser.add_argument("--no-workers", dest="workers", action="store_false",
-                        help="skip the worker virtual environments")
+    parser.add_argument(
+        "--venvs",
+        metavar="DIR",
+        help="worker virtual environments (default: $NEMO_RL_VENV_DIR, else venvs/ in NeMo-RL)",
+    )
+    parser.add_argument(
+        "--no-workers", dest="workers", action="store_false", help="skip the worker virtual environments"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

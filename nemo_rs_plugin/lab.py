@@ -52,8 +52,12 @@ _TOKEN_MIS = {"level": "token", "metric": "ratio", "lower": 0.5, "upper": 2.0}
 #: The compared corrections (the loss sections; the common fields are in ``_BASE_LOSS``).
 CONFIGS: dict[str, dict] = {
     "none": {},
-    "token-tis": {**_IS, "is_correction_level": "token", "truncated_importance_sampling_type": "tis",
-                  "truncated_importance_sampling_ratio": 2.0},
+    "token-tis": {
+        **_IS,
+        "is_correction_level": "token",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
+    },
     "sequence": {**_IS, "is_correction_level": "sequence"},
     "sequence_mean": {**_IS, "is_correction_level": "sequence_mean"},
     "seqmean+geo-rs+veto": {**_IS, "is_correction_level": "sequence_mean", "rejection_sampling": [_GEO_RS, _VETO]},
@@ -61,8 +65,12 @@ CONFIGS: dict[str, dict] = {
 }
 
 # GRPO as NeMo-RL's grpo_math_1B: PPO clip 0.2 both sides, token-level loss, no KL penalty.
-_BASE_LOSS = {"reference_policy_kl_penalty": 0.0, "ratio_clip_min": 0.2, "ratio_clip_max": 0.2,
-              "token_level_loss": True}
+_BASE_LOSS = {
+    "reference_policy_kl_penalty": 0.0,
+    "ratio_clip_min": 0.2,
+    "ratio_clip_max": 0.2,
+    "token_level_loss": True,
+}
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -99,8 +107,9 @@ class LabSettings:
     configs: list = field(default_factory=lambda: list(CONFIGS))
 
 
-QUICK = dict(length=16, prompts=2, group=4, steps=4, hidden=32, experts=4, seeds=[0, 1],
-             configs=["none", "seqmean+geo-rs+veto"])
+QUICK = dict(
+    length=16, prompts=2, group=4, steps=4, hidden=32, experts=4, seeds=[0, 1], configs=["none", "seqmean+geo-rs+veto"]
+)
 
 
 # ---------------------------------------------------------------------------- model and task
@@ -109,11 +118,22 @@ def build_model(s: LabSettings, dtype: torch.dtype = torch.float32):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
-        vocab_size=s.vocab + 1, hidden_size=s.hidden, intermediate_size=2 * s.hidden,
-        moe_intermediate_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=s.hidden // 4, num_experts=s.experts, num_experts_per_tok=s.top_k,
-        decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=s.length + 8,
-        tie_word_embeddings=False, attn_implementation="sdpa")
+        vocab_size=s.vocab + 1,
+        hidden_size=s.hidden,
+        intermediate_size=2 * s.hidden,
+        moe_intermediate_size=s.hidden,
+        num_hidden_layers=s.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=s.hidden // 4,
+        num_experts=s.experts,
+        num_experts_per_tok=s.top_k,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        max_position_embeddings=s.length + 8,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     return Qwen3MoeForCausalLM(cfg).to(dtype).eval()
 
 
@@ -170,8 +190,19 @@ def token_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- one run
-_METRICS = ("reward", "mismatch_mean", "mismatch_max", "routing_diff_frac", "is_weight_mean", "is_ess",
-            "seq_rejected_frac", "token_rejected_frac", "grad_norm", "loss", "wall_s")
+_METRICS = (
+    "reward",
+    "mismatch_mean",
+    "mismatch_max",
+    "routing_diff_frac",
+    "is_weight_mean",
+    "is_ess",
+    "seq_rejected_frac",
+    "token_rejected_frac",
+    "grad_norm",
+    "loss",
+    "wall_s",
+)
 
 
 def run_one(name: str, seed: int, s: LabSettings, tick: Optional[Callable[[], None]] = None) -> list[dict]:
@@ -231,7 +262,7 @@ def _run_one(name: str, seed: int, s: LabSettings, tick: Optional[Callable[[], N
             "token_mask": token_mask,
             "sample_mask": torch.ones(B),
         }
-        d = (prev[:, P - 1:] - gen_lp).abs()
+        d = (prev[:, P - 1 :] - gen_lp).abs()
         routing = _routing_diff(rec_sampler.calls, rec_trainer.calls, B, P, L)
 
         # --- GRPO update: several optimizer steps per rollout batch, microbatches inside
@@ -254,27 +285,32 @@ def _run_one(name: str, seed: int, s: LabSettings, tick: Optional[Callable[[], N
             norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), s.max_grad_norm)))
             opt.step()
             history.append({k: v.detach().clone() for k, v in policy.state_dict().items()})
-            history = history[-(s.lag + 1):]
+            history = history[-(s.lag + 1) :]
             summed.append(acc)
 
         def avg(key: str, default: float = 0.0) -> float:
             return sum(a.get(key, default) for a in summed) / len(summed)
 
         w_mean, w_sq = avg("is_weight_mean"), avg("is_weight_sq_mean")
-        rows.append({
-            "config": name, "seed": seed, "step": step + 1,
-            "reward": float(rewards.mean()),
-            "mismatch_mean": float(d.mean()), "mismatch_max": float(d.max()),
-            "routing_diff_frac": routing,
-            # Without IS correction the loss applies weight 1 (its metric reports the would-be weight).
-            "is_weight_mean": w_mean if applies_is else 1.0,
-            "is_ess": (w_mean**2 / w_sq if w_sq > 0 else 0.0) if applies_is else 1.0,
-            "seq_rejected_frac": avg("rs_seq_rejected_frac"),
-            "token_rejected_frac": avg("rs_token_rejected_frac"),
-            "grad_norm": sum(norms) / len(norms),
-            "loss": avg("loss"),
-            "wall_s": time.perf_counter() - t_start,
-        })
+        rows.append(
+            {
+                "config": name,
+                "seed": seed,
+                "step": step + 1,
+                "reward": float(rewards.mean()),
+                "mismatch_mean": float(d.mean()),
+                "mismatch_max": float(d.max()),
+                "routing_diff_frac": routing,
+                # Without IS correction the loss applies weight 1 (its metric reports the would-be weight).
+                "is_weight_mean": w_mean if applies_is else 1.0,
+                "is_ess": (w_mean**2 / w_sq if w_sq > 0 else 0.0) if applies_is else 1.0,
+                "seq_rejected_frac": avg("rs_seq_rejected_frac"),
+                "token_rejected_frac": avg("rs_token_rejected_frac"),
+                "grad_norm": sum(norms) / len(norms),
+                "loss": avg("loss"),
+                "wall_s": time.perf_counter() - t_start,
+            }
+        )
         if tick is not None:
             tick()
     return rows
@@ -292,7 +328,7 @@ def _routing_diff(sampler_calls, trainer_calls, B: int, P: int, L: int) -> float
     trainer = trainer_calls[0]
     differs = torch.zeros(B, L - 1, dtype=torch.bool)
     for layer in range(len(trainer)):
-        tr = trainer[layer].view(B, P + L, -1)[:, P:P + L - 1]
+        tr = trainer[layer].view(B, P + L, -1)[:, P : P + L - 1]
         sa = torch.stack([sampler_calls[1 + t][layer].view(B, -1) for t in range(L - 1)], dim=1)
         differs |= (tr != sa).any(-1)
     return float(differs.float().mean())
@@ -312,11 +348,13 @@ def run_all(s: LabSettings, workers: int = 1, progress: Optional[Callable[[int, 
     rows: list[dict] = []
     if workers <= 1:
         for c, seed in jobs:
+
             def tick():
                 nonlocal done
                 done += 1
                 if progress:
                     progress(done, total)
+
             rows += run_one(c, seed, s, tick)
     else:
         import multiprocessing as mp
@@ -348,16 +386,28 @@ def summarize(rows: list[dict], s: LabSettings, tail: int = 5) -> list[dict]:
             r = [x for x in rows if x["config"] == c and x["seed"] == seed]
             if not r:
                 continue
-            last = r[-min(tail, len(r)):]
+            last = r[-min(tail, len(r)) :]
             reached = next((x["step"] for x in r if x["reward"] >= s.threshold), None)
-            per_seed.append({
-                "final_reward": sum(x["reward"] for x in last) / len(last),
-                "reached": reached,
-                "wall_s": r[-1]["wall_s"],
-                **{k: sum(x[k] for x in r) / len(r) for k in
-                   ("mismatch_mean", "mismatch_max", "routing_diff_frac", "is_weight_mean", "is_ess",
-                    "seq_rejected_frac", "token_rejected_frac", "grad_norm")},
-            })
+            per_seed.append(
+                {
+                    "final_reward": sum(x["reward"] for x in last) / len(last),
+                    "reached": reached,
+                    "wall_s": r[-1]["wall_s"],
+                    **{
+                        k: sum(x[k] for x in r) / len(r)
+                        for k in (
+                            "mismatch_mean",
+                            "mismatch_max",
+                            "routing_diff_frac",
+                            "is_weight_mean",
+                            "is_ess",
+                            "seq_rejected_frac",
+                            "token_rejected_frac",
+                            "grad_norm",
+                        )
+                    },
+                }
+            )
         if not per_seed:
             continue
         n = len(per_seed)
@@ -370,24 +420,41 @@ def summarize(rows: list[dict], s: LabSettings, tail: int = 5) -> list[dict]:
             return math.sqrt(sum((p[k] - m) ** 2 for p in per_seed) / max(n - 1, 1))
 
         reached = [p["reached"] for p in per_seed if p["reached"] is not None]
-        out.append({
-            "config": c, "seeds": n,
-            "final_reward": mean("final_reward"), "final_reward_std": std("final_reward"),
-            "steps_to_threshold": (sorted(reached)[len(reached) // 2] if len(reached) * 2 > n else None),
-            "seeds_reaching": len(reached),
-            "wall_s_per_run": mean("wall_s"),
-            **{k: mean(k) for k in ("mismatch_mean", "mismatch_max", "routing_diff_frac", "is_weight_mean",
-                                     "is_ess", "seq_rejected_frac", "token_rejected_frac", "grad_norm")},
-        })
+        out.append(
+            {
+                "config": c,
+                "seeds": n,
+                "final_reward": mean("final_reward"),
+                "final_reward_std": std("final_reward"),
+                "steps_to_threshold": (sorted(reached)[len(reached) // 2] if len(reached) * 2 > n else None),
+                "seeds_reaching": len(reached),
+                "wall_s_per_run": mean("wall_s"),
+                **{
+                    k: mean(k)
+                    for k in (
+                        "mismatch_mean",
+                        "mismatch_max",
+                        "routing_diff_frac",
+                        "is_weight_mean",
+                        "is_ess",
+                        "seq_rejected_frac",
+                        "token_rejected_frac",
+                        "grad_norm",
+                    )
+                },
+            }
+        )
     return out
 
 
 def format_table(summary: list[dict], s: LabSettings) -> str:
     """The summary as a Markdown table."""
     tail = min(5, s.steps)
-    head = (f"| config | final reward (last {tail} steps, mean ± sd) | steps to reward {s.threshold:g} "
-            "(median; seeds reaching) | wall s / run | mean \\|prev-gen\\| | max \\|prev-gen\\| | "
-            "routing differs | is_weight_mean | is_ess | seq rejected | token rejected | grad norm |")
+    head = (
+        f"| config | final reward (last {tail} steps, mean ± sd) | steps to reward {s.threshold:g} "
+        "(median; seeds reaching) | wall s / run | mean \\|prev-gen\\| | max \\|prev-gen\\| | "
+        "routing differs | is_weight_mean | is_ess | seq rejected | token rejected | grad norm |"
+    )
     lines = [head, "|" + " --- |" * 12]
     for r in summary:
         reach = "-" if r["steps_to_threshold"] is None else str(r["steps_to_threshold"])
@@ -396,7 +463,8 @@ def format_table(summary: list[dict], s: LabSettings) -> str:
             f"{reach} ({r['seeds_reaching']}/{r['seeds']}) | {r['wall_s_per_run']:.0f} | "
             f"{r['mismatch_mean']:.4f} | {r['mismatch_max']:.3f} | {r['routing_diff_frac']:.3f} | "
             f"{r['is_weight_mean']:.3f} | {r['is_ess']:.3f} | {r['seq_rejected_frac']:.3f} | "
-            f"{r['token_rejected_frac']:.4f} | {r['grad_norm']:.3f} |")
+            f"{r['token_rejected_frac']:.4f} | {r['grad_norm']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -419,10 +487,16 @@ def write_summary_csv(summary: list[dict], path: str) -> None:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
-_PANELS = (("reward", "reward (fraction counted right)"), ("mismatch_mean", "mean |prev - gen| per token"),
-           ("routing_diff_frac", "tokens with different expert routing"), ("is_weight_mean", "is_weight_mean"),
-           ("is_ess", "effective sample size"), ("seq_rejected_frac", "sequences rejected"),
-           ("token_rejected_frac", "tokens rejected"), ("grad_norm", "gradient norm (before clip)"))
+_PANELS = (
+    ("reward", "reward (fraction counted right)"),
+    ("mismatch_mean", "mean |prev - gen| per token"),
+    ("routing_diff_frac", "tokens with different expert routing"),
+    ("is_weight_mean", "is_weight_mean"),
+    ("is_ess", "effective sample size"),
+    ("seq_rejected_frac", "sequences rejected"),
+    ("token_rejected_frac", "tokens rejected"),
+    ("grad_norm", "gradient norm (before clip)"),
+)
 
 
 def write_plot(rows: list[dict], s: LabSettings, path: str, title: str = "") -> None:
@@ -443,8 +517,9 @@ def write_plot(rows: list[dict], s: LabSettings, path: str, title: str = "") -> 
         for ax, (key, label) in zip(axes.flat, _PANELS):
             vals = torch.tensor([[x[key] for x in r] for r in runs], dtype=torch.float64)
             ax.plot(steps, vals.mean(0).tolist(), color=colors(i), label=c, lw=1.6)
-            ax.fill_between(steps, vals.min(0).values.tolist(), vals.max(0).values.tolist(),
-                            color=colors(i), alpha=0.15, lw=0)
+            ax.fill_between(
+                steps, vals.min(0).values.tolist(), vals.max(0).values.tolist(), color=colors(i), alpha=0.15, lw=0
+            )
             ax.set_title(label, fontsize=10)
     for ax in axes[1]:
         ax.set_xlabel("rollout step")
@@ -491,10 +566,18 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(LabSettings):
         if f.name in ("seeds", "configs"):
             continue
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=None,
-                       help=f"default {getattr(d, f.name)}")
-    p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
-                   help="processes (one thread each; results do not depend on it)")
+        p.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(getattr(d, f.name)),
+            default=None,
+            help=f"default {getattr(d, f.name)}",
+        )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="processes (one thread each; results do not depend on it)",
+    )
     return p
 
 
@@ -521,9 +604,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("error: nemo-rs lab needs transformers: pip install 'transformers>=5.5,<5.9'", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    print(f"nemo-rs lab: {len(s.configs)} configs x {len(s.seeds)} seeds x {s.steps} steps, "
-          f"{s.prompts}x{s.group} responses of {s.length} tokens, sampler {s.sampler_dtype} lag {s.lag}, "
-          f"{args.workers} worker(s)", file=sys.stderr)
+    print(
+        f"nemo-rs lab: {len(s.configs)} configs x {len(s.seeds)} seeds x {s.steps} steps, "
+        f"{s.prompts}x{s.group} responses of {s.length} tokens, sampler {s.sampler_dtype} lag {s.lag}, "
+        f"{args.workers} worker(s)",
+        file=sys.stderr,
+    )
     t0 = time.perf_counter()
     rows = run_all(s, workers=args.workers, progress=progress_bar)
     total = time.perf_counter() - t0
@@ -534,12 +620,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(os.path.join(args.out, "lab_summary.md"), "w") as fh:
         fh.write(table + "\n")
     with open(os.path.join(args.out, "lab_settings.json"), "w") as fh:
-        json.dump({**dataclasses.asdict(s), "workers": args.workers, "total_wall_s": round(total, 1),
-                   "torch": torch.__version__, "transformers": transformers.__version__}, fh, indent=2)
+        json.dump(
+            {
+                **dataclasses.asdict(s),
+                "workers": args.workers,
+                "total_wall_s": round(total, 1),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+            },
+            fh,
+            indent=2,
+        )
     try:
-        write_plot(rows, s, os.path.join(args.out, "lab.png"),
-                   title=(f"GRPO, tiny Qwen3-MoE, count task, {s.length}-token responses, sampler "
-                          f"{s.sampler_dtype} lag {s.lag}; mean of {len(s.seeds)} seeds, band min-max"))
+        write_plot(
+            rows,
+            s,
+            os.path.join(args.out, "lab.png"),
+            title=(
+                f"GRPO, tiny Qwen3-MoE, count task, {s.length}-token responses, sampler "
+                f"{s.sampler_dtype} lag {s.lag}; mean of {len(s.seeds)} seeds, band min-max"
+            ),
+        )
     except ImportError:
         print("note: no matplotlib, no figure (pip install 'nemo-rs-plugin[plot]')", file=sys.stderr)
     print(table)

@@ -62,7 +62,10 @@ class LossInputs:
 
     @classmethod
     def from_nemo_rl(
-        cls, next_token_logprobs: torch.Tensor, data: Mapping[str, Any], need_prev: bool,
+        cls,
+        next_token_logprobs: torch.Tensor,
+        data: Mapping[str, Any],
+        need_prev: bool,
         need_reference: bool,
     ) -> "LossInputs":
         """Slice NeMo-RL's ``[B, S]`` data dict to the ``[B, S-1]`` next-token positions.
@@ -110,8 +113,15 @@ class LossInputs:
         global tokens rounds to 8 significant bits.
         """
         dtype = torch.float32
-        for t in (self.curr, self.prev, self.generation, self.reference, self.advantages,
-                  self.token_mask, self.curr_unfiltered):
+        for t in (
+            self.curr,
+            self.prev,
+            self.generation,
+            self.reference,
+            self.advantages,
+            self.token_mask,
+            self.curr_unfiltered,
+        ):
             if t is not None and t.is_floating_point():
                 dtype = torch.promote_types(dtype, t.dtype)
         return dtype
@@ -121,16 +131,22 @@ class LossInputs:
 
         Integer and boolean masks stay as they are; ``rewards`` is only compared with 0.
         """
+
         def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             if t is None or not t.is_floating_point() or t.dtype == dtype:
                 return t
             return t.to(dtype)
 
         return LossInputs(
-            curr=cast(self.curr), prev=cast(self.prev), generation=cast(self.generation),
-            reference=cast(self.reference), advantages=cast(self.advantages),
-            token_mask=cast(self.token_mask), sample_mask=cast(self.sample_mask),
-            rewards=self.rewards, curr_unfiltered=cast(self.curr_unfiltered),
+            curr=cast(self.curr),
+            prev=cast(self.prev),
+            generation=cast(self.generation),
+            reference=cast(self.reference),
+            advantages=cast(self.advantages),
+            token_mask=cast(self.token_mask),
+            sample_mask=cast(self.sample_mask),
+            rewards=self.rewards,
+            curr_unfiltered=cast(self.curr_unfiltered),
         )
 
     def validate(self) -> None:
@@ -139,9 +155,7 @@ class LossInputs:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: got {type(t).__name__}; expected a torch.Tensor")
         if self.curr.dim() != 2:
-            raise ValueError(
-                f"next_token_logprobs: expected [B, T], got shape {tuple(self.curr.shape)}"
-            )
+            raise ValueError(f"next_token_logprobs: expected [B, T], got shape {tuple(self.curr.shape)}")
         if not self.curr.is_floating_point():
             raise TypeError(f"next_token_logprobs: expected a float tensor, got {self.curr.dtype}")
         shape = self.curr.shape
@@ -161,20 +175,14 @@ class LossInputs:
             if t.shape != shape:
                 sliced = "" if name == "curr_logprobs_unfiltered" else " (after dropping position 0)"
                 raise ValueError(
-                    f"{name}: shape {tuple(t.shape)}{sliced} does not match "
-                    f"next_token_logprobs {tuple(shape)}"
+                    f"{name}: shape {tuple(t.shape)}{sliced} does not match next_token_logprobs {tuple(shape)}"
                 )
             if name != "token_mask" and not t.is_floating_point():
                 raise TypeError(f"{name}: expected a float tensor, got {t.dtype}")
         if self.sample_mask.shape != shape[:1]:
-            raise ValueError(
-                f"sample_mask: shape {tuple(self.sample_mask.shape)} does not match batch "
-                f"size {shape[0]}"
-            )
+            raise ValueError(f"sample_mask: shape {tuple(self.sample_mask.shape)} does not match batch size {shape[0]}")
         if self.rewards is not None and self.rewards.shape[:1] != shape[:1]:
-            raise ValueError(
-                f"rewards: shape {tuple(self.rewards.shape)} does not match batch size {shape[0]}"
-            )
+            raise ValueError(f"rewards: shape {tuple(self.rewards.shape)} does not match batch size {shape[0]}")
 
 
 def _required(data: Mapping[str, Any], key: str) -> torch.Tensor:
@@ -230,12 +238,22 @@ class RSClippedPGLoss:
         if self._normalizations is None:
             B, S = 2, 4
             ones = torch.ones(B, S)
-            data = {"input_ids": torch.zeros(B, S, dtype=torch.long), "advantages": ones,
-                    "prev_logprobs": -ones, "generation_logprobs": -ones, "reference_policy_logprobs": -ones,
-                    "token_mask": torch.ones(B, S, dtype=torch.long), "sample_mask": torch.ones(B),
-                    "rewards": torch.ones(B)}
-            inputs = LossInputs.from_nemo_rl(-torch.ones(B, S - 1), data, need_prev=not self.cfg.force_on_policy_ratio,
-                                             need_reference=self.kl_coef != 0)
+            data = {
+                "input_ids": torch.zeros(B, S, dtype=torch.long),
+                "advantages": ones,
+                "prev_logprobs": -ones,
+                "generation_logprobs": -ones,
+                "reference_policy_logprobs": -ones,
+                "token_mask": torch.ones(B, S, dtype=torch.long),
+                "sample_mask": torch.ones(B),
+                "rewards": torch.ones(B),
+            }
+            inputs = LossInputs.from_nemo_rl(
+                -torch.ones(B, S - 1),
+                data,
+                need_prev=not self.cfg.force_on_policy_ratio,
+                need_reference=self.kl_coef != 0,
+            )
             _, metrics = type(self)._tensors(self, inputs, float(B), float(B * (S - 1)), NO_GROUPS)
             self._normalizations = metrics.normalizations()
         return dict(self._normalizations)
@@ -273,8 +291,9 @@ class RSClippedPGLoss:
         loss, metrics = core_fn(self, groups)(self, x, global_valid_seqs, global_valid_toks, groups)
         return loss, metrics.finalize(groups)
 
-    def _tensors(self, x: LossInputs, global_valid_seqs: Any, global_valid_toks: Any,
-                 groups: SequenceGroups) -> tuple[torch.Tensor, MetricSet]:
+    def _tensors(
+        self, x: LossInputs, global_valid_seqs: Any, global_valid_toks: Any, groups: SequenceGroups
+    ) -> tuple[torch.Tensor, MetricSet]:
         """The pure-tensor part of :meth:`compute`: the loss and the unreduced metric tensors."""
         x = x.to_dtype(x.compute_dtype())
         c = self.cfg
@@ -315,7 +334,16 @@ class RSClippedPGLoss:
         advantages = sanitize(x.advantages)  # a non-finite advantage: no policy-gradient term
 
         corr = compute_correction(
-            d, d_finite, valid, token_mask, sample_mask, inputs_finite, c, gvs, gvt, groups,
+            d,
+            d_finite,
+            valid,
+            token_mask,
+            sample_mask,
+            inputs_finite,
+            c,
+            gvs,
+            gvt,
+            groups,
             log_probs=PolicyLogProbs(curr=curr_raw.detach(), prev=prev_raw.detach(), gen=x.generation),
             advantages=advantages,
         )
@@ -336,7 +364,9 @@ class RSClippedPGLoss:
         # Tokens with a non-finite input take no part in the GSPO sequence ratio either.
         ratio_mask = corr.ratio_mask if c.sequence_level_importance_ratios else token_mask
         ratios, ratios_clamped = policy_ratios(
-            curr, prev, ratio_mask,
+            curr,
+            prev,
+            ratio_mask,
             force_on_policy=c.force_on_policy_ratio,
             disable_ppo_ratio=c.disable_ppo_ratio,
             sequence_level=c.sequence_level_importance_ratios,
@@ -346,25 +376,31 @@ class RSClippedPGLoss:
             row_count=corr.ratio_token_count,
         )
         pg = clipped_objective(
-            advantages, ratios, ratios_clamped, curr,
-            use_cispo=c.use_cispo, dual_clip_c=c.ratio_clip_c,
+            advantages,
+            ratios,
+            ratios_clamped,
+            curr,
+            use_cispo=c.use_cispo,
+            dual_clip_c=c.ratio_clip_c,
         )
         weight = corr.is_weight if c.use_importance_sampling_correction else None
         pg_weighted = pg * weight if weight is not None else pg
-        actor_loss = self._aggregate(pg_weighted, agg_mask, sample_mask, corr.seq_mask_count,
-                                     gvs_loss, gvt_loss, groups)
+        actor_loss = self._aggregate(
+            pg_weighted, agg_mask, sample_mask, corr.seq_mask_count, gvs_loss, gvt_loss, groups
+        )
 
         # ---- KL penalty ----
         if self.kl_coef != 0:
             kl_tok = self.kl_coef * kl_penalty_per_token(
-                curr_unfiltered, ref, gen,
+                curr_unfiltered,
+                ref,
+                gen,
                 kl_type=c.reference_policy_kl_type,
                 input_clamp=c.kl_input_clamp_value,
                 output_clamp=c.kl_output_clamp_value,
                 on_policy_approximation=c.use_on_policy_kl_approximation,
             )
-            kl = self._aggregate(kl_tok, agg_mask, sample_mask, corr.seq_mask_count,
-                                 gvs_loss, gvt_loss, groups)
+            kl = self._aggregate(kl_tok, agg_mask, sample_mask, corr.seq_mask_count, gvs_loss, gvt_loss, groups)
         else:
             kl = torch.zeros((), dtype=dtype, device=device)
 
@@ -382,8 +418,9 @@ class RSClippedPGLoss:
         # Metrics average over valid tokens whose inputs are all finite; without filters these
         # are exactly the tokens that reach the loss.
         usable = valid * inputs_finite if c.rejection_sampling else loss_tokens
-        self._upstream_metrics(metrics, loss, kl, nll, ratios, ratios_clamped, curr, gen,
-                               d, usable, sample_mask, corr, gvs, gvt)
+        self._upstream_metrics(
+            metrics, loss, kl, nll, ratios, ratios_clamped, curr, gen, d, usable, sample_mask, corr, gvs, gvt
+        )
         metrics.update(corr.metrics)
         self._nonfinite_metrics(metrics, valid, bad_curr, bad_ref, x.advantages)
         return loss, metrics
@@ -534,8 +571,7 @@ def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.devic
         ) from None
     if count.numel() != 1:
         raise ValueError(
-            f"{name}: got a tensor of shape {tuple(count.shape)}; expected one count "
-            "(a number or a 0-dim tensor)"
+            f"{name}: got a tensor of shape {tuple(count.shape)}; expected one count (a number or a 0-dim tensor)"
         )
     return count.reshape(())
 

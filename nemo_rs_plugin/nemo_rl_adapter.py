@@ -87,8 +87,7 @@ def host_api() -> str:
     if isinstance(cfg_cls, type) and issubclass(cfg_cls, dict):
         return "typeddict"
     raise ImportError(
-        f"NeMo-RL {version}: unrecognised ClippedPGLossConfig ({cfg_cls!r}). "
-        f"Supported: {SUPPORTED_NEMO_RL}."
+        f"NeMo-RL {version}: unrecognised ClippedPGLossConfig ({cfg_cls!r}). Supported: {SUPPORTED_NEMO_RL}."
     )
 
 
@@ -134,22 +133,20 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         # combinations); expose the real values to code that reads these attributes.
         self.truncated_importance_sampling_type = config.truncated_importance_sampling_type
         self.truncated_importance_sampling_ratio = config.truncated_importance_sampling_ratio
-        self.truncated_importance_sampling_ratio_min = (
-            config.truncated_importance_sampling_ratio_min
-        )
+        self.truncated_importance_sampling_ratio_min = config.truncated_importance_sampling_ratio_min
         self.rs_config = config
         self.core = RSClippedPGLoss(config)
         if config.sharded_logits_input and use_fused_linear_logprobs:
-            raise ConfigError([
-                "sharded_logits_input: got true with policy.megatron_cfg.use_fused_linear_logprobs"
-                " true; the fused path returns gathered log-probs, set one of them to false"
-            ])
+            raise ConfigError(
+                [
+                    "sharded_logits_input: got true with policy.megatron_cfg.use_fused_linear_logprobs"
+                    " true; the fused path returns gathered log-probs, set one of them to false"
+                ]
+            )
         # See: docs/parallelism.md#sharded-input
         self.input_type = LossInputType.LOGIT if config.sharded_logits_input else LossInputType.LOGPROB
         if MetricNormalizer is not None:
-            self.metric_normalizations = {
-                k: MetricNormalizer(v) for k, v in metric_normalizations(config).items()
-            }
+            self.metric_normalizations = {k: MetricNormalizer(v) for k, v in metric_normalizations(config).items()}
 
     def __call__(
         self,
@@ -175,8 +172,13 @@ class RSClippedPGLossFn(ClippedPGLossFn):
                     "rs_clipped_pg: next_token_logprobs is required (input_type LOGPROB); set "
                     "sharded_logits_input: true to pass logits"
                 )
-            return self.core(next_token_logprobs, data, global_valid_seqs, global_valid_toks,
-                             SequenceGroups.of(data_parallel=dp_group))
+            return self.core(
+                next_token_logprobs,
+                data,
+                global_valid_seqs,
+                global_valid_toks,
+                SequenceGroups.of(data_parallel=dp_group),
+            )
         if logits is None:
             raise TypeError("rs_clipped_pg with sharded_logits_input: logits are required")
         _refuse_training_time_filtering(_callers_sampling_params())
@@ -184,8 +186,15 @@ class RSClippedPGLossFn(ClippedPGLossFn):
 
         tp_group, cp_group = megatron_groups()
         return sharded_loss(
-            self.core, logits, data, global_valid_seqs, global_valid_toks,
-            cp_group=cp_group, tp_group=tp_group, pad_to_shard=True, data_parallel_group=dp_group,
+            self.core,
+            logits,
+            data,
+            global_valid_seqs,
+            global_valid_toks,
+            cp_group=cp_group,
+            tp_group=tp_group,
+            pad_to_shard=True,
+            data_parallel_group=dp_group,
         )
 
 
@@ -223,12 +232,14 @@ def _refuse_training_time_filtering(params: Any) -> None:
     top_k = getattr(params, "top_k", None)
     top_p = getattr(params, "top_p", 1.0)
     if (top_k is not None and top_k > 0) or (top_p is not None and top_p != 1.0):
-        raise ConfigError([
-            f"sharded_logits_input: got true with training-time top_k={top_k}, top_p={top_p}; "
-            "NeMo-RL filters log-probs only for losses that take log-probs, so the sharded path "
-            "would train on unfiltered log-probs against the sampler's filtered ones. Set "
-            "loss_fn.sharded_logits_input: false (or sample without top-k/top-p)"
-        ])
+        raise ConfigError(
+            [
+                f"sharded_logits_input: got true with training-time top_k={top_k}, top_p={top_p}; "
+                "NeMo-RL filters log-probs only for losses that take log-probs, so the sharded path "
+                "would train on unfiltered log-probs against the sampler's filtered ones. Set "
+                "loss_fn.sharded_logits_input: false (or sample without top-k/top-p)"
+            ]
+        )
 
 
 def megatron_groups() -> tuple[Any, Any]:
@@ -270,12 +281,14 @@ def batch_data_parallel_group(config: RSClippedPGLossConfig) -> Any:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ConfigError([
-            "is_batch_normalization: got 'data_parallel', but no data-parallel group is known "
-            "here (megatron-core's parallel_state is not initialised, as under NeMo-RL's DTensor "
-            "backend); allowed here: 'microbatch', or call the core loss with "
-            "SequenceGroups(data_parallel=...)"
-        ])
+        raise ConfigError(
+            [
+                "is_batch_normalization: got 'data_parallel', but no data-parallel group is known "
+                "here (megatron-core's parallel_state is not initialised, as under NeMo-RL's DTensor "
+                "backend); allowed here: 'microbatch', or call the core loss with "
+                "SequenceGroups(data_parallel=...)"
+            ]
+        )
     return None
 
 
@@ -312,8 +325,9 @@ def host_config_fields() -> dict[str, Any]:
 
     model_fields = getattr(ClippedPGLossConfig, "model_fields", None)
     if model_fields is not None:
-        return {name: (f.default if f.default_factory is None else f.default_factory())
-                for name, f in model_fields.items()}
+        return {
+            name: (f.default if f.default_factory is None else f.default_factory()) for name, f in model_fields.items()
+        }
     return {name: _NO_DEFAULT for name in getattr(ClippedPGLossConfig, "__annotations__", {})}
 
 
@@ -463,7 +477,8 @@ def selector_problems() -> list[str]:
     from _nemo_rs_plugin_hook import LOSS_MODULES
 
     return [
-        install_failure(sys.modules[name]) for name in LOSS_MODULES
+        install_failure(sys.modules[name])
+        for name in LOSS_MODULES
         if name in sys.modules
         and not isinstance(getattr(sys.modules[name], "ClippedPGLossFn", None), ClippedPGLossSelector)
     ]

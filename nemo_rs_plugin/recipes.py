@@ -14,8 +14,13 @@ from pathlib import Path
 from typing import Optional
 
 __all__ = [
-    "recipe_dir", "list_recipes", "export_recipe", "export_recipes", "NEMO_RL_RECIPE_SUBDIR",
-    "defaults_of", "parent_paths",
+    "recipe_dir",
+    "list_recipes",
+    "export_recipe",
+    "export_recipes",
+    "NEMO_RL_RECIPE_SUBDIR",
+    "defaults_of",
+    "parent_paths",
 ]
 
 NEMO_RL_RECIPE_SUBDIR = os.path.join("examples", "configs", "recipes", "llm")

@@ -50,13 +50,13 @@ def register_loss(name: str, target: Union[str, type, None] = None) -> Callable:
     Usable as a decorator (``@register_loss("my_loss")``) or a call. Registering the same
     target again is a no-op; a different target under a taken name raises.
     """
+
     def decorator(obj: Union[str, type]) -> Union[str, type]:
         key = str(getattr(name, "value", name))
         existing = _REGISTRY.get(key)
         if existing is not None and _fqn(existing) != _fqn(obj):
             raise LossRegistryError(
-                f"loss name {key!r} is already registered to {_fqn(existing)}; "
-                f"cannot register {_fqn(obj)}"
+                f"loss name {key!r} is already registered to {_fqn(existing)}; cannot register {_fqn(obj)}"
             )
         _REGISTRY[key] = obj
         return obj
@@ -90,9 +90,7 @@ def get_loss_class(name: str) -> Any:
     """
     _load_entry_points()
     if name not in _REGISTRY:
-        raise LossRegistryError(
-            f"loss_fn.name: got {name!r}; known losses: {', '.join(sorted(_REGISTRY))}"
-        )
+        raise LossRegistryError(f"loss_fn.name: got {name!r}; known losses: {', '.join(sorted(_REGISTRY))}")
     target = _REGISTRY[name]
     if not isinstance(target, str):
         return target

@@ -90,9 +90,7 @@ def sharded_loss_inputs(
     input_ids = data["input_ids"]
     B, S = input_ids.shape
     targets = shift_left(input_ids)
-    aligned = {
-        name: shift_left(data[key]) for name, key in _ALIGNED_KEYS.items() if key in data
-    }
+    aligned = {name: shift_left(data[key]) for name, key in _ALIGNED_KEYS.items() if key in data}
     if S % (2 * cp) != 0:
         raise ValueError(
             f"input_ids: sequence length {S} is not divisible by 2 * cp = {2 * cp}; "

@@ -50,18 +50,36 @@ _IS = {"use_importance_sampling_correction": True, "reference_policy_kl_penalty"
 DEFAULT_CONFIGS: dict[str, dict] = {
     "uncorrected": {"reference_policy_kl_penalty": 0.0},
     "token": {**_IS, "is_correction_level": "token"},
-    "token+tis2": {**_IS, "is_correction_level": "token", "truncated_importance_sampling_type": "tis",
-                   "truncated_importance_sampling_ratio": 2.0},
+    "token+tis2": {
+        **_IS,
+        "is_correction_level": "token",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
+    },
     "sequence": {**_IS, "is_correction_level": "sequence"},
-    "sequence+tis2": {**_IS, "is_correction_level": "sequence", "truncated_importance_sampling_type": "tis",
-                      "truncated_importance_sampling_ratio": 2.0},
+    "sequence+tis2": {
+        **_IS,
+        "is_correction_level": "sequence",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
+    },
     "sequence_mean": {**_IS, "is_correction_level": "sequence_mean"},
-    "seqmean+geo-rs+veto": {**_IS, "is_correction_level": "sequence_mean", "rejection_sampling": [
-        {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01},
-        {"level": "sequence", "agg": "any", "lower": 1e-4, "upper": 1e4}]},
-    "geo-rs+token-mis": {**_IS, "is_correction_level": "token", "rejection_sampling": [
-        {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01},
-        {"level": "token", "lower": 0.5, "upper": 2.0}]},
+    "seqmean+geo-rs+veto": {
+        **_IS,
+        "is_correction_level": "sequence_mean",
+        "rejection_sampling": [
+            {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01},
+            {"level": "sequence", "agg": "any", "lower": 1e-4, "upper": 1e4},
+        ],
+    },
+    "geo-rs+token-mis": {
+        **_IS,
+        "is_correction_level": "token",
+        "rejection_sampling": [
+            {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01},
+            {"level": "token", "lower": 0.5, "upper": 2.0},
+        ],
+    },
 }
 
 
@@ -185,8 +203,10 @@ def _load_torch(p: Path) -> dict[str, torch.Tensor]:
     if B == 0:
         raise BatchFormatError(f"{p}: field 'prev_logprobs' holds no sequence (B = 0)")
     if S < 2:
-        raise BatchFormatError(f"{p}: field 'prev_logprobs' has S = {S}; position 0 is dropped as in NeMo-RL's "
-                               "loss, so S must be at least 2")
+        raise BatchFormatError(
+            f"{p}: field 'prev_logprobs' has S = {S}; position 0 is dropped as in NeMo-RL's "
+            "loss, so S must be at least 2"
+        )
     out = {k: _real_tensor(p, raw, k, ((B, S),)).float() for k in _REQUIRED}
     mask = _real_tensor(p, raw, "token_mask", ((B, S),)) if "token_mask" in raw else torch.ones(B, S)
     out["token_mask"] = _zero_one(p, "token_mask", mask).long()
@@ -229,8 +249,9 @@ def _jsonl_record(p: Path, lineno: int, line: str) -> tuple[dict, int, float]:
             if key == "token_mask" and not (_is_number(v) and v in (0, 1)):
                 raise BatchFormatError(f"{where}: field 'token_mask' value {j} is {json.dumps(v)}; expected 0 or 1")
             if key != "token_mask" and not (v is None or _is_number(v)):
-                raise BatchFormatError(f"{where}: field {key!r} value {j} is {json.dumps(v)}; expected a number "
-                                       "or null")
+                raise BatchFormatError(
+                    f"{where}: field {key!r} value {j} is {json.dumps(v)}; expected a number or null"
+                )
         if n is None:
             n = len(value)
         elif len(value) != n:
@@ -249,8 +270,9 @@ def _load_jsonl(p: Path) -> dict[str, torch.Tensor]:
                 if line.strip():
                     records.append(_jsonl_record(p, lineno, line))
     except UnicodeDecodeError:
-        raise BatchFormatError(f"{p}: not a UTF-8 JSONL file (a torch file needs the suffix "
-                               f"{', '.join(TORCH_SUFFIXES)})") from None
+        raise BatchFormatError(
+            f"{p}: not a UTF-8 JSONL file (a torch file needs the suffix {', '.join(TORCH_SUFFIXES)})"
+        ) from None
     if not records:
         raise BatchFormatError(f"{p}: no records")
     # Position 0 is a dummy (NeMo-RL's layout, dropped by the loss): every listed token counts.
@@ -260,16 +282,21 @@ def _load_jsonl(p: Path) -> dict[str, torch.Tensor]:
         out = torch.zeros(B, S)
         for i, (rec, n, _) in enumerate(records):
             if n:
-                out[i, 1:n + 1] = torch.tensor([float("nan") if v is None else float(v) for v in rec[key]])
+                out[i, 1 : n + 1] = torch.tensor([float("nan") if v is None else float(v) for v in rec[key]])
         return out
 
     mask = torch.zeros(B, S, dtype=torch.long)
     for i, (rec, n, _) in enumerate(records):
         if n:
-            mask[i, 1:n + 1] = torch.tensor(rec["token_mask"], dtype=torch.long) if "token_mask" in rec else 1
+            mask[i, 1 : n + 1] = torch.tensor(rec["token_mask"], dtype=torch.long) if "token_mask" in rec else 1
     adv = torch.tensor([a for _, _, a in records]).reshape(B, 1).expand(B, S).contiguous()
-    return {"prev_logprobs": column("prev_logprobs"), "generation_logprobs": column("generation_logprobs"),
-            "token_mask": mask, "sample_mask": torch.ones(B), "advantages": adv}
+    return {
+        "prev_logprobs": column("prev_logprobs"),
+        "generation_logprobs": column("generation_logprobs"),
+        "token_mask": mask,
+        "sample_mask": torch.ones(B),
+        "advantages": adv,
+    }
 
 
 def _metrics_of(cfg: dict, batch: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
@@ -308,7 +335,7 @@ def _applied_weights(cfg: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         units = valid != 0
         return (out.is_weight * out.keep)[units].double()
     kept_rows = (out.keep * valid).sum(-1) > 0
-    units = (sm != 0) & ((valid.sum(-1) > 0))
+    units = (sm != 0) & (valid.sum(-1) > 0)
     return (out.is_weight.squeeze(-1) * kept_rows)[units].double()
 
 
@@ -467,9 +494,11 @@ def plot_figure(rows: list[dict[str, Any]]) -> Any:
     plt = _pyplot()
     names = [r["config"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    panels = (("is_weight_mean", "mean IS weight (1 = no LR change)", WEIGHT_AXIS_MAX),
-              ("ess", "effective sample size", 1.0),
-              ("seq_rejected", "fraction of sequences rejected", 1.0))
+    panels = (
+        ("is_weight_mean", "mean IS weight (1 = no LR change)", WEIGHT_AXIS_MAX),
+        ("ess", "effective sample size", 1.0),
+        ("seq_rejected", "fraction of sequences rejected", 1.0),
+    )
     for ax, (key, title, top) in zip(axes, panels):
         values = [float(r[key]) for r in rows]
         shown = [min(v, top) if math.isfinite(v) else 0.0 for v in values]

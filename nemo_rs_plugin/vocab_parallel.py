@@ -67,9 +67,7 @@ def target_logprobs(
         tp_group: the tensor-parallel group; ``None`` or one rank means full-vocab logits.
     """
     if logits.shape[:-1] != target.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and target ids {tuple(target.shape)} disagree on [B, T]"
-        )
+        raise ValueError(f"logits {tuple(logits.shape)} and target ids {tuple(target.shape)} disagree on [B, T]")
     tp = dist.get_world_size(tp_group) if group_is_active(tp_group) else 1
     if tp == 1:
         return torch.log_softmax(logits.float(), dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)

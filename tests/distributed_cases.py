@@ -19,27 +19,43 @@ from nemo_rs_plugin.sharded import sharded_loss, sharded_loss_inputs
 
 IS = {"use_importance_sampling_correction": True}
 CONFIGS = {
-    "token-level/token-IS/tis": {**IS, "truncated_importance_sampling_type": "tis",
-                                 "truncated_importance_sampling_ratio": 1.5},
-    "token-level/sequence-IS/icepop": {**IS, "is_correction_level": "sequence",
-                                       "truncated_importance_sampling_type": "icepop",
-                                       "truncated_importance_sampling_ratio": 3.0,
-                                       "truncated_importance_sampling_ratio_min": 0.3},
-    "seq-level/sequence_mean/seq-mask-tis": {**IS, "is_correction_level": "sequence_mean", "token_level_loss": False,
-                                             "truncated_importance_sampling_type": "seq-mask-tis",
-                                             "truncated_importance_sampling_ratio": 1.05,
-                                             "truncated_importance_sampling_ratio_min": 0.95},
+    "token-level/token-IS/tis": {
+        **IS,
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.5,
+    },
+    "token-level/sequence-IS/icepop": {
+        **IS,
+        "is_correction_level": "sequence",
+        "truncated_importance_sampling_type": "icepop",
+        "truncated_importance_sampling_ratio": 3.0,
+        "truncated_importance_sampling_ratio_min": 0.3,
+    },
+    "seq-level/sequence_mean/seq-mask-tis": {
+        **IS,
+        "is_correction_level": "sequence_mean",
+        "token_level_loss": False,
+        "truncated_importance_sampling_type": "seq-mask-tis",
+        "truncated_importance_sampling_ratio": 1.05,
+        "truncated_importance_sampling_ratio_min": 0.95,
+    },
     "gspo/sequence-IS": {**IS, "sequence_level_importance_ratios": True, "token_level_loss": False},
     "gspo/sequence_mean+geo-rs+veto+token-k3": {
-        **IS, "sequence_level_importance_ratios": True, "token_level_loss": False,
-        "is_correction_level": "sequence_mean", "positive_example_nll_weight": 0.2,
+        **IS,
+        "sequence_level_importance_ratios": True,
+        "token_level_loss": False,
+        "is_correction_level": "sequence_mean",
+        "positive_example_nll_weight": 0.2,
         "rejection_sampling": [
             {"level": "sequence", "agg": "mean", "lower": 0.95, "upper": 1.05},
             {"level": "sequence", "agg": "any", "lower": 0.1, "upper": 10.0},
             {"level": "token", "metric": "kl_k3", "upper": 0.02},
-        ]},
+        ],
+    },
     "token-level/filters-sum-max-min-kl": {
-        **IS, "is_correction_level": "token", "reference_policy_kl_type": "k2",
+        **IS,
+        "is_correction_level": "token",
+        "reference_policy_kl_type": "k2",
         "use_on_policy_kl_approximation": True,
         "rejection_sampling": [
             {"level": "token", "lower": 0.5, "upper": 2.0},
@@ -50,25 +66,39 @@ CONFIGS = {
             {"level": "sequence", "metric": "kl_k2", "agg": "sum", "upper": 0.2},
             {"level": "sequence", "metric": "kl_k3", "agg": "max", "upper": 0.2},
             {"level": "token", "metric": "kl_k1", "lower": -0.3, "upper": 0.3},
-        ]},
+        ],
+    },
     # Issue 9: the peers' statistics, OPSM's advantage condition and batch normalisation.
     "token-level/peer-statistics+opsm+batch-norm": {
-        **IS, "is_correction_level": "token", "truncated_importance_sampling_type": "tis",
-        "truncated_importance_sampling_ratio": 1.3, "is_batch_normalization": "microbatch",
+        **IS,
+        "is_correction_level": "token",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.3,
+        "is_batch_normalization": "microbatch",
         "rejection_sampling": [
             {"level": "token", "metric": "total_variation", "upper": 0.015, "negative_advantages_only": True},
-            {"level": "sequence", "metric": "kl_k1", "agg": "mean", "upper": -0.01,
-             "log_ratio": "curr-gen", "negative_advantages_only": True},
+            {
+                "level": "sequence",
+                "metric": "kl_k1",
+                "agg": "mean",
+                "upper": -0.01,
+                "log_ratio": "curr-gen",
+                "negative_advantages_only": True,
+            },
             {"level": "token", "metric": "binary_kl", "upper": 0.002},
             {"level": "sequence", "metric": "kl_k3", "agg": "max", "upper": 0.03, "log_ratio": "gen-prev"},
             {"level": "sequence", "metric": "binary_kl", "agg": "sum", "upper": 0.001, "log_ratio": "curr-prev"},
             {"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "upper": 1.09},
             {"level": "sequence", "metric": "total_variation", "agg": "mean", "upper": 0.0095},
-        ]},
+        ],
+    },
     "seq-level/sequence_mean+batch-norm+mult_prob_error": {
-        **IS, "is_correction_level": "sequence_mean", "token_level_loss": False,
+        **IS,
+        "is_correction_level": "sequence_mean",
+        "token_level_loss": False,
         "is_batch_normalization": "microbatch",
-        "rejection_sampling": [{"level": "sequence", "metric": "mult_prob_error", "agg": "max", "upper": 1.2}]},
+        "rejection_sampling": [{"level": "sequence", "metric": "mult_prob_error", "agg": "max", "upper": 1.2}],
+    },
 }
 
 
@@ -166,9 +196,10 @@ def check_sharded_equals_unsharded(rank, world_size, tp):
             failures.append(f"{name}: logits grad@{rank} max diff {(z.grad - want_z).abs().max().item():.3g}")
         want_lp = cp_shard(ref_lpgrad, cp, cp_rank)
         if not close(inputs.curr.grad, want_lp, abs_=1e-6 * scale):
-            failures.append(f"{name}: logprob grad@{rank} max diff {(inputs.curr.grad - want_lp).abs().max().item():.3g}")
-        failures += _check_masks(name, loss_fn.cfg, data, cp_group, cp, cp_rank, gvs, gvt,
-                                 _aligned_curr(logits, data))
+            failures.append(
+                f"{name}: logprob grad@{rank} max diff {(inputs.curr.grad - want_lp).abs().max().item():.3g}"
+            )
+        failures += _check_masks(name, loss_fn.cfg, data, cp_group, cp, cp_rank, gvs, gvt, _aligned_curr(logits, data))
         # every rank of the group reports identical metrics
         vec = torch.tensor([v for k, v in sorted(metrics.items()) if math.isfinite(v)])
         hi, lo = vec.clone(), vec.clone()
@@ -185,10 +216,20 @@ def _correction_keep(cfg, data, groups, shard_fn, gvs, gvt, curr):
     tm = shard_fn(shift_left(data["token_mask"]).float())
     d = prev - gen
     sm = data["sample_mask"]
-    out = compute_correction(d, torch.isfinite(d).float(), tm * sm[:, None], tm, sm, torch.isfinite(d).float(),
-                             cfg, gvs, gvt, groups,
-                             log_probs=PolicyLogProbs(curr=shard_fn(curr), prev=prev, gen=gen),
-                             advantages=shard_fn(shift_left(data["advantages"])))
+    out = compute_correction(
+        d,
+        torch.isfinite(d).float(),
+        tm * sm[:, None],
+        tm,
+        sm,
+        torch.isfinite(d).float(),
+        cfg,
+        gvs,
+        gvt,
+        groups,
+        log_probs=PolicyLogProbs(curr=shard_fn(curr), prev=prev, gen=gen),
+        advantages=shard_fn(shift_left(data["advantages"])),
+    )
     return out.keep * tm * sm[:, None], out.is_weight
 
 
@@ -200,8 +241,9 @@ def _aligned_curr(logits, data):
 
 def _check_masks(name, cfg, data, cp_group, cp, cp_rank, gvs, gvt, curr):
     full_keep, full_w = _correction_keep(cfg, data, SequenceGroups(), lambda x: x, gvs, gvt, curr)
-    keep, w = _correction_keep(cfg, data, SequenceGroups.of(cp_group), lambda x: cp_shard(x, cp, cp_rank), gvs, gvt,
-                               curr)
+    keep, w = _correction_keep(
+        cfg, data, SequenceGroups.of(cp_group), lambda x: cp_shard(x, cp, cp_rank), gvs, gvt, curr
+    )
     out = []
     if not torch.equal(keep, cp_shard(full_keep, cp, cp_rank)):
         out.append(f"{name}: rejection mask differs from the unsharded one")
@@ -214,8 +256,9 @@ def _check_masks(name, cfg, data, cp_group, cp, cp_rank, gvs, gvt, curr):
 def check_statistic_reduced_before_masking(rank, world_size):
     """Each rank's half of sequence 0 is inside the Geo-RS band; the whole is outside."""
     group = dist.new_group(list(range(world_size)))
-    cfg = RSClippedPGLossConfig.from_any({"rejection_sampling": [
-        {"level": "sequence", "agg": "sum", "lower": 0.7, "upper": 1.3}]})
+    cfg = RSClippedPGLossConfig.from_any(
+        {"rejection_sampling": [{"level": "sequence", "agg": "sum", "lower": 0.7, "upper": 1.3}]}
+    )
     S = 8
     # d = 0.1 on every token: each rank's partial sum 0.4 -> exp 1.49 > 1.3 would reject
     # locally too, so use d = 0.05: partial 0.2 (exp 1.22, inside), whole 0.4 (1.49, outside).
@@ -223,10 +266,30 @@ def check_statistic_reduced_before_masking(rank, world_size):
     tm = torch.ones(1, S)
     local = cp_shard(d, world_size, rank)
     tm_l = cp_shard(tm, world_size, rank)
-    out = compute_correction(local, torch.isfinite(local).float(), tm_l, tm_l, torch.ones(1), torch.isfinite(local).float(),
-                             cfg, torch.tensor(1.0), tm.sum(), SequenceGroups.of(group))
-    unreduced = compute_correction(local, torch.isfinite(local).float(), tm_l, tm_l, torch.ones(1), torch.isfinite(local).float(),
-                                   cfg, torch.tensor(1.0), tm.sum(), SequenceGroups())
+    out = compute_correction(
+        local,
+        torch.isfinite(local).float(),
+        tm_l,
+        tm_l,
+        torch.ones(1),
+        torch.isfinite(local).float(),
+        cfg,
+        torch.tensor(1.0),
+        tm.sum(),
+        SequenceGroups.of(group),
+    )
+    unreduced = compute_correction(
+        local,
+        torch.isfinite(local).float(),
+        tm_l,
+        tm_l,
+        torch.ones(1),
+        torch.isfinite(local).float(),
+        cfg,
+        torch.tensor(1.0),
+        tm.sum(),
+        SequenceGroups(),
+    )
     failures = []
     if out.keep.sum() != 0:
         failures.append(f"sequence kept on rank {rank}: its statistic was not reduced before masking")
@@ -241,9 +304,16 @@ def check_bad_groups(rank, world_size):
     failures = []
     loss_fn = RSClippedPGLoss({})
     cases = {
-        "shard shape": (lambda: sharded_loss(loss_fn, logits, data, gvs, gvt, cp_group=group), "does not match [B, S/cp]"),
-        "divisibility": (lambda: sharded_loss(loss_fn, logits[:, :7], {**data, "input_ids": data["input_ids"][:, :14]},
-                                              gvs, gvt, cp_group=group), "not divisible by 2 * cp"),
+        "shard shape": (
+            lambda: sharded_loss(loss_fn, logits, data, gvs, gvt, cp_group=group),
+            "does not match [B, S/cp]",
+        ),
+        "divisibility": (
+            lambda: sharded_loss(
+                loss_fn, logits[:, :7], {**data, "input_ids": data["input_ids"][:, :14]}, gvs, gvt, cp_group=group
+            ),
+            "not divisible by 2 * cp",
+        ),
     }
     for label, (call, needle) in cases.items():
         try:
@@ -295,13 +365,22 @@ def check_collective_budget(rank, world_size):
     try:
         B, S, V = 5, 16, 12
         logits, data, gvs, gvt = make_data(B, S, V)
-        for name in ("gspo/sequence_mean+geo-rs+veto+token-k3", "token-level/filters-sum-max-min-kl",
-                     "token-level/peer-statistics+opsm+batch-norm",
-                     "seq-level/sequence_mean+batch-norm+mult_prob_error"):
+        for name in (
+            "gspo/sequence_mean+geo-rs+veto+token-k3",
+            "token-level/filters-sum-max-min-kl",
+            "token-level/peer-statistics+opsm+batch-norm",
+            "seq-level/sequence_mean+batch-norm+mult_prob_error",
+        ):
             stat_calls.clear()
             total_calls.clear()
-            loss, _ = sharded_loss(RSClippedPGLoss(CONFIGS[name]), cp_shard(logits, world_size, rank).requires_grad_(True),
-                                   data, gvs, gvt, cp_group=group)
+            loss, _ = sharded_loss(
+                RSClippedPGLoss(CONFIGS[name]),
+                cp_shard(logits, world_size, rank).requires_grad_(True),
+                data,
+                gvs,
+                gvt,
+                cp_group=group,
+            )
             loss.backward()
             if len(stat_calls) != 1:
                 failures.append(f"{name}: statistics reduced {len(stat_calls)} times, expected once")
@@ -313,7 +392,8 @@ def check_collective_budget(rank, world_size):
             token_level = RSClippedPGLoss(CONFIGS[name]).cfg.effective_is_level == "token"
             want = ([[("ReduceOp.SUM", 2)]] if token_level else [[]]) if normalized else []
             if [[(op.split(".")[-1], n) for op, n in c] for c in total_calls] != [
-                    [(op.split(".")[-1], n) for op, n in c] for c in want]:
+                [(op.split(".")[-1], n) for op, n in c] for c in want
+            ]:
                 failures.append(f"{name}: batch-total collectives {total_calls}, expected {want}")
     finally:
         dist.all_reduce, dist.all_gather, dist.all_gather_into_tensor = saved
@@ -356,20 +436,26 @@ def check_data_parallel_batch_normalization(rank, world_size):
     shard = lambda x: cp_shard(x, cp, cp_rank)  # noqa: E731
     failures = []
     for level in ("token", "sequence_mean"):
-        cfg = {**IS, "is_correction_level": level, "truncated_importance_sampling_type": "tis",
-               "truncated_importance_sampling_ratio": 1.1, "is_batch_normalization": "data_parallel",
-               "rejection_sampling": [{"level": "sequence", "metric": "mult_prob_error", "agg": "mean",
-                                       "upper": 1.09}]}
+        cfg = {
+            **IS,
+            "is_correction_level": level,
+            "truncated_importance_sampling_type": "tis",
+            "truncated_importance_sampling_ratio": 1.1,
+            "is_batch_normalization": "data_parallel",
+            "rejection_sampling": [{"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "upper": 1.09}],
+        }
         loss_fn = RSClippedPGLoss(cfg)
         ref_loss, ref_metrics, _, _ = reference(loss_fn, logits, data, gvs, gvt)
-        _, full_w = _correction_keep(loss_fn.cfg, data, SequenceGroups(), lambda x: x, gvs, gvt,
-                                     _aligned_curr(logits, data))
+        _, full_w = _correction_keep(
+            loss_fn.cfg, data, SequenceGroups(), lambda x: x, gvs, gvt, _aligned_curr(logits, data)
+        )
         groups = SequenceGroups.of(cp_group, data_parallel=dp_group)
         _, w = _correction_keep(loss_fn.cfg, local, groups, shard, gvs, gvt, _aligned_curr(logits[rows], local))
         want = full_w[rows] if full_w.shape[1] == 1 else shard(full_w[rows])
         if not close(w, want):
-            failures.append(f"{level}: weights@{rank} differ from the whole batch's, max diff "
-                            f"{(w - want).abs().max().item():.3g}")
+            failures.append(
+                f"{level}: weights@{rank} differ from the whole batch's, max diff {(w - want).abs().max().item():.3g}"
+            )
         z = shard(logits[rows]).clone().requires_grad_(True)
         loss, metrics = sharded_loss(loss_fn, z, local, gvs, gvt, cp_group=cp_group, data_parallel_group=dp_group)
         total = loss.detach().clone()
@@ -377,14 +463,17 @@ def check_data_parallel_batch_normalization(rank, world_size):
         if not close(total, ref_loss):
             failures.append(f"{level}: loss summed over DP {total.item()} vs {ref_loss.item()}")
         if not close(metrics["is_batch_norm_factor"], ref_metrics["is_batch_norm_factor"]):
-            failures.append(f"{level}: factor@{rank} {metrics['is_batch_norm_factor']} vs "
-                            f"{ref_metrics['is_batch_norm_factor']}")
+            failures.append(
+                f"{level}: factor@{rank} {metrics['is_batch_norm_factor']} vs {ref_metrics['is_batch_norm_factor']}"
+            )
         per_rank = RSClippedPGLoss({**cfg, "is_batch_normalization": "microbatch"})
         _, half = sharded_loss(per_rank, z.detach(), local, gvs, gvt, cp_group=cp_group, data_parallel_group=dp_group)
         half_ref = reference(per_rank, logits[rows], local, gvs, gvt)[1]
         if not close(half["is_batch_norm_factor"], half_ref["is_batch_norm_factor"]):
-            failures.append(f"{level}: microbatch factor@{rank} {half['is_batch_norm_factor']} vs "
-                            f"{half_ref['is_batch_norm_factor']}")
+            failures.append(
+                f"{level}: microbatch factor@{rank} {half['is_batch_norm_factor']} vs "
+                f"{half_ref['is_batch_norm_factor']}"
+            )
         if close(half["is_batch_norm_factor"], ref_metrics["is_batch_norm_factor"]):
             failures.append(f"{level}: test data broken: a half has the whole batch's mean")
     return failures

@@ -13,8 +13,12 @@ import sys
 
 def startup():
     names = [type(f).__name__ for f in sys.meta_path]
-    return {"finder": "_Finder" in names, "torch": "torch" in sys.modules,
-            "pydantic": "pydantic" in sys.modules, "nemo_rs_plugin": "nemo_rs_plugin" in sys.modules}
+    return {
+        "finder": "_Finder" in names,
+        "torch": "torch" in sys.modules,
+        "pydantic": "pydantic" in sys.modules,
+        "nemo_rs_plugin": "nemo_rs_plugin" in sys.modules,
+    }
 
 
 def _attempt(fn):
@@ -34,8 +38,11 @@ def disabled_guard():
     out = {"selector": type(grpo.ClippedPGLossFn).__name__}
     for recipe in sys.argv[2:]:
         out[os.path.basename(recipe)] = _attempt(lambda: host_config.load_config(recipe))
-    for label, cfg in {"build_named": {"name": "rs_clipped_pg"}, "build_host_named": {"name": "clipped_pg"},
-                       "build_unnamed": {}}.items():
+    for label, cfg in {
+        "build_named": {"name": "rs_clipped_pg"},
+        "build_host_named": {"name": "clipped_pg"},
+        "build_unnamed": {},
+    }.items():
         out[label] = _attempt(lambda: grpo.build_loss(ClippedPGLossConfig(**cfg)))
     out["plugin_imported"] = sorted(m for m in sys.modules if m.startswith("nemo_rs_plugin"))
     return out
@@ -54,9 +61,12 @@ def elsewhere():
     out = {"warnings": [str(w.message) for w in caught if "nemo-rs-plugin" in str(w.message)]}
     for recipe in sys.argv[2:]:
         out[os.path.basename(recipe)] = _attempt(lambda: host_config.load_config(recipe))
-    for label, cfg in {"build_named": {"name": "rs_clipped_pg"}, "build_host_named": {"name": "clipped_pg"},
-                       "build_host_with_plugin_field": {"is_correction_level": "sequence_mean"},
-                       "build_unnamed": {}}.items():
+    for label, cfg in {
+        "build_named": {"name": "rs_clipped_pg"},
+        "build_host_named": {"name": "clipped_pg"},
+        "build_host_with_plugin_field": {"is_correction_level": "sequence_mean"},
+        "build_unnamed": {},
+    }.items():
         out[label] = _attempt(lambda: grpo.build_loss(ClippedPGLossConfig(**cfg)))
     return out
 
@@ -81,9 +91,11 @@ def worker_path():
     import _nemo_rs_plugin_hook as hook
 
     base = hook.worker_path_base()
-    return {"warnings": [str(w.message) for w in caught if "nemo-rs-plugin" in str(w.message)],
-            "pythonpath": os.environ.get("PYTHONPATH", "").split(os.pathsep),
-            "entries": sorted(os.listdir(base)) if os.path.isdir(base) else None}
+    return {
+        "warnings": [str(w.message) for w in caught if "nemo-rs-plugin" in str(w.message)],
+        "pythonpath": os.environ.get("PYTHONPATH", "").split(os.pathsep),
+        "entries": sorted(os.listdir(base)) if os.path.isdir(base) else None,
+    }
 
 
 def _batch():
@@ -92,17 +104,25 @@ def _batch():
     g = torch.Generator().manual_seed(0)
     B, S = 3, 9
     prev = -torch.rand(B, S, generator=g)
-    data = {"input_ids": torch.zeros(B, S, dtype=torch.long), "advantages": torch.randn(B, S, generator=g),
-            "prev_logprobs": prev, "generation_logprobs": prev + 0.05 * torch.randn(B, S, generator=g),
-            "reference_policy_logprobs": prev + 0.1, "token_mask": torch.ones(B, S, dtype=torch.long),
-            "sample_mask": torch.ones(B)}
+    data = {
+        "input_ids": torch.zeros(B, S, dtype=torch.long),
+        "advantages": torch.randn(B, S, generator=g),
+        "prev_logprobs": prev,
+        "generation_logprobs": prev + 0.05 * torch.randn(B, S, generator=g),
+        "reference_policy_logprobs": prev + 0.1,
+        "token_mask": torch.ones(B, S, dtype=torch.long),
+        "sample_mask": torch.ones(B),
+    }
     lp = prev[:, 1:] + 0.02 * torch.randn(B, S - 1, generator=g)
     return lp, data, torch.tensor(3.0), torch.tensor(float(B * (S - 1)))
 
 
-PLUGIN_CFG = {"name": "rs_clipped_pg", "use_importance_sampling_correction": True,
-              "is_correction_level": "sequence_mean",
-              "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.5, "upper": 2.0}]}
+PLUGIN_CFG = {
+    "name": "rs_clipped_pg",
+    "use_importance_sampling_correction": True,
+    "is_correction_level": "sequence_mean",
+    "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.5, "upper": 2.0}],
+}
 
 
 def select():
@@ -214,8 +234,12 @@ def worker_unpickle():
     loss, _ = loss_fn(lp, data, gvs, gvt)
     import nemo_rs_plugin
 
-    return {"loss": float(loss), "preloaded": spec_before, "plugin_from": os.path.abspath(nemo_rs_plugin.__file__),
-            "type": type(loss_fn).__name__}
+    return {
+        "loss": float(loss),
+        "preloaded": spec_before,
+        "plugin_from": os.path.abspath(nemo_rs_plugin.__file__),
+        "type": type(loss_fn).__name__,
+    }
 
 
 def sharded_adapter():
@@ -260,8 +284,13 @@ def sharded_adapter():
         RSClippedPGLossFn({**cfg, "sharded_logits_input": True}, use_fused_linear_logprobs=True)
     except Exception as exc:  # noqa: BLE001
         errors["fused"] = str(exc)
-    return {"input_type": str(loss_fn.input_type), "diff": abs(float(loss) - float(ref_loss)),
-            "padded_diff": abs(float(padded_loss) - float(ref_short)), "groups": seen, "errors": errors}
+    return {
+        "input_type": str(loss_fn.input_type),
+        "diff": abs(float(loss) - float(ref_loss)),
+        "padded_diff": abs(float(padded_loss) - float(ref_short)),
+        "groups": seen,
+        "errors": errors,
+    }
 
 
 def batch_norm_adapter():
@@ -306,8 +335,9 @@ def batch_norm_adapter():
 
     nemo_rl_adapter.SequenceGroups, sharded.sharded_loss = Recorder, record
     RSClippedPGLossFn(cfg)(lp, data, gvs, gvt)
-    RSClippedPGLossFn({**cfg, "sharded_logits_input": True})(logits=torch.zeros(3, 8, 5), data=data,
-                                                             global_valid_seqs=gvs, global_valid_toks=gvt)
+    RSClippedPGLossFn({**cfg, "sharded_logits_input": True})(
+        logits=torch.zeros(3, 8, 5), data=data, global_valid_seqs=gvs, global_valid_toks=gvt
+    )
     out["groups"] = seen
     micro = RSClippedPGLossFn({**cfg, "is_batch_normalization": "microbatch"})
     out["microbatch_group"] = nemo_rl_adapter.batch_data_parallel_group(micro.rs_config)

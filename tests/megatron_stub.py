@@ -13,6 +13,7 @@ def install_parallel_state(tp_group, cp_group, dp_group=None):
     stub.get_data_parallel_group = lambda: dp_group
     core_mod = types.ModuleType("megatron.core")
     core_mod.parallel_state = stub
-    sys.modules.update({"megatron": types.ModuleType("megatron"), "megatron.core": core_mod,
-                        "megatron.core.parallel_state": stub})
+    sys.modules.update(
+        {"megatron": types.ModuleType("megatron"), "megatron.core": core_mod, "megatron.core.parallel_state": stub}
+    )
     return stub

@@ -42,14 +42,33 @@ INF = math.inf
 LOG_RATIO_CLAMP = 20.0  # policy log-ratios are clamped straight-through (value only)
 
 SUPPORTED = {
-    "name", "sequence_level_importance_ratios", "token_level_loss", "disable_ppo_ratio", "ratio_clip_min",
-    "ratio_clip_max", "reference_policy_kl_penalty", "reference_policy_kl_type", "kl_input_clamp_value",
-    "kl_output_clamp_value", "use_importance_sampling_correction", "truncated_importance_sampling_type",
-    "truncated_importance_sampling_ratio", "truncated_importance_sampling_ratio_min", "is_correction_level",
-    "rejection_sampling", "rejection_denominator", "use_kl_in_reward", "is_batch_normalization",
+    "name",
+    "sequence_level_importance_ratios",
+    "token_level_loss",
+    "disable_ppo_ratio",
+    "ratio_clip_min",
+    "ratio_clip_max",
+    "reference_policy_kl_penalty",
+    "reference_policy_kl_type",
+    "kl_input_clamp_value",
+    "kl_output_clamp_value",
+    "use_importance_sampling_correction",
+    "truncated_importance_sampling_type",
+    "truncated_importance_sampling_ratio",
+    "truncated_importance_sampling_ratio_min",
+    "is_correction_level",
+    "rejection_sampling",
+    "rejection_denominator",
+    "use_kl_in_reward",
+    "is_batch_normalization",
 }
-OFF = {"use_cispo": False, "ratio_clip_c": None, "force_on_policy_ratio": False,
-       "use_on_policy_kl_approximation": False, "positive_example_nll_weight": 0.0}
+OFF = {
+    "use_cispo": False,
+    "ratio_clip_c": None,
+    "force_on_policy_ratio": False,
+    "use_on_policy_kl_approximation": False,
+    "positive_example_nll_weight": 0.0,
+}
 
 
 def filter_label(f: dict) -> str:
@@ -206,8 +225,10 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
     valid = [[tm[i][t] * sm[i] > 0 for t in range(T)] for i in rows]
     d_ok = [[math.isfinite(prev[i][t] - gen[i][t]) for t in range(T)] for i in rows]
     d = [[prev[i][t] - gen[i][t] if d_ok[i][t] else 0.0 for t in range(T)] for i in rows]
-    ok = [[d_ok[i][t] and math.isfinite(curr[i][t]) and (beta == 0 or math.isfinite(ref[i][t]))
-           for t in range(T)] for i in rows]
+    ok = [
+        [d_ok[i][t] and math.isfinite(curr[i][t]) and (beta == 0 or math.isfinite(ref[i][t])) for t in range(T)]
+        for i in rows
+    ]
     n = [sum(valid[i]) for i in rows]  # valid tokens per sequence
     ntm = [sum(tm[i]) for i in rows]  # token_mask tokens per sequence
     d_sum = [sum(d[i][t] for t in range(T) if valid[i][t]) for i in rows]
@@ -292,7 +313,8 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
                     if not alive[i][t]:
                         continue
                     in_band = f_ok[i][t] and margins.inside(
-                        token_statistic(metric, fd[i][t], fa[i][t], fb[i][t]), lo, hi, log_space)
+                        token_statistic(metric, fd[i][t], fa[i][t], fb[i][t]), lo, hi, log_space
+                    )
                     if not in_band and (negative[i][t] or not only_negative):
                         alive[i][t] = False
                         count += not removed[i][t]  # not already counted by a conditional filter
@@ -313,8 +335,9 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
                 elif agg == "any":
                     keep = all([margins.inside(math.exp(fd[i][t]), lo, hi, True) for t in toks])
                 else:
-                    stat = sequence_statistic(metric, agg, [fd[i][t] for t in toks],
-                                              [(fa[i][t], fb[i][t]) for t in toks])
+                    stat = sequence_statistic(
+                        metric, agg, [fd[i][t] for t in toks], [(fa[i][t], fb[i][t]) for t in toks]
+                    )
                     keep = margins.inside(stat, lo, hi, log_space)
                 if keep or not live[i]:
                     continue
@@ -338,8 +361,9 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
     if filters:
         n_kept = sum(sum(kept_not_rejected[i]) for i in rows)
         metrics["rs_token_rejected_frac"] = (sum(n) - n_kept) / gvt
-        metrics["rs_seq_rejected_frac"] = sum(
-            1 for i in rows if sm[i] > 0 and (not seq_alive[i] or cond_touched[i])) / gvs
+        metrics["rs_seq_rejected_frac"] = (
+            sum(1 for i in rows if sm[i] > 0 and (not seq_alive[i] or cond_touched[i])) / gvs
+        )
 
     # ---- denominators: the batch's, or shrunk by the kept fraction (VERL decoupled)
     gvt_loss, gvs_loss = gvt, gvs
@@ -468,10 +492,16 @@ def normalizations(cfg: dict) -> dict[str, str]:
     unit = "tokens" if level == "token" else "sequences"
     out = {
         "loss": "tokens" if cfg.get("token_level_loss", True) else "sequences",
-        "is_weight_raw_mean": unit, "is_weight_mean": unit, "is_weight_sq_mean": unit,
+        "is_weight_raw_mean": unit,
+        "is_weight_mean": unit,
+        "is_weight_sq_mean": unit,
         "sampling_importance_ratio": unit,
-        "is_weight_raw_min": "none", "is_weight_raw_max": "none", "is_weight_min": "none",
-        "is_weight_max": "none", "is_ess": "none", "nonfinite_log_ratio_count": "none",
+        "is_weight_raw_min": "none",
+        "is_weight_raw_max": "none",
+        "is_weight_min": "none",
+        "is_weight_max": "none",
+        "is_ess": "none",
+        "nonfinite_log_ratio_count": "none",
     }
     trunc = cfg.get("truncated_importance_sampling_type")
     if trunc is not None:

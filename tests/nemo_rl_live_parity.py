@@ -38,24 +38,46 @@ AXES = {
     "is": {
         "off": {"use_importance_sampling_correction": False},
         "on": {"use_importance_sampling_correction": True},
-        "tis": {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
-                "truncated_importance_sampling_ratio": 1.5},
-        "tis_min": {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
-                    "truncated_importance_sampling_ratio": 1.5, "truncated_importance_sampling_ratio_min": 0.7},
-        "icepop": {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "icepop",
-                   "truncated_importance_sampling_ratio": 1.5, "truncated_importance_sampling_ratio_min": 0.7},
-        "seq_mask": {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
-                     "truncated_importance_sampling_ratio": 1.05, "truncated_importance_sampling_ratio_min": 0.95},
+        "tis": {
+            "use_importance_sampling_correction": True,
+            "truncated_importance_sampling_type": "tis",
+            "truncated_importance_sampling_ratio": 1.5,
+        },
+        "tis_min": {
+            "use_importance_sampling_correction": True,
+            "truncated_importance_sampling_type": "tis",
+            "truncated_importance_sampling_ratio": 1.5,
+            "truncated_importance_sampling_ratio_min": 0.7,
+        },
+        "icepop": {
+            "use_importance_sampling_correction": True,
+            "truncated_importance_sampling_type": "icepop",
+            "truncated_importance_sampling_ratio": 1.5,
+            "truncated_importance_sampling_ratio_min": 0.7,
+        },
+        "seq_mask": {
+            "use_importance_sampling_correction": True,
+            "truncated_importance_sampling_type": "seq-mask-tis",
+            "truncated_importance_sampling_ratio": 1.05,
+            "truncated_importance_sampling_ratio_min": 0.95,
+        },
     },
     "kl": {
         "none": {"reference_policy_kl_penalty": 0.0},
         "k1": {"reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k1"},
         "k2": {"reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k2"},
         "k3": {"reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k3"},
-        "k3_clamped": {"reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k3",
-                       "kl_input_clamp_value": 0.5, "kl_output_clamp_value": 0.2},
-        "k3_on_policy": {"reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k3",
-                         "use_on_policy_kl_approximation": True},
+        "k3_clamped": {
+            "reference_policy_kl_penalty": 0.1,
+            "reference_policy_kl_type": "k3",
+            "kl_input_clamp_value": 0.5,
+            "kl_output_clamp_value": 0.2,
+        },
+        "k3_on_policy": {
+            "reference_policy_kl_penalty": 0.1,
+            "reference_policy_kl_type": "k3",
+            "use_on_policy_kl_approximation": True,
+        },
         "in_reward": {"reference_policy_kl_penalty": 0.1, "use_kl_in_reward": True},
     },
     "nll": {"0": {}, "0.3": {"positive_example_nll_weight": 0.3}},
@@ -63,13 +85,25 @@ AXES = {
 
 # NeMo-RL's own defaults (v0.7.0/main pydantic defaults; v0.6.0 has no defaults, its recipes set these).
 BASE = {
-    "reference_policy_kl_penalty": 0.01, "reference_policy_kl_type": "k3", "kl_input_clamp_value": 20.0,
-    "kl_output_clamp_value": 10.0, "ratio_clip_min": 0.2, "ratio_clip_max": 0.2, "ratio_clip_c": None,
-    "use_on_policy_kl_approximation": False, "use_importance_sampling_correction": False,
-    "truncated_importance_sampling_ratio": None, "truncated_importance_sampling_type": None,
-    "truncated_importance_sampling_ratio_min": None, "token_level_loss": True,
-    "sequence_level_importance_ratios": False, "disable_ppo_ratio": False, "force_on_policy_ratio": False,
-    "use_kl_in_reward": False, "use_cispo": False, "positive_example_nll_weight": 0.0,
+    "reference_policy_kl_penalty": 0.01,
+    "reference_policy_kl_type": "k3",
+    "kl_input_clamp_value": 20.0,
+    "kl_output_clamp_value": 10.0,
+    "ratio_clip_min": 0.2,
+    "ratio_clip_max": 0.2,
+    "ratio_clip_c": None,
+    "use_on_policy_kl_approximation": False,
+    "use_importance_sampling_correction": False,
+    "truncated_importance_sampling_ratio": None,
+    "truncated_importance_sampling_type": None,
+    "truncated_importance_sampling_ratio_min": None,
+    "token_level_loss": True,
+    "sequence_level_importance_ratios": False,
+    "disable_ppo_ratio": False,
+    "force_on_policy_ratio": False,
+    "use_kl_in_reward": False,
+    "use_cispo": False,
+    "positive_example_nll_weight": 0.0,
 }
 
 
@@ -95,7 +129,7 @@ def batches():
     sample_mask = torch.ones(B)
     sample_mask[1] = 0  # masked sample
     prev = -torch.rand(B, S, generator=g) * 3
-    gen = (prev + 0.15 * torch.randn(B, S, generator=g))
+    gen = prev + 0.15 * torch.randn(B, S, generator=g)
     gen[0, 6] -= 3.0  # outlier tokens
     gen[2, 8] += 3.0
     curr = prev[:, 1:] + 0.3 * torch.randn(B, S - 1, generator=g)
@@ -120,9 +154,8 @@ def run() -> dict:
     from tests import nemo_rl_shims
 
     nemo_rl_shims.install()
-    import torch
-
     import nemo_rl
+    import torch
     from nemo_rl.algorithms import loss as host_loss
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -132,8 +165,9 @@ def run() -> dict:
     pydantic = host_api() == "pydantic"
     combos = accepted = compared = 0
     failures: list[str] = []
-    skipped_axes = sorted({f"{a}={v}" for a, vals in AXES.items() for v, opts in vals.items()
-                           if any(k not in fields for k in opts)})
+    skipped_axes = sorted(
+        {f"{a}={v}" for a, vals in AXES.items() for v, opts in vals.items() if any(k not in fields for k in opts)}
+    )
     for choice in itertools.product(*[list(v.items()) for v in AXES.values()]):
         options = {}
         for _, opts in choice:
@@ -158,9 +192,11 @@ def run() -> dict:
             plugin = exc
         if isinstance(host, Exception) or isinstance(plugin, Exception):
             if isinstance(host, Exception) != isinstance(plugin, Exception):
-                failures.append(f"{label}: host {'refuses' if isinstance(host, Exception) else 'accepts'}, "
-                                f"plugin {'refuses' if isinstance(plugin, Exception) else 'accepts'}: "
-                                f"{(host if isinstance(host, Exception) else plugin)!s:.200}")
+                failures.append(
+                    f"{label}: host {'refuses' if isinstance(host, Exception) else 'accepts'}, "
+                    f"plugin {'refuses' if isinstance(plugin, Exception) else 'accepts'}: "
+                    f"{(host if isinstance(host, Exception) else plugin)!s:.200}"
+                )
             continue
         accepted += 1
         for name, curr, data, gvs, gvt in batches():
@@ -185,8 +221,14 @@ def run() -> dict:
                     failures.append(f"{where}: metric {key} missing")
                 elif not (got == ref or abs(got - ref) <= 1e-5 + 1e-4 * abs(ref)):
                     failures.append(f"{where}: metric {key} {got} vs NeMo-RL {ref}")
-    return {"version": getattr(nemo_rl, "__version__", "?"), "combinations": combos, "accepted": accepted,
-            "compared": compared, "axes_absent_in_this_version": skipped_axes, "failures": failures}
+    return {
+        "version": getattr(nemo_rl, "__version__", "?"),
+        "combinations": combos,
+        "accepted": accepted,
+        "compared": compared,
+        "axes_absent_in_this_version": skipped_axes,
+        "failures": failures,
+    }
 
 
 if __name__ == "__main__":

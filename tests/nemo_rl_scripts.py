@@ -16,21 +16,25 @@ nemo_rl_shims.install()
 
 
 def _loss_cfg():
-    return {"name": "rs_clipped_pg", "use_importance_sampling_correction": True,
-            "is_correction_level": "sequence_mean",
-            "rejection_sampling": [{"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.9, "upper": 1.1},
-                                   {"level": "token", "metric": "kl_k3", "upper": 0.5}]}
+    return {
+        "name": "rs_clipped_pg",
+        "use_importance_sampling_correction": True,
+        "is_correction_level": "sequence_mean",
+        "rejection_sampling": [
+            {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.9, "upper": 1.1},
+            {"level": "token", "metric": "kl_k3", "upper": 0.5},
+        ],
+    }
 
 
 def recipe():
     """load_config (defaults + Hydra overrides) -> MasterConfig -> GRPO's ClippedPGLossFn(...)."""
-    import yaml
-    from omegaconf import OmegaConf
-
     import nemo_rl
+    import yaml
     from nemo_rl.algorithms import grpo
     from nemo_rl.utils import config as host_config
     from nemo_rl.utils.config import load_config, parse_hydra_overrides
+    from omegaconf import OmegaConf
 
     if hasattr(host_config, "register_omegaconf_resolvers"):  # as run_grpo.py does
         host_config.register_omegaconf_resolvers()
@@ -50,27 +54,35 @@ def recipe():
     for key in ("name", "is_correction_level", "rejection_sampling"):
         own_cfg.pop(key)
     own = grpo.ClippedPGLossFn(type(loss_cfg)(**own_cfg) if hasattr(loss_cfg, "model_dump") else own_cfg)
-    return {"version": nemo_rl.__version__, "type": type(loss_fn).__name__,
-            "is_host_instance": isinstance(loss_fn, grpo.ClippedPGLossFn),
-            "level": loss_fn.rs_config.is_correction_level,
-            "filters": len(loss_fn.rs_config.rejection_sampling),
-            "ratio_clip_max": loss_fn.rs_config.ratio_clip_max,
-            "inherited_kl_penalty": loss_fn.rs_config.reference_policy_kl_penalty,
-            "own_type": f"{type(own).__module__}.{type(own).__name__}"}
+    return {
+        "version": nemo_rl.__version__,
+        "type": type(loss_fn).__name__,
+        "is_host_instance": isinstance(loss_fn, grpo.ClippedPGLossFn),
+        "level": loss_fn.rs_config.is_correction_level,
+        "filters": len(loss_fn.rs_config.rejection_sampling),
+        "ratio_clip_max": loss_fn.rs_config.ratio_clip_max,
+        "inherited_kl_penalty": loss_fn.rs_config.reference_policy_kl_penalty,
+        "own_type": f"{type(own).__module__}.{type(own).__name__}",
+    }
 
 
 def prepare():
     """The plugin loss inside NeMo-RL's input preparation, unpacked and packed."""
     import torch
-
     from nemo_rl.algorithms import grpo
-    from nemo_rl.algorithms.loss import SequencePackingLossWrapper, prepare_loss_input, wrap_loss_fn_with_input_preparation
+    from nemo_rl.algorithms.loss import (
+        SequencePackingLossWrapper,
+        prepare_loss_input,
+        wrap_loss_fn_with_input_preparation,
+    )
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
     from nemo_rs_plugin import RSClippedPGLoss
 
     cfg = _loss_cfg()
-    host_cfg_cls = getattr(__import__("nemo_rl.algorithms.loss", fromlist=["ClippedPGLossConfig"]), "ClippedPGLossConfig")
+    host_cfg_cls = getattr(
+        __import__("nemo_rl.algorithms.loss", fromlist=["ClippedPGLossConfig"]), "ClippedPGLossConfig"
+    )
     loss_cfg = host_cfg_cls(**cfg) if hasattr(host_cfg_cls, "model_validate") else dict(cfg)
     loss_fn = grpo.ClippedPGLossFn(loss_cfg)
     core = RSClippedPGLoss({k: v for k, v in cfg.items() if k != "name"})
@@ -84,32 +96,44 @@ def prepare():
         token_mask[i, 2:n] = 1
     prev = torch.log_softmax(logits, -1).gather(-1, input_ids.unsqueeze(-1)).squeeze(-1)
     prev = torch.cat([torch.zeros(B, 1), prev[:, :-1]], 1) * token_mask
-    data = {"input_ids": input_ids, "advantages": torch.randn(B, S, generator=g), "prev_logprobs": prev,
-            "generation_logprobs": (prev + 0.03 * torch.randn(B, S, generator=g)) * token_mask,
-            "reference_policy_logprobs": prev, "token_mask": token_mask, "sample_mask": torch.ones(B)}
+    data = {
+        "input_ids": input_ids,
+        "advantages": torch.randn(B, S, generator=g),
+        "prev_logprobs": prev,
+        "generation_logprobs": (prev + 0.03 * torch.randn(B, S, generator=g)) * token_mask,
+        "reference_policy_logprobs": prev,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(B),
+    }
     gvs = torch.tensor(float(B))
     gvt = (token_mask[:, 1:].float()).sum()
     lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     ref_loss, ref_metrics = core(lp, data, gvs, gvt)
-    loss, metrics = wrap_loss_fn_with_input_preparation(logits, BatchedDataDict(data), gvs, gvt, loss_fn,
-                                                        prepare_loss_input)
+    loss, metrics = wrap_loss_fn_with_input_preparation(
+        logits, BatchedDataDict(data), gvs, gvt, loss_fn, prepare_loss_input
+    )
     # Packed: each sequence's valid prefix back to back, NeMo-RL's per-sequence wrapper.
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
     packed = torch.cat([logits[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0)
-    wrapper = SequencePackingLossWrapper(loss_fn=loss_fn, prepare_fn=prepare_loss_input,
-                                         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32))
+    wrapper = SequencePackingLossWrapper(
+        loss_fn=loss_fn, prepare_fn=prepare_loss_input, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32)
+    )
     packed_loss, packed_metrics = wrapper(packed, BatchedDataDict(data), gvs, gvt)
     keys = ["loss", "is_weight_mean", "rs_token_rejected_frac", "token_mult_prob_error"]
-    return {"unpacked": [abs(float(loss) - float(ref_loss)), {k: abs(metrics[k] - ref_metrics[k]) for k in keys}],
-            "packed": [abs(float(packed_loss) - float(ref_loss)), {k: abs(packed_metrics[k] - ref_metrics[k]) for k in keys}]}
+    return {
+        "unpacked": [abs(float(loss) - float(ref_loss)), {k: abs(metrics[k] - ref_metrics[k]) for k in keys}],
+        "packed": [
+            abs(float(packed_loss) - float(ref_loss)),
+            {k: abs(packed_metrics[k] - ref_metrics[k]) for k in keys},
+        ],
+    }
 
 
 def parity():
     """The recorded NeMo-RL cases through the subclass, built the way GRPO builds it."""
     import torch
-
     from nemo_rl.algorithms import grpo
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -118,11 +142,17 @@ def parity():
     failures = []
     for c in fx["cases"]:
         cfg = dict(c["config"], name="rs_clipped_pg")
-        loss_cfg = host_loss.ClippedPGLossConfig(**cfg) if hasattr(host_loss.ClippedPGLossConfig, "model_validate") else cfg
+        loss_cfg = (
+            host_loss.ClippedPGLossConfig(**cfg) if hasattr(host_loss.ClippedPGLossConfig, "model_validate") else cfg
+        )
         loss_fn = grpo.ClippedPGLossFn(loss_cfg)
         lp = c["next_token_logprobs"].clone().requires_grad_(True)
-        loss, metrics = loss_fn(lp, BatchedDataDict({k: v.clone() for k, v in c["data"].items()}),
-                                c["global_valid_seqs"], c["global_valid_toks"])
+        loss, metrics = loss_fn(
+            lp,
+            BatchedDataDict({k: v.clone() for k, v in c["data"].items()}),
+            c["global_valid_seqs"],
+            c["global_valid_toks"],
+        )
         loss.backward()
         ok = abs(float(loss) - float(c["loss"])) <= 1e-5 + 1e-4 * abs(float(c["loss"]))
         ok &= all(metrics[k] == v or abs(metrics[k] - v) <= 1e-5 + 1e-4 * abs(v) for k, v in c["metrics"].items())
@@ -135,11 +165,10 @@ def parity():
 
 def recipes_load():
     """Every shipped recipe through NeMo-RL's loader, MasterConfig and GRPO's construction."""
-    from omegaconf import OmegaConf
-
     import nemo_rl
     from nemo_rl.algorithms import grpo
     from nemo_rl.utils import config as host_config
+    from omegaconf import OmegaConf
 
     from nemo_rs_plugin.recipes import export_recipes
 
@@ -162,7 +191,6 @@ def recipes_load():
 def new_upstream_field():
     """A field NeMo-RL adds to ClippedPGLossConfig after this plugin's release."""
     import pydantic
-
     from nemo_rl.algorithms import loss as host_loss
 
     base = host_loss.ClippedPGLossConfig
@@ -178,8 +206,12 @@ def new_upstream_field():
         error = None
     except AssertionError as exc:
         error = str(exc)
-    return {"api": "pydantic", "default_builds": type(built).__name__,
-            "host_saw_default": getattr(built, "new_upstream_option", "absent"), "error": error}
+    return {
+        "api": "pydantic",
+        "default_builds": type(built).__name__,
+        "host_saw_default": getattr(built, "new_upstream_option", "absent"),
+        "error": error,
+    }
 
 
 def all_checks():
@@ -191,8 +223,13 @@ def all_checks():
     import traceback
 
     tmp, fixtures = sys.argv[2], sys.argv[3]
-    plan = [("recipe", os.path.join(tmp, "recipe")), ("prepare", None), ("parity", fixtures),
-            ("recipes_load", os.path.join(tmp, "recipes")), ("new_upstream_field", None)]
+    plan = [
+        ("recipe", os.path.join(tmp, "recipe")),
+        ("prepare", None),
+        ("parity", fixtures),
+        ("recipes_load", os.path.join(tmp, "recipes")),
+        ("new_upstream_field", None),
+    ]
     out = {}
     for name, arg in plan:
         if arg is not None and name != "parity":

@@ -98,4 +98,5 @@ def _packed_seq_params_total_tokens() -> None:
     if "total_tokens" in {f.name for f in dataclasses.fields(base)}:
         return
     packed_seq_params.PackedSeqParams = dataclasses.make_dataclass(
-        "PackedSeqParams", [("total_tokens", "int | None", dataclasses.field(default=None))], bases=(base,))
+        "PackedSeqParams", [("total_tokens", "int | None", dataclasses.field(default=None))], bases=(base,)
+    )

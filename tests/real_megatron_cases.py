@@ -22,7 +22,6 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.distributed as dist
 
 LAYOUTS = ((1, 2), (1, 4), (2, 2), (2, 1))  # (tp, cp) on 4 ranks; the rest is data parallel
 B, S, V = 5, 16, 12
@@ -31,26 +30,37 @@ NUM_MICROBATCHES = 2  # NeMo-RL's "* nmb / cp" must cancel megatron-core's "* cp
 IS = {"use_importance_sampling_correction": True}
 CONFIGS = {
     "token-loss/token-IS/tis/kl": {
-        **IS, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0,
-        "reference_policy_kl_penalty": 0.05},
+        **IS,
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
+        "reference_policy_kl_penalty": 0.05,
+    },
     "seq-loss/gspo/sequence_mean/geo-rs+veto+token-k3": {
-        **IS, "sequence_level_importance_ratios": True, "token_level_loss": False,
+        **IS,
+        "sequence_level_importance_ratios": True,
+        "token_level_loss": False,
         "is_correction_level": "sequence_mean",
         "rejection_sampling": [
             {"level": "sequence", "agg": "mean", "lower": 0.9, "upper": 1.1},
             {"level": "sequence", "agg": "any", "lower": 1e-2, "upper": 1e2},
             {"level": "token", "metric": "kl_k3", "upper": 0.5},
-        ]},
+        ],
+    },
     "token-loss/sequence-IS/icepop/filters-kept-denominator": {
-        **IS, "is_correction_level": "sequence", "truncated_importance_sampling_type": "icepop",
-        "truncated_importance_sampling_ratio": 5.0, "truncated_importance_sampling_ratio_min": 0.2,
-        "rejection_denominator": "kept", "reference_policy_kl_penalty": 0.02,
+        **IS,
+        "is_correction_level": "sequence",
+        "truncated_importance_sampling_type": "icepop",
+        "truncated_importance_sampling_ratio": 5.0,
+        "truncated_importance_sampling_ratio_min": 0.2,
+        "rejection_denominator": "kept",
+        "reference_policy_kl_penalty": 0.02,
         "reference_policy_kl_type": "k2",
         "rejection_sampling": [
             {"level": "token", "lower": 0.2, "upper": 5.0},
             {"level": "sequence", "agg": "max", "upper": 20.0},
             {"level": "sequence", "metric": "kl_k1", "agg": "sum", "lower": -3.0, "upper": 3.0},
-        ]},
+        ],
+    },
 }
 
 
@@ -109,9 +119,14 @@ def _host_modules(host: str):
     from nemo_rl.models.megatron.train import LossPostProcessor
 
     return {
-        "ps": parallel_state, "ModelType": ModelType, "ModelParallelConfig": ModelParallelConfig,
-        "schedules": schedules, "cp_layout": get_batch_on_this_cp_rank, "BatchedDataDict": BatchedDataDict,
-        "megatron_data": megatron_data, "LossPostProcessor": LossPostProcessor,
+        "ps": parallel_state,
+        "ModelType": ModelType,
+        "ModelParallelConfig": ModelParallelConfig,
+        "schedules": schedules,
+        "cp_layout": get_batch_on_this_cp_rank,
+        "BatchedDataDict": BatchedDataDict,
+        "megatron_data": megatron_data,
+        "LossPostProcessor": LossPostProcessor,
         "stand_ins": nemo_rl_shims.stand_ins,
     }
 
@@ -139,33 +154,41 @@ def _local_logits(m, logits, data, tp, cp, packed):
     v_local = V // tp
     if not packed:
         local = m["cp_layout"]({"logits": logits})["logits"]
-        return local[..., tp_rank * v_local:(tp_rank + 1) * v_local].contiguous(), None
+        return local[..., tp_rank * v_local : (tp_rank + 1) * v_local].contiguous(), None
     # Pack the (row, position) index of each token the way NeMo-RL packs input_ids, then read
     # the logits off it: local position j holds the logits of token ids[j] - 1 (0: padding).
-    megatron_cfg = {"tensor_model_parallel_size": tp, "sequence_parallel": False,
-                    "pipeline_model_parallel_size": 1, "context_parallel_size": cp}
+    megatron_cfg = {
+        "tensor_model_parallel_size": tp,
+        "sequence_parallel": False,
+        "pipeline_model_parallel_size": 1,
+        "context_parallel_size": cp,
+    }
     pad_each, pad_packed, pad_to = m["megatron_data"]._get_pack_sequence_parameters_for_megatron(
-        megatron_cfg, 2 * cp * tp, S)
+        megatron_cfg, 2 * cp * tp, S
+    )
     ids = torch.arange(1, B * S + 1).reshape(B, S)
     _, local_ids, packed_seq_params, _, _ = m["megatron_data"]._pack_sequences_for_megatron(
-        ids, data["input_lengths"], pad_each, pad_packed, pad_to,
-        cp_rank=ps.get_context_parallel_rank(), cp_size=cp)
+        ids, data["input_lengths"], pad_each, pad_packed, pad_to, cp_rank=ps.get_context_parallel_rank(), cp_size=cp
+    )
     rows = torch.cat([logits.reshape(B * S, V), torch.zeros(1, V)])  # last row: padding logits
     index = torch.where(local_ids[0] > 0, local_ids[0] - 1, B * S)
     local = rows[index].unsqueeze(0)
-    return local[..., tp_rank * v_local:(tp_rank + 1) * v_local].contiguous(), packed_seq_params
+    return local[..., tp_rank * v_local : (tp_rank + 1) * v_local].contiguous(), packed_seq_params
 
 
 def _train_step(m, loss_fn, shard, data, gvs, gvt, packed_seq_params, cp, sampling_params=None):
     """One microbatch through megatron-core's forward_step/backward_step with NeMo-RL's
     LossPostProcessor; returns (logits gradient, reported metrics, scaled loss tensor)."""
     config = m["ModelParallelConfig"](
-        tensor_model_parallel_size=m["ps"].get_tensor_model_parallel_world_size(),
-        context_parallel_size=cp)
+        tensor_model_parallel_size=m["ps"].get_tensor_model_parallel_world_size(), context_parallel_size=cp
+    )
     model = _LogitsModel(shard, config, m["ModelType"].encoder_or_decoder)
     post = m["LossPostProcessor"](
-        loss_fn=loss_fn, cfg={"sequence_packing": {"enabled": packed_seq_params is not None}},
-        num_microbatches=NUM_MICROBATCHES, sampling_params=sampling_params)
+        loss_fn=loss_fn,
+        cfg={"sequence_packing": {"enabled": packed_seq_params is not None}},
+        num_microbatches=NUM_MICROBATCHES,
+        sampling_params=sampling_params,
+    )
     batch = m["BatchedDataDict"]({k: v.clone() for k, v in data.items()})
 
     def forward_step_func(data_iterator, model):
@@ -174,9 +197,15 @@ def _train_step(m, loss_fn, shard, data, gvs, gvt, packed_seq_params, cp, sampli
 
     store = []
     output, _ = m["schedules"].forward_step(
-        forward_step_func=forward_step_func, data_iterator=iter([None]), model=model,
-        num_microbatches=NUM_MICROBATCHES, input_tensor=None, forward_data_store=store,
-        config=config, cp_group_size=cp)
+        forward_step_func=forward_step_func,
+        data_iterator=iter([None]),
+        model=model,
+        num_microbatches=NUM_MICROBATCHES,
+        input_tensor=None,
+        forward_data_store=store,
+        config=config,
+        cp_group_size=cp,
+    )
     m["schedules"].backward_step(None, output, None, model.model_type, config)
     return model.shard.grad.detach().clone(), store[0], output.detach()
 
@@ -213,8 +242,9 @@ def check_sharded_equals_gathered(rank, world_size, host):
                     ok, err = _close(s_grad, g_grad, rel)
                     ratios[label] = float(s_grad.float().norm() / g_grad.float().norm().clamp_min(1e-30))
                     if not ok:
-                        failures.append(f"{label}: logits grad rel err {err:.3g}, "
-                                        f"|sharded|/|gathered| = {ratios[label]:.4f}")
+                        failures.append(
+                            f"{label}: logits grad rel err {err:.3g}, |sharded|/|gathered| = {ratios[label]:.4f}"
+                        )
                     if not torch.allclose(s_out.float(), g_out.float(), rtol=1e-5, atol=1e-6):
                         failures.append(f"{label}: scaled loss {float(s_out)} vs {float(g_out)}")
                     for key, value in g_metrics.items():
@@ -228,9 +258,11 @@ def check_sharded_equals_gathered(rank, world_size, host):
 
 def check_real_megatron(rank, world_size, host):
     """Every check in one world (a world's start-up, mostly imports, is the costly part)."""
-    return (check_gathered_path_gives_full_gradient(rank, world_size, host)
-            + check_sharded_refuses_training_time_filtering(rank, world_size, host)
-            + check_sharded_equals_gathered(rank, world_size, host))
+    return (
+        check_gathered_path_gives_full_gradient(rank, world_size, host)
+        + check_sharded_refuses_training_time_filtering(rank, world_size, host)
+        + check_sharded_equals_gathered(rank, world_size, host)
+    )
 
 
 def check_sharded_refuses_training_time_filtering(rank, world_size, host):
@@ -250,9 +282,11 @@ def check_sharded_refuses_training_time_filtering(rank, world_size, host):
     m["ps"].initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=2)
     for packed in (False, True):
         shard, packed_seq_params = _local_logits(m, logits_full, data, 1, 2, packed)
-        for params, should_refuse in ((TrainingSamplingParams(top_k=8), True),
-                                      (TrainingSamplingParams(top_p=0.9), True),
-                                      (TrainingSamplingParams(temperature=0.7), False)):
+        for params, should_refuse in (
+            (TrainingSamplingParams(top_k=8), True),
+            (TrainingSamplingParams(top_p=0.9), True),
+            (TrainingSamplingParams(temperature=0.7), False),
+        ):
             try:
                 _train_step(m, RSClippedPGLossFn(cfg), shard, data, gvs, gvt, packed_seq_params, 2, params)
                 refused = False
@@ -285,6 +319,8 @@ def check_gathered_path_gives_full_gradient(rank, world_size, host):
         grad, _, _ = _train_step(m, RSClippedPGLossFn(dict(cfg, name="rs_clipped_pg")), shard, data, gvs, gvt, None, cp)
         ok, err = _close(grad, want, 1e-5)
         if not ok:
-            failures.append(f"tp{tp}cp{cp}: gathered-path gradient is not dL/dz_r (rel err {err:.3g}, "
-                            f"ratio {float(grad.norm() / want.norm()):.4f})")
+            failures.append(
+                f"tp{tp}cp{cp}: gathered-path gradient is not dL/dz_r (rel err {err:.3g}, "
+                f"ratio {float(grad.norm() / want.norm()):.4f})"
+            )
     return failures

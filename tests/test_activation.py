@@ -35,8 +35,14 @@ def run_script(name, *args, host="supported", python=sys.executable, env=None, c
     env = dict(os.environ if env is None else env)
     paths = [str(host if os.path.isabs(str(host)) else FAKE / host)] if host else []
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run([python, str(SCRIPTS), name, *args], capture_output=True, text=True,
-                          env=env, cwd=cwd or Path(SCRIPTS).parent.parent.parent, timeout=300)
+    proc = subprocess.run(
+        [python, str(SCRIPTS), name, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd or Path(SCRIPTS).parent.parent.parent,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -52,12 +58,17 @@ def test_environment_variable_disables_activation_but_refuses_plugin_recipes(tmp
     env = dict(os.environ, NEMO_RS_PLUGIN_DISABLE="1")
     # The hook still registers (a guard), and imports nothing.
     assert run_script("startup", host=None, env=env) == {
-        "finder": True, "torch": False, "pydantic": False, "nemo_rs_plugin": False}
+        "finder": True,
+        "torch": False,
+        "pydantic": False,
+        "nemo_rs_plugin": False,
+    }
     (tmp_path / "named.yaml").write_text("loss_fn:\n  name: rs_clipped_pg\n  is_correction_level: sequence_mean\n")
     (tmp_path / "short.yaml").write_text("loss_fn: rs_clipped_pg\n")
     (tmp_path / "plain.yaml").write_text("loss_fn:\n  reference_policy_kl_penalty: 0.0\n")
-    out = run_script("disabled_guard", *(str(tmp_path / n) for n in ("named.yaml", "short.yaml", "plain.yaml")),
-                     env=env)
+    out = run_script(
+        "disabled_guard", *(str(tmp_path / n) for n in ("named.yaml", "short.yaml", "plain.yaml")), env=env
+    )
     # NeMo-RL's own loss is built, the plugin never loads ...
     assert out["selector"] == "type" and out["plugin_imported"] == []
     assert out["plain.yaml"] == "no error"
@@ -91,8 +102,10 @@ def test_bad_loss_sections_fail_at_construction_with_the_fix():
     assert "did you mean 'is_correction_level'" in out["misspelled_without_name"]
     assert "rejection_sampling_: unknown field; did you mean 'rejection_sampling'?" in out["misspelled_with_name"]
     # name: clipped_pg is NeMo-RL's own loss, which would ignore the plugin's fields.
-    assert ("is_correction_level: a nemo-rs-plugin field under NeMo-RL's own loss, which would ignore it; set "
-            "`name: rs_clipped_pg` (name 'clipped_pg' is NeMo-RL's own loss)") in out["plugin_field_with_host_name"]
+    assert (
+        "is_correction_level: a nemo-rs-plugin field under NeMo-RL's own loss, which would ignore it; set "
+        "`name: rs_clipped_pg` (name 'clipped_pg' is NeMo-RL's own loss)"
+    ) in out["plugin_field_with_host_name"]
     assert out["host_name_alone"] == "no error"
 
 
@@ -105,10 +118,13 @@ def test_a_loss_built_where_the_selector_cannot_reach_is_refused(tmp_path):
     assert len(out["warnings"]) == 1
     assert "nemo_rl.algorithms.grpo has no class ClippedPGLossFn to replace" in out["warnings"][0]
     # ... refused when a recipe names the plugin's loss, on loading and on construction ...
-    assert out["named.yaml"].startswith("PluginNotActiveError: ") and "NeMo-RL would train with its own loss" in out[
-        "named.yaml"]
-    assert out["build_named"].startswith("PluginNotActiveError: loss_fn.name is 'rs_clipped_pg', but NeMo-RL's own "
-                                         "ClippedPGLossFn is being built")
+    assert (
+        out["named.yaml"].startswith("PluginNotActiveError: ")
+        and "NeMo-RL would train with its own loss" in out["named.yaml"]
+    )
+    assert out["build_named"].startswith(
+        "PluginNotActiveError: loss_fn.name is 'rs_clipped_pg', but NeMo-RL's own ClippedPGLossFn is being built"
+    )
     assert "a nemo-rs-plugin field under NeMo-RL's own loss" in out["build_host_with_plugin_field"]
     # ... and NeMo-RL's own loss still builds for recipes that ask for it.
     assert out["plain.yaml"] == "no error"
@@ -164,11 +180,16 @@ def test_dangling_worker_links_are_removed_and_taken_off_pythonpath(tmp_path):
 
 
 def _bare_venv(path: Path) -> tuple[Path, Path]:
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, capture_output=True, timeout=300
+    )
     python = path / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     return python, Path(site)
 
 
@@ -209,11 +230,16 @@ def _deps_dir() -> str:
 
 
 def _make_venv(path: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, capture_output=True, timeout=300
+    )
     python = path / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     # The dependencies (torch, pydantic, ...) as a plain path: .pth files there are not run,
     # so no other installation of the plugin can activate in this venv.
     Path(site, "deps.pth").write_text(_deps_dir() + "\n")
@@ -226,8 +252,18 @@ def test_activation_works_for_regular_and_editable_installs(tmp_path, editable):
     python = _make_venv(tmp_path / "venv")
     # This interpreter's pip installs into the venv; the build uses the setuptools visible
     # there (through deps.pth), so nothing is downloaded.
-    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-           "--no-build-isolation", "--no-index"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        str(python),
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+    ]
     cmd += ["-e", str(REPO)] if editable else [str(REPO)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -248,13 +284,18 @@ def ray_worker_roundtrip(tmp_path, host):
     worker_python = _make_venv(tmp_path / "worker-venv")
     worker_env = dict(driver["worker_env"])
     probe_code = "import importlib.util as u; print(u.find_spec('nemo_rs_plugin') is None)"
-    probe = subprocess.run([str(worker_python), "-c", probe_code],
-                           capture_output=True, text=True, cwd=tmp_path,
-                           env={k: v for k, v in worker_env.items() if k != "PYTHONPATH"})
+    probe = subprocess.run(
+        [str(worker_python), "-c", probe_code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={k: v for k, v in worker_env.items() if k != "PYTHONPATH"},
+    )
     if probe.stdout.strip() != "True":
         pytest.skip("the dependency directory holds a regular install of the plugin: no clean worker venv")
-    out = run_script("worker_unpickle", str(pickled), python=str(worker_python), env=worker_env, cwd=tmp_path,
-                     host=host)
+    out = run_script(
+        "worker_unpickle", str(pickled), python=str(worker_python), env=worker_env, cwd=tmp_path, host=host
+    )
     assert out["type"] == "RSClippedPGLossFn" and not out["preloaded"]
     assert out["loss"] == driver["loss"]
     assert out["plugin_from"].startswith(str(tmp_path / "worker-path")), out["plugin_from"]

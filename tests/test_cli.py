@@ -45,8 +45,9 @@ def no_nemo_rl(monkeypatch):
 
 def run_cli(*args):
     """The console entry point in a fresh interpreter: exit code, stdout, stderr."""
-    proc = subprocess.run([sys.executable, "-m", "nemo_rs_plugin.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_rs_plugin.cli", *args], capture_output=True, text=True, timeout=300
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -54,8 +55,10 @@ def test_simulate_writes_the_table_as_csv_and_json(tmp_path):
     # What the default run (PR #2269's situation) shows is checked against README.md in
     # tests/test_cli_docs.py.
     out = tmp_path / "rows.json"
-    assert main(["simulate", "--length", "300", "--steps", "1", "--json", str(out), "--csv",
-                 str(tmp_path / "rows.csv")]) == 0
+    assert (
+        main(["simulate", "--length", "300", "--steps", "1", "--json", str(out), "--csv", str(tmp_path / "rows.csv")])
+        == 0
+    )
     data = json.loads(out.read_text())
     assert data["source"].startswith("synthetic: 16 responses x 1 steps of 150-300 tokens")
     assert [r["config"] for r in data["rows"]][:2] == ["uncorrected", "token"]
@@ -71,23 +74,48 @@ def test_simulate_plot(tmp_path):
 
 def test_simulate_rejection_reacts_to_outliers_and_staleness(tmp_path):
     out = tmp_path / "rows.json"
-    main(["simulate", "--steps", "1", "--length", "2000", "--outlier-rate", "0.001", "--staleness", "0.02",
-          "--configs", "uncorrected", "seqmean+geo-rs+veto", "--json", str(out)])
+    main(
+        [
+            "simulate",
+            "--steps",
+            "1",
+            "--length",
+            "2000",
+            "--outlier-rate",
+            "0.001",
+            "--staleness",
+            "0.02",
+            "--configs",
+            "uncorrected",
+            "seqmean+geo-rs+veto",
+            "--json",
+            str(out),
+        ]
+    )
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["seqmean+geo-rs+veto"]["seq_rejected"] > 0.2
     assert rows["uncorrected"]["seq_rejected"] == 0
 
 
 def test_simulate_from_jsonl_and_torch(tmp_path, capsys):
-    records = [{"prev_logprobs": [-1.0, -0.5, -0.2], "generation_logprobs": [-1.0, -0.52, -0.19], "advantage": 1.0},
-               {"prev_logprobs": [-0.3, -0.4], "generation_logprobs": [-0.31, -0.38], "token_mask": [0, 1]}]
+    records = [
+        {"prev_logprobs": [-1.0, -0.5, -0.2], "generation_logprobs": [-1.0, -0.52, -0.19], "advantage": 1.0},
+        {"prev_logprobs": [-0.3, -0.4], "generation_logprobs": [-0.31, -0.38], "token_mask": [0, 1]},
+    ]
     path = tmp_path / "run.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records))
     assert main(["simulate", "--from", str(path), "--configs", "token", "sequence_mean"]) == 0
     assert "2 sequences" in capsys.readouterr().out
     pt = tmp_path / "run.pt"
-    torch.save({"prev_logprobs": torch.zeros(2, 4), "generation_logprobs": torch.full((2, 4), -0.01),
-                "token_mask": torch.ones(2, 4, dtype=torch.long), "advantages": torch.ones(2)}, pt)
+    torch.save(
+        {
+            "prev_logprobs": torch.zeros(2, 4),
+            "generation_logprobs": torch.full((2, 4), -0.01),
+            "token_mask": torch.ones(2, 4, dtype=torch.long),
+            "advantages": torch.ones(2),
+        },
+        pt,
+    )
     assert main(["simulate", "--from", str(pt), "--configs", "token"]) == 0
 
 
@@ -98,14 +126,22 @@ def test_check_bad_input_one_line_per_problem_exit_2(tmp_path, capsys):
     no_loss.write_text("grpo:\n  num_prompts_per_step: 8\n")
     invalid = tmp_path / "invalid.yaml"
     token_filter = {"level": "token", "agg": "mean", "upper": 2}
-    invalid.write_text(yaml.safe_dump({"loss_fn": {"name": "rs_clipped_pg", "is_correction_level": "seq",
-                                                   "rejection_sampling": [token_filter]}}))
+    invalid.write_text(
+        yaml.safe_dump(
+            {"loss_fn": {"name": "rs_clipped_pg", "is_correction_level": "seq", "rejection_sampling": [token_filter]}}
+        )
+    )
     cases = {  # recipe: (number of problems, what the lines say)
         str(tmp_path / "missing.yaml"): (1, ["missing.yaml: no such file"]),
         str(bad_yaml): (1, ["bad.yaml:3:", "invalid YAML"]),
         str(no_loss): (1, ["loss_fn: missing"]),
-        str(invalid): (2, ["loss_fn.is_correction_level: got 'seq'",
-                           "loss_fn.rejection_sampling.0: agg: got 'mean' on a token filter"]),
+        str(invalid): (
+            2,
+            [
+                "loss_fn.is_correction_level: got 'seq'",
+                "loss_fn.rejection_sampling.0: agg: got 'mean' on a token filter",
+            ],
+        ),
     }
     for recipe, (count, needles) in cases.items():
         code = main(["check", recipe])
@@ -138,23 +174,39 @@ def test_every_shipped_recipe_passes_validation(recipe):
 
 def test_check_prints_the_pipeline_and_warnings(tmp_path, capsys, no_nemo_rl):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "grpo": {"async_grpo": {"enabled": True}},
-        "policy": {"generation": {"max_new_tokens": 9000}},
-        "loss_fn": {"name": "rs_clipped_pg", "sequence_level_importance_ratios": True, "token_level_loss": False,
-                    "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.9999, "upper": 1.0001}]},
-    }))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "grpo": {"async_grpo": {"enabled": True}},
+                "policy": {"generation": {"max_new_tokens": 9000}},
+                "loss_fn": {
+                    "name": "rs_clipped_pg",
+                    "sequence_level_importance_ratios": True,
+                    "token_level_loss": False,
+                    "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.9999, "upper": 1.0001}],
+                },
+            }
+        )
+    )
     assert main(["check", str(recipe)]) == 3  # NeMo-RL is not importable here: not fully checked
     out = capsys.readouterr().out
     assert "GSPO sequence ratio" in out
     assert "the geometric mean of its token ratios (Geo-RS) is in [0.9999, 1.0001]" in out
     assert "async_grpo.enabled is true but loss_fn.use_importance_sampling_correction is false" in out
     assert "would reject" in out
-    recipe.write_text(yaml.safe_dump({
-        "policy": {"generation": {"max_new_tokens": 9000}},
-        "loss_fn": {"name": "rs_clipped_pg", "use_importance_sampling_correction": True,
-                    "sequence_level_importance_ratios": True, "token_level_loss": False},
-    }))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "policy": {"generation": {"max_new_tokens": 9000}},
+                "loss_fn": {
+                    "name": "rs_clipped_pg",
+                    "use_importance_sampling_correction": True,
+                    "sequence_level_importance_ratios": True,
+                    "token_level_loss": False,
+                },
+            }
+        )
+    )
     assert main(["check", str(recipe)]) == 3
     out = capsys.readouterr().out
     assert "is_correction_level is sequence" in out and "use is_correction_level: sequence_mean" in out
@@ -163,8 +215,17 @@ def test_check_prints_the_pipeline_and_warnings(tmp_path, capsys, no_nemo_rl):
 def test_check_applies_overrides(tmp_path, capsys, no_nemo_rl):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("loss_fn:\n  name: rs_clipped_pg\n")
-    assert main(["check", str(recipe), "loss_fn.is_correction_level=sequence_mean",
-                 "loss_fn.use_importance_sampling_correction=true"]) == 3
+    assert (
+        main(
+            [
+                "check",
+                str(recipe),
+                "loss_fn.is_correction_level=sequence_mean",
+                "loss_fn.use_importance_sampling_correction=true",
+            ]
+        )
+        == 3
+    )
     assert "sequence_mean, exp(mean_t d_t)" in capsys.readouterr().out
     assert main(["check", str(recipe), "loss_fn.ratio_clip_c=0.5"]) == 2
 

@@ -63,7 +63,7 @@ def no_nemo_rl(monkeypatch):
 
 
 # --------------------------------------------------------------------------- stand-in hosts
-_LOSS_MODULE = '''
+_LOSS_MODULE = """
 from nemo_rl.algorithms.loss.interfaces import LossInputType
 {config}
 
@@ -75,10 +75,10 @@ class ClippedPGLossFn:
 
     def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks):
         raise NotImplementedError
-'''
+"""
 _PYDANTIC_CONFIG = "from pydantic import BaseModel\n\nclass ClippedPGLossConfig(BaseModel, extra='allow'):\n    pass\n"
 _TYPEDDICT_CONFIG = "class ClippedPGLossConfig(dict):  # v0.6.0: a TypedDict\n    pass\n"
-_CONFIG_MODULE = '''
+_CONFIG_MODULE = """
 import os
 import yaml
 
@@ -106,10 +106,11 @@ def parse_hydra_overrides(cfg, overrides):
             raise RuntimeError("Could not override 'x'.\\nTo append to your config use +x=1") from inner
     except Exception as e:
         raise OverridesError(f"Failed to parse Hydra overrides: {e}") from e
-'''
-GRPO_BROKEN = ('raise TypeError("Please use `typing_extensions.TypedDict` instead of `typing.TypedDict` on '
-               'Python < 3.12.")\n')
-GRPO_PYDANTIC = '''
+"""
+GRPO_BROKEN = (
+    'raise TypeError("Please use `typing_extensions.TypedDict` instead of `typing.TypedDict` on Python < 3.12.")\n'
+)
+GRPO_PYDANTIC = """
 from pydantic import BaseModel, ConfigDict
 
 from nemo_rl.algorithms.loss import ClippedPGLossFn  # as NeMo-RL's GRPO module (the plugin patches it)
@@ -121,9 +122,11 @@ class MasterConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
     grpo: GRPOConfig = GRPOConfig()
     loss_fn: dict
-'''
-GRPO_TYPEDDICT = ("from nemo_rl.algorithms.loss import ClippedPGLossFn\n\n"
-                  "class MasterConfig(dict):  # v0.6.0: a TypedDict\n    pass\n")
+"""
+GRPO_TYPEDDICT = (
+    "from nemo_rl.algorithms.loss import ClippedPGLossFn\n\n"
+    "class MasterConfig(dict):  # v0.6.0: a TypedDict\n    pass\n"
+)
 
 
 def fake_nemo_rl(root, grpo, typeddict=False):
@@ -135,11 +138,13 @@ def fake_nemo_rl(root, grpo, typeddict=False):
         "nemo_rl/algorithms/__init__.py": "",
         "nemo_rl/algorithms/grpo.py": grpo,
         "nemo_rl/algorithms/loss/__init__.py": _LOSS_MODULE.format(
-            config=_TYPEDDICT_CONFIG if typeddict else _PYDANTIC_CONFIG),
+            config=_TYPEDDICT_CONFIG if typeddict else _PYDANTIC_CONFIG
+        ),
         "nemo_rl/algorithms/loss/interfaces.py": "import enum\n\nclass LossInputType(enum.Enum):\n"
-                                                 "    LOGIT = 'logit'\n    LOGPROB = 'logprob'\n",
+        "    LOGIT = 'logit'\n    LOGPROB = 'logprob'\n",
         "examples/configs/grpo_math_qwen30ba3b_megatron.yaml": yaml.safe_dump(
-            {"grpo": {"num_prompts_per_step": 8}, "loss_fn": {"reference_policy_kl_penalty": 0.01}}),
+            {"grpo": {"num_prompts_per_step": 8}, "loss_fn": {"reference_policy_kl_penalty": 0.01}}
+        ),
     }
     for rel, text in files.items():
         path = root / rel
@@ -225,19 +230,23 @@ def test_later_versions_reject_tis_without_a_ratio(tmp_path, capsys):
     assert code == EXIT_INVALID
     assert error_lines(err) == [
         "error: loss_fn.truncated_importance_sampling_ratio: got None with truncated_importance_sampling_type "
-        "'tis'; allowed: a number > 0"]
+        "'tis'; allowed: a number > 0"
+    ]
 
 
 # --------------------------------------------------------------------------- invalid combinations
 SHARDED = {**LOSS, "sharded_logits_input": True}
 
 
-@pytest.mark.parametrize("policy, needle", [
-    ({"megatron_cfg": {"enabled": True, "use_fused_linear_logprobs": True}}, "use_fused_linear_logprobs"),
-    ({"megatron_cfg": {"enabled": False}, "dtensor_cfg": {"enabled": True}}, "DTensor backend"),
-    ({"megatron_cfg": {"enabled": True}, "generation": {"top_k": 50, "top_p": 1.0}}, "top_k: 50"),
-    ({"megatron_cfg": {"enabled": True}, "generation": {"top_k": None, "top_p": 0.9}}, "top_p: 0.9"),
-])
+@pytest.mark.parametrize(
+    "policy, needle",
+    [
+        ({"megatron_cfg": {"enabled": True, "use_fused_linear_logprobs": True}}, "use_fused_linear_logprobs"),
+        ({"megatron_cfg": {"enabled": False}, "dtensor_cfg": {"enabled": True}}, "DTensor backend"),
+        ({"megatron_cfg": {"enabled": True}, "generation": {"top_k": 50, "top_p": 1.0}}, "top_k: 50"),
+        ({"megatron_cfg": {"enabled": True}, "generation": {"top_k": None, "top_p": 0.9}}, "top_p: 0.9"),
+    ],
+)
 def test_sharded_input_invalid_combinations(tmp_path, capsys, no_nemo_rl, policy, needle):
     recipe = write_recipe(tmp_path / "r.yaml", {"policy": policy, "loss_fn": SHARDED})
     code, _, err = run_check(capsys, recipe)
@@ -247,8 +256,10 @@ def test_sharded_input_invalid_combinations(tmp_path, capsys, no_nemo_rl, policy
 
 
 def test_sharded_input_on_megatron_without_filtering_passes(tmp_path, capsys, no_nemo_rl):
-    policy = {"megatron_cfg": {"enabled": True, "use_fused_linear_logprobs": False},
-              "generation": {"top_k": None, "top_p": 1.0}}
+    policy = {
+        "megatron_cfg": {"enabled": True, "use_fused_linear_logprobs": False},
+        "generation": {"top_k": None, "top_p": 1.0},
+    }
     recipe = write_recipe(tmp_path / "r.yaml", {"policy": policy, "loss_fn": SHARDED})
     code, out, err = run_check(capsys, recipe)
     assert code == EXIT_UNCHECKED and not error_lines(err), err  # NeMo-RL itself was not checked
@@ -256,10 +267,13 @@ def test_sharded_input_on_megatron_without_filtering_passes(tmp_path, capsys, no
 
 
 # --------------------------------------------------------------------------- one clear line
-@pytest.mark.parametrize("nemo_rl, needle", [
-    ("missing-dir", "not a NeMo-RL checkout (no such directory)"),
-    ("empty-dir", "not a NeMo-RL checkout (no nemo_rl/__init__.py in it)"),
-])
+@pytest.mark.parametrize(
+    "nemo_rl, needle",
+    [
+        ("missing-dir", "not a NeMo-RL checkout (no such directory)"),
+        ("empty-dir", "not a NeMo-RL checkout (no nemo_rl/__init__.py in it)"),
+    ],
+)
 def test_bad_nemo_rl_path_is_one_line(tmp_path, capsys, nemo_rl, needle):
     (tmp_path / "empty-dir").mkdir()
     recipe = write_recipe(tmp_path / "r.yaml", {"loss_fn": LOSS})
@@ -268,15 +282,18 @@ def test_bad_nemo_rl_path_is_one_line(tmp_path, capsys, nemo_rl, needle):
     assert error_lines(err) == [f"error: --nemo-rl {tmp_path / nemo_rl}: {needle}"]
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("loss_fn.name.foo=1", "loss_fn.name is a str ('rs_clipped_pg'), not a mapping or a list"),
-    ("loss_fn.rejection_sampling.5.upper=1", "loss_fn.rejection_sampling has 1 entries; index 5 is out of range"),
-    ("loss_fn.rejection_sampling.x.upper=1", "loss_fn.rejection_sampling is a list; 'x' is not an index"),
-    ("loss_fn.rejection_sampling.0.upper.x=1", "loss_fn.rejection_sampling.0.upper is a float (1.01)"),
-    ("~loss_fn.nothere", "nothing to delete at loss_fn.nothere"),
-    ("loss_fn..x=1", "'loss_fn..x' is not a dotted key"),
-    ("loss_fn.ratio_clip_max=[1", "the value is not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("loss_fn.name.foo=1", "loss_fn.name is a str ('rs_clipped_pg'), not a mapping or a list"),
+        ("loss_fn.rejection_sampling.5.upper=1", "loss_fn.rejection_sampling has 1 entries; index 5 is out of range"),
+        ("loss_fn.rejection_sampling.x.upper=1", "loss_fn.rejection_sampling is a list; 'x' is not an index"),
+        ("loss_fn.rejection_sampling.0.upper.x=1", "loss_fn.rejection_sampling.0.upper is a float (1.01)"),
+        ("~loss_fn.nothere", "nothing to delete at loss_fn.nothere"),
+        ("loss_fn..x=1", "'loss_fn..x' is not a dotted key"),
+        ("loss_fn.ratio_clip_max=[1", "the value is not valid YAML"),
+    ],
+)
 def test_bad_override_is_one_line(tmp_path, capsys, no_nemo_rl, override, needle):
     loss = {**LOSS, "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}]}
     recipe = write_recipe(tmp_path / "r.yaml", {"loss_fn": loss})
@@ -293,7 +310,8 @@ def test_override_rejected_by_nemo_rl_is_one_line_with_its_cause(tmp_path, capsy
     assert code == EXIT_INVALID
     assert error_lines(err) == [
         "error: override 'loss_fn.name.foo=1': OverridesError: Could not override 'x'. To append to your config "
-        "use +x=1 (\"Key 'foo' is not in struct\")"]
+        "use +x=1 (\"Key 'foo' is not in struct\")"
+    ]
 
 
 def test_multi_line_message_from_the_loader_is_one_line(tmp_path, capsys):
@@ -316,8 +334,10 @@ def test_shorthand_with_an_inherited_loss_mapping_is_one_line(tmp_path, capsys, 
     code, _, err = run_check(capsys, recipe, *args)
     assert code == EXIT_INVALID
     [line] = error_lines(err)
-    assert line.startswith("error: loss_fn: the shorthand `loss_fn: rs_clipped_pg` would replace the loss_fn "
-                           "mapping inherited from base.yaml")
+    assert line.startswith(
+        "error: loss_fn: the shorthand `loss_fn: rs_clipped_pg` would replace the loss_fn "
+        "mapping inherited from base.yaml"
+    )
 
 
 def test_unreadable_parent_is_one_line(tmp_path, capsys, no_nemo_rl):
@@ -335,14 +355,24 @@ def test_shorthand_without_defaults_is_fine(tmp_path, capsys, no_nemo_rl):
     assert code == EXIT_UNCHECKED and not error_lines(err)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--mismatch", "-0.01"], "--mismatch: got -0.01; allowed: a finite number >= 0"),
-    (["--mismatch", "nan"], "--mismatch: got nan; allowed: a finite number >= 0"),
-    (["--response-tokens", "0"], "--response-tokens: got 0; must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--mismatch", "-0.01"], "--mismatch: got -0.01; allowed: a finite number >= 0"),
+        (["--mismatch", "nan"], "--mismatch: got nan; allowed: a finite number >= 0"),
+        (["--response-tokens", "0"], "--response-tokens: got 0; must be at least 1"),
+    ],
+)
 def test_bad_check_option_is_one_line(tmp_path, capsys, no_nemo_rl, args, needle):
-    recipe = write_recipe(tmp_path / "r.yaml", {"loss_fn": {**LOSS, "rejection_sampling": [
-        {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}]}})
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        {
+            "loss_fn": {
+                **LOSS,
+                "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}],
+            }
+        },
+    )
     code, out, err = run_check(capsys, recipe, *args)
     assert code == EXIT_INVALID and out == ""
     assert error_lines(err) == [f"error: {needle}"]

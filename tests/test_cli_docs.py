@@ -46,8 +46,7 @@ def test_readme_numbers_come_from_seeds_0_to_2(default_runs):
     text = flat("README.md")
     assert "Over `nemo-rs simulate --seed 0`, `--seed 1` and `--seed 2`" in text
     for claim in [
-        f"smallest {span([r['is_weight_min'] for r in seq], '.2g')}, "
-        f"ESS {span([r['ess'] for r in seq], '.2f')}",
+        f"smallest {span([r['is_weight_min'] for r in seq], '.2g')}, ESS {span([r['ess'] for r in seq], '.2f')}",
         f"their mean stays at {span([r['is_weight_mean'] for r in seq], '.2f')}",
         f"the gradient norm grows {span([r['grad_norm_ratio'] for r in seq], '.1f')}x",
         f"their mean falls to {span([r['is_weight_mean'] for r in tis], '.2f')}",
@@ -75,7 +74,9 @@ def test_32k_recipe_numbers_come_from_length_28000(tmp_path):
     rows = simulate(tmp_path, "--length", "28000", "--seed", "0")
     seq, tis, mean = rows["sequence"], rows["sequence+tis2"], rows["sequence_mean"]
     text = flat("recipes/grpo-qwen3-30ba3b-4n8g-megatron-tp4ep8-32k-rs.yaml")
-    claim = (f"(`nemo-rs simulate --length 28000 --seed 0`: mean sequence weight {seq['is_weight_mean']:.2f}, "
-             f"gradient norm {seq['grad_norm_ratio']:.2f}x; truncated at 2, mean {tis['is_weight_mean']:.2f}); "
-             f"the geometric mean stays at {mean['is_weight_mean']:.4f}")
+    claim = (
+        f"(`nemo-rs simulate --length 28000 --seed 0`: mean sequence weight {seq['is_weight_mean']:.2f}, "
+        f"gradient norm {seq['grad_norm_ratio']:.2f}x; truncated at 2, mean {tis['is_weight_mean']:.2f}); "
+        f"the geometric mean stays at {mean['is_weight_mean']:.4f}"
+    )
     assert claim in text, claim

@@ -20,7 +20,6 @@ import yaml
 from nemo_rs_plugin.recipes import list_recipes
 from tests.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
 
-
 HOSTS = nemo_rl_hosts()
 pytestmark = no_hosts_mark()
 
@@ -62,8 +61,13 @@ def checkout_of(host):
 def run_checks(host, tmp_path, mode, arg_lists):
     env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"), NEMO_RS_PLUGIN_WORKER_PATH=str(tmp_path / "worker-path"))
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    proc = subprocess.run([sys.executable, "-c", RUNNER, mode, json.dumps(arg_lists)], capture_output=True,
-                          text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER, mode, json.dumps(arg_lists)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(proc.stdout.strip().splitlines()[-1])
     for r in data["results"]:
@@ -106,17 +110,23 @@ def test_check_validates_fully_in_nemo_rl_s_environment(host, tmp_path):
     shorthand.write_text(yaml.safe_dump({"defaults": str(base), "loss_fn": "rs_clipped_pg"}))
     nemo_rl = ["--nemo-rl", str(root)]
     shipped = [str(p) for p in list_recipes()]
-    data, results = run_checks(host, tmp_path, "shim", [
-        *[["check", p, *nemo_rl] for p in shipped],
-        ["check", str(base), *nemo_rl],
-        ["check", shipped[0], *nemo_rl, "loss_fn.rejection_sampling.7.upper=1"],
-        ["check", str(shorthand), *nemo_rl],
-        ["check", str(base), *nemo_rl, "grpo.num_prompts_per_step=many"],
-    ])
+    data, results = run_checks(
+        host,
+        tmp_path,
+        "shim",
+        [
+            *[["check", p, *nemo_rl] for p in shipped],
+            ["check", str(base), *nemo_rl],
+            ["check", shipped[0], *nemo_rl, "loss_fn.rejection_sampling.7.upper=1"],
+            ["check", str(shorthand), *nemo_rl],
+            ["check", str(base), *nemo_rl, "grpo.num_prompts_per_step=many"],
+        ],
+    )
     api = data["api"]
     if api is None or not data["master_imports"]:
-        skip_or_fail(f"NeMo-RL at {host or 'this environment'} does not import with this Python: "
-                    f"{results[0]['err'][-300:]}")
+        skip_or_fail(
+            f"NeMo-RL at {host or 'this environment'} does not import with this Python: {results[0]['err'][-300:]}"
+        )
     *recipes, own_base, bad_override, bad_shorthand, bad_master = results
     # Every shipped recipe and NeMo-RL's own base config are fully valid at every version,
     # v0.6.0 included (its grpo_math_1B.yaml sets `tis` with a null ratio).

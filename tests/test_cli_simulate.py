@@ -18,6 +18,7 @@ from nemo_rs_plugin.loss import RSClippedPGLoss
 @pytest.fixture
 def no_run(monkeypatch):
     """Fail the test if the simulation starts: option errors must come before it."""
+
     def run(*args, **kwargs):
         raise AssertionError("the simulation ran before the options were checked")
 
@@ -35,20 +36,26 @@ def error_lines(err):
 
 
 # --------------------------------------------------------------------------- options
-@pytest.mark.parametrize("args, needle", [
-    (["--length", "0"], "--length: got 0; must be at least 1"),
-    (["--steps", "0"], "--steps: got 0; must be at least 1"),
-    (["--responses", "-2"], "--responses: got -2; must be at least 1"),
-    (["--mismatch", "-0.1"], "--mismatch: got -0.1; allowed: a finite number >= 0"),
-    (["--mismatch", "nan"], "--mismatch: got nan; allowed: a finite number >= 0"),
-    (["--outlier-rate", "1.5"], "--outlier-rate: got 1.5; allowed: a number in [0, 1]"),
-    (["--outlier-rate", "-0.001"], "--outlier-rate: got -0.001; allowed: a number in [0, 1]"),
-    (["--staleness", "inf"], "--staleness: got inf; allowed: a finite number >= 0"),
-    (["--csv", "{tmp}/no/such/dir/t.csv"], "--csv {tmp}/no/such/dir/t.csv: directory {tmp}/no/such/dir does not exist"),
-    (["--json", "{tmp}/no/t.json"], "--json {tmp}/no/t.json: directory {tmp}/no does not exist"),
-    (["--json", "{tmp}"], "--json {tmp}: is a directory"),
-    (["--configs", "token", "tokn"], "--configs: unknown configuration(s) tokn; known: uncorrected"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--length", "0"], "--length: got 0; must be at least 1"),
+        (["--steps", "0"], "--steps: got 0; must be at least 1"),
+        (["--responses", "-2"], "--responses: got -2; must be at least 1"),
+        (["--mismatch", "-0.1"], "--mismatch: got -0.1; allowed: a finite number >= 0"),
+        (["--mismatch", "nan"], "--mismatch: got nan; allowed: a finite number >= 0"),
+        (["--outlier-rate", "1.5"], "--outlier-rate: got 1.5; allowed: a number in [0, 1]"),
+        (["--outlier-rate", "-0.001"], "--outlier-rate: got -0.001; allowed: a number in [0, 1]"),
+        (["--staleness", "inf"], "--staleness: got inf; allowed: a finite number >= 0"),
+        (
+            ["--csv", "{tmp}/no/such/dir/t.csv"],
+            "--csv {tmp}/no/such/dir/t.csv: directory {tmp}/no/such/dir does not exist",
+        ),
+        (["--json", "{tmp}/no/t.json"], "--json {tmp}/no/t.json: directory {tmp}/no does not exist"),
+        (["--json", "{tmp}"], "--json {tmp}: is a directory"),
+        (["--configs", "token", "tokn"], "--configs: unknown configuration(s) tokn; known: uncorrected"),
+    ],
+)
 def test_bad_option_is_one_line_before_the_run(tmp_path, capsys, no_run, args, needle):
     args = [a.format(tmp=tmp_path) for a in args]
     code, out, err = run_simulate(capsys, *args)
@@ -62,10 +69,13 @@ def test_every_bad_option_is_reported_at_once(capsys, no_run):
     assert code == EXIT_INVALID and len(error_lines(err)) == 3
 
 
-@pytest.mark.parametrize("name, needle", [
-    ("plot.foo", "unknown format 'foo' (supported: "),
-    ("plot", "no suffix; name the format ("),
-])
+@pytest.mark.parametrize(
+    "name, needle",
+    [
+        ("plot.foo", "unknown format 'foo' (supported: "),
+        ("plot", "no suffix; name the format ("),
+    ],
+)
 def test_plot_format_is_checked_before_the_run(tmp_path, capsys, no_run, name, needle):
     pytest.importorskip("matplotlib")
     code, _, err = run_simulate(capsys, "--plot", str(tmp_path / name))
@@ -89,8 +99,9 @@ def test_synthetic_options_with_from_are_an_error(tmp_path, capsys, no_run, args
     assert code == EXIT_INVALID
     [line] = error_lines(err)
     flags = [a for a in args if a.startswith("--")]
-    assert line == (f"error: {', '.join(flags)}: shape(s) the synthetic batch, which --from replaces; "
-                    "drop them or drop --from")
+    assert line == (
+        f"error: {', '.join(flags)}: shape(s) the synthetic batch, which --from replaces; drop them or drop --from"
+    )
 
 
 # --------------------------------------------------------------------------- --from
@@ -117,9 +128,12 @@ def test_from_jsonl_uses_every_token_of_a_record(tmp_path, capsys):
 
 
 def test_from_jsonl_one_token_records_and_empty_records(tmp_path, capsys):
-    path = jsonl(tmp_path, {"prev_logprobs": [-0.2], "generation_logprobs": [-0.3]},
-                 {"prev_logprobs": [], "generation_logprobs": []},
-                 {"prev_logprobs": [-0.2], "generation_logprobs": [-0.3], "token_mask": [0]})
+    path = jsonl(
+        tmp_path,
+        {"prev_logprobs": [-0.2], "generation_logprobs": [-0.3]},
+        {"prev_logprobs": [], "generation_logprobs": []},
+        {"prev_logprobs": [-0.2], "generation_logprobs": [-0.3], "token_mask": [0]},
+    )
     rows = rows_of(capsys, tmp_path, "--from", path, "--configs", "token", "sequence")
     # Only the first record has a valid token; the others are sequences with no valid token.
     assert rows["token"]["is_weight_mean"] == pytest.approx(math.exp(0.1), rel=1e-6)
@@ -129,9 +143,15 @@ def test_from_jsonl_one_token_records_and_empty_records(tmp_path, capsys):
 def test_from_torch_drops_position_0_as_nemo_rl(tmp_path, capsys):
     # NeMo-RL's layout: position 0 belongs to no predicted token; d = 0.3 there is ignored.
     pt = tmp_path / "run.pt"
-    torch.save({"prev_logprobs": torch.tensor([[0.3, -0.5, -1.0]]),
-                "generation_logprobs": torch.tensor([[0.0, -1.0, -1.0]]),
-                "advantages": torch.ones(1, 3), "sample_mask": torch.ones(1)}, pt)
+    torch.save(
+        {
+            "prev_logprobs": torch.tensor([[0.3, -0.5, -1.0]]),
+            "generation_logprobs": torch.tensor([[0.0, -1.0, -1.0]]),
+            "advantages": torch.ones(1, 3),
+            "sample_mask": torch.ones(1),
+        },
+        pt,
+    )
     rows = rows_of(capsys, tmp_path, "--from", str(pt), "--configs", "sequence")
     assert rows["sequence"]["is_weight_mean"] == pytest.approx(math.exp(0.5), rel=1e-6)
 
@@ -139,26 +159,36 @@ def test_from_torch_drops_position_0_as_nemo_rl(tmp_path, capsys):
 GOOD = {"prev_logprobs": [-0.1, -0.2], "generation_logprobs": [-0.1, -0.2]}
 
 
-@pytest.mark.parametrize("records, needle", [
-    ([GOOD, {"prev_logprobs": [0.1]}], ":2: field 'generation_logprobs' is missing"),
-    ([{"prev_logprobs": [0.1, 0.2], "generation_logprobs": [0.1]}],
-     ":1: field 'generation_logprobs' has 1 values, expected 2"),
-    ([{"prev_logprobs": "x", "generation_logprobs": [0.1]}], ":1: field 'prev_logprobs' must be a list of numbers"),
-    ([GOOD, "not json"], ":2: record is not valid JSON"),
-    (["[1, 2]"], ":1: record must be a JSON object"),
-    ([{**GOOD, "prev_logprobs": [-0.1, True]}], ":1: field 'prev_logprobs' value 1 is true; expected a number or null"),
-    ([{**GOOD, "generation_logprobs": [-0.1, "a"]}],
-     ":1: field 'generation_logprobs' value 1 is \"a\"; expected a number"),
-    ([{**GOOD, "token_mask": [1, 2]}], ":1: field 'token_mask' value 1 is 2; expected 0 or 1"),
-    ([{**GOOD, "token_mask": [1, None]}], ":1: field 'token_mask' value 1 is null; expected 0 or 1"),
-    ([{**GOOD, "advantage": None}], ":1: field 'advantage' is null; expected a finite number"),
-    ([{**GOOD, "advantage": "NaN-literal"}], ":1: field 'advantage' is \"NaN-literal\"; expected a finite number"),
-    (['{"prev_logprobs": [0.1], "generation_logprobs": [0.1], "advantage": NaN}'], ":1: field 'advantage' is NaN"),
-    ([{**GOOD, "advantages": [1.0, 1.0]}], ":1: field 'advantages' is unknown (fields: prev_logprobs, "),
-    ([{"prev_logprobs": [], "generation_logprobs": []}], ": no valid token in any sequence"),
-    ([{**GOOD, "token_mask": [0, 0]}], ": no valid token in any sequence"),
-    ([], ": no records"),
-])
+@pytest.mark.parametrize(
+    "records, needle",
+    [
+        ([GOOD, {"prev_logprobs": [0.1]}], ":2: field 'generation_logprobs' is missing"),
+        (
+            [{"prev_logprobs": [0.1, 0.2], "generation_logprobs": [0.1]}],
+            ":1: field 'generation_logprobs' has 1 values, expected 2",
+        ),
+        ([{"prev_logprobs": "x", "generation_logprobs": [0.1]}], ":1: field 'prev_logprobs' must be a list of numbers"),
+        ([GOOD, "not json"], ":2: record is not valid JSON"),
+        (["[1, 2]"], ":1: record must be a JSON object"),
+        (
+            [{**GOOD, "prev_logprobs": [-0.1, True]}],
+            ":1: field 'prev_logprobs' value 1 is true; expected a number or null",
+        ),
+        (
+            [{**GOOD, "generation_logprobs": [-0.1, "a"]}],
+            ":1: field 'generation_logprobs' value 1 is \"a\"; expected a number",
+        ),
+        ([{**GOOD, "token_mask": [1, 2]}], ":1: field 'token_mask' value 1 is 2; expected 0 or 1"),
+        ([{**GOOD, "token_mask": [1, None]}], ":1: field 'token_mask' value 1 is null; expected 0 or 1"),
+        ([{**GOOD, "advantage": None}], ":1: field 'advantage' is null; expected a finite number"),
+        ([{**GOOD, "advantage": "NaN-literal"}], ":1: field 'advantage' is \"NaN-literal\"; expected a finite number"),
+        (['{"prev_logprobs": [0.1], "generation_logprobs": [0.1], "advantage": NaN}'], ":1: field 'advantage' is NaN"),
+        ([{**GOOD, "advantages": [1.0, 1.0]}], ":1: field 'advantages' is unknown (fields: prev_logprobs, "),
+        ([{"prev_logprobs": [], "generation_logprobs": []}], ": no valid token in any sequence"),
+        ([{**GOOD, "token_mask": [0, 0]}], ": no valid token in any sequence"),
+        ([], ": no records"),
+    ],
+)
 def test_from_bad_jsonl_record_is_one_line(tmp_path, capsys, records, needle):
     path = jsonl(tmp_path, *records)
     code, out, err = run_simulate(capsys, "--from", path)
@@ -172,37 +202,55 @@ def test_from_binary_file_without_torch_suffix_is_one_line(tmp_path, capsys):
     path.write_bytes(b"\x80\x81\xff\n")
     code, _, err = run_simulate(capsys, "--from", str(path))
     assert code == EXIT_INVALID
-    assert error_lines(err) == [f"error: {path}: not a UTF-8 JSONL file (a torch file needs the suffix .pt, .pth, "
-                                ".torch)"]
+    assert error_lines(err) == [
+        f"error: {path}: not a UTF-8 JSONL file (a torch file needs the suffix .pt, .pth, .torch)"
+    ]
 
 
 B2S4 = {"prev_logprobs": torch.zeros(2, 4), "generation_logprobs": torch.zeros(2, 4)}
 
 
-@pytest.mark.parametrize("content, needle", [
-    ({**B2S4, "advantages": torch.ones(3)}, "field 'advantages' has shape [3], expected [2] or [2, 1] or [2, 4]"),
-    ({**B2S4, "advantages": torch.ones(2, 5)}, "field 'advantages' has shape [2, 5], expected [2] or [2, 1] or [2, 4]"),
-    ({**B2S4, "advantages": 3.0}, "field 'advantages' must be a tensor, got float"),
-    ({**B2S4, "sample_mask": torch.ones(3)}, "field 'sample_mask' has shape [3], expected [2]"),
-    ({**B2S4, "sample_mask": torch.ones(2, 1)}, "field 'sample_mask' has shape [2, 1], expected [2]"),
-    ({**B2S4, "sample_mask": torch.full((2,), 0.5)}, "field 'sample_mask' must hold 0 or 1 only"),
-    ({**B2S4, "token_mask": [1, 2]}, "field 'token_mask' must be a tensor, got list"),
-    ({**B2S4, "token_mask": torch.ones(2, 3)}, "field 'token_mask' has shape [2, 3], expected [2, 4]"),
-    ({**B2S4, "token_mask": torch.full((2, 4), 2)}, "field 'token_mask' must hold 0 or 1 only"),
-    ({**B2S4, "generation_logprobs": torch.zeros(2, 5)},
-     "field 'generation_logprobs' has shape [2, 5], expected [2, 4]"),
-    ({**B2S4, "generation_logprobs": torch.zeros(2, 4, 1)},
-     "field 'generation_logprobs' must be a [B, S] tensor, got [2, 4, 1]"),
-    ({**B2S4, "prev_logprobs": torch.zeros(2, 4, dtype=torch.complex64)},
-     "field 'prev_logprobs' must hold real numbers"),
-    ({**B2S4, "prev_logprobs": torch.zeros(2, 4, dtype=torch.bool)}, "field 'prev_logprobs' must hold real numbers"),
-    ({"prev_logprobs": torch.zeros(0, 4), "generation_logprobs": torch.zeros(0, 4)}, "holds no sequence (B = 0)"),
-    ({"prev_logprobs": torch.zeros(2, 1), "generation_logprobs": torch.zeros(2, 1)},
-     "has S = 1; position 0 is dropped"),
-    ({"prev_logprobs": torch.zeros(2, 4)}, "field 'generation_logprobs' is missing"),
-    ({**B2S4, "token_mask": torch.tensor([[1, 0, 0, 0], [1, 0, 0, 0]])}, "no valid token in any sequence"),
-    ([1, 2], "expected a dict of tensors, got list"),
-])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ({**B2S4, "advantages": torch.ones(3)}, "field 'advantages' has shape [3], expected [2] or [2, 1] or [2, 4]"),
+        (
+            {**B2S4, "advantages": torch.ones(2, 5)},
+            "field 'advantages' has shape [2, 5], expected [2] or [2, 1] or [2, 4]",
+        ),
+        ({**B2S4, "advantages": 3.0}, "field 'advantages' must be a tensor, got float"),
+        ({**B2S4, "sample_mask": torch.ones(3)}, "field 'sample_mask' has shape [3], expected [2]"),
+        ({**B2S4, "sample_mask": torch.ones(2, 1)}, "field 'sample_mask' has shape [2, 1], expected [2]"),
+        ({**B2S4, "sample_mask": torch.full((2,), 0.5)}, "field 'sample_mask' must hold 0 or 1 only"),
+        ({**B2S4, "token_mask": [1, 2]}, "field 'token_mask' must be a tensor, got list"),
+        ({**B2S4, "token_mask": torch.ones(2, 3)}, "field 'token_mask' has shape [2, 3], expected [2, 4]"),
+        ({**B2S4, "token_mask": torch.full((2, 4), 2)}, "field 'token_mask' must hold 0 or 1 only"),
+        (
+            {**B2S4, "generation_logprobs": torch.zeros(2, 5)},
+            "field 'generation_logprobs' has shape [2, 5], expected [2, 4]",
+        ),
+        (
+            {**B2S4, "generation_logprobs": torch.zeros(2, 4, 1)},
+            "field 'generation_logprobs' must be a [B, S] tensor, got [2, 4, 1]",
+        ),
+        (
+            {**B2S4, "prev_logprobs": torch.zeros(2, 4, dtype=torch.complex64)},
+            "field 'prev_logprobs' must hold real numbers",
+        ),
+        (
+            {**B2S4, "prev_logprobs": torch.zeros(2, 4, dtype=torch.bool)},
+            "field 'prev_logprobs' must hold real numbers",
+        ),
+        ({"prev_logprobs": torch.zeros(0, 4), "generation_logprobs": torch.zeros(0, 4)}, "holds no sequence (B = 0)"),
+        (
+            {"prev_logprobs": torch.zeros(2, 1), "generation_logprobs": torch.zeros(2, 1)},
+            "has S = 1; position 0 is dropped",
+        ),
+        ({"prev_logprobs": torch.zeros(2, 4)}, "field 'generation_logprobs' is missing"),
+        ({**B2S4, "token_mask": torch.tensor([[1, 0, 0, 0], [1, 0, 0, 0]])}, "no valid token in any sequence"),
+        ([1, 2], "expected a dict of tensors, got list"),
+    ],
+)
 def test_from_bad_torch_file_is_one_line(tmp_path, capsys, content, needle):
     path = tmp_path / "run.pt"
     torch.save(content, path)
@@ -242,8 +290,10 @@ def test_json_is_strict_with_non_finite_values_as_strings(tmp_path, capsys):
 
 def test_plot_weight_axis_is_bounded_and_labels_what_it_cuts(tmp_path):
     pytest.importorskip("matplotlib")
-    rows = [{"config": "a", "is_weight_mean": 5e262, "ess": 0.1, "seq_rejected": 0.0},
-            {"config": "b", "is_weight_mean": 0.98, "ess": float("nan"), "seq_rejected": 0.5}]
+    rows = [
+        {"config": "a", "is_weight_mean": 5e262, "ess": 0.1, "seq_rejected": 0.0},
+        {"config": "b", "is_weight_mean": 0.98, "ess": float("nan"), "seq_rejected": 0.5},
+    ]
     fig = sim.plot_figure(rows)
     weights, ess, _ = fig.axes
     assert weights.get_xlim() == pytest.approx((0, 1.05 * sim.WEIGHT_AXIS_MAX))
@@ -257,8 +307,11 @@ def test_plot_weight_axis_is_bounded_and_labels_what_it_cuts(tmp_path):
 def test_weights_are_the_ones_the_loss_applies_float32_overflow_is_0(tmp_path, capsys):
     """A sequence whose exp(sum d) overflows float32 gets weight 0 in the loss, and in simulate."""
     n = 100  # sum d = 100 nats: exp(100) = 2.7e43 > float32 max 3.4e38
-    path = jsonl(tmp_path, {"prev_logprobs": [-0.5] * n, "generation_logprobs": [-1.5] * n},
-                 {"prev_logprobs": [-0.5] * n, "generation_logprobs": [-0.5] * n})
+    path = jsonl(
+        tmp_path,
+        {"prev_logprobs": [-0.5] * n, "generation_logprobs": [-1.5] * n},
+        {"prev_logprobs": [-0.5] * n, "generation_logprobs": [-0.5] * n},
+    )
     rows = rows_of(capsys, tmp_path, "--from", path, "--configs", "sequence")
     assert rows["sequence"]["is_weight_mean"] == pytest.approx(0.5)  # weights (0, 1), not (2.7e43, 1)
 
@@ -267,8 +320,11 @@ def test_weights_are_the_ones_the_loss_applies_float32_overflow_is_0(tmp_path, c
     batch = sim.load_batch(path)
     w = sim._applied_weights(sim.DEFAULT_CONFIGS["sequence"], batch)
     lp = batch["prev_logprobs"][:, 1:].clone().requires_grad_(True)
-    data = {**batch, "input_ids": torch.zeros_like(batch["token_mask"]),
-            "reference_policy_logprobs": batch["prev_logprobs"]}
+    data = {
+        **batch,
+        "input_ids": torch.zeros_like(batch["token_mask"]),
+        "reference_policy_logprobs": batch["prev_logprobs"],
+    }
     valid = batch["token_mask"][:, 1:].float()
     loss, _ = RSClippedPGLoss(sim.DEFAULT_CONFIGS["sequence"])(lp, data, torch.tensor(2.0), valid.sum())
     loss.backward()

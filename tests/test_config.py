@@ -35,22 +35,50 @@ def test_defaults_equal_nemo_rl_defaults():
         ({"use_cispo": True, "ratio_clip_c": 3.0}, ["ratio_clip_c: got 3.0", "null"]),
         ({"use_cispo": True, "token_level_loss": False}, ["token_level_loss: got false"]),
         ({"ratio_clip_c": 0.5}, ["ratio_clip_c: got 0.5", "> 1"]),
-        ({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
-         ["use_importance_sampling_correction: false"]),
-        ({**IS_ON, "truncated_importance_sampling_type": "tis"}, ["truncated_importance_sampling_ratio: got None", "> 0"]),
-        ({**IS_ON, "truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio": 1.002},
-         ["truncated_importance_sampling_ratio_min: got null", "seq-mask-tis"]),
-        ({**IS_ON, "truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 2.0,
-          "truncated_importance_sampling_ratio_min": 3.0}, ["3.0 > ", "must be <= truncated_importance_sampling_ratio"]),
-        ({**IS_ON, "truncated_importance_sampling_type": "clip", "truncated_importance_sampling_ratio": 2.0},
-         ["truncated_importance_sampling_type: got 'clip'", "'tis', 'icepop' or 'seq-mask-tis'"]),
+        (
+            {"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
+            ["use_importance_sampling_correction: false"],
+        ),
+        (
+            {**IS_ON, "truncated_importance_sampling_type": "tis"},
+            ["truncated_importance_sampling_ratio: got None", "> 0"],
+        ),
+        (
+            {
+                **IS_ON,
+                "truncated_importance_sampling_type": "seq-mask-tis",
+                "truncated_importance_sampling_ratio": 1.002,
+            },
+            ["truncated_importance_sampling_ratio_min: got null", "seq-mask-tis"],
+        ),
+        (
+            {
+                **IS_ON,
+                "truncated_importance_sampling_type": "icepop",
+                "truncated_importance_sampling_ratio": 2.0,
+                "truncated_importance_sampling_ratio_min": 3.0,
+            },
+            ["3.0 > ", "must be <= truncated_importance_sampling_ratio"],
+        ),
+        (
+            {**IS_ON, "truncated_importance_sampling_type": "clip", "truncated_importance_sampling_ratio": 2.0},
+            ["truncated_importance_sampling_type: got 'clip'", "'tis', 'icepop' or 'seq-mask-tis'"],
+        ),
         ({"truncated_importance_sampling_ratio": 2.0}, ["truncated_importance_sampling_type: null"]),
         ({"reference_policy_kl_type": "k4"}, ["reference_policy_kl_type: got 'k4'", "'k1', 'k2' or 'k3'"]),
         ({"is_correction_level": "seq"}, ["is_correction_level: got 'seq'", "'token', 'sequence' or 'sequence_mean'"]),
         ({"rejection_denominator": "new"}, ["rejection_denominator: got 'new'", "'original' or 'kept'"]),
-        ({**IS_ON, "sequence_level_importance_ratios": True, "token_level_loss": False,
-          "truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio": 1.002,
-          "truncated_importance_sampling_ratio_min": 0.999}, ["seq-mask-tis", "set is_correction_level"]),
+        (
+            {
+                **IS_ON,
+                "sequence_level_importance_ratios": True,
+                "token_level_loss": False,
+                "truncated_importance_sampling_type": "seq-mask-tis",
+                "truncated_importance_sampling_ratio": 1.002,
+                "truncated_importance_sampling_ratio_min": 0.999,
+            },
+            ["seq-mask-tis", "set is_correction_level"],
+        ),
     ],
 )
 def test_invalid_upstream_combinations(cfg, needles):
@@ -63,12 +91,21 @@ def test_invalid_upstream_combinations(cfg, needles):
 @pytest.mark.parametrize(
     "flt, needles",
     [
-        ({"level": "sequence", "metric": "ratio", "lower": 2.0, "upper": 1.0}, ["rejection_sampling.0", "lower > upper", "lower=2.0, upper=1.0"]),
+        (
+            {"level": "sequence", "metric": "ratio", "lower": 2.0, "upper": 1.0},
+            ["rejection_sampling.0", "lower > upper", "lower=2.0, upper=1.0"],
+        ),
         ({"level": "sequence", "metric": "ratio"}, ["rejection_sampling.0", "at least one bound"]),
-        ({"level": "sequence", "metric": "kl_k4", "upper": 1.0}, ["rejection_sampling.0.metric: got 'kl_k4'", "'kl_k3'"]),
+        (
+            {"level": "sequence", "metric": "kl_k4", "upper": 1.0},
+            ["rejection_sampling.0.metric: got 'kl_k4'", "'kl_k3'"],
+        ),
         ({"level": "sequence", "agg": "median", "upper": 1.0}, ["rejection_sampling.0.agg: got 'median'", "'any'"]),
         ({"level": "token", "agg": "mean", "upper": 2.0}, ["agg: got 'mean' on a token filter", "level: sequence"]),
-        ({"level": "sequence", "metric": "kl_k3", "agg": "any", "upper": 0.5}, ["agg: got 'any' with metric 'kl_k3'", "mean, sum, max"]),
+        (
+            {"level": "sequence", "metric": "kl_k3", "agg": "any", "upper": 0.5},
+            ["agg: got 'any' with metric 'kl_k3'", "mean, sum, max"],
+        ),
         ({"level": "sequence", "metric": "kl_k2", "agg": "min", "upper": 0.5}, ["agg: got 'min'"]),
         ({"level": "token", "metric": "ratio", "lower": -1.0, "upper": 2.0}, ["lower: got -1.0", ">= 0"]),
         ({"level": "tokens", "upper": 2.0}, ["rejection_sampling.0.level: got 'tokens'", "'token' or 'sequence'"]),
@@ -82,9 +119,11 @@ def test_invalid_filters(flt, needles):
 
 
 def test_every_problem_is_reported_at_once():
-    msg = error_of({
-        "rejection_sampling": [{"level": "sequence"}, {"level": "token", "agg": "max", "upper": 2}],
-    })
+    msg = error_of(
+        {
+            "rejection_sampling": [{"level": "sequence"}, {"level": "token", "agg": "max", "upper": 2}],
+        }
+    )
     assert "rejection_sampling.0" in msg and "rejection_sampling.1" in msg
 
 
@@ -94,8 +133,11 @@ def test_misspelled_field_suggests_the_right_name():
 
 
 def test_accepts_dict_object_and_pydantic():
-    fields = {"use_importance_sampling_correction": True, "is_correction_level": "sequence_mean",
-              "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}]}
+    fields = {
+        "use_importance_sampling_correction": True,
+        "is_correction_level": "sequence_mean",
+        "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}],
+    }
     from_dict = RSClippedPGLossConfig.from_any(fields)
     from_obj = RSClippedPGLossConfig.from_any(SimpleNamespace(**fields))
 

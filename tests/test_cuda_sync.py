@@ -17,16 +17,24 @@ from tests.test_inputs import FULL
 # directions, an advantage-conditioned filter and batch normalisation (its extra reduction
 # included), at token and sequence level.
 PEER_MODES = {
-    "use_importance_sampling_correction": True, "is_correction_level": "token",
-    "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0,
+    "use_importance_sampling_correction": True,
+    "is_correction_level": "token",
+    "truncated_importance_sampling_type": "tis",
+    "truncated_importance_sampling_ratio": 2.0,
     "is_batch_normalization": "data_parallel",
     "rejection_sampling": [
         {"level": "sequence", "metric": "ratio", "agg": "min", "lower": 1e-4},
         {"level": "token", "metric": "binary_kl", "upper": 0.05},
         {"level": "sequence", "metric": "total_variation", "agg": "mean", "upper": 0.2},
         {"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "upper": 1.5},
-        {"level": "sequence", "metric": "kl_k1", "agg": "mean", "upper": 0.01, "log_ratio": "curr-gen",
-         "negative_advantages_only": True},
+        {
+            "level": "sequence",
+            "metric": "kl_k1",
+            "agg": "mean",
+            "upper": 0.01,
+            "log_ratio": "curr-gen",
+            "negative_advantages_only": True,
+        },
         {"level": "token", "metric": "kl_k3", "upper": 0.4, "log_ratio": "gen-prev"},
     ],
 }
@@ -66,8 +74,9 @@ def syncs_of_one_call(loss_fn, lp, data, gvs, gvt):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("cfg", [{}, FULL, PEER_MODES, PEER_MODES_SEQUENCE],
-                         ids=["plain", "full", "peer-modes", "peer-modes-sequence"])
+@pytest.mark.parametrize(
+    "cfg", [{}, FULL, PEER_MODES, PEER_MODES_SEQUENCE], ids=["plain", "full", "peer-modes", "peer-modes-sequence"]
+)
 def test_single_host_sync_on_cuda(cfg, dtype, monkeypatch):
     monkeypatch.delenv("NEMO_RS_COMPILE", raising=False)
     syncs, metrics = syncs_of_one_call(RSClippedPGLoss(cfg), *cuda_batch(dtype))

@@ -21,13 +21,17 @@ pytestmark = pytest.mark.distributed
 
 
 WORLDS = {
-    2: [("cp2-sharded-equals-unsharded", cases.check_sharded_equals_unsharded, (1,)),
+    2: [
+        ("cp2-sharded-equals-unsharded", cases.check_sharded_equals_unsharded, (1,)),
         ("statistic-reduced-before-masking", cases.check_statistic_reduced_before_masking, ()),
         ("collective-budget", cases.check_collective_budget, ()),
         ("bad-groups", cases.check_bad_groups, ()),
-        ("bad-global-count", cases.check_bad_global_count_raises_on_every_rank, ())],
-    4: [("tp2-cp2-sharded-equals-unsharded", cases.check_sharded_equals_unsharded, (2,)),
-        ("dp2-cp2-batch-normalization", cases.check_data_parallel_batch_normalization, ())],
+        ("bad-global-count", cases.check_bad_global_count_raises_on_every_rank, ()),
+    ],
+    4: [
+        ("tp2-cp2-sharded-equals-unsharded", cases.check_sharded_equals_unsharded, (2,)),
+        ("dp2-cp2-batch-normalization", cases.check_data_parallel_batch_normalization, ()),
+    ],
 }
 _RESULTS: dict = {}
 
@@ -89,8 +93,8 @@ def test_no_collective_without_groups(monkeypatch):
     monkeypatch.setattr(torch.distributed, "all_reduce", fail)
     sums, maxima = reduce_sequence_statistics(torch.ones(3, 2), torch.ones(1, 2), SequenceGroups())
     assert sums.sum() == 6
-    from tests.test_inputs import FULL, batch
     from nemo_rs_plugin import RSClippedPGLoss
+    from tests.test_inputs import FULL, batch
 
     loss, _ = RSClippedPGLoss(FULL)(*batch())
     loss.backward()

@@ -16,10 +16,12 @@ from tests.test_activation import FAKE, REPO, _make_venv, needs_install
 
 def doctor(*args, host="supported", env=None, python=sys.executable, cwd):
     env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join([str(FAKE / host)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                              if p])
-    proc = subprocess.run([python, "-m", "nemo_rs_plugin.doctor", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=600)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(FAKE / host)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    proc = subprocess.run(
+        [python, "-m", "nemo_rs_plugin.doctor", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -39,10 +41,13 @@ def test_doctor_passes_where_the_plugin_is_active(tmp_path, worker_venvs):
     assert "FAIL" not in out
     assert "ok   nemo_rl.algorithms.grpo: ClippedPGLossFn is the plugin's selector" in out
     assert "ok   NeMo-RL's ClippedPGLossFn: refuses configs that name a plugin loss" in out
-    assert ("ok   loss: loss_fn.name 'rs_clipped_pg' builds nemo_rs_plugin.nemo_rl_adapter.RSClippedPGLossFn from "
-            f"{recipe}") in out
-    assert "ok   worker nemo_rl.models.policy.workers.dtensor_policy_worker.DTensorPolicyWorker: unpickles " \
-           "RSClippedPGLossFn" in out
+    assert (
+        f"ok   loss: loss_fn.name 'rs_clipped_pg' builds nemo_rs_plugin.nemo_rl_adapter.RSClippedPGLossFn from {recipe}"
+    ) in out
+    assert (
+        "ok   worker nemo_rl.models.policy.workers.dtensor_policy_worker.DTensorPolicyWorker: unpickles "
+        "RSClippedPGLossFn" in out
+    )
     assert out.rstrip().endswith("nemo-rs-plugin is active: loss_fn.name: rs_clipped_pg builds the plugin's loss")
 
 

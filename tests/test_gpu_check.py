@@ -18,15 +18,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script for the Linux GPU machines")
 def test_gpu_check_dry_run_completes(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable,
-           "NEMO_RL": str(tmp_path / "no-nemo-rl")}
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "NEMO_RL": str(tmp_path / "no-nemo-rl")}
     env.pop("NEMO_RS_COMPILE", None)
-    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run"], env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     log = (tmp_path / "gpu_check.log").read_text()
     assert proc.returncode == 0, log[-4000:]
     assert "gpu_check: done" in log
     assert "NeMo-RL comparison skipped: no NeMo-RL checkout" in log
     rows = json.loads((tmp_path / "bench_gpu.json").read_text())["rows"]
     assert {r["candidate"] for r in rows} == {
-        "upstream-equivalent", "upstream-equivalent compiled", "rs-pipeline-3", "rs-pipeline-3 compiled"}
+        "upstream-equivalent",
+        "upstream-equivalent compiled",
+        "rs-pipeline-3",
+        "rs-pipeline-3 compiled",
+    }

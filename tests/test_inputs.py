@@ -25,14 +25,18 @@ FULL = {
 }
 
 
-GSPO = {"sequence_level_importance_ratios": True, "token_level_loss": False,
-        "use_importance_sampling_correction": True}
+GSPO = {"sequence_level_importance_ratios": True, "token_level_loss": False, "use_importance_sampling_correction": True}
 
 
 def batch(B=3, T=6):
     prev = -torch.rand(B, T)
-    return make_batch(prev + 0.05 * torch.randn(B, T), prev, prev + 0.1 * torch.randn(B, T),
-                      advantages=torch.randn(B, T), rewards=torch.tensor([1.0, -1.0, 0.5])[:B])
+    return make_batch(
+        prev + 0.05 * torch.randn(B, T),
+        prev,
+        prev + 0.1 * torch.randn(B, T),
+        advantages=torch.randn(B, T),
+        rewards=torch.tensor([1.0, -1.0, 0.5])[:B],
+    )
 
 
 def test_shape_mismatch_names_the_tensor():
@@ -59,8 +63,11 @@ def test_per_sequence_advantages_are_an_error_naming_the_expected_shape():
     # NeMo-RL's ClippedPGLossFn slices advantages[:, 1:] as well (an IndexError on [B]).
     lp, data, gvs, gvt = batch()
     data["advantages"] = torch.randn(3)
-    with pytest.raises(ValueError, match=r"data\['advantages'\]: got shape \(3,\); expected \[B, S\] = \(3, 7\)"
-                                         r".*next_token_logprobs \(3, 6\).*unsqueeze\(-1\)\.expand\(-1, S\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"data\['advantages'\]: got shape \(3,\); expected \[B, S\] = \(3, 7\)"
+        r".*next_token_logprobs \(3, 6\).*unsqueeze\(-1\)\.expand\(-1, S\)",
+    ):
         RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
     lp, data, gvs, gvt = batch()
     data["token_mask"] = torch.ones(3, 7, 1)
@@ -72,16 +79,25 @@ def test_per_sequence_advantages_are_an_error_naming_the_expected_shape():
         RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
 
 
-SEQUENCE_FILTERS = [{"level": "sequence", "agg": agg, "lower": 0.5, "upper": 2.0}
-                    for agg in ("mean", "sum", "max", "min", "any")]
+SEQUENCE_FILTERS = [
+    {"level": "sequence", "agg": agg, "lower": 0.5, "upper": 2.0} for agg in ("mean", "sum", "max", "min", "any")
+]
 
 
-@pytest.mark.parametrize("cfg", [
-    FULL,
-    {"rejection_sampling": SEQUENCE_FILTERS},
-    {**GSPO, "is_correction_level": "sequence_mean", "rejection_sampling": SEQUENCE_FILTERS,
-     "rejection_denominator": "kept"},
-], ids=["full", "every-agg", "gspo-kept"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        FULL,
+        {"rejection_sampling": SEQUENCE_FILTERS},
+        {
+            **GSPO,
+            "is_correction_level": "sequence_mean",
+            "rejection_sampling": SEQUENCE_FILTERS,
+            "rejection_denominator": "kept",
+        },
+    ],
+    ids=["full", "every-agg", "gspo-kept"],
+)
 def test_empty_sequence_dimension_is_a_fully_masked_batch(cfg):
     # T = 0 (prompts without a response, or an empty shard): no token, so loss 0 and no
     # gradient, as without filters; `amax` over the empty dimension used to raise.
@@ -102,10 +118,20 @@ def test_missing_key_is_named():
         RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
 
 
-@pytest.mark.parametrize("cfg", [{}, FULL, {"sequence_level_importance_ratios": True, "token_level_loss": False,
-                                             "use_importance_sampling_correction": True,
-                                             "truncated_importance_sampling_type": "tis",
-                                             "truncated_importance_sampling_ratio": 2.0}])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {},
+        FULL,
+        {
+            "sequence_level_importance_ratios": True,
+            "token_level_loss": False,
+            "use_importance_sampling_correction": True,
+            "truncated_importance_sampling_type": "tis",
+            "truncated_importance_sampling_ratio": 2.0,
+        },
+    ],
+)
 def test_metric_normalizations_list_exactly_the_returned_metrics(cfg):
     loss_fn = RSClippedPGLoss(cfg)
     _, metrics = loss_fn(*batch())
@@ -118,8 +144,14 @@ def test_sequence_level_metric_is_a_per_sequence_mean_not_a_broadcast():
     prev = torch.zeros(2, 5)
     gen = prev - torch.tensor([[0.1], [-0.1]])
     lp, data, gvs, gvt = make_batch(prev, prev, gen)
-    _, m = RSClippedPGLoss({"use_importance_sampling_correction": True, "is_correction_level": "sequence",
-                            "sequence_level_importance_ratios": True, "token_level_loss": False})(lp, data, gvs, gvt)
+    _, m = RSClippedPGLoss(
+        {
+            "use_importance_sampling_correction": True,
+            "is_correction_level": "sequence",
+            "sequence_level_importance_ratios": True,
+            "token_level_loss": False,
+        }
+    )(lp, data, gvs, gvt)
     want = (torch.exp(torch.tensor(0.5)) + torch.exp(torch.tensor(-0.5))).item() / 2
     assert m["sampling_importance_ratio"] == pytest.approx(want, rel=1e-6)
 
@@ -130,8 +162,12 @@ def test_sequence_level_metric_leaves_out_masked_samples():
     gen = prev - torch.tensor([[0.5], [2.0], [-0.5]]) / 4  # sequence log-ratios 0.5, 2.0, -0.5
     lp, data, gvs, gvt = make_batch(prev, prev, gen, sample_mask=[1.0, 0.0, 1.0])
     for gspo in (False, True):
-        cfg = {"use_importance_sampling_correction": True, "is_correction_level": "sequence",
-               "sequence_level_importance_ratios": gspo, "token_level_loss": not gspo}
+        cfg = {
+            "use_importance_sampling_correction": True,
+            "is_correction_level": "sequence",
+            "sequence_level_importance_ratios": gspo,
+            "token_level_loss": not gspo,
+        }
         _, m = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
         want = (math.exp(0.5) + math.exp(-0.5)) / 2
         assert m["sampling_importance_ratio"] == pytest.approx(want, rel=1e-6), gspo
@@ -139,17 +175,28 @@ def test_sequence_level_metric_leaves_out_masked_samples():
 
 
 NORMALIZATION_CASES = {
-    "token-IS+filters+tis": {**FULL, "is_correction_level": "token", "truncated_importance_sampling_type": "tis",
-                             "truncated_importance_sampling_ratio": 1.02,
-                             "truncated_importance_sampling_ratio_min": 0.99,
-                             "rejection_sampling": FULL["rejection_sampling"][:1] + [
-                                 {"level": "token", "lower": 0.95, "upper": 1.05}]},
-    "sequence_mean+filters+seq-mask-tis": {**FULL, "truncated_importance_sampling_ratio": 1.03,
-                                           "truncated_importance_sampling_ratio_min": 0.98},
-    "gspo-sequence+icepop": {"use_importance_sampling_correction": True, "sequence_level_importance_ratios": True,
-                             "token_level_loss": False, "truncated_importance_sampling_type": "icepop",
-                             "truncated_importance_sampling_ratio": 1.2, "truncated_importance_sampling_ratio_min": 0.9,
-                             "rejection_sampling": [{"level": "sequence", "agg": "sum", "lower": 0.8, "upper": 1.2}]},
+    "token-IS+filters+tis": {
+        **FULL,
+        "is_correction_level": "token",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.02,
+        "truncated_importance_sampling_ratio_min": 0.99,
+        "rejection_sampling": FULL["rejection_sampling"][:1] + [{"level": "token", "lower": 0.95, "upper": 1.05}],
+    },
+    "sequence_mean+filters+seq-mask-tis": {
+        **FULL,
+        "truncated_importance_sampling_ratio": 1.03,
+        "truncated_importance_sampling_ratio_min": 0.98,
+    },
+    "gspo-sequence+icepop": {
+        "use_importance_sampling_correction": True,
+        "sequence_level_importance_ratios": True,
+        "token_level_loss": False,
+        "truncated_importance_sampling_type": "icepop",
+        "truncated_importance_sampling_ratio": 1.2,
+        "truncated_importance_sampling_ratio_min": 0.9,
+        "rejection_sampling": [{"level": "sequence", "agg": "sum", "lower": 0.8, "upper": 1.2}],
+    },
 }
 
 
@@ -230,8 +277,9 @@ def test_global_count_must_be_one_number():
         RSClippedPGLoss({})(lp, data, None, gvt)
 
 
-@pytest.mark.parametrize("cfg", [{}, FULL, GSPO, {**FULL, "rejection_denominator": "kept"}],
-                         ids=["default", "full", "gspo", "kept"])
+@pytest.mark.parametrize(
+    "cfg", [{}, FULL, GSPO, {**FULL, "rejection_denominator": "kept"}], ids=["default", "full", "gspo", "kept"]
+)
 @pytest.mark.parametrize("masked", ["samples", "tokens"])
 def test_fully_masked_global_batch_gives_zero_loss_and_gradient(cfg, masked):
     lp, data, _, _ = batch()
@@ -270,8 +318,9 @@ def test_nonfinite_inputs_are_counted_per_kind():
     adv[0, 2], adv[1, 4], adv[2, 2] = inf, nan, nan  # 2 valid
     unfiltered = curr.clone()
     unfiltered[1, 5] = -inf  # read by the KL term only
-    lp, data, gvs, gvt = make_batch(curr, prev, gen, ref=ref, advantages=adv, token_mask=token_mask,
-                                    sample_mask=[1.0, 1.0, 0.0])
+    lp, data, gvs, gvt = make_batch(
+        curr, prev, gen, ref=ref, advantages=adv, token_mask=token_mask, sample_mask=[1.0, 1.0, 0.0]
+    )
     data["curr_logprobs_unfiltered"] = unfiltered
     loss, m = RSClippedPGLoss({"reference_policy_kl_penalty": 0.1})(lp, data, gvs, gvt)
     loss.backward()

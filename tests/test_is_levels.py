@@ -87,9 +87,15 @@ def test_unset_level_follows_the_gspo_flag():
 def test_gspo_ratio_is_independent_of_the_is_level(level):
     # curr - prev = [0.1, 0.1, 0.4] and [0.2, -0.2, (masked)]: GSPO ratios exp(0.2), exp(0).
     curr = PREV + torch.tensor([[0.1, 0.1, 0.4], [0.2, -0.2, 5.0]])
-    cfg = {"is_correction_level": level, "use_importance_sampling_correction": True,
-           "sequence_level_importance_ratios": True, "token_level_loss": False,
-           "ratio_clip_min": 10.0, "ratio_clip_max": 10.0, "reference_policy_kl_penalty": 0.0}
+    cfg = {
+        "is_correction_level": level,
+        "use_importance_sampling_correction": True,
+        "sequence_level_importance_ratios": True,
+        "token_level_loss": False,
+        "ratio_clip_min": 10.0,
+        "ratio_clip_max": 10.0,
+        "reference_policy_kl_penalty": 0.0,
+    }
     lp, data, gvs, gvt = make_batch(curr, PREV, GEN, token_mask=TOKEN_MASK)
     _, metrics = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
     assert metrics["probs_ratio"] == pytest.approx((3 * e(0.2) + 2 * 1.0) / 5, rel=1e-5)
@@ -104,8 +110,9 @@ def test_sequence_mean_stays_near_one_where_sequence_collapses():
     weights = {}
     for level in ("sequence", "sequence_mean"):
         lp, data, gvs, gvt = make_batch(prev, prev, gen)
-        _, m = RSClippedPGLoss({"use_importance_sampling_correction": True,
-                                "is_correction_level": level})(lp, data, gvs, gvt)
+        _, m = RSClippedPGLoss({"use_importance_sampling_correction": True, "is_correction_level": level})(
+            lp, data, gvs, gvt
+        )
         weights[level] = m["is_weight_mean"]
     assert weights["sequence"] < 1e-50
     assert 0.97 < weights["sequence_mean"] < 0.99

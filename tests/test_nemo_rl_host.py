@@ -24,8 +24,9 @@ SCRIPTS = Path(__file__).resolve().parent / "nemo_rl_scripts.py"
 HOSTS = nemo_rl_hosts()
 pytestmark = [
     no_hosts_mark(),
-    pytest.mark.skipif(not plugin_installed() and not real_host_required(),
-                       reason="nemo-rs-plugin is not pip-installed here"),
+    pytest.mark.skipif(
+        not plugin_installed() and not real_host_required(), reason="nemo-rs-plugin is not pip-installed here"
+    ),
 ]
 
 
@@ -33,8 +34,14 @@ def run(host, name, *args):
     env = dict(os.environ)
     if host:
         env["PYTHONPATH"] = os.pathsep.join([host] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run([sys.executable, str(SCRIPTS), name, *args], capture_output=True, text=True, env=env,
-                          timeout=900, cwd=SCRIPTS.parent.parent.parent)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS), name, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=SCRIPTS.parent.parent.parent,
+    )
     if proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr and "nemo_rl" not in proc.stderr.splitlines()[-1]:
         skip_or_fail(f"NeMo-RL at {host or 'this environment'} lacks a dependency: {proc.stderr.splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-4000:]

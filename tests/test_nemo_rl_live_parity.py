@@ -27,9 +27,16 @@ HOSTS = [h for h in nemo_rl_hosts() if h]
 pytestmark = [pytest.mark.slow, no_hosts_mark()]
 
 V060_KNOWN_DIFFERENCES = {
-    "gradient", "loss", "metric loss", "metric kl_penalty", "metric is_oob_ratio",
-    "metric sampling_importance_ratio", "metric token_mult_prob_error", "metric gen_kl_error",
-    "metric policy_kl_error", "metric js_divergence_error",
+    "gradient",
+    "loss",
+    "metric loss",
+    "metric kl_penalty",
+    "metric is_oob_ratio",
+    "metric sampling_importance_ratio",
+    "metric token_mult_prob_error",
+    "metric gen_kl_error",
+    "metric policy_kl_error",
+    "metric js_divergence_error",
 }
 
 
@@ -43,8 +50,9 @@ def _kind(failure: str) -> str:
 @pytest.mark.parametrize("host", HOSTS, ids=host_label)
 def test_plugin_equals_nemo_rl_loss_on_every_option_combination(host):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([host, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(SCRIPT)], capture_output=True, text=True,
-                          env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     failures = out.pop("failures")

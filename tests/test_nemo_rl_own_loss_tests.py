@@ -29,9 +29,25 @@ def test_nemo_rl_loss_tests_pass_with_the_plugin_substituted(host):
     assert test_file.is_file(), f"{test_file} missing from the NeMo-RL checkout"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([host, str(REPO)]))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-         "-p", "tests.nemo_rl_own_tests_plugin", str(test_file)],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "-p",
+            "tests.nemo_rl_own_tests_plugin",
+            str(test_file),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=900,
+    )
     out = proc.stdout + proc.stderr
     summary = out.strip().splitlines()[-1] if out.strip() else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|errors|skipped)", out)}

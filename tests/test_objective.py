@@ -21,8 +21,14 @@ def run(cfg, curr, prev, gen=None, advantages=None, ref=None, token_mask=None):
     curr = torch.tensor(curr, dtype=torch.float64)
     prev = torch.tensor(prev, dtype=torch.float64)
     gen = prev if gen is None else torch.tensor(gen, dtype=torch.float64)
-    lp, data, gvs, gvt = make_batch(curr, prev, gen, advantages=advantages, token_mask=token_mask,
-                                    ref=None if ref is None else torch.tensor(ref, dtype=torch.float64))
+    lp, data, gvs, gvt = make_batch(
+        curr,
+        prev,
+        gen,
+        advantages=advantages,
+        token_mask=token_mask,
+        ref=None if ref is None else torch.tensor(ref, dtype=torch.float64),
+    )
     data = {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
     lp = curr.clone().requires_grad_(True)
     loss, metrics = RSClippedPGLoss(cfg)(lp, data, gvs.double(), gvt.double())
@@ -64,8 +70,12 @@ def test_kl_input_clamp_stops_the_sampling_weight_gradient_too():
 
 def test_rejected_token_gets_no_gradient_under_gspo():
     # Token 2 has d = 2 (ratio e^2 > 2): the token filter rejects it; the row is kept.
-    cfg = {"sequence_level_importance_ratios": True, "token_level_loss": False, "reference_policy_kl_penalty": 0.0,
-           "rejection_sampling": [{"level": "token", "upper": 2.0}]}
+    cfg = {
+        "sequence_level_importance_ratios": True,
+        "token_level_loss": False,
+        "reference_policy_kl_penalty": 0.0,
+        "rejection_sampling": [{"level": "token", "upper": 2.0}],
+    }
     prev = [[-1.0, -1.0, -1.0, -1.0]]
     gen = [[-1.0, -1.0, -3.0, -1.0]]
     curr = [[-0.99, -0.98, -0.97, -0.96]]

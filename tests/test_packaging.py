@@ -31,8 +31,12 @@ def build_command() -> tuple[list, dict]:
     except ImportError:
         target = Path(tempfile.gettempdir()) / "nemo-rs-test-build"
         if not (target / "build").is_dir():
-            proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(target), "build"],
-                                  capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(
+                [sys.executable, "-m", "pip", "install", "-q", "--target", str(target), "build"],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             if proc.returncode != 0:
                 pytest.skip(f"`build` cannot be installed: {proc.stderr.strip().splitlines()[-1:]}")
         env["PYTHONPATH"] = str(target)
@@ -53,16 +57,18 @@ def dists(tmp_path_factory) -> dict:
 
 # Build output a source tree collects (editable installs write egg-info, whose SOURCES.txt
 # setuptools would reuse as the sdist's manifest): not what a clean clone has.
-_NOT_SOURCE = shutil.ignore_patterns("*.egg-info", "build", "dist", ".venv", "__pycache__", ".pytest_cache",
-                                     ".hypothesis", ".git")
+_NOT_SOURCE = shutil.ignore_patterns(
+    "*.egg-info", "build", "dist", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", ".git"
+)
 
 
 def _build(out: Path) -> dict:
     source = out / "source"
     shutil.copytree(REPO, source, ignore=_NOT_SOURCE, symlinks=True)
     cmd, env = build_command()
-    proc = subprocess.run(cmd + ["--outdir", str(out), str(source)], capture_output=True, text=True, env=env,
-                          timeout=900, cwd=out)
+    proc = subprocess.run(
+        cmd + ["--outdir", str(out), str(source)], capture_output=True, text=True, env=env, timeout=900, cwd=out
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     (sdist,) = out.glob("*.tar.gz")
     (wheel,) = out.glob("*.whl")
@@ -92,29 +98,74 @@ def test_wheel_from_the_sdist_has_the_hook_recipes_and_license(dists):
 @pytest.mark.slow
 def test_wheel_installs_into_a_fresh_venv_and_activates(dists, tmp_path):
     python = _make_venv(tmp_path / "venv")
-    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-                           "--no-index", str(dists["wheel"])], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(dists["wheel"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NEMO_RS_PLUGIN_DISABLE")}
     assert run_script("startup", host=None, python=str(python), env=env, cwd=tmp_path) == {
-        "finder": True, "torch": False, "pydantic": False, "nemo_rs_plugin": False}
+        "finder": True,
+        "torch": False,
+        "pydantic": False,
+        "nemo_rs_plugin": False,
+    }
     out = run_script("select", python=str(python), env=env, cwd=tmp_path)
     assert out["plugin_type"] == "RSClippedPGLossFn" and out["loss_equal_core"]
-    listed = subprocess.run([str(python), "-c", "import json; from nemo_rs_plugin.recipes import list_recipes; "
-                             "print(json.dumps([str(p) for p in list_recipes()]))"],
-                            capture_output=True, text=True, env=env, cwd=tmp_path, check=True).stdout
+    listed = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import json; from nemo_rs_plugin.recipes import list_recipes; "
+            "print(json.dumps([str(p) for p in list_recipes()]))",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=True,
+    ).stdout
     recipes = json.loads(listed)
     assert sorted(Path(r).name for r in recipes) == RECIPES
     assert all("site-packages" in r for r in recipes)
 
     # The start-up cost of the installed hook: only its own module, enabled or disabled.
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     count = "import sys, json; print(json.dumps(sorted(sys.modules)))"
 
     def modules(extra_env=None):
-        return set(json.loads(subprocess.run([str(python), "-c", count], capture_output=True, text=True, check=True,
-                                             env={**env, **(extra_env or {})}, cwd=tmp_path).stdout))
+        return set(
+            json.loads(
+                subprocess.run(
+                    [str(python), "-c", count],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    env={**env, **(extra_env or {})},
+                    cwd=tmp_path,
+                ).stdout
+            )
+        )
 
     with_hook, disabled = modules(), modules({"NEMO_RS_PLUGIN_DISABLE": "1"})
     (site / "nemo_rs_plugin.pth").rename(tmp_path / "aside.pth")

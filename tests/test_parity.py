@@ -42,7 +42,10 @@ def assert_matches_upstream(case, loss, metrics, grad):
         got = metrics[key]
         assert got == ref or abs(got - ref) <= 1e-5 + 1e-4 * abs(ref), (case["name"], key, got, ref)
     torch.testing.assert_close(
-        grad, case["grad"], rtol=1e-4, atol=1e-4 * case["grad"].abs().max().item() + 1e-12,
+        grad,
+        case["grad"],
+        rtol=1e-4,
+        atol=1e-4 * case["grad"].abs().max().item() + 1e-12,
         msg=lambda m: f"{case['name']}: {m}",
     )
 

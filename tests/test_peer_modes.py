@@ -39,8 +39,17 @@ def correction(cfg, prev, gen, mask, curr=None, advantages=None):
     finite = torch.isfinite(d).to(d.dtype)
     B = d.shape[0]
     out = compute_correction(
-        d, finite, mask, mask, torch.ones(B, dtype=d.dtype), finite, c, torch.tensor(float(B)), mask.sum(),
-        log_probs=PolicyLogProbs(curr=curr, prev=prev, gen=gen), advantages=advantages,
+        d,
+        finite,
+        mask,
+        mask,
+        torch.ones(B, dtype=d.dtype),
+        finite,
+        c,
+        torch.tensor(float(B)),
+        mask.sum(),
+        log_probs=PolicyLogProbs(curr=curr, prev=prev, gen=gen),
+        advantages=advantages,
     )
     w = out.is_weight.expand_as(d) if c.use_importance_sampling_correction else torch.ones_like(d)
     metrics = {k: float(v[0]) for k, v in out.metrics.items()}
@@ -55,8 +64,11 @@ def effective_coefficients(cfg, prev, gen, curr, advantages, mask, denominator):
     pad = lambda x: torch.cat([torch.zeros(B, 1, dtype=x.dtype), x], 1)  # noqa: E731
     data = {
         "input_ids": torch.zeros(B, T + 1, dtype=torch.long),
-        "advantages": pad(advantages), "prev_logprobs": pad(prev), "generation_logprobs": pad(gen),
-        "reference_policy_logprobs": pad(prev), "token_mask": pad(mask.long()),
+        "advantages": pad(advantages),
+        "prev_logprobs": pad(prev),
+        "generation_logprobs": pad(gen),
+        "reference_policy_logprobs": pad(prev),
+        "token_mask": pad(mask.long()),
         "sample_mask": torch.ones(B, dtype=torch.float64),
     }
     lp = curr.clone().requires_grad_(True)
@@ -82,8 +94,13 @@ def test_reproduces_the_peers_own_function(mode):
     torch.testing.assert_close(weight, want_w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{where} weight: {m}")
     # The same through the loss, whose gradient also carries the denominator.
     coef, _ = effective_coefficients(cfg, prev, gen, curr, adv, mask, mode["denominator"])
-    torch.testing.assert_close(coef * mask, want_w, rtol=1e-6, atol=1e-6,
-                               msg=lambda m: f"{where} weight x denominator {mode['denominator']}: {m}")
+    torch.testing.assert_close(
+        coef * mask,
+        want_w,
+        rtol=1e-6,
+        atol=1e-6,
+        msg=lambda m: f"{where} weight x denominator {mode['denominator']}: {m}",
+    )
 
 
 def test_recorded_modes_cover_every_mode_of_issue_9():
@@ -114,8 +131,12 @@ def test_token_batch_normalisation_divides_by_the_masked_batch_mean():
     mask = [[1, 1, 1], [1, 1, 0]]
     gen = [[-1.0] * 3] * 2
     prev = [[g + x for g, x in zip(gr, dr)] for gr, dr in zip(gen, d)]
-    cfg = {**IS_TOKEN, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0,
-           "is_batch_normalization": "microbatch"}
+    cfg = {
+        **IS_TOKEN,
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
+        "is_batch_normalization": "microbatch",
+    }
     weight, _, metrics = correction(cfg, prev, gen, mask)
     want = torch.tensor([[1.5, 2.0, 1.0], [0.5, 1.0, 0.0]], dtype=torch.float64) / 1.2
     torch.testing.assert_close(weight, want, rtol=1e-12, atol=1e-12)
@@ -128,9 +149,13 @@ def test_sequence_batch_normalisation_averages_over_sequences_with_a_token():
     prev = [[log(1.5) - 1, log(3.0) - 1], [log(0.5) - 1, -1.0], [-1.0, -1.0]]
     gen = [[-1.0, -1.0]] * 3
     mask = [[1, 1], [1, 0], [0, 0]]
-    cfg = {"use_importance_sampling_correction": True, "is_correction_level": "sequence",
-           "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0,
-           "is_batch_normalization": "data_parallel"}
+    cfg = {
+        "use_importance_sampling_correction": True,
+        "is_correction_level": "sequence",
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
+        "is_batch_normalization": "data_parallel",
+    }
     weight, _, metrics = correction(cfg, prev, gen, mask)
     torch.testing.assert_close(weight, torch.tensor([[1.6, 1.6], [0.4, 0.0], [0.0, 0.0]], dtype=torch.float64))
     assert metrics["is_batch_norm_factor"] == pytest.approx(1.25)
@@ -141,16 +166,27 @@ def test_rejected_units_count_in_the_batch_mean_and_a_zero_mean_leaves_weights()
     # loss mask: r = [1, 4, 0.25] -> TIS [1, 2, 0.25], mean 3.25 / 3; RS rejects tokens 1, 2.
     gen = [[-1.0, -2.0, -1.0]]
     prev = [[-1.0, -2.0 + log(4.0), -1.0 + log(0.25)]]
-    cfg = {**IS_TOKEN, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0,
-           "is_batch_normalization": "microbatch",
-           "rejection_sampling": [{"level": "sequence", "agg": "min", "lower": 1e-4},
-                                  {"level": "token", "lower": 0.5, "upper": 2.0}]}
+    cfg = {
+        **IS_TOKEN,
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
+        "is_batch_normalization": "microbatch",
+        "rejection_sampling": [
+            {"level": "sequence", "agg": "min", "lower": 1e-4},
+            {"level": "token", "lower": 0.5, "upper": 2.0},
+        ],
+    }
     weight, keep, _ = correction(cfg, prev, gen, [[1, 1, 1]])
     assert keep.tolist() == [[1, 0, 0]]
     torch.testing.assert_close(weight, torch.tensor([[3 / 3.25, 0.0, 0.0]], dtype=torch.float64))
     # Every weight zeroed by icepop: the mean is 0 <= 1e-8 and the weights stay as they are.
-    icepop = {**IS_TOKEN, "truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 1.5,
-              "truncated_importance_sampling_ratio_min": 1.2, "is_batch_normalization": "microbatch"}
+    icepop = {
+        **IS_TOKEN,
+        "truncated_importance_sampling_type": "icepop",
+        "truncated_importance_sampling_ratio": 1.5,
+        "truncated_importance_sampling_ratio_min": 1.2,
+        "is_batch_normalization": "microbatch",
+    }
     weight, _, metrics = correction(icepop, prev, gen, [[1, 1, 1]])
     assert weight.abs().sum() == 0 and metrics["is_batch_norm_factor"] == 1.0
 
@@ -167,8 +203,9 @@ def test_slime_veto_must_come_before_the_token_filter():
 
 
 def test_batch_normalisation_needs_importance_sampling():
-    with pytest.raises(ConfigError, match="is_batch_normalization: got 'microbatch' with "
-                                          "use_importance_sampling_correction: false"):
+    with pytest.raises(
+        ConfigError, match="is_batch_normalization: got 'microbatch' with use_importance_sampling_correction: false"
+    ):
         RSClippedPGLossConfig.from_any({"is_batch_normalization": "microbatch"})
     with pytest.raises(ConfigError, match="is_batch_normalization: got 'global'"):
         RSClippedPGLossConfig.from_any({"use_importance_sampling_correction": True, "is_batch_normalization": "global"})
@@ -181,15 +218,21 @@ def test_nemo_rl_sequence_logprob_error_filter():
     gen = [[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]]
     prev = [[-0.9, -1.1, -1.0], [-0.95, -1.05, -1.0]]
     mask = [[1, 1, 0], [1, 1, 1]]
-    cfg = {"rejection_sampling": [{"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "upper": 1.1}],
-           "rejection_denominator": "kept"}
+    cfg = {
+        "rejection_sampling": [{"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "upper": 1.1}],
+        "rejection_denominator": "kept",
+    }
     _, keep, metrics = correction(cfg, prev, gen, mask)
     assert keep.tolist() == [[0, 0, 0], [1, 1, 1]]
     assert metrics["rs/sequence_mult_prob_error_mean/seq_rejected_frac"] == pytest.approx(0.5)
     # NeMo-RL rewrites sample_mask before the global counts: the loss divides by 3 kept tokens.
-    coef, _ = effective_coefficients(cfg, *(torch.tensor(x, dtype=torch.float64) for x in (prev, gen, prev)),
-                                     torch.ones(2, 3, dtype=torch.float64),
-                                     torch.tensor(mask, dtype=torch.float64), denominator=3.0)
+    coef, _ = effective_coefficients(
+        cfg,
+        *(torch.tensor(x, dtype=torch.float64) for x in (prev, gen, prev)),
+        torch.ones(2, 3, dtype=torch.float64),
+        torch.tensor(mask, dtype=torch.float64),
+        denominator=3.0,
+    )
     torch.testing.assert_close(coef * torch.tensor(mask), keep)
 
 
@@ -206,8 +249,10 @@ def test_openrlhf_binary_kl_gate_on_the_sampled_token():
     weight, keep, _ = correction(token, prev, gen, [[1, 1]])
     assert keep.tolist() == [[0, 1]] and weight.tolist() == [[0.0, 1.0]]
     # FlashREINFORCE: the sequence mean (bkl0 + 0) / 2 > 3e-3 drops the whole sequence.
-    seq = {**IS_TOKEN, "rejection_sampling": [{"level": "sequence", "metric": "binary_kl", "agg": "mean",
-                                               "upper": 3e-3}]}
+    seq = {
+        **IS_TOKEN,
+        "rejection_sampling": [{"level": "sequence", "metric": "binary_kl", "agg": "mean", "upper": 3e-3}],
+    }
     assert correction(seq, prev, gen, [[1, 1]])[1].tolist() == [[0, 0]]
     # Two-sided: the same pair with the roles swapped is dropped as well.
     assert correction(seq, gen, prev, [[1, 1]])[1].tolist() == [[0, 0]]
@@ -234,8 +279,19 @@ def test_opsm_drops_negative_advantage_tokens_of_off_policy_sequences():
     gen = [[-0.98] * 3, [-0.98] * 3, [-0.995] * 3, [-0.98] * 3]
     prev = [[-1.5] * 3] * 4  # prev plays no part with log_ratio curr-gen
     adv = [[-1.0] * 3, [1.0] * 3, [-1.0] * 3, [1.0, -1.0, 1.0]]
-    cfg = {"rejection_sampling": [{"level": "sequence", "metric": "kl_k1", "agg": "mean", "upper": 0.01,
-                                   "log_ratio": "curr-gen", "negative_advantages_only": True, "name": "opsm"}]}
+    cfg = {
+        "rejection_sampling": [
+            {
+                "level": "sequence",
+                "metric": "kl_k1",
+                "agg": "mean",
+                "upper": 0.01,
+                "log_ratio": "curr-gen",
+                "negative_advantages_only": True,
+                "name": "opsm",
+            }
+        ]
+    }
     _, keep, metrics = correction(cfg, prev, gen, [[1] * 3] * 4, curr=curr, advantages=adv)
     assert keep.tolist() == [[0, 0, 0], [1, 1, 1], [1, 1, 1], [1, 0, 1]]
     # Rows 0 and 3 lost tokens (4 of 12); row 1 failed the bound but lost nothing.
@@ -244,8 +300,12 @@ def test_opsm_drops_negative_advantage_tokens_of_off_policy_sequences():
     assert metrics["rs_token_rejected_frac"] == pytest.approx(4 / 12)
     assert metrics["rs_seq_rejected_frac"] == pytest.approx(2 / 4)
     # The original denominator (TRL, slime): rejected tokens count as 0, not as nothing.
-    coef, _ = effective_coefficients(cfg, *(torch.tensor(x, dtype=torch.float64) for x in (prev, gen, curr, adv)),
-                                     torch.ones(4, 3, dtype=torch.float64), denominator=12.0)
+    coef, _ = effective_coefficients(
+        cfg,
+        *(torch.tensor(x, dtype=torch.float64) for x in (prev, gen, curr, adv)),
+        torch.ones(4, 3, dtype=torch.float64),
+        denominator=12.0,
+    )
     torch.testing.assert_close(coef, keep)
 
 
@@ -260,9 +320,12 @@ def test_advantage_condition_on_a_token_filter_and_on_two_sequence_filters():
     assert keep.tolist() == [[0, 1, 1]]
     assert m["rs/token_ratio_negative_advantages/token_rejected_frac"] == pytest.approx(1 / 3)
     # Two conditional sequence filters rejecting the same row: the second removes nothing new.
-    two = {"rejection_sampling": [
-        {"level": "sequence", "agg": "max", "upper": 2.0, "negative_advantages_only": True, "name": "first"},
-        {"level": "sequence", "agg": "sum", "upper": 2.0, "negative_advantages_only": True, "name": "second"}]}
+    two = {
+        "rejection_sampling": [
+            {"level": "sequence", "agg": "max", "upper": 2.0, "negative_advantages_only": True, "name": "first"},
+            {"level": "sequence", "agg": "sum", "upper": 2.0, "negative_advantages_only": True, "name": "second"},
+        ]
+    }
     _, keep, m = correction(two, prev, gen, [[1, 1, 1]], advantages=adv)
     assert keep.tolist() == [[0, 1, 0]]
     assert m["rs/first/token_rejected_frac"] == pytest.approx(2 / 3) and m["rs/first/seq_rejected_frac"] == 1.0
@@ -273,8 +336,18 @@ def test_advantage_condition_on_a_token_filter_and_on_two_sequence_filters():
 def test_slime_opsm_reads_the_trainer_log_probs():
     # slime: seq_kl = mean_t (old - curr) with old = the trainer's log-probs (prev): 0.02 > 1e-4.
     curr, prev, gen = [[-1.0, -1.0]], [[-0.98, -0.98]], [[-2.0, -2.0]]
-    cfg = {"rejection_sampling": [{"level": "sequence", "metric": "kl_k1", "agg": "mean", "upper": 1e-4,
-                                   "log_ratio": "curr-prev", "negative_advantages_only": True}]}
+    cfg = {
+        "rejection_sampling": [
+            {
+                "level": "sequence",
+                "metric": "kl_k1",
+                "agg": "mean",
+                "upper": 1e-4,
+                "log_ratio": "curr-prev",
+                "negative_advantages_only": True,
+            }
+        ]
+    }
     assert correction(cfg, prev, gen, [[1, 1]], curr=curr, advantages=[[-1.0, -1.0]])[1].tolist() == [[0, 0]]
     assert correction(cfg, prev, gen, [[1, 1]], curr=curr, advantages=[[0.0, 0.0]])[1].tolist() == [[1, 1]]
 
@@ -283,13 +356,23 @@ def test_conditional_and_unconditional_rejections_are_counted_once():
     # An OPSM filter then a token filter rejecting the same negative-advantage token: the token
     # filter is not credited with a token OPSM already removed.
     curr = [[-1.0, -1.0, -1.0]]
-    gen = [[-0.9, -0.9, -0.9]]   # gen - curr = 0.1 > 0.01
+    gen = [[-0.9, -0.9, -0.9]]  # gen - curr = 0.1 > 0.01
     prev = [[-0.9, -0.9 + log(3.0), -0.9]]  # token 1: r = 3, outside [0.5, 2]
     adv = [[1.0, -1.0, -1.0]]
-    cfg = {"rejection_sampling": [
-        {"level": "sequence", "metric": "kl_k1", "agg": "mean", "upper": 0.01, "log_ratio": "curr-gen",
-         "negative_advantages_only": True, "name": "opsm"},
-        {"level": "token", "lower": 0.5, "upper": 2.0, "name": "band"}]}
+    cfg = {
+        "rejection_sampling": [
+            {
+                "level": "sequence",
+                "metric": "kl_k1",
+                "agg": "mean",
+                "upper": 0.01,
+                "log_ratio": "curr-gen",
+                "negative_advantages_only": True,
+                "name": "opsm",
+            },
+            {"level": "token", "lower": 0.5, "upper": 2.0, "name": "band"},
+        ]
+    }
     _, keep, m = correction(cfg, prev, gen, [[1, 1, 1]], curr=curr, advantages=adv)
     assert keep.tolist() == [[1, 0, 0]]
     assert m["rs/opsm/token_rejected_frac"] == pytest.approx(2 / 3)
@@ -310,8 +393,18 @@ def test_areal_k3_differs_from_verl_k3_token_by_token():
     assert correction(verl, prev, gen, [[1, 1]])[1].tolist() == [[1, 0]]
     assert correction(areal, prev, gen, [[1, 1]])[1].tolist() == [[0, 1]]
     # AReaL's kl_k1 is log r: the default's kl_k1 (-d) read on gen - prev.
-    k1 = {"rejection_sampling": [{"level": "sequence", "metric": "kl_k1", "agg": "mean", "lower": -0.01,
-                                  "upper": 0.01, "log_ratio": "gen-prev"}]}
+    k1 = {
+        "rejection_sampling": [
+            {
+                "level": "sequence",
+                "metric": "kl_k1",
+                "agg": "mean",
+                "lower": -0.01,
+                "upper": 0.01,
+                "log_ratio": "gen-prev",
+            }
+        ]
+    }
     assert correction(k1, [[-1.0, -1.02]], [[-1.0, -1.0]], [[1, 1]])[1].tolist() == [[1, 1]]  # mean log r = -0.01
 
 
@@ -319,34 +412,52 @@ def test_areal_k3_differs_from_verl_k3_token_by_token():
 def test_duplicate_labels_are_refused_naming_the_filters():
     geo = {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}
     with pytest.raises(ConfigError) as err:
-        RSClippedPGLossConfig.from_any({"rejection_sampling": [geo, {"level": "token", "upper": 2.0},
-                                                               {**geo, "lower": 0.9, "upper": 1.1}]})
+        RSClippedPGLossConfig.from_any(
+            {"rejection_sampling": [geo, {"level": "token", "upper": 2.0}, {**geo, "lower": 0.9, "upper": 1.1}]}
+        )
     assert "filters 0, 2 share the label 'sequence_ratio_mean'" in str(err.value)
     assert "give each a distinct `name`" in str(err.value)
     with pytest.raises(ConfigError, match="share the label 'geo'"):
-        RSClippedPGLossConfig.from_any({"rejection_sampling": [{**geo, "name": "geo"},
-                                                               {"level": "token", "upper": 2.0, "name": "geo"}]})
+        RSClippedPGLossConfig.from_any(
+            {"rejection_sampling": [{**geo, "name": "geo"}, {"level": "token", "upper": 2.0, "name": "geo"}]}
+        )
     ok = RSClippedPGLossConfig.from_any({"rejection_sampling": [geo, {**geo, "name": "geo_wide"}]})
     assert [f.label for f in ok.rejection_sampling] == ["sequence_ratio_mean", "geo_wide"]
 
 
 def test_default_labels_name_a_non_default_log_ratio_and_the_advantage_condition():
-    cfg = RSClippedPGLossConfig.from_any({"rejection_sampling": [
-        {"level": "sequence", "metric": "kl_k1", "agg": "mean", "upper": 0.01},
-        {"level": "sequence", "metric": "kl_k1", "agg": "mean", "upper": 0.01, "log_ratio": "curr-gen",
-         "negative_advantages_only": True},
-        {"level": "token", "metric": "kl_k3", "upper": 0.4, "log_ratio": "gen-prev"}]})
+    cfg = RSClippedPGLossConfig.from_any(
+        {
+            "rejection_sampling": [
+                {"level": "sequence", "metric": "kl_k1", "agg": "mean", "upper": 0.01},
+                {
+                    "level": "sequence",
+                    "metric": "kl_k1",
+                    "agg": "mean",
+                    "upper": 0.01,
+                    "log_ratio": "curr-gen",
+                    "negative_advantages_only": True,
+                },
+                {"level": "token", "metric": "kl_k3", "upper": 0.4, "log_ratio": "gen-prev"},
+            ]
+        }
+    )
     assert [f.label for f in cfg.rejection_sampling] == [
-        "sequence_kl_k1_mean", "sequence_kl_k1_mean_curr-gen_negative_advantages", "token_kl_k3_gen-prev"]
+        "sequence_kl_k1_mean",
+        "sequence_kl_k1_mean_curr-gen_negative_advantages",
+        "token_kl_k3_gen-prev",
+    ]
 
 
 def test_new_metrics_and_log_ratios_are_validated():
     with pytest.raises(ConfigError, match="agg: got 'min' with metric 'binary_kl'; allowed: mean, sum, max"):
-        RSClippedPGLossConfig.from_any({"rejection_sampling": [
-            {"level": "sequence", "metric": "binary_kl", "agg": "min", "upper": 0.1}]})
+        RSClippedPGLossConfig.from_any(
+            {"rejection_sampling": [{"level": "sequence", "metric": "binary_kl", "agg": "min", "upper": 0.1}]}
+        )
     with pytest.raises(ConfigError, match="log_ratio: got 'gen-curr'"):
-        RSClippedPGLossConfig.from_any({"rejection_sampling": [
-            {"level": "token", "metric": "kl_k1", "upper": 0.1, "log_ratio": "gen-curr"}]})
+        RSClippedPGLossConfig.from_any(
+            {"rejection_sampling": [{"level": "token", "metric": "kl_k1", "upper": 0.1, "log_ratio": "gen-curr"}]}
+        )
 
 
 def test_every_metric_key_is_declared():
@@ -357,8 +468,9 @@ def test_every_metric_key_is_declared():
     mask = torch.tensor(b["token_mask"], dtype=torch.float64)
     for mode in RECORDED["modes"]:
         _, metrics = effective_coefficients(mode["plugin_config"], prev, gen, curr, adv, mask, 1.0)
-        cfg = RSClippedPGLossConfig.from_any({**mode["plugin_config"], "disable_ppo_ratio": True,
-                                              "reference_policy_kl_penalty": 0.0})
+        cfg = RSClippedPGLossConfig.from_any(
+            {**mode["plugin_config"], "disable_ppo_ratio": True, "reference_policy_kl_penalty": 0.0}
+        )
         assert set(metrics) == set(metric_normalizations(cfg)), mode["name"]
 
 
@@ -389,9 +501,20 @@ def test_data_parallel_batch_mean_on_emulated_dp2_cp2_ranks(name, monkeypatch):
         d = p - g
         ones = torch.ones_like(d)
         groups = SequenceGroups((cp_groups[dp_rank],), data_parallel=dp_groups[cp_rank])
-        out = compute_correction(d, ones, m, m, torch.ones(4, dtype=d.dtype), ones, cfg,
-                                 torch.tensor(8.0), mask.sum(), groups,
-                                 log_probs=PolicyLogProbs(curr=part(curr), prev=p, gen=g), advantages=part(adv))
+        out = compute_correction(
+            d,
+            ones,
+            m,
+            m,
+            torch.ones(4, dtype=d.dtype),
+            ones,
+            cfg,
+            torch.tensor(8.0),
+            mask.sum(),
+            groups,
+            log_probs=PolicyLogProbs(curr=part(curr), prev=p, gen=g),
+            advantages=part(adv),
+        )
         return out.is_weight.expand_as(d) * out.keep * m, part(want), out.metrics["is_batch_norm_factor"][0]
 
     results = run_ranks(4, rank_fn, cp_groups + dp_groups, monkeypatch)

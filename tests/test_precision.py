@@ -43,14 +43,21 @@ def batch(B=3, T=101):
     # 303 valid tokens: not representable in bf16 (8 significant bits), so a global count
     # held in bf16 would scale the loss by 304/303.
     prev = -torch.rand(B, T) * 3
-    return make_batch(prev + 0.05 * torch.randn(B, T), prev, prev + 0.05 * torch.randn(B, T),
-                      ref=prev + 0.1 * torch.randn(B, T), advantages=torch.randn(B, T),
-                      rewards=torch.tensor([1.0, -1.0, 0.5])[:B])
+    return make_batch(
+        prev + 0.05 * torch.randn(B, T),
+        prev,
+        prev + 0.05 * torch.randn(B, T),
+        ref=prev + 0.1 * torch.randn(B, T),
+        advantages=torch.randn(B, T),
+        rewards=torch.tensor([1.0, -1.0, 0.5])[:B],
+    )
 
 
 def cast(lp, data, lp_dtype, data_dtype):
-    data = {k: v.to(data_dtype) if v.is_floating_point() and k not in ("sample_mask", "rewards") else v.clone()
-            for k, v in data.items()}
+    data = {
+        k: v.to(data_dtype) if v.is_floating_point() and k not in ("sample_mask", "rewards") else v.clone()
+        for k, v in data.items()
+    }
     return lp.detach().to(lp_dtype).requires_grad_(True), data
 
 

@@ -15,27 +15,47 @@ from tests.naive_reference import with_unique_labels
 BAD = [float("nan"), float("inf"), float("-inf")]
 
 filters = st.one_of(
-    st.builds(lambda lo, hi: {"level": "token", "metric": "ratio", "lower": lo, "upper": hi},
-              st.sampled_from([None, 0.2, 0.5]), st.sampled_from([1.5, 2.0, 5.0])),
-    st.builds(lambda m, hi: {"level": "token", "metric": m, "upper": hi},
-              st.sampled_from(["kl_k2", "kl_k3"]), st.sampled_from([0.05, 0.5])),
-    st.builds(lambda agg, lo, hi: {"level": "sequence", "metric": "ratio", "agg": agg, "lower": lo, "upper": hi},
-              st.sampled_from(["mean", "sum", "max", "min", "any"]), st.sampled_from([0.3, 0.9, None]),
-              st.sampled_from([1.1, 3.0, 100.0])),
-    st.builds(lambda m, agg, hi: {"level": "sequence", "metric": m, "agg": agg, "upper": hi},
-              st.sampled_from(["kl_k1", "kl_k2", "kl_k3"]), st.sampled_from(["mean", "sum", "max"]),
-              st.sampled_from([0.01, 0.3, 2.0])),
+    st.builds(
+        lambda lo, hi: {"level": "token", "metric": "ratio", "lower": lo, "upper": hi},
+        st.sampled_from([None, 0.2, 0.5]),
+        st.sampled_from([1.5, 2.0, 5.0]),
+    ),
+    st.builds(
+        lambda m, hi: {"level": "token", "metric": m, "upper": hi},
+        st.sampled_from(["kl_k2", "kl_k3"]),
+        st.sampled_from([0.05, 0.5]),
+    ),
+    st.builds(
+        lambda agg, lo, hi: {"level": "sequence", "metric": "ratio", "agg": agg, "lower": lo, "upper": hi},
+        st.sampled_from(["mean", "sum", "max", "min", "any"]),
+        st.sampled_from([0.3, 0.9, None]),
+        st.sampled_from([1.1, 3.0, 100.0]),
+    ),
+    st.builds(
+        lambda m, agg, hi: {"level": "sequence", "metric": m, "agg": agg, "upper": hi},
+        st.sampled_from(["kl_k1", "kl_k2", "kl_k3"]),
+        st.sampled_from(["mean", "sum", "max"]),
+        st.sampled_from([0.01, 0.3, 2.0]),
+    ),
 )
 
 
 # Issue 9's options: probability-space statistics, every log-ratio, the advantage condition.
 option_filters = st.builds(
     lambda level, metric, log_ratio, negative, hi: {
-        "level": level, "metric": metric, "upper": hi, "log_ratio": log_ratio, "negative_advantages_only": negative,
-        **({"agg": "mean"} if level == "sequence" else {})},
-    st.sampled_from(["token", "sequence"]), st.sampled_from(["mult_prob_error", "binary_kl", "total_variation", "kl_k3"]),
-    st.sampled_from(["prev-gen", "gen-prev", "curr-gen", "curr-prev"]), st.booleans(),
-    st.sampled_from([0.01, 0.5, 2.0]))
+        "level": level,
+        "metric": metric,
+        "upper": hi,
+        "log_ratio": log_ratio,
+        "negative_advantages_only": negative,
+        **({"agg": "mean"} if level == "sequence" else {}),
+    },
+    st.sampled_from(["token", "sequence"]),
+    st.sampled_from(["mult_prob_error", "binary_kl", "total_variation", "kl_k3"]),
+    st.sampled_from(["prev-gen", "gen-prev", "curr-gen", "curr-prev"]),
+    st.booleans(),
+    st.sampled_from([0.01, 0.5, 2.0]),
+)
 
 
 @st.composite
@@ -52,8 +72,9 @@ def configs(draw, with_options=False):
         "positive_example_nll_weight": draw(st.sampled_from([0.0, 0.3])),
         "ratio_clip_c": draw(st.sampled_from([None, 3.0])),
         "disable_ppo_ratio": draw(st.booleans()),
-        "rejection_sampling": with_unique_labels(draw(st.lists(
-            st.one_of(filters, option_filters) if with_options else filters, max_size=3))),
+        "rejection_sampling": with_unique_labels(
+            draw(st.lists(st.one_of(filters, option_filters) if with_options else filters, max_size=3))
+        ),
         "rejection_denominator": draw(st.sampled_from(["original", "kept"])),
     }
     if cfg["use_importance_sampling_correction"]:
@@ -102,9 +123,15 @@ def to_nemo_rl(tensors, token_mask, sample_mask, advantages, rewards):
     def pad(x):
         return torch.cat([torch.zeros(B, 1, dtype=x.dtype), x], dim=1)
 
-    data = {"advantages": pad(advantages), "prev_logprobs": pad(tensors["prev"]),
-            "generation_logprobs": pad(tensors["gen"]), "reference_policy_logprobs": pad(tensors["ref"]),
-            "token_mask": pad(token_mask), "sample_mask": sample_mask, "rewards": rewards}
+    data = {
+        "advantages": pad(advantages),
+        "prev_logprobs": pad(tensors["prev"]),
+        "generation_logprobs": pad(tensors["gen"]),
+        "reference_policy_logprobs": pad(tensors["ref"]),
+        "token_mask": pad(token_mask),
+        "sample_mask": sample_mask,
+        "rewards": rewards,
+    }
     valid = token_mask.float() * sample_mask[:, None]
     return data, sample_mask.sum(), valid.sum()
 
@@ -170,8 +197,9 @@ def test_masks_are_consistent_with_the_bounds(cfg, batch):
     d_finite = torch.isfinite(raw_d)
     d = torch.where(d_finite, raw_d, torch.zeros_like(raw_d))
     valid = token_mask.float() * sample_mask[:, None]
-    out = compute_correction(d, d_finite.float(), valid, token_mask.float(), sample_mask, d_finite.float(), c,
-                             sample_mask.sum(), valid.sum())
+    out = compute_correction(
+        d, d_finite.float(), valid, token_mask.float(), sample_mask, d_finite.float(), c, sample_mask.sum(), valid.sum()
+    )
     keep = out.keep.bool() & (valid > 0)
     assert torch.isfinite(out.is_weight).all()
     assert not torch.any(keep & ~d_finite), "a non-finite log-ratio reached a kept token"
@@ -179,7 +207,15 @@ def test_masks_are_consistent_with_the_bounds(cfg, batch):
         if f.level != "token":
             continue
         stat = token_filter_statistic(d, f.metric)
-        lo = -math.inf if f.lower is None else (math.log(f.lower) if f.metric == "ratio" and f.lower > 0 else (-math.inf if f.metric == "ratio" else f.lower))
+        lo = (
+            -math.inf
+            if f.lower is None
+            else (
+                math.log(f.lower)
+                if f.metric == "ratio" and f.lower > 0
+                else (-math.inf if f.metric == "ratio" else f.lower)
+            )
+        )
         hi = math.inf if f.upper is None else (math.log(f.upper) if f.metric == "ratio" else f.upper)
         assert torch.all(stat[keep] >= lo) and torch.all(stat[keep] <= hi), f
     if not c.rejection_sampling:

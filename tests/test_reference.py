@@ -29,19 +29,28 @@ RTOL, ATOL = 1e-6, 1e-9
 MIN_MARGIN = 1e-7  # statistics this close to a bound could fall either side by rounding
 BAD = [math.nan, math.inf, -math.inf]
 
-AGGS = {"ratio": ["mean", "sum", "max", "min", "any"], "kl_k1": ["mean", "sum", "max"],
-        "kl_k2": ["mean", "sum", "max"], "kl_k3": ["mean", "sum", "max"],
-        "mult_prob_error": ["mean", "sum", "max"], "binary_kl": ["mean", "sum", "max"],
-        "total_variation": ["mean", "sum", "max"]}
+AGGS = {
+    "ratio": ["mean", "sum", "max", "min", "any"],
+    "kl_k1": ["mean", "sum", "max"],
+    "kl_k2": ["mean", "sum", "max"],
+    "kl_k3": ["mean", "sum", "max"],
+    "mult_prob_error": ["mean", "sum", "max"],
+    "binary_kl": ["mean", "sum", "max"],
+    "total_variation": ["mean", "sum", "max"],
+}
 BOUND_KINDS = ["lower", "upper", "both"]
 FILTER_KINDS = [("token", m, None, b) for m in AGGS for b in BOUND_KINDS] + [
-    ("sequence", m, a, b) for m in AGGS for a in AGGS[m] for b in BOUND_KINDS]
+    ("sequence", m, a, b) for m in AGGS for a in AGGS[m] for b in BOUND_KINDS
+]
 # What a filter compares, and whether it rejects only negative-advantage tokens (OPSM).
 LOG_RATIOS = ["gen-prev", "curr-gen", "curr-prev"]
-OPTION_KINDS = [(level, metric, agg, log_ratio, negative)
-                for level, agg in (("token", None), ("sequence", "mean"), ("sequence", "max"))
-                for metric in ("ratio", "kl_k3", "binary_kl") for log_ratio in LOG_RATIOS
-                for negative in (False, True)]
+OPTION_KINDS = [
+    (level, metric, agg, log_ratio, negative)
+    for level, agg in (("token", None), ("sequence", "mean"), ("sequence", "max"))
+    for metric in ("ratio", "kl_k3", "binary_kl")
+    for log_ratio in LOG_RATIOS
+    for negative in (False, True)
+]
 LEVELS = [None, "token", "sequence", "sequence_mean"]
 OBJECTIVES = {
     "ppo-token-mean": {"token_level_loss": True},
@@ -58,8 +67,13 @@ def random_batch(rng: random.Random, nonfinite: bool = False) -> dict:
     B, T = rng.randint(3, 6), rng.randint(4, 10)
     sigma = rng.choice([0.05, 0.3, 1.0])
     prev = [[-rng.uniform(0.1, 3.0) for _ in range(T)] for _ in range(B)]
-    d = [[rng.gauss(0, sigma) + (rng.choice([-1, 1]) * rng.uniform(2, 5) if rng.random() < 0.08 else 0.0)
-          for _ in range(T)] for _ in range(B)]
+    d = [
+        [
+            rng.gauss(0, sigma) + (rng.choice([-1, 1]) * rng.uniform(2, 5) if rng.random() < 0.08 else 0.0)
+            for _ in range(T)
+        ]
+        for _ in range(B)
+    ]
     gen = [[prev[i][t] - d[i][t] for t in range(T)] for i in range(B)]
     curr = [[prev[i][t] + rng.gauss(0, 0.15) for t in range(T)] for i in range(B)]
     ref = [[prev[i][t] + rng.gauss(0, 0.3) for t in range(T)] for i in range(B)]
@@ -80,8 +94,17 @@ def random_batch(rng: random.Random, nonfinite: bool = False) -> dict:
             target[rng.randrange(B)][rng.randrange(T)] = rng.choice(BAD)
     n_valid = sum(token_mask[i][t] * sample_mask[i] for i in range(B) for t in range(T))
     scale = rng.choice([1.0, 1.0, 1.5])  # 1.5: other microbatches / DP ranks share the step
-    return {"curr": curr, "prev": prev, "gen": gen, "ref": ref, "adv": adv, "token_mask": token_mask,
-            "sample_mask": sample_mask, "gvs": sum(sample_mask) * scale, "gvt": max(n_valid, 1.0) * scale}
+    return {
+        "curr": curr,
+        "prev": prev,
+        "gen": gen,
+        "ref": ref,
+        "adv": adv,
+        "token_mask": token_mask,
+        "sample_mask": sample_mask,
+        "gvs": sum(sample_mask) * scale,
+        "gvt": max(n_valid, 1.0) * scale,
+    }
 
 
 def _split(values: list[float], rng: random.Random, lo_q: tuple, hi_q: tuple, log_space: bool):
@@ -98,8 +121,16 @@ def _split(values: list[float], rng: random.Random, lo_q: tuple, hi_q: tuple, lo
     return min(lo, hi), max(lo, hi)
 
 
-def draw_filter(rng: random.Random, batch: dict, level: str, metric: str, agg, bounds: str,
-                log_ratio: str = "prev-gen", negative: bool = False) -> dict:
+def draw_filter(
+    rng: random.Random,
+    batch: dict,
+    level: str,
+    metric: str,
+    agg,
+    bounds: str,
+    log_ratio: str = "prev-gen",
+    negative: bool = False,
+) -> dict:
     """A filter whose bounds split this batch's statistics (before earlier stages)."""
     B, T = len(batch["token_mask"]), len(batch["token_mask"][0])
     a_name, b_name = log_ratio.split("-")
@@ -149,16 +180,20 @@ def draw_truncation(rng: random.Random, kind) -> dict:
     else:
         lo, hi = rng.choice([(0.9, 1.1), (0.95, 1.05), (0.8, 1.02)])
     if kind != "tis":
-        cfg = {"truncated_importance_sampling_ratio": hi * jitter,
-               "truncated_importance_sampling_ratio_min": lo * jitter}
+        cfg = {
+            "truncated_importance_sampling_ratio": hi * jitter,
+            "truncated_importance_sampling_ratio_min": lo * jitter,
+        }
     return {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": kind, **cfg}
 
 
 def draw_kl(rng: random.Random) -> dict:
     if rng.random() < 0.5:
         return {"reference_policy_kl_penalty": 0.0}
-    return {"reference_policy_kl_penalty": rng.choice([0.05, 0.2]),
-            "reference_policy_kl_type": rng.choice(["k1", "k2", "k3"])}
+    return {
+        "reference_policy_kl_penalty": rng.choice([0.05, 0.2]),
+        "reference_policy_kl_type": rng.choice(["k1", "k2", "k3"]),
+    }
 
 
 def with_margin(rng: random.Random, batch: dict, make_cfg) -> tuple[dict, dict]:
@@ -214,8 +249,12 @@ def run_package(cfg: dict, batch: dict):
     loss_fn = RSClippedPGLoss(cfg)
     lp = as_tensor(batch["curr"]).requires_grad_(True)
     with captured_correction() as seen:
-        loss, metrics = loss_fn(lp, nemo_rl_data(batch), torch.tensor(batch["gvs"], dtype=torch.float64),
-                                torch.tensor(batch["gvt"], dtype=torch.float64))
+        loss, metrics = loss_fn(
+            lp,
+            nemo_rl_data(batch),
+            torch.tensor(batch["gvs"], dtype=torch.float64),
+            torch.tensor(batch["gvt"], dtype=torch.float64),
+        )
     loss.backward()
     return loss.item(), lp.grad, seen[0], metrics, loss_fn.metric_normalizations()
 
@@ -289,15 +328,21 @@ def test_log_ratio_and_advantage_condition_match_the_reference(kind):
         base = {**objective_cfg(rng, rng.choice(sorted(OBJECTIVES)), rng.choice(LEVELS)), **draw_kl(rng)}
 
         def make(r, base=base, batch=batch):
-            return {**base, "rejection_sampling": [
-                draw_filter(r, batch, level, metric, agg, "upper", log_ratio, negative)]}
+            return {
+                **base,
+                "rejection_sampling": [draw_filter(r, batch, level, metric, agg, "upper", log_ratio, negative)],
+            }
 
         cfg, want = with_margin(rng, batch, make)
         assert_matches_reference(f"{kind} case {case} {cfg}", cfg, batch, want)
 
 
-BATCH_NORM_CASES = [(lv, tr, scope) for lv in ("token", "sequence", "sequence_mean") for tr in (None, "tis", "icepop")
-                    for scope in ("microbatch", "data_parallel")]
+BATCH_NORM_CASES = [
+    (lv, tr, scope)
+    for lv in ("token", "sequence", "sequence_mean")
+    for tr in (None, "tis", "icepop")
+    for scope in ("microbatch", "data_parallel")
+]
 
 
 @pytest.mark.parametrize("case", BATCH_NORM_CASES, ids=["-".join(str(x) for x in c) for c in BATCH_NORM_CASES])
@@ -307,20 +352,32 @@ def test_batch_normalisation_matches_the_reference(case):
     batch = random_batch(rng, nonfinite=rng.random() < 0.3)
 
     def make(r):
-        cfg = {**objective_cfg(r, r.choice(sorted(OBJECTIVES)), level), **draw_kl(r), **draw_truncation(r, trunc),
-               "use_importance_sampling_correction": True, "is_batch_normalization": scope}
+        cfg = {
+            **objective_cfg(r, r.choice(sorted(OBJECTIVES)), level),
+            **draw_kl(r),
+            **draw_truncation(r, trunc),
+            "use_importance_sampling_correction": True,
+            "is_batch_normalization": scope,
+        }
         # Rejected units still count in the batch mean; an OPSM filter rejects some of them.
-        cfg["rejection_sampling"] = [draw_filter(r, batch, "sequence", "ratio", "mean", "both"),
-                                     draw_filter(r, batch, "sequence", "kl_k1", "mean", "upper", "curr-gen", True)]
+        cfg["rejection_sampling"] = [
+            draw_filter(r, batch, "sequence", "ratio", "mean", "both"),
+            draw_filter(r, batch, "sequence", "kl_k1", "mean", "upper", "curr-gen", True),
+        ]
         return cfg
 
     cfg, want = with_margin(rng, batch, make)
     assert_matches_reference(f"{case} {cfg}", cfg, batch, want)
 
 
-IS_CASES = [(lv, tr, den, obj) for lv in LEVELS for tr in (None, "tis", "icepop", "seq-mask-tis")
-            for den in ("original", "kept") for obj in ("ppo-token-mean", "ppo-sequence-mean", "gspo")
-            if not (tr == "seq-mask-tis" and obj == "gspo" and lv is None)]
+IS_CASES = [
+    (lv, tr, den, obj)
+    for lv in LEVELS
+    for tr in (None, "tis", "icepop", "seq-mask-tis")
+    for den in ("original", "kept")
+    for obj in ("ppo-token-mean", "ppo-sequence-mean", "gspo")
+    if not (tr == "seq-mask-tis" and obj == "gspo" and lv is None)
+]
 
 
 @pytest.mark.parametrize("case", IS_CASES, ids=["-".join(str(x) for x in c) for c in IS_CASES])
@@ -330,11 +387,18 @@ def test_is_level_truncation_and_denominator_match_the_reference(case):
     batch = random_batch(rng, nonfinite=rng.random() < 0.3)
 
     def make(r):
-        cfg = {**objective_cfg(r, objective, level), **draw_kl(r), "use_importance_sampling_correction": True,
-               "rejection_denominator": denominator, **draw_truncation(r, trunc)}
+        cfg = {
+            **objective_cfg(r, objective, level),
+            **draw_kl(r),
+            "use_importance_sampling_correction": True,
+            "rejection_denominator": denominator,
+            **draw_truncation(r, trunc),
+        }
         # Geo-RS then Token-MIS, so that rejection shrinks the kept counts.
-        cfg["rejection_sampling"] = [draw_filter(r, batch, "sequence", "ratio", "mean", "both"),
-                                     draw_filter(r, batch, "token", "ratio", None, "both")]
+        cfg["rejection_sampling"] = [
+            draw_filter(r, batch, "sequence", "ratio", "mean", "both"),
+            draw_filter(r, batch, "token", "ratio", None, "both"),
+        ]
         return cfg
 
     cfg, want = with_margin(rng, batch, make)
@@ -351,8 +415,9 @@ def random_pipeline_cfg(rng: random.Random, batch: dict) -> dict:
     filters = [draw_filter(rng, batch, *rng.choice(FILTER_KINDS)) for _ in range(rng.randint(2, 4))]
     for _ in range(rng.choice([0, 0, 1, 2])):  # filters with a log-ratio option or the advantage condition
         level_, metric, agg, log_ratio, negative = rng.choice(OPTION_KINDS)
-        filters.insert(rng.randrange(len(filters) + 1),
-                       draw_filter(rng, batch, level_, metric, agg, "upper", log_ratio, negative))
+        filters.insert(
+            rng.randrange(len(filters) + 1), draw_filter(rng, batch, level_, metric, agg, "upper", log_ratio, negative)
+        )
     cfg["rejection_sampling"] = with_unique_labels(filters)
     if cfg.get("use_importance_sampling_correction") and rng.random() < 0.3:
         cfg["is_batch_normalization"] = rng.choice(["microbatch", "data_parallel"])
@@ -406,9 +471,13 @@ def test_token_shards_on_emulated_ranks_match_the_reference(seed, layout, monkey
         cols = slices[rank]
         lp = curr[:, cols].clone().requires_grad_(True)
         inputs = LossInputs(
-            curr=lp, prev=full["prev_logprobs"][:, cols], generation=full["generation_logprobs"][:, cols],
-            reference=full["reference_policy_logprobs"][:, cols], advantages=full["advantages"][:, cols],
-            token_mask=full["token_mask"][:, cols], sample_mask=data["sample_mask"],
+            curr=lp,
+            prev=full["prev_logprobs"][:, cols],
+            generation=full["generation_logprobs"][:, cols],
+            reference=full["reference_policy_logprobs"][:, cols],
+            advantages=full["advantages"][:, cols],
+            token_mask=full["token_mask"][:, cols],
+            sample_mask=data["sample_mask"],
         )
         loss, metrics = loss_fn.compute(inputs, gvs, gvt, SequenceGroups(tuple(rank_groups[rank])))
         loss.backward()

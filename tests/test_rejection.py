@@ -19,11 +19,13 @@ e = math.exp
 #   row 0: near on-policy        d = [ 0.01, -0.01, 0.02,  0.00]   mean 0.005, sum 0.02
 #   row 1: one outlier token     d = [ 0.00,  0.01, 1.20, -0.01]   mean 0.30,  sum 1.20
 #   row 2: steady drift          d = [-0.30, -0.30, -0.30,  ---]   mean -0.30, sum -0.90
-D = torch.tensor([
-    [0.01, -0.01, 0.02, 0.00],
-    [0.00, 0.01, 1.20, -0.01],
-    [-0.30, -0.30, -0.30, 0.0],
-])
+D = torch.tensor(
+    [
+        [0.01, -0.01, 0.02, 0.00],
+        [0.00, 0.01, 1.20, -0.01],
+        [-0.30, -0.30, -0.30, 0.0],
+    ]
+)
 MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.float32)
 R = D.exp()
 
@@ -32,8 +34,15 @@ def correction(cfg: dict, d=D, mask=MASK, metrics=None):
     c = RSClippedPGLossConfig.from_any(cfg)
     B = d.shape[0]
     out = compute_correction(
-        d, torch.isfinite(d).float(), mask, mask, torch.ones(B), torch.ones_like(d),
-        c, torch.tensor(float(B)), mask.sum(),
+        d,
+        torch.isfinite(d).float(),
+        mask,
+        mask,
+        torch.ones(B),
+        torch.ones_like(d),
+        c,
+        torch.tensor(float(B)),
+        mask.sum(),
     )
     if metrics is not None:
         metrics.update({k: float(v[0]) for k, v in out.metrics.items()})
@@ -66,100 +75,220 @@ def k3(d):  # VERL's k3 of KL(gen || prev) per token
 
 PEER_MODES = {
     # ---- NeMo-RL ----
-    "nemo_rl/tis": ({**IS, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
-                    token_w(lambda r: min(r, 2.0)), MASK),
-    "nemo_rl/icepop": ({**IS, "truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 2.0,
-                        "truncated_importance_sampling_ratio_min": 0.5},
-                       token_w(lambda r: r if 0.5 <= r <= 2.0 else 0.0), MASK),
+    "nemo_rl/tis": (
+        {**IS, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
+        token_w(lambda r: min(r, 2.0)),
+        MASK,
+    ),
+    "nemo_rl/icepop": (
+        {
+            **IS,
+            "truncated_importance_sampling_type": "icepop",
+            "truncated_importance_sampling_ratio": 2.0,
+            "truncated_importance_sampling_ratio_min": 0.5,
+        },
+        token_w(lambda r: r if 0.5 <= r <= 2.0 else 0.0),
+        MASK,
+    ),
     # seq-mask-tis [0.99, 1.01]: only row 0 (geo 1.005) survives, with raw token weights.
-    "nemo_rl/seq-mask-tis": ({**IS, "truncated_importance_sampling_type": "seq-mask-tis",
-                              "truncated_importance_sampling_ratio": 1.01, "truncated_importance_sampling_ratio_min": 0.99},
-                             token_w(lambda r: r) * rows(1, 0, 0), MASK),
-    "nemo_rl/gspo-sequence-weight": ({**IS, "sequence_level_importance_ratios": True, "token_level_loss": False},
-                                     seq_w(PROD), MASK),
+    "nemo_rl/seq-mask-tis": (
+        {
+            **IS,
+            "truncated_importance_sampling_type": "seq-mask-tis",
+            "truncated_importance_sampling_ratio": 1.01,
+            "truncated_importance_sampling_ratio_min": 0.99,
+        },
+        token_w(lambda r: r) * rows(1, 0, 0),
+        MASK,
+    ),
+    "nemo_rl/gspo-sequence-weight": (
+        {**IS, "sequence_level_importance_ratios": True, "token_level_loss": False},
+        seq_w(PROD),
+        MASK,
+    ),
     # ---- NeMo-RL PR #2269 ----
     "nemo_rl_2269/sequence_mean": ({**IS, "is_correction_level": "sequence_mean"}, seq_w(GEO), MASK),
     "nemo_rl_2269/sequence": ({**IS, "is_correction_level": "sequence"}, seq_w(PROD), MASK),
     # ---- AReaL #1088: level x action x metric x agg ----
-    "areal/token-mask-ratio-upper5": ({**TOKEN_IS, "rejection_sampling": [{"level": "token", "upper": 5.0}]},
-                                      token_w(lambda r: r), MASK),
-    "areal/token-clamp-ratio": ({**TOKEN_IS, "truncated_importance_sampling_type": "tis",
-                                 "truncated_importance_sampling_ratio": 1.1},
-                                token_w(lambda r: min(r, 1.1)), MASK),
-    "areal/seq-mask-ratio-mean": ({**IS, "is_correction_level": "sequence_mean",
-                                   "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.9, "upper": 1.1}]},
-                                  seq_w(GEO) * rows(1, 0, 0), rows(1, 0, 0)),
+    "areal/token-mask-ratio-upper5": (
+        {**TOKEN_IS, "rejection_sampling": [{"level": "token", "upper": 5.0}]},
+        token_w(lambda r: r),
+        MASK,
+    ),
+    "areal/token-clamp-ratio": (
+        {**TOKEN_IS, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 1.1},
+        token_w(lambda r: min(r, 1.1)),
+        MASK,
+    ),
+    "areal/seq-mask-ratio-mean": (
+        {
+            **IS,
+            "is_correction_level": "sequence_mean",
+            "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.9, "upper": 1.1}],
+        },
+        seq_w(GEO) * rows(1, 0, 0),
+        rows(1, 0, 0),
+    ),
     # AReaL #1088 sequence agg=sum decides on the product, weights survivors by the geo-mean.
-    "areal/seq-mask-ratio-sum": ({**IS, "is_correction_level": "sequence_mean",
-                                  "rejection_sampling": [{"level": "sequence", "agg": "sum", "lower": 0.4, "upper": 2.0}]},
-                                 seq_w(GEO) * rows(1, 0, 1), rows(1, 0, 1)),
-    "areal/seq-mask-ratio-max": ({**TOKEN_IS, "rejection_sampling": [{"level": "sequence", "agg": "max", "upper": 2.0}]},
-                                 token_w(lambda r: r) * rows(1, 0, 1), rows(1, 0, 1)),
+    "areal/seq-mask-ratio-sum": (
+        {
+            **IS,
+            "is_correction_level": "sequence_mean",
+            "rejection_sampling": [{"level": "sequence", "agg": "sum", "lower": 0.4, "upper": 2.0}],
+        },
+        seq_w(GEO) * rows(1, 0, 1),
+        rows(1, 0, 1),
+    ),
+    "areal/seq-mask-ratio-max": (
+        {**TOKEN_IS, "rejection_sampling": [{"level": "sequence", "agg": "max", "upper": 2.0}]},
+        token_w(lambda r: r) * rows(1, 0, 1),
+        rows(1, 0, 1),
+    ),
     # kl_k1 mean in [-0.01, 0.01] == Geo-RS band [e^-0.01, e^0.01] on gen/prev: row 0 (mean k1 -0.005).
-    "areal/seq-mask-kl_k1-mean": ({**TOKEN_IS, "rejection_sampling": [{"level": "sequence", "metric": "kl_k1", "agg": "mean", "lower": -0.01, "upper": 0.01}]},
-                                  token_w(lambda r: r) * rows(1, 0, 0), rows(1, 0, 0)),
+    "areal/seq-mask-kl_k1-mean": (
+        {
+            **TOKEN_IS,
+            "rejection_sampling": [
+                {"level": "sequence", "metric": "kl_k1", "agg": "mean", "lower": -0.01, "upper": 0.01}
+            ],
+        },
+        token_w(lambda r: r) * rows(1, 0, 0),
+        rows(1, 0, 0),
+    ),
     # mean k2: row0 ~5e-5, row1 0.18, row2 0.045 -> upper 0.05 keeps rows 0 and 2.
-    "areal/seq-mask-kl_k2-mean": ({"rejection_sampling": [{"level": "sequence", "metric": "kl_k2", "agg": "mean", "upper": 0.05}]},
-                                  rows(1, 0, 1), rows(1, 0, 1)),
+    "areal/seq-mask-kl_k2-mean": (
+        {"rejection_sampling": [{"level": "sequence", "metric": "kl_k2", "agg": "mean", "upper": 0.05}]},
+        rows(1, 0, 1),
+        rows(1, 0, 1),
+    ),
     # sum k3: row0 ~2e-4, row1 k3(1.2)=1.12, row2 3*k3(-0.3)=0.12 -> upper 0.5 keeps rows 0 and 2.
-    "areal/seq-mask-kl_k3-sum": ({"rejection_sampling": [{"level": "sequence", "metric": "kl_k3", "agg": "sum", "upper": 0.5}]},
-                                 rows(1, 0, 1), rows(1, 0, 1)),
+    "areal/seq-mask-kl_k3-sum": (
+        {"rejection_sampling": [{"level": "sequence", "metric": "kl_k3", "agg": "sum", "upper": 0.5}]},
+        rows(1, 0, 1),
+        rows(1, 0, 1),
+    ),
     # max k3: row1 1.12 > 1.0 rejected; row2 0.0408 kept.
-    "areal/seq-mask-kl_k3-max": ({"rejection_sampling": [{"level": "sequence", "metric": "kl_k3", "agg": "max", "upper": 1.0}]},
-                                 rows(1, 0, 1), rows(1, 0, 1)),
+    "areal/seq-mask-kl_k3-max": (
+        {"rejection_sampling": [{"level": "sequence", "metric": "kl_k3", "agg": "max", "upper": 1.0}]},
+        rows(1, 0, 1),
+        rows(1, 0, 1),
+    ),
     # ---- AReaL #1218: two-stage ----
-    "areal_1218/geo-rs+token-mis": ({**TOKEN_IS, "rejection_sampling": [
-        {"level": "sequence", "agg": "mean", "lower": 0.7, "upper": 1.1},  # rejects row 1 (geo 1.35)
-        {"level": "token", "lower": 0.5, "upper": 2.0}]},
-        token_w(lambda r: r) * rows(1, 0, 1), rows(1, 0, 1)),
-    "areal_1218/geo-rs+token-tis": ({**TOKEN_IS, "truncated_importance_sampling_type": "tis",
-                                     "truncated_importance_sampling_ratio": 1.005,
-                                     "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.7, "upper": 1.1}]},
-                                    token_w(lambda r: min(r, 1.005)) * rows(1, 0, 1), rows(1, 0, 1)),
+    "areal_1218/geo-rs+token-mis": (
+        {
+            **TOKEN_IS,
+            "rejection_sampling": [
+                {"level": "sequence", "agg": "mean", "lower": 0.7, "upper": 1.1},  # rejects row 1 (geo 1.35)
+                {"level": "token", "lower": 0.5, "upper": 2.0},
+            ],
+        },
+        token_w(lambda r: r) * rows(1, 0, 1),
+        rows(1, 0, 1),
+    ),
+    "areal_1218/geo-rs+token-tis": (
+        {
+            **TOKEN_IS,
+            "truncated_importance_sampling_type": "tis",
+            "truncated_importance_sampling_ratio": 1.005,
+            "rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.7, "upper": 1.1}],
+        },
+        token_w(lambda r: min(r, 1.005)) * rows(1, 0, 1),
+        rows(1, 0, 1),
+    ),
     # ---- SkyRL #849 ----
-    "skyrl/tis-token": ({**TOKEN_IS, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
-                        token_w(lambda r: min(r, 2.0)), MASK),
-    "skyrl/tis-sequence-cap5": ({**IS, "is_correction_level": "sequence", "truncated_importance_sampling_type": "tis",
-                                 "truncated_importance_sampling_ratio": 2.0},
-                                seq_w([min(p, 2.0) for p in PROD]), MASK),
-    "skyrl/geometric-mask": ({"rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}]},
-                             rows(1, 0, 0), rows(1, 0, 0)),
+    "skyrl/tis-token": (
+        {**TOKEN_IS, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
+        token_w(lambda r: min(r, 2.0)),
+        MASK,
+    ),
+    "skyrl/tis-sequence-cap5": (
+        {
+            **IS,
+            "is_correction_level": "sequence",
+            "truncated_importance_sampling_type": "tis",
+            "truncated_importance_sampling_ratio": 2.0,
+        },
+        seq_w([min(p, 2.0) for p in PROD]),
+        MASK,
+    ),
+    "skyrl/geometric-mask": (
+        {"rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}]},
+        rows(1, 0, 0),
+        rows(1, 0, 0),
+    ),
     # product: row 1 e^1.2 = 3.32 > 2 and row 2 e^-0.9 = 0.41 < 0.5 are both rejected.
-    "skyrl/product-mask": ({"rejection_sampling": [{"level": "sequence", "agg": "sum", "lower": 0.5, "upper": 2.0}]},
-                           rows(1, 0, 0), rows(1, 0, 0)),
-    "skyrl/outlier-veto": ({"rejection_sampling": [{"level": "sequence", "agg": "any", "lower": 0.5, "upper": 3.0}]},
-                           rows(1, 0, 1), rows(1, 0, 1)),
+    "skyrl/product-mask": (
+        {"rejection_sampling": [{"level": "sequence", "agg": "sum", "lower": 0.5, "upper": 2.0}]},
+        rows(1, 0, 0),
+        rows(1, 0, 0),
+    ),
+    "skyrl/outlier-veto": (
+        {"rejection_sampling": [{"level": "sequence", "agg": "any", "lower": 0.5, "upper": 3.0}]},
+        rows(1, 0, 1),
+        rows(1, 0, 1),
+    ),
     # SkyRL order: token mask first, then the geo-mean over the *remaining* tokens -> row 1
     # (outlier masked, remaining mean 0.0) survives the [0.99, 1.01] geo mask.
-    "skyrl/token-mask-then-geo": ({"rejection_sampling": [
-        {"level": "token", "lower": 0.5, "upper": 2.0},
-        {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}]},
+    "skyrl/token-mask-then-geo": (
+        {
+            "rejection_sampling": [
+                {"level": "token", "lower": 0.5, "upper": 2.0},
+                {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01},
+            ]
+        },
         torch.tensor([[1, 1, 1, 1], [1, 1, 0, 1], [0, 0, 0, 0]], dtype=torch.float32),
-        torch.tensor([[1, 1, 1, 1], [1, 1, 0, 1], [0, 0, 0, 0]], dtype=torch.float32)),
+        torch.tensor([[1, 1, 1, 1], [1, 1, 0, 1], [0, 0, 0, 0]], dtype=torch.float32),
+    ),
     # ---- VERL rollout correction ----
-    "verl/token-is": ({**TOKEN_IS, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
-                      token_w(lambda r: min(r, 2.0)), MASK),
-    "verl/seq-is": ({**IS, "is_correction_level": "sequence", "truncated_importance_sampling_type": "tis",
-                     "truncated_importance_sampling_ratio": 2.0}, seq_w([min(p, 2.0) for p in PROD]), MASK),
+    "verl/token-is": (
+        {**TOKEN_IS, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
+        token_w(lambda r: min(r, 2.0)),
+        MASK,
+    ),
+    "verl/seq-is": (
+        {
+            **IS,
+            "is_correction_level": "sequence",
+            "truncated_importance_sampling_type": "tis",
+            "truncated_importance_sampling_ratio": 2.0,
+        },
+        seq_w([min(p, 2.0) for p in PROD]),
+        MASK,
+    ),
     # VERL geo_rs with the stage order of the list: geo-mean over all tokens -> row 1 rejected.
-    "verl/geo-rs-then-token-k1": ({"rejection_sampling": [
-        {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01},
-        {"level": "token", "metric": "kl_k1", "lower": math.log(0.5), "upper": math.log(2.0)}]},
-        rows(1, 0, 0), rows(1, 0, 0)),
-    "verl/seq_mean_k3": ({"rejection_sampling": [{"level": "sequence", "metric": "kl_k3", "agg": "mean", "upper": 0.01}]},
-                         rows(1, 0, 0), rows(1, 0, 0)),
-    "verl/token_k2": ({"rejection_sampling": [{"level": "token", "metric": "kl_k2", "upper": 0.1}]},
-                      token_w(lambda r: 1.0 if math.log(r) ** 2 / 2 <= 0.1 else 0.0),
-                      token_w(lambda r: 1.0 if math.log(r) ** 2 / 2 <= 0.1 else 0.0)),
-    "verl/catastrophic-veto": ({"rejection_sampling": [{"level": "sequence", "agg": "min", "lower": 0.5}]},
-                               MASK, MASK),
+    "verl/geo-rs-then-token-k1": (
+        {
+            "rejection_sampling": [
+                {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01},
+                {"level": "token", "metric": "kl_k1", "lower": math.log(0.5), "upper": math.log(2.0)},
+            ]
+        },
+        rows(1, 0, 0),
+        rows(1, 0, 0),
+    ),
+    "verl/seq_mean_k3": (
+        {"rejection_sampling": [{"level": "sequence", "metric": "kl_k3", "agg": "mean", "upper": 0.01}]},
+        rows(1, 0, 0),
+        rows(1, 0, 0),
+    ),
+    "verl/token_k2": (
+        {"rejection_sampling": [{"level": "token", "metric": "kl_k2", "upper": 0.1}]},
+        token_w(lambda r: 1.0 if math.log(r) ** 2 / 2 <= 0.1 else 0.0),
+        token_w(lambda r: 1.0 if math.log(r) ** 2 / 2 <= 0.1 else 0.0),
+    ),
+    "verl/catastrophic-veto": ({"rejection_sampling": [{"level": "sequence", "agg": "min", "lower": 0.5}]}, MASK, MASK),
     # min token ratios: row 0 e^-0.01, row 1 e^-0.01, row 2 e^-0.3 = 0.74 < 0.8 -> row 2 rejected.
-    "verl/catastrophic-veto-rejects": ({"rejection_sampling": [{"level": "sequence", "agg": "min", "lower": 0.8}]},
-                                       rows(1, 1, 0), rows(1, 1, 0)),
+    "verl/catastrophic-veto-rejects": (
+        {"rejection_sampling": [{"level": "sequence", "agg": "min", "lower": 0.8}]},
+        rows(1, 1, 0),
+        rows(1, 1, 0),
+    ),
     # A low-side-only outlier: row 2's tokens (0.74) are all below 0.8, none above 100.
-    "skyrl/outlier-veto-low-side": ({"rejection_sampling": [{"level": "sequence", "agg": "any", "lower": 0.8,
-                                                             "upper": 100.0}]},
-                                    rows(1, 1, 0), rows(1, 1, 0)),
+    "skyrl/outlier-veto-low-side": (
+        {"rejection_sampling": [{"level": "sequence", "agg": "any", "lower": 0.8, "upper": 100.0}]},
+        rows(1, 1, 0),
+        rows(1, 1, 0),
+    ),
 }
 
 
@@ -174,7 +303,9 @@ def test_peer_mode(mode):
 def test_verl_k1_band_maps_to_the_inverted_ratio_band():
     # VERL's k1 = log(gen/prev): a band [L, U] on gen/prev keeps 1/U <= r <= 1/L.
     L, U = 0.8, 3.0
-    via_k1 = correction({"rejection_sampling": [{"level": "token", "metric": "kl_k1", "lower": math.log(L), "upper": math.log(U)}]})[1]
+    via_k1 = correction(
+        {"rejection_sampling": [{"level": "token", "metric": "kl_k1", "lower": math.log(L), "upper": math.log(U)}]}
+    )[1]
     via_ratio = correction({"rejection_sampling": [{"level": "token", "lower": 1 / U, "upper": 1 / L}]})[1]
     torch.testing.assert_close(via_k1, via_ratio)
     assert via_k1[1, 2] == 0 and via_k1[2, 0] == 1  # r = e^1.2 > 1.25 rejected, r = e^-0.3 > 1/3 kept
@@ -213,8 +344,12 @@ def test_two_stage_geo_rs_token_tis_gives_per_token_weights_on_survivors():
 
 
 def test_rejection_changes_no_denominator_and_rejected_units_get_zero_gradient():
-    cfg = {"rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.7, "upper": 1.1},
-                                  {"level": "token", "lower": 0.5, "upper": 1.015}]}
+    cfg = {
+        "rejection_sampling": [
+            {"level": "sequence", "agg": "mean", "lower": 0.7, "upper": 1.1},
+            {"level": "token", "lower": 0.5, "upper": 1.015},
+        ]
+    }
     grad, gvt, loss, metrics = reinforce_grad(cfg)
     keep = correction(cfg)[1]
     # Row 1 rejected whole; row 0 token 2 (r = e^0.02 > 1.015) rejected.
@@ -235,8 +370,11 @@ def test_rejection_changes_no_denominator_and_rejected_units_get_zero_gradient()
 def test_rejection_also_zeroes_kl_and_nll_terms():
     prev = torch.full_like(D, -1.0)
     ref = prev - 0.5
-    cfg = {"rejection_sampling": [{"level": "sequence", "agg": "max", "upper": 2.0}],
-           "positive_example_nll_weight": 0.5, "reference_policy_kl_penalty": 0.1}
+    cfg = {
+        "rejection_sampling": [{"level": "sequence", "agg": "max", "upper": 2.0}],
+        "positive_example_nll_weight": 0.5,
+        "reference_policy_kl_penalty": 0.1,
+    }
     lp, data, gvs, gvt = make_batch(prev, prev, prev - D, token_mask=MASK, ref=ref, rewards=[1.0, 1.0, 1.0])
     loss, _ = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
     loss.backward()
@@ -271,8 +409,9 @@ ON_THE_BOUND = [
 
 
 @pytest.mark.parametrize("side", ["lower", "upper", "both"])
-@pytest.mark.parametrize("level, metric, agg, row, bound", ON_THE_BOUND,
-                         ids=["-".join(str(x) for x in c[:3] if x) for c in ON_THE_BOUND])
+@pytest.mark.parametrize(
+    "level, metric, agg, row, bound", ON_THE_BOUND, ids=["-".join(str(x) for x in c[:3] if x) for c in ON_THE_BOUND]
+)
 def test_bounds_are_inclusive(level, metric, agg, row, bound, side):
     # docs/guide.md: a filter keeps a unit iff lower <= statistic <= upper.
     f = {"level": level, "metric": metric, **({"agg": agg} if agg else {})}
@@ -290,8 +429,13 @@ def test_truncation_bounds_are_inclusive():
     # d = 0: token weight, sequence weight and geometric mean are exactly 1, on the max bound.
     d, mask = torch.zeros(1, 3, dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64)
     for t, level in (("icepop", "token"), ("icepop", "sequence_mean"), ("seq-mask-tis", "sequence_mean")):
-        cfg = {**IS, "is_correction_level": level, "truncated_importance_sampling_type": t,
-               "truncated_importance_sampling_ratio": 1.0, "truncated_importance_sampling_ratio_min": 0.5}
+        cfg = {
+            **IS,
+            "is_correction_level": level,
+            "truncated_importance_sampling_type": t,
+            "truncated_importance_sampling_ratio": 1.0,
+            "truncated_importance_sampling_ratio_min": 0.5,
+        }
         weight, _ = correction(cfg, d=d, mask=mask)
         assert weight.tolist() == [[1.0, 1.0, 1.0]], (t, level)
 
@@ -334,8 +478,11 @@ def test_empty_sequence_is_never_rejected_and_never_nan():
     mask = MASK.clone()
     mask[1] = 0
     m = {}
-    _, keep = correction({"rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}]},
-                         mask=mask, metrics=m)
+    _, keep = correction(
+        {"rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}]},
+        mask=mask,
+        metrics=m,
+    )
     weight, _ = correction({**IS, "is_correction_level": "sequence_mean"}, mask=mask)
     assert torch.isfinite(weight).all()
     assert keep[0].sum() == 4
@@ -347,7 +494,9 @@ def test_empty_sequence_is_never_rejected_and_never_nan():
 def test_nonfinite_log_ratio_rejects_its_sequence_or_token(bad):
     d = D.clone()
     d[0, 1] = bad
-    seq_keep = correction({"rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.5, "upper": 2.0}]}, d=d)[1]
+    seq_keep = correction(
+        {"rejection_sampling": [{"level": "sequence", "agg": "mean", "lower": 0.5, "upper": 2.0}]}, d=d
+    )[1]
     assert seq_keep[0].sum() == 0 and seq_keep[2].sum() == 3
     tok_keep = correction({"rejection_sampling": [{"level": "token", "lower": 0.1, "upper": 10.0}]}, d=d)[1]
     assert tok_keep[0].tolist() == [1, 0, 1, 1]

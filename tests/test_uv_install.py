@@ -32,8 +32,10 @@ pytestmark = pytest.mark.slow
 
 PROJECT = FAKE / "uv_project"
 TORCH = "2.13.0"
-RECIPE = ("loss_fn:\n  name: rs_clipped_pg\n  use_importance_sampling_correction: true\n"
-          "  is_correction_level: sequence_mean\n")
+RECIPE = (
+    "loss_fn:\n  name: rs_clipped_pg\n  use_importance_sampling_correction: true\n"
+    "  is_correction_level: sequence_mean\n"
+)
 WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
 
 
@@ -50,8 +52,12 @@ def _uv_binary() -> str:
             return found
     target = Path(tempfile.gettempdir()) / "nemo-rs-test-uv"
     if not (target / "bin" / "uv").exists():
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(target), "uv"],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--target", str(target), "uv"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if proc.returncode != 0 or not (target / "bin" / "uv").exists():
             pytest.skip(f"uv cannot be installed: {proc.stderr.strip().splitlines()[-1:]}")
     return str(target / "bin" / "uv")
@@ -68,8 +74,11 @@ def _pip_sources() -> tuple[list, list, list]:
             for item in value.strip().strip("'\"").split():
                 if item not in found[option]:
                     found[option].append(item)
-    for option, variable in (("find-links", "PIP_FIND_LINKS"), ("extra-index-url", "PIP_EXTRA_INDEX_URL"),
-                             ("index-url", "PIP_INDEX_URL")):
+    for option, variable in (
+        ("find-links", "PIP_FIND_LINKS"),
+        ("extra-index-url", "PIP_EXTRA_INDEX_URL"),
+        ("index-url", "PIP_INDEX_URL"),
+    ):
         for item in os.environ.get(variable, "").split():
             if item not in found[option]:
                 found[option].append(item)
@@ -79,7 +88,7 @@ def _pip_sources() -> tuple[list, list, list]:
 def _local_torch_wheel(find_links: list) -> bool:
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
     for place in find_links:
-        path = Path(place[len("file://"):] if place.startswith("file://") else place)
+        path = Path(place[len("file://") :] if place.startswith("file://") else place)
         if path.is_dir() and any(path.glob(f"torch-{TORCH}*-{tag}-*.whl")):
             return True
     return False
@@ -97,8 +106,11 @@ def uv_setup(tmp_path_factory):
     for url in index_url:
         lines += ["[[index]]", f"url = {json.dumps(url)}", "default = true"]
     (home / "uv.toml").write_text("\n".join(lines) + "\n")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("UV_") and k not in ("VIRTUAL_ENV", "PYTHONPATH", "NEMO_RS_PLUGIN_DISABLE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("UV_") and k not in ("VIRTUAL_ENV", "PYTHONPATH", "NEMO_RS_PLUGIN_DISABLE")
+    }
     env.update(
         UV_CONFIG_FILE=str(home / "uv.toml"),
         UV_PYTHON=getattr(sys, "_base_executable", sys.executable),
@@ -162,8 +174,14 @@ class Project:
         self.python = root / ".venv" / "bin" / "python"
 
     def uv(self, *args, env=None, check=True, cwd=None):
-        proc = subprocess.run([self.setup["uv"], *args], capture_output=True, text=True, timeout=900,
-                              cwd=cwd or self.root, env={**self.setup["env"], **(env or {})})
+        proc = subprocess.run(
+            [self.setup["uv"], *args],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=cwd or self.root,
+            env={**self.setup["env"], **(env or {})},
+        )
         if check:
             assert proc.returncode == 0, f"uv {' '.join(args)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         return proc
@@ -176,16 +194,25 @@ class Project:
             proc = self.uv(*cmd[1:])
         else:
             cmd[cmd.index("python")] = str(self.python)
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=self.root, env=self.setup["env"],
-                                  timeout=600)
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, cwd=self.root, env=self.setup["env"], timeout=600
+            )
             assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     def has_plugin(self, python=None) -> bool:
         """Whether the start-up hook runs in ``python`` (the project's .venv by default)."""
-        proc = subprocess.run([str(python or self.python), "-c",
-                               "import sys; print(any(type(f).__name__ == '_Finder' for f in sys.meta_path))"],
-                              capture_output=True, text=True, env=self.setup["env"], check=True)
+        proc = subprocess.run(
+            [
+                str(python or self.python),
+                "-c",
+                "import sys; print(any(type(f).__name__ == '_Finder' for f in sys.meta_path))",
+            ],
+            capture_output=True,
+            text=True,
+            env=self.setup["env"],
+            check=True,
+        )
         return proc.stdout.strip() == "True"
 
     def worker_venv(self, venvs: Path, name=WORKER):
@@ -194,15 +221,28 @@ class Project:
         self.uv("venv", "--allow-existing", str(venv))
         env = {"UV_PROJECT_ENVIRONMENT": str(venv)}
         self.uv("sync", "--directory", str(self.root), env=env, cwd=venvs)
-        self.uv("run", "--locked", "--extra", "mcore", "--directory", str(self.root), "echo",
-                f"Finished creating venv {venv}", env=env, cwd=venvs)
+        self.uv(
+            "run",
+            "--locked",
+            "--extra",
+            "mcore",
+            "--directory",
+            str(self.root),
+            "echo",
+            f"Finished creating venv {venv}",
+            env=env,
+            cwd=venvs,
+        )
         return venv / "bin" / "python"
 
 
 def _worker_unpickles(project, worker_python, pickled, driver_env, tmp_path):
     """The worker, started as Ray starts it: the driver's environment, the worker venv's python."""
-    env = {**driver_env, "VIRTUAL_ENV": str(worker_python.parent.parent),
-           "UV_PROJECT_ENVIRONMENT": str(worker_python.parent.parent)}
+    env = {
+        **driver_env,
+        "VIRTUAL_ENV": str(worker_python.parent.parent),
+        "UV_PROJECT_ENVIRONMENT": str(worker_python.parent.parent),
+    }
     return run_script("worker_unpickle", str(pickled), host=None, python=str(worker_python), env=env, cwd=tmp_path)
 
 
@@ -222,8 +262,9 @@ def test_uv_add_editable_survives_uv_sync_and_reaches_worker_venvs(uv_setup, tmp
     worker_out = _worker_unpickles(project, worker, tmp_path / "loss.pkl", out["worker_env"], tmp_path)
     assert worker_out["type"] == "RSClippedPGLossFn"
     # ... and the doctor, run as training runs, proves all of it.
-    proc = project.uv("run", "--locked", "python", "-m", "nemo_rs_plugin.doctor", "recipe.yaml", "--venvs", str(venvs),
-                      check=False)
+    proc = project.uv(
+        "run", "--locked", "python", "-m", "nemo_rs_plugin.doctor", "recipe.yaml", "--venvs", str(venvs), check=False
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok   install: a dependency in" in proc.stdout
     assert f"ok   worker {WORKER}: unpickles RSClippedPGLossFn" in proc.stdout

@@ -39,13 +39,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutants import MUTANTS, Mutant  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-FIRST = ["test_reference.py", "test_rejection.py", "test_objective.py", "test_is_levels.py", "test_inputs.py",
-         "test_parity.py", "test_config.py", "test_properties.py"]
+FIRST = [
+    "test_reference.py",
+    "test_rejection.py",
+    "test_objective.py",
+    "test_is_levels.py",
+    "test_inputs.py",
+    "test_parity.py",
+    "test_config.py",
+    "test_properties.py",
+]
 LAST = ["test_cli.py"]  # in-process, but slow (simulations): only survivors and the preflight pay for it
 NOT_THE_COPY = {"test_activation.py", "test_nemo_rl_host.py"}  # they import the installed plugin
 MARKERS = "not slow and not distributed"
-IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".hypothesis", ".pytest_cache", "build", "dist",
-                                "*.egg-info", ".whl", "*.pyc")
+IGNORE = shutil.ignore_patterns(
+    ".git", ".venv", "__pycache__", ".hypothesis", ".pytest_cache", "build", "dist", "*.egg-info", ".whl", "*.pyc"
+)
 
 
 def test_files() -> list[str]:
@@ -121,8 +130,13 @@ def preflight(files: list[str], timeout: float) -> None:
     """The copy's package is the one imported, and the unmutated subset passes."""
     with tempfile.TemporaryDirectory(prefix="nemo-rs-mutant-") as tmp:
         root = copy_repo(Path(tmp))
-        probe = subprocess.run([sys.executable, "-c", "import nemo_rs_plugin; print(nemo_rs_plugin.__file__)"],
-                               cwd=root, env=env_for(root), capture_output=True, text=True)
+        probe = subprocess.run(
+            [sys.executable, "-c", "import nemo_rs_plugin; print(nemo_rs_plugin.__file__)"],
+            cwd=root,
+            env=env_for(root),
+            capture_output=True,
+            text=True,
+        )
         where = probe.stdout.strip()
         if probe.returncode != 0 or not Path(where).resolve().is_relative_to(root.resolve()):
             sys.exit(f"preflight: nemo_rs_plugin is imported from {where or probe.stderr[-500:]}, not the copy")
@@ -155,8 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     for i, m in chosen:
         r = run_mutant(m, files, args.timeout)
         rows.append((i, m, r))
-        print(f"{i:3d}  {r['result']:<22} {r['seconds']:5.0f}s  {m.file.split('/')[-1]:<15} {m.description}"
-              f"{'  <- ' + r['detail'] if r['detail'] else ''}", flush=True)
+        print(
+            f"{i:3d}  {r['result']:<22} {r['seconds']:5.0f}s  {m.file.split('/')[-1]:<15} {m.description}"
+            f"{'  <- ' + r['detail'] if r['detail'] else ''}",
+            flush=True,
+        )
 
     errors = [row for row in rows if row[2]["result"] == "ERROR"]
     behaviour = [row for row in rows if not row[1].equivalent and row[2]["result"] != "ERROR"]
@@ -164,11 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     survivors = [row for row in behaviour if row[2]["result"] == "SURVIVED"]
     wrong_equivalent = [row for row in rows if "EQUIVALENCE" in row[2]["result"]]
     print()
-    print(f"score: {len(killed)}/{len(behaviour)} behaviour-changing mutants killed"
-          + (f" ({100 * len(killed) / len(behaviour):.0f}%)" if behaviour else ""))
+    print(
+        f"score: {len(killed)}/{len(behaviour)} behaviour-changing mutants killed"
+        + (f" ({100 * len(killed) / len(behaviour):.0f}%)" if behaviour else "")
+    )
     print(f"equivalent: {sum(1 for r in rows if r[1].equivalent)} (argued), errors: {len(errors)}")
-    for label, group in (("survived", survivors), ("errors", errors), ("killed although argued equivalent",
-                                                                        wrong_equivalent)):
+    for label, group in (
+        ("survived", survivors),
+        ("errors", errors),
+        ("killed although argued equivalent", wrong_equivalent),
+    ):
         for i, m, r in group:
             print(f"  {label}: #{i} {m.file}: {m.description} ({r['detail'] or r['result']})")
     return 0 if not survivors and not errors and not wrong_equivalent else 1
