@@ -128,16 +128,11 @@ def reduce_batch_totals(
     ``across_data_parallel`` (its ranks hold the batch's other sequences). One collective of
     ``totals.numel()`` numbers per group; none without groups.
     """
-    totals = totals.detach()
     targets = list(groups.groups) if tokens_split else []
     if across_data_parallel and groups.data_parallel is not None:
         targets.append(groups.data_parallel)
-    if not targets:
-        return totals
-    totals = totals.clone()
-    for group in targets:
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
-    return totals
+    sums, _ = reduce_sequence_statistics(totals.unsqueeze(-1), None, SequenceGroups(tuple(targets)))
+    return sums.squeeze(-1)
 
 
 class _AllReduceSumWithGrad(torch.autograd.Function):

@@ -381,7 +381,8 @@ MUTANTS: list[Mutant] = [
         "sums = sums",
         "statistics reduced in place in the caller's tensor",
         equivalent="every caller passes a temporary it never reads again: _StatPack.reduce a fresh "
-        "torch.stack, MetricSet.finalize a fresh torch.where result; reduce_sequence_statistics "
+        "torch.stack, MetricSet.finalize a fresh torch.where result, reduce_batch_totals a view of "
+        "batch_normalize_weights' fresh torch.stack; reduce_sequence_statistics "
         "returns the reduced tensor either way",
     ),
 ]
