@@ -64,7 +64,7 @@ def _rank_main(rank, world, rdzv, B, S, repeats, out_q):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
-    from nemo_rs_plugin import RSClippedPGLoss, SequenceGroups
+    from nemo_rs_plugin import CorrectedPGLoss, SequenceGroups
     from nemo_rs_plugin.loss import LossInputs
     from nemo_rs_plugin.parallel_layout import cp_shard
 
@@ -75,7 +75,7 @@ def _rank_main(rank, world, rdzv, B, S, repeats, out_q):
     mask = torch.ones(B, S)
     mask[:, -1] = 0
     adv = torch.randn(B, 1, generator=g).expand(B, S).contiguous()
-    loss_fn = RSClippedPGLoss(CONFIG)
+    loss_fn = CorrectedPGLoss(CONFIG)
     groups = SequenceGroups.of(dist.group.WORLD)
     gvs, gvt = torch.tensor(float(B)), mask.sum()
 

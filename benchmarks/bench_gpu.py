@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_loss import CONFIGS, UPSTREAM, make_batch  # noqa: E402
 
-from nemo_rs_plugin import RSClippedPGLoss  # noqa: E402
+from nemo_rs_plugin import CorrectedPGLoss  # noqa: E402
 from nemo_rs_plugin.compiled import COMPILE_ENV  # noqa: E402
 
 BASE = "upstream-equivalent"
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     candidates = {}
     compile_s = {}
     for name in (BASE, "rs-pipeline-3"):
-        loss = RSClippedPGLoss(CONFIGS[name])
+        loss = CorrectedPGLoss(CONFIGS[name])
         candidates[name] = with_compile(loss, False)
         if not args.no_compile:
             candidates[f"{name} compiled"] = with_compile(loss, True)

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from nemo_rs_plugin import RSClippedPGLoss
+from nemo_rs_plugin import CorrectedPGLoss
 
 UPSTREAM = {
     "use_importance_sampling_correction": True,
@@ -114,7 +114,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     host = nemo_rl_loss()
-    losses = {name: RSClippedPGLoss(cfg) for name, cfg in CONFIGS.items()}
+    losses = {name: CorrectedPGLoss(cfg) for name, cfg in CONFIGS.items()}
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, median of {args.repeats}")
     header = f"{'B x S':>10} | {'config':<23} | {'ms':>8} | ratio to upstream-equivalent"
     print(header)

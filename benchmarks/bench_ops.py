@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nemo_rs_plugin import RSClippedPGLoss  # noqa: E402
+from nemo_rs_plugin import CorrectedPGLoss  # noqa: E402
 
 TIS = {
     "use_importance_sampling_correction": True,
@@ -150,11 +150,11 @@ def main(argv=None) -> int:
         rows.append(
             (
                 f"upstream-equivalent/{name}",
-                count(RSClippedPGLoss({"reference_policy_kl_penalty": 0.01, **cfg}), B, S),
+                count(CorrectedPGLoss({"reference_policy_kl_penalty": 0.01, **cfg}), B, S),
                 nemo,
             )
         )
-    rows.append(("sequence_mean+tis+geo-rs+veto+token-mis", count(RSClippedPGLoss(PIPELINE), B, S), None))
+    rows.append(("sequence_mean+tis+geo-rs+veto+token-mis", count(CorrectedPGLoss(PIPELINE), B, S), None))
 
     print(f"aten operators per loss call (forward + backward, non-view), B x S = {B} x {S}")
     print(

@@ -6,7 +6,7 @@ subclass of NeMo-RL's ``ClippedPGLossFn``, is resolved lazily and needs NeMo-RL.
 
 from nemo_rs_plugin.config import ConfigError, RejectionFilter, RSClippedPGLossConfig
 from nemo_rs_plugin.distributed import SequenceGroups
-from nemo_rs_plugin.loss import LossInputs, RSClippedPGLoss, metric_normalizations
+from nemo_rs_plugin.loss import CorrectedPGLoss, LossInputs, metric_normalizations
 
 __version__ = "0.1.0"
 
@@ -15,7 +15,7 @@ __all__ = [
     "RSClippedPGLossFn",
     "LossInputs",
     "RejectionFilter",
-    "RSClippedPGLoss",
+    "CorrectedPGLoss",
     "RSClippedPGLossConfig",
     "SequenceGroups",
     "metric_normalizations",

@@ -1,7 +1,7 @@
 """Opt-in ``torch.compile`` of the loss's pure-tensor core (``NEMO_RS_COMPILE=1``).
 
-:meth:`RSClippedPGLoss.compute <nemo_rs_plugin.loss.RSClippedPGLoss.compute>` runs in three
-parts: input validation (Python, eager), the tensor math (``RSClippedPGLoss._tensors``: the
+:meth:`CorrectedPGLoss.compute <nemo_rs_plugin.loss.CorrectedPGLoss.compute>` runs in three
+parts: input validation (Python, eager), the tensor math (``CorrectedPGLoss._tensors``: the
 loss and the 0-dim metric tensors, no host transfer) and
 :meth:`MetricSet.finalize <nemo_rs_plugin.metrics.MetricSet.finalize>` (the one ``tolist()``,
 eager). With ``NEMO_RS_COMPILE=1`` in the environment the middle part is

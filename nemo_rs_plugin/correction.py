@@ -8,12 +8,13 @@ mismatch is too large to correct.
 
 Entry points (all pure torch; no NeMo-RL, no Megatron, no ``.item()``):
 
-* :func:`token_filter_statistic`, :func:`filter_log_ratio`, :func:`in_bounds`: token-level
-  building blocks.
-* :func:`compute_correction`: the whole pipeline. It computes every per-sequence statistic
-  locally, passes all of them through **one** call of
-  :func:`~nemo_rs_plugin.distributed.reduce_sequence_statistics` (one SUM and one MAX
-  all-reduce when sequences are sharded), and only then derives masks and weights.
+* :func:`token_filter_statistic`, :func:`filter_log_ratio`: token-level building blocks.
+* the pipeline, in three visible steps (the loss calls them in order; :func:`compute_correction`
+  chains them): :func:`plan_correction` computes every local decision and every partial
+  per-sequence statistic; :meth:`CorrectionPlan.reduce` passes all of them through **one** call
+  of :func:`~nemo_rs_plugin.distributed.reduce_sequence_statistics` (one SUM and one MAX
+  all-reduce when sequences are sharded); :func:`apply_correction` derives masks, weights and
+  metrics from the reduced statistics only.
 * :func:`batch_normalize_weights`: IS weights over their batch mean (one more SUM of two
   numbers, over the data-parallel group too when asked).
 
@@ -26,7 +27,7 @@ and docs/guide.md#batch-normalisation.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -40,29 +41,33 @@ from nemo_rs_plugin.distributed import (
 )
 from nemo_rs_plugin.masking import (
     EPS,
+    TokenMasks,
     extrema_penalty,
     finite_exp,
-    masked_extrema,
     masked_sum,
     nonfinite,
-    outside,
+    out_of_bounds,
     sanitize,
 )
+from nemo_rs_plugin.metrics import GlobalCounts, MetricSet
 from nemo_rs_plugin.policy_loss import kl_estimate
 
 __all__ = [
     "BATCH_MEAN_FLOOR",
+    "CorrectionPlan",
     "CorrectionResult",
     "PolicyLogProbs",
     "PROBABILITY_CLAMP",
+    "ReducedStatistics",
+    "apply_correction",
     "batch_normalize_weights",
-    "is_weights",
-    "truncate_weights",
     "compute_correction",
     "filter_log_ratio",
-    "in_bounds",
-    "token_filter_statistic",
     "finite_exp",
+    "is_weights",
+    "plan_correction",
+    "token_filter_statistic",
+    "truncate_weights",
 ]
 
 # Probability-space statistics clamp the sampled token's probabilities to [1e-6, 1 - 1e-6]
@@ -84,17 +89,6 @@ class PolicyLogProbs:
     curr: torch.Tensor
     prev: torch.Tensor
     gen: torch.Tensor
-
-
-def in_bounds(x: torch.Tensor, lower: Optional[float], upper: Optional[float]) -> torch.Tensor:
-    """Boolean ``lower <= x <= upper`` (a ``None`` bound is open; NaN is out of bounds)."""
-    if lower is None and upper is None:
-        return x == x  # everything but NaN
-    if lower is None:
-        return x <= upper
-    if upper is None:
-        return x >= lower
-    return (x >= lower) & (x <= upper)
 
 
 def token_filter_statistic(
@@ -194,9 +188,8 @@ class CorrectionResult:
             the GSPO ratio; with no token filter it is NeMo-RL's mask).
         ratio_token_count: ``[B]`` ``ratio_mask`` tokens per sequence over all ranks: the GSPO
             ratio's denominator.
-        usable_bin: ``[B, T]`` float 0/1, valid tokens whose log-prob inputs are all finite.
-        usable_penalty: :func:`~nemo_rs_plugin.masking.extrema_penalty` of ``usable_bin``.
-        metrics: name -> (0-dim tensor, normalization, reduction) of the correction layer.
+        metrics: the :class:`~nemo_rs_plugin.metrics.MetricSet` the correction declared its
+            metrics in.
     """
 
     is_weight: torch.Tensor
@@ -208,9 +201,7 @@ class CorrectionResult:
     kept_seq_count: Optional[torch.Tensor]
     ratio_token_count: Optional[torch.Tensor]
     ratio_mask: Optional[torch.Tensor]
-    usable_bin: torch.Tensor
-    usable_penalty: torch.Tensor
-    metrics: dict = field(default_factory=dict)
+    metrics: MetricSet
 
 
 class _StatPack:
@@ -218,7 +209,7 @@ class _StatPack:
 
     ``add_sum``/``add_max`` record this rank's partial value of a statistic under a name;
     :meth:`reduce` runs the one SUM (and at most one MAX) collective over the groups that
-    split the sequences and returns :class:`_ReducedStatistics`, read by the same names. A
+    split the sequences and returns :class:`ReducedStatistics`, read by the same names. A
     name read that was never added is a ``KeyError`` naming it, not a silent wrong row.
     """
 
@@ -238,18 +229,18 @@ class _StatPack:
         self._maxima[name] = row
         return name
 
-    def reduce(self, groups: SequenceGroups) -> "_ReducedStatistics":
+    def reduce(self, groups: SequenceGroups) -> "ReducedStatistics":
         sums = torch.stack(list(self._sums.values()))  # [K, B]
         maxima = torch.stack(list(self._maxima.values())) if self._maxima else None  # [J, B]
         sums, maxima = reduce_sequence_statistics(sums, maxima, groups)
-        return _ReducedStatistics(
+        return ReducedStatistics(
             dict(zip(self._sums, sums)),
             dict(zip(self._maxima, maxima)) if maxima is not None else {},
         )
 
 
 @dataclass(frozen=True)
-class _ReducedStatistics:
+class ReducedStatistics:
     """The per-sequence statistics after the reduction, identical on every rank of a group."""
 
     sums: dict
@@ -298,12 +289,73 @@ def needs_sequence_statistics(cfg: RSClippedPGLossConfig) -> bool:
     )
 
 
+@dataclass
+class CorrectionPlan:
+    """Step 1 of the correction: every local decision and every partial per-sequence statistic.
+
+    Built by :func:`plan_correction`; :meth:`reduce` is step 2 (the one collective), and
+    :func:`apply_correction` step 3 (decisions and weights from reduced statistics only).
+    """
+
+    d: torch.Tensor  # [B, T] prev - gen, sanitised, detached
+    masks: TokenMasks
+    stages: list[_Stage]
+    alive: Optional[torch.Tensor]  # [B, T] valid tokens every token filter kept (None: no statistics)
+    negative: Optional[torch.Tensor]  # [B, T] 0/1 negative advantage, for conditioned filters
+    ratio_mask: Optional[torch.Tensor]  # [B, T] the GSPO ratio's tokens
+    pack: Optional[_StatPack]  # None when no per-sequence statistic is needed
+
+    def reduce(self, groups: SequenceGroups = NO_GROUPS) -> Optional[ReducedStatistics]:
+        """All per-sequence statistics through one SUM (and one MAX) collective; ``None`` if there are none."""
+        return self.pack.reduce(groups) if self.pack is not None else None
+
+
+def plan_correction(
+    cfg: RSClippedPGLossConfig,
+    d: torch.Tensor,
+    masks: TokenMasks,
+    *,
+    log_probs: Optional[PolicyLogProbs] = None,
+    advantages: Optional[torch.Tensor] = None,
+) -> CorrectionPlan:
+    """Token-filter decisions (local) and the local per-sequence statistics of everything else.
+
+    ``d = prev - gen`` (``[B, T]``, non-finite entries already 0). ``log_probs`` is needed by
+    filters whose ``log_ratio`` is not ``prev-gen`` or whose statistic lives in probability
+    space; ``advantages`` by advantage-conditioned filters. Nothing here reads a statistic of
+    another rank.
+    """
+    d = d.detach()
+    negative = None  # [B, T] 0/1 tokens with a negative advantage
+    if any(f.negative_advantages_only for f in cfg.rejection_sampling):
+        if advantages is None:
+            raise ValueError(
+                "rejection_sampling: a filter with negative_advantages_only needs the "
+                "advantages (compute_correction(..., advantages=...))"
+            )
+        negative = (sanitize(advantages.detach()) < 0).to(d.dtype)
+    if not needs_sequence_statistics(cfg):
+        return CorrectionPlan(d, masks, [], None, negative, None, None)
+    pack = _StatPack()
+    stages, alive = _plan_stages(cfg, d, masks, negative, log_probs, pack)
+    pack.add_sum("d_sum", (d * masks.valid).sum(-1))  # sum_t m d
+    pack.add_sum("valid", masks.valid.sum(-1))  # n_i
+    pack.add_sum("token_mask", masks.token_mask.sum(-1).to(d.dtype))  # token_mask count
+    pack.add_sum("nonfinite", (masks.valid_bin * (1.0 - masks.d_finite)).sum(-1))
+    ratio_mask = None
+    if cfg.sequence_level_importance_ratios:
+        # The GSPO ratio averages over the row's token_mask tokens with finite inputs, less
+        # the valid tokens a token filter rejected (a rejected token gets no gradient; as
+        # VERL, whose rejection edits the response mask its GSPO ratio reads).
+        ratio_mask = masks.token_mask * masks.inputs_finite * (1.0 - masks.valid_bin + alive)
+        pack.add_sum("ratio_tokens", ratio_mask.sum(-1).to(d.dtype))
+    return CorrectionPlan(d, masks, stages, alive, negative, ratio_mask, pack)
+
+
 def _plan_stages(
     cfg: RSClippedPGLossConfig,
     d: torch.Tensor,  # [B, T]
-    d_finite: torch.Tensor,  # [B, T] 0/1
-    valid_bin: torch.Tensor,  # [B, T] 0/1
-    valid: torch.Tensor,  # [B, T]
+    masks: TokenMasks,
     negative: Optional[torch.Tensor],  # [B, T] 0/1 negative advantage; None if unused
     log_probs: Optional[PolicyLogProbs],
     pack: _StatPack,
@@ -318,48 +370,48 @@ def _plan_stages(
     """
     big = torch.finfo(d.dtype).max
     stages = []
-    alive = valid_bin  # [B, T] valid tokens kept by the token filters so far
+    alive = masks.valid_bin  # [B, T] valid tokens kept by the token filters so far
     for i, f in enumerate(cfg.rejection_sampling):
         name = f"stage{i}"
         lo, hi = _filter_bounds(f)
         fd, f_finite, target, behaviour = filter_log_ratio(
-            f.log_ratio, d, d_finite, log_probs, f.metric in _PROBABILITY_METRICS
+            f.log_ratio, d, masks.d_finite, log_probs, f.metric in _PROBABILITY_METRICS
         )
         stat = token_filter_statistic(fd, f.metric, target, behaviour)
         if f.metric != "ratio":  # fd is finite; the statistics can overflow: keep them finite
             stat = torch.nan_to_num(stat, nan=0.0, posinf=big, neginf=-big)
-        st = _Stage(spec=f)
+        stage = _Stage(spec=f)
         # Tokens this filter may reject: all, or only those with a negative advantage.
         eligible = negative if f.negative_advantages_only else None  # [B, T] or None
         if f.level == "token":
-            in_band = (1.0 - outside(stat, lo, hi)) * f_finite  # non-finite d: out of band
-            st.keep_tok = in_band if eligible is None else 1.0 - (1.0 - in_band) * eligible
-            kept = alive * st.keep_tok
+            in_band = f_finite.masked_fill(out_of_bounds(stat, lo, hi), 0.0)  # non-finite d: out of band
+            stage.keep_tok = in_band if eligible is None else 1.0 - (1.0 - in_band) * eligible
+            kept = alive * stage.keep_tok
             rejected = alive - kept
-            st.touched = pack.add_sum(f"{name}/touched", rejected.sum(-1))
+            stage.touched = pack.add_sum(f"{name}/touched", rejected.sum(-1))
             if negative is not None:
-                st.negative = pack.add_sum(f"{name}/negative", (rejected * negative).sum(-1))
+                stage.negative = pack.add_sum(f"{name}/negative", (rejected * negative).sum(-1))
             alive = kept
         else:
             alive_fin = alive * f_finite
-            st.count = pack.add_sum(f"{name}/count", alive.sum(-1))
-            st.nonfinite = pack.add_sum(f"{name}/nonfinite", (alive * (1.0 - f_finite)).sum(-1))
+            stage.count = pack.add_sum(f"{name}/count", alive.sum(-1))
+            stage.nonfinite = pack.add_sum(f"{name}/nonfinite", (alive - alive_fin).sum(-1))
             if negative is not None:
-                st.negative = pack.add_sum(f"{name}/negative", (alive * negative).sum(-1))
+                stage.negative = pack.add_sum(f"{name}/negative", (alive * negative).sum(-1))
             agg = f.aggregation
             masked = stat * alive_fin  # [B, T], 0 off the stage's tokens
             if agg in ("mean", "sum"):
-                st.total = pack.add_sum(f"{name}/total", masked.sum(-1))
+                stage.total = pack.add_sum(f"{name}/total", masked.sum(-1))
             if agg in ("max", "min", "any"):
-                penalty = (1.0 - alive_fin) * big  # pushes other tokens out of max/min
+                penalty = extrema_penalty(alive_fin)  # pushes other tokens out of max/min
                 if agg in ("max", "any"):
-                    st.maximum = pack.add_max(f"{name}/max", _row_max(masked - penalty, -big))
+                    stage.maximum = pack.add_max(f"{name}/max", _row_max(masked - penalty, -big))
                 if agg in ("min", "any"):
-                    st.negated_minimum = pack.add_max(f"{name}/negated_min", _row_max(-masked - penalty, -big))
-        stages.append(st)
-    pack.add_sum("kept", (alive * valid).sum(-1))
+                    stage.negated_minimum = pack.add_max(f"{name}/negated_min", _row_max(-masked - penalty, -big))
+        stages.append(stage)
+    pack.add_sum("kept", (alive * masks.valid).sum(-1))
     if negative is not None:
-        pack.add_sum("kept_negative", (alive * valid * negative).sum(-1))
+        pack.add_sum("kept_negative", (alive * masks.valid * negative).sum(-1))
     return stages, alive
 
 
@@ -373,32 +425,33 @@ def _row_max(x: torch.Tensor, empty: float) -> torch.Tensor:
     return x.amax(-1)
 
 
-def _sequence_keep(st: _Stage, stats: _ReducedStatistics) -> torch.Tensor:
-    """``[B]`` bool: the sequence filter's decision on reduced statistics."""
-    f = st.spec
+def _sequence_rejects(stage: _Stage, stats: ReducedStatistics) -> torch.Tensor:
+    """``[B]`` bool: the sequence filter rejects the row, decided on reduced statistics."""
+    f = stage.spec
     lo, hi = _filter_bounds(f)
-    count = stats.sum(st.count)
+    count = stats.sum(stage.count)
     agg = f.aggregation
     if agg == "mean":
-        keep = in_bounds(stats.sum(st.total) / (count + EPS), lo, hi)
+        reject = out_of_bounds(stats.sum(stage.total) / (count + EPS), lo, hi)
     elif agg == "sum":
-        keep = in_bounds(stats.sum(st.total), lo, hi)
+        reject = out_of_bounds(stats.sum(stage.total), lo, hi)
     elif agg == "max":
-        keep = in_bounds(stats.max(st.maximum), lo, hi)
+        reject = out_of_bounds(stats.max(stage.maximum), lo, hi)
     elif agg == "min":
-        keep = in_bounds(-stats.max(st.negated_minimum), lo, hi)
-    else:  # any: every valid token within the bounds
-        keep = in_bounds(stats.max(st.maximum), None, hi) & in_bounds(-stats.max(st.negated_minimum), lo, None)
-    keep = keep & (stats.sum(st.nonfinite) == 0)
+        reject = out_of_bounds(-stats.max(stage.negated_minimum), lo, hi)
+    else:  # any: some valid token outside the bounds
+        above = out_of_bounds(stats.max(stage.maximum), None, hi)
+        reject = above | out_of_bounds(-stats.max(stage.negated_minimum), lo, None)
+    reject = reject | (stats.sum(stage.nonfinite) > 0)
     # A sequence with no token left at this stage is never rejected (and never NaN).
-    return keep | (count == 0)
+    return reject & (count > 0)
 
 
 @dataclass
 class _RejectionOutcome:
     """The sequence-level result of the filters, from reduced statistics (``[B]`` each)."""
 
-    sequence_kept: torch.Tensor  # bool: no unconditional sequence filter rejected the row
+    sequence_kept: torch.Tensor  # 0/1: no unconditional sequence filter rejected the row
     conditional_rows: Optional[torch.Tensor]  # 0/1: an advantage-conditioned sequence filter
     # rejected the row, which loses its negative-advantage tokens (None: no such filter)
     kept_tokens: torch.Tensor  # valid tokens of the row still in the loss (weighted like valid)
@@ -407,12 +460,10 @@ class _RejectionOutcome:
 
 def _apply_stages(
     stages: list[_Stage],
-    stats: _ReducedStatistics,
-    seq_n: torch.Tensor,  # [B] valid tokens (weighted, reduced)
-    sm: torch.Tensor,  # [B]
-    gvs: torch.Tensor,
-    gvt: torch.Tensor,
-    metrics: dict,
+    stats: ReducedStatistics,
+    seq_valid: torch.Tensor,  # [B] valid tokens (weighted, reduced)
+    sample_mask: torch.Tensor,  # [B]
+    metrics: MetricSet,
 ) -> _RejectionOutcome:
     """Run the sequence decisions in stage order and record per-stage metrics.
 
@@ -420,41 +471,37 @@ def _apply_stages(
     all ranks and cost O(batch). A stage's metrics count only what it removed from the
     loss: units an earlier stage had already removed are not counted again.
     """
-    stage_seq = torch.ones(sm.shape[0], dtype=torch.bool, device=sm.device)
-    fdtype = sm.dtype
-    conditional = sm.new_zeros(sm.shape)  # [B] rows an advantage-conditioned filter rejected
-    conditional_touched = sm.new_zeros(sm.shape)  # [B] ... and that lost a token to it
-    per_tok, per_seq = 1.0 / (gvt + EPS), 1.0 / (gvs + EPS)
-    for st in stages:
-        key = f"rs/{st.spec.label}"
-        live = stage_seq.to(fdtype) * sm  # rows still alive at this stage, weighted like valid
-        if st.keep_tok is not None:
-            rejected = stats.sum(st.touched)  # tokens this filter rejected per row
-            if st.negative is not None:  # not those an earlier conditional rejection removed
-                rejected = rejected - conditional * stats.sum(st.negative)
-            metrics[f"{key}/token_rejected_frac"] = ((rejected * live).sum() * per_tok, "tokens", "replicated")
-            touched = (rejected > 0).to(fdtype)
-            metrics[f"{key}/seq_touched_frac"] = ((touched * live).sum() * per_seq, "sequences", "replicated")
+    seq_kept = torch.ones_like(sample_mask)  # [B] 0/1 rows no sequence filter rejected so far
+    conditional = torch.zeros_like(sample_mask)  # [B] rows an advantage-conditioned filter rejected
+    conditional_touched = torch.zeros_like(sample_mask)  # [B] ... and that lost a token to it
+    for stage in stages:
+        key = f"rs/{stage.spec.label}"
+        live = seq_kept * sample_mask  # rows still alive at this stage, weighted like valid
+        if stage.keep_tok is not None:
+            rejected = stats.sum(stage.touched)  # tokens this filter rejected per row
+            if stage.negative is not None:  # not those an earlier conditional rejection removed
+                rejected = rejected - conditional * stats.sum(stage.negative)
+            metrics.add_total(f"{key}/token_rejected_frac", rejected @ live, "tokens", "replicated")
+            touched = torch.sign(rejected)
+            metrics.add_total(f"{key}/seq_touched_frac", touched @ live, "sequences", "replicated")
             continue
-        keep_s = _sequence_keep(st, stats)
-        rejected = live * (~keep_s).to(fdtype)  # [B]
-        in_loss = stats.sum(st.count)  # the tokens those rows still have at this stage
-        if st.negative is not None:
-            in_loss = in_loss - conditional * stats.sum(st.negative)
-        if st.spec.negative_advantages_only:
-            negative_alive = stats.sum(st.negative)  # [B]
+        rejects = _sequence_rejects(stage, stats)  # [B] bool
+        rejected = torch.where(rejects, live, 0.0)  # [B]
+        in_loss = stats.sum(stage.count)  # the tokens those rows still have at this stage
+        if stage.negative is not None:
+            in_loss = in_loss - conditional * stats.sum(stage.negative)
+        if stage.spec.negative_advantages_only:
+            negative_alive = stats.sum(stage.negative)  # [B]
             # Rows that lose negative-advantage tokens now (not already removed earlier).
             newly = rejected * (1.0 - conditional) * torch.sign(negative_alive)
             conditional = torch.maximum(conditional, torch.sign(rejected))
             conditional_touched = torch.maximum(conditional_touched, torch.sign(newly))
-            metrics[f"{key}/seq_rejected_frac"] = (newly.sum() * per_seq, "sequences", "replicated")
-            removed = (newly * negative_alive).sum()
-            metrics[f"{key}/token_rejected_frac"] = (removed * per_tok, "tokens", "replicated")
+            metrics.add_total(f"{key}/seq_rejected_frac", newly.sum(), "sequences", "replicated")
+            metrics.add_total(f"{key}/token_rejected_frac", newly @ negative_alive, "tokens", "replicated")
             continue
-        stage_seq = stage_seq & keep_s
-        metrics[f"{key}/seq_rejected_frac"] = (rejected.sum() * per_seq, "sequences", "replicated")
-        metrics[f"{key}/token_rejected_frac"] = ((rejected * in_loss).sum() * per_tok, "tokens", "replicated")
-    seq_kept = stage_seq.to(fdtype)
+        seq_kept = seq_kept.masked_fill(rejects, 0.0)
+        metrics.add_total(f"{key}/seq_rejected_frac", rejected.sum(), "sequences", "replicated")
+        metrics.add_total(f"{key}/token_rejected_frac", rejected @ in_loss, "tokens", "replicated")
     kept_rows = stats.sum("kept")  # [B] valid tokens every token filter kept (weighted)
     kept_tokens = kept_rows
     sequence_in_loss = seq_kept
@@ -463,151 +510,126 @@ def _apply_stages(
         conditional_rows = conditional
         kept_tokens = kept_rows - conditional * stats.sum("kept_negative")
         # A conditionally rejected row that has no token left leaves as a whole sequence.
-        emptied = conditional_touched * (kept_tokens <= 0).to(fdtype)
+        emptied = conditional_touched * (kept_tokens <= 0).to(seq_kept.dtype)
         sequence_in_loss = seq_kept * (1.0 - emptied)
     kept_tokens = kept_tokens * seq_kept
-    metrics["rs_token_rejected_frac"] = ((seq_n.sum() - kept_tokens.sum()) * per_tok, "tokens", "replicated")
-    dropped = torch.maximum((~stage_seq).to(fdtype), conditional_touched)
-    metrics["rs_seq_rejected_frac"] = ((dropped * sm).sum() * per_seq, "sequences", "replicated")
-    return _RejectionOutcome(stage_seq, conditional_rows, kept_tokens, sequence_in_loss)
+    metrics.add_total("rs_token_rejected_frac", seq_valid.sum() - kept_tokens.sum(), "tokens", "replicated")
+    dropped = torch.maximum(1.0 - seq_kept, conditional_touched)
+    metrics.add_total("rs_seq_rejected_frac", dropped @ sample_mask, "sequences", "replicated")
+    return _RejectionOutcome(seq_kept, conditional_rows, kept_tokens, sequence_in_loss)
+
+
+def apply_correction(
+    cfg: RSClippedPGLossConfig,
+    plan: CorrectionPlan,
+    stats: Optional[ReducedStatistics],
+    metrics: MetricSet,
+    groups: SequenceGroups = NO_GROUPS,
+) -> CorrectionResult:
+    """Step 3: sequence decisions, the combined mask, IS weights, truncation, batch normalisation.
+
+    Reads only ``stats`` (reduced over ``groups`` by :meth:`CorrectionPlan.reduce`) and local
+    token values, so every rank of a group decides alike. Declares the correction's metrics
+    in ``metrics``. ``groups`` is used only by ``is_batch_normalization`` (one more SUM of
+    two numbers).
+
+    IS weight per level (``n_i = sum_t m_it``):
+    ``token``: ``w_it = exp(d_it)``; ``sequence``: ``w_i = exp(sum_t m_it d_it)``;
+    ``sequence_mean``: ``w_i = exp(sum_t m_it d_it / n_i)``.
+    """
+    masks = plan.masks
+    sample_mask = masks.sample_mask
+    seq_d_sum = seq_valid = seq_ntok = seq_nonfinite = has_tokens = None
+    if stats is not None:
+        seq_d_sum, seq_valid, seq_ntok = stats.sum("d_sum"), stats.sum("valid"), stats.sum("token_mask")
+        seq_nonfinite = stats.sum("nonfinite")
+        has_tokens = torch.sign(seq_valid)  # [B] 0/1 (valid is non-negative)
+
+    # ---- rejection: sequence decisions, the combined mask, per-stage metrics ----
+    seq_in_loss = torch.ones_like(sample_mask)
+    keep = masks.inputs_finite  # [B, T]
+    kept_token_count = kept_seq_count = ratio_token_count = None
+    if plan.stages:
+        outcome = _apply_stages(plan.stages, stats, seq_valid, sample_mask, metrics)
+        keep = plan.alive * outcome.sequence_kept.unsqueeze(-1) * masks.inputs_finite
+        if outcome.conditional_rows is not None:
+            keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1) * plan.negative)
+        seq_in_loss = outcome.sequence_in_loss
+        kept_token_count = outcome.kept_tokens.sum()
+    elif stats is not None:
+        kept_token_count = stats.sum("kept").sum()
+    loss_tokens = masks.valid * keep  # [B, T] valid tokens that reach the loss
+    if stats is not None:
+        if cfg.sequence_level_importance_ratios:
+            ratio_token_count = stats.sum("ratio_tokens")
+        kept_seq_count = (seq_in_loss * sample_mask) @ has_tokens
+
+    # ---- IS weights at the chosen level, truncation, batch normalisation ----
+    level = cfg.effective_is_level
+    raw_weight = is_weights(level, plan.d, masks.d_finite, seq_d_sum, seq_valid, seq_nonfinite)
+    kind = cfg.truncated_importance_sampling_type
+    seq_mean_log_ratio = seq_d_sum / (seq_ntok + EPS) if kind == "seq-mask-tis" else None
+    weight, oob = truncate_weights(
+        raw_weight,
+        kind,
+        cfg.truncated_importance_sampling_ratio_min,
+        cfg.truncated_importance_sampling_ratio,
+        seq_mean_log_ratio,
+    )
+    if kind == "seq-mask-tis":
+        metrics.add_masked_total("is_oob_ratio", oob, sample_mask, "sequences", "replicated")
+    elif kind is not None:
+        metrics.add_masked_total("is_oob_ratio", oob, masks.valid, "tokens", "sum")
+    if cfg.is_batch_normalization is not None:
+        units = masks.valid if level == "token" else sample_mask * has_tokens
+        weight, factor = batch_normalize_weights(weight, units, level, cfg.is_batch_normalization, groups)
+        metrics.add("is_batch_norm_factor", factor, "none", "replicated")
+    if level == "token":
+        _record_token_weight_metrics(metrics, raw_weight, weight, masks, loss_tokens)
+    else:
+        _record_sequence_weight_metrics(metrics, raw_weight, weight, sample_mask * has_tokens, seq_in_loss)
+    return CorrectionResult(
+        is_weight=weight,
+        keep=keep,
+        loss_tokens=loss_tokens,
+        seq_token_count=seq_valid,
+        seq_mask_count=seq_ntok,
+        kept_token_count=kept_token_count,
+        kept_seq_count=kept_seq_count,
+        ratio_token_count=ratio_token_count,
+        ratio_mask=plan.ratio_mask,
+        metrics=metrics,
+    )
 
 
 def compute_correction(
-    d: torch.Tensor,  # [B, T] prev - gen, non-finite entries already replaced by 0
-    d_finite: torch.Tensor,  # [B, T] float 0/1, 0 where prev - gen was not finite
-    valid: torch.Tensor,  # [B, T] float, token_mask * sample_mask
-    token_mask: torch.Tensor,  # [B, T]
-    sample_mask: torch.Tensor,  # [B] float
-    inputs_finite: torch.Tensor,  # [B, T] float 0/1, every log-prob input finite
     cfg: RSClippedPGLossConfig,
-    global_valid_seqs: torch.Tensor,
-    global_valid_toks: torch.Tensor,
+    d: torch.Tensor,
+    masks: TokenMasks,
+    counts: GlobalCounts,
     groups: SequenceGroups = NO_GROUPS,
     *,
     log_probs: Optional[PolicyLogProbs] = None,
-    advantages: Optional[torch.Tensor] = None,  # [B, T]; read by advantage-conditioned filters
+    advantages: Optional[torch.Tensor] = None,
 ) -> CorrectionResult:
-    """IS weights, truncation, batch normalisation and rejection masks for one microbatch.
+    """The whole correction of one microbatch: :func:`plan_correction`, the reduction, :func:`apply_correction`.
+
+    ``d = prev - gen`` (``[B, T]``, non-finite entries already replaced by 0; ``masks.d_finite``
+    marks them); ``counts`` are NeMo-RL's global valid tokens and sequences.
 
     Order: token filters are local decisions and run first; each sequence filter aggregates
     over the valid tokens kept by the token filters listed *before* it (SkyRL's order when a
     token filter comes first, VERL's when it comes after); all per-sequence statistics are
     reduced over ``groups`` in one step; then sequence decisions, IS weights, truncation and
-    the batch normalisation (:func:`batch_normalize_weights`).
-
-    IS weight per level (``n_i = sum_t m_it``):
-    ``token``: ``w_it = exp(d_it)``; ``sequence``: ``w_i = exp(sum_t m_it d_it)``;
-    ``sequence_mean``: ``w_i = exp(sum_t m_it d_it / n_i)``.
-
-    ``log_probs`` is needed by filters whose ``log_ratio`` is not ``prev-gen`` or whose
-    statistic lives in probability space; ``advantages`` by advantage-conditioned filters.
+    the batch normalisation (:func:`batch_normalize_weights`). The metrics are in
+    ``result.metrics`` (``result.metrics.finalize(groups)`` reads them).
 
     Token masks are 0/1 floats throughout: on CPU, float arithmetic is several times cheaper
     than boolean ops, and none of it syncs with the host.
     """
-    d = d.detach()
-    fdtype = d.dtype
-    valid_bin = torch.sign(valid)  # [B, T] 0/1 (valid may be fractional)
-    d_bad = 1.0 - d_finite  # [B, T] 1 where d was not finite
-    sm = sample_mask.to(fdtype)
-    metrics: dict = {}
-    negative = None  # [B, T] 0/1 tokens with a negative advantage
-    if any(f.negative_advantages_only for f in cfg.rejection_sampling):
-        if advantages is None:
-            raise ValueError(
-                "rejection_sampling: a filter with negative_advantages_only needs the "
-                "advantages (compute_correction(..., advantages=...))"
-            )
-        negative = (sanitize(advantages.detach()) < 0).to(fdtype)
-
-    # ---- local statistics, then the one reduction: nothing after it reads a partial value
-    seq_stats = needs_sequence_statistics(cfg)
-    stats = seq_d_sum = seq_n = seq_ntok = seq_nonfinite = has_tokens = ratio_mask = None
-    stages: list[_Stage] = []
-    alive = None
-    if seq_stats:
-        pack = _StatPack()
-        stages, alive = _plan_stages(cfg, d, d_finite, valid_bin, valid, negative, log_probs, pack)
-        pack.add_sum("d_sum", (d * valid).sum(-1))  # sum_t m d
-        pack.add_sum("valid", valid.sum(-1).to(fdtype))  # n_i
-        pack.add_sum("token_mask", token_mask.sum(-1).to(fdtype))  # token_mask count
-        pack.add_sum("nonfinite", (valid_bin * d_bad).sum(-1))
-        if cfg.sequence_level_importance_ratios:
-            # The GSPO ratio averages over the row's token_mask tokens with finite inputs, less
-            # the valid tokens a token filter rejected (a rejected token gets no gradient; as
-            # VERL, whose rejection edits the response mask its GSPO ratio reads).
-            ratio_mask = token_mask * inputs_finite * (1.0 - valid_bin + alive)
-            pack.add_sum("ratio_tokens", ratio_mask.sum(-1).to(fdtype))
-        stats = pack.reduce(groups)
-        seq_d_sum, seq_n, seq_ntok = stats.sum("d_sum"), stats.sum("valid"), stats.sum("token_mask")
-        seq_nonfinite = stats.sum("nonfinite")
-        has_tokens = seq_n > 0
-        metrics["nonfinite_log_ratio_count"] = (seq_nonfinite.sum(), "none", "replicated")
-    else:
-        metrics["nonfinite_log_ratio_count"] = (masked_sum(valid_bin, d_bad), "none", "sum")
-
-    # ---- rejection: sequence decisions, the combined mask, per-stage metrics ----
-    seq_in_loss = torch.ones(valid.shape[0], dtype=fdtype, device=valid.device)
-    keep = inputs_finite  # [B, T]
-    kept_token_count = kept_seq_count = ratio_token_count = None
-    if stages:
-        outcome = _apply_stages(stages, stats, seq_n, sm, global_valid_seqs, global_valid_toks, metrics)
-        keep = alive * outcome.sequence_kept.to(fdtype).unsqueeze(-1) * inputs_finite
-        if outcome.conditional_rows is not None:
-            keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1) * negative)
-        seq_in_loss = outcome.sequence_in_loss
-        kept_token_count = outcome.kept_tokens.sum()
-    elif seq_stats:
-        kept_token_count = stats.sum("kept").sum()
-    loss_tokens = valid * keep  # [B, T] valid tokens that reach the loss
-    if seq_stats and cfg.sequence_level_importance_ratios:
-        ratio_token_count = stats.sum("ratio_tokens")
-    if seq_stats:
-        kept_seq_count = (seq_in_loss * sm * has_tokens.to(fdtype)).sum()
-
-    usable_bin = valid_bin * inputs_finite  # [B, T]
-    usable_penalty = extrema_penalty(usable_bin)  # shared by every per-token extreme
-
-    # ---- IS weights at the chosen level, truncation, batch normalisation ----
-    level = cfg.effective_is_level
-    raw_weight = is_weights(level, d, d_finite, seq_d_sum, seq_n, seq_nonfinite)
-    weight, trunc_metrics = truncate_weights(
-        raw_weight, cfg, seq_d_sum, seq_ntok, valid, sm, global_valid_seqs, global_valid_toks
-    )
-    metrics.update(trunc_metrics)
-    if cfg.is_batch_normalization is not None:
-        units = valid if level == "token" else sm * has_tokens.to(fdtype)
-        weight, factor = batch_normalize_weights(weight, units, level, cfg.is_batch_normalization, groups)
-        metrics["is_batch_norm_factor"] = (factor, "none", "replicated")
-    _add_weight_metrics(
-        metrics,
-        raw_weight,
-        weight,
-        loss_tokens,
-        seq_in_loss,
-        valid,
-        usable_bin,
-        usable_penalty,
-        sm,
-        level,
-        global_valid_seqs,
-        global_valid_toks,
-        has_tokens,
-    )
-    return CorrectionResult(
-        is_weight=weight,
-        keep=keep,
-        loss_tokens=loss_tokens,
-        seq_token_count=seq_n,
-        seq_mask_count=seq_ntok,
-        kept_token_count=kept_token_count,
-        kept_seq_count=kept_seq_count,
-        ratio_token_count=ratio_token_count,
-        ratio_mask=ratio_mask,
-        usable_bin=usable_bin,
-        usable_penalty=usable_penalty,
-        metrics=metrics,
-    )
+    plan = plan_correction(cfg, d, masks, log_probs=log_probs, advantages=advantages)
+    stats = plan.reduce(groups)
+    return apply_correction(cfg, plan, stats, MetricSet(counts), groups)
 
 
 def batch_normalize_weights(
@@ -648,9 +670,9 @@ def is_weights(
     level: str,
     d: torch.Tensor,  # [B, T]
     d_finite: torch.Tensor,  # [B, T] float 0/1
-    seq_d_sum: torch.Tensor,  # [B] sum_t m d, reduced over ranks
-    seq_n: torch.Tensor,  # [B] n_i, reduced over ranks
-    seq_nonfinite: torch.Tensor,  # [B] valid tokens with non-finite d, reduced over ranks
+    seq_d_sum: Optional[torch.Tensor],  # [B] sum_t m d, reduced over ranks
+    seq_n: Optional[torch.Tensor],  # [B] n_i, reduced over ranks
+    seq_nonfinite: Optional[torch.Tensor],  # [B] valid tokens with non-finite d, reduced over ranks
 ) -> torch.Tensor:
     """Untruncated IS weight: ``[B, T]`` for ``token``, ``[B, 1]`` for the sequence levels.
 
@@ -660,104 +682,93 @@ def is_weights(
     if level == "token":
         return finite_exp(d) * d_finite  # d is 0 where it was not finite: weight 0 there
     seq_log_w = seq_d_sum if level == "sequence" else seq_d_sum / (seq_n + EPS)
-    w = torch.where(seq_nonfinite == 0, finite_exp(seq_log_w), torch.zeros_like(seq_log_w))
-    return w.unsqueeze(-1)
+    return finite_exp(seq_log_w).masked_fill(seq_nonfinite > 0, 0.0).unsqueeze(-1)
 
 
 def truncate_weights(
     raw_weight: torch.Tensor,  # [B, T] or [B, 1]
-    cfg: RSClippedPGLossConfig,
-    seq_d_sum: torch.Tensor,  # [B]
-    seq_ntok: torch.Tensor,  # [B] token_mask count
-    valid: torch.Tensor,  # [B, T]
-    sm: torch.Tensor,  # [B]
-    gvs: torch.Tensor,
-    gvt: torch.Tensor,
-) -> tuple[torch.Tensor, dict]:
-    """NeMo-RL's truncation on the chosen level, and ``is_oob_ratio`` from the raw weights.
+    kind: Optional[str],
+    lower: Optional[float],
+    upper: float,
+    seq_mean_log_ratio: Optional[torch.Tensor] = None,  # [B] sum_t token_mask d / n (seq-mask-tis)
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """NeMo-RL's truncation ``kind`` on the chosen level: ``(weight, out_of_bounds)``.
 
-    ``tis``: ``clamp(w, min or 0, max)``; ``icepop``: ``w`` inside ``[min, max]``, else 0;
-    ``seq-mask-tis``: sequences whose geometric mean ``exp(sum_t m d / n)`` is outside
-    ``[min, max]`` get 0, the others keep the untruncated weight.
+    ``tis``: ``clamp(w, lower or 0, upper)``; ``icepop``: ``w`` inside ``[lower, upper]``,
+    else 0; ``seq-mask-tis``: sequences whose geometric mean ``exp(seq_mean_log_ratio)`` is
+    outside ``[lower, upper]`` get 0, the others keep the untruncated weight (NeMo-RL's
+    rule: the mean runs over ``token_mask``, non-finite log-ratios counted as 0).
+    ``out_of_bounds`` is the float 0/1 mask of the units whose raw weight (or geometric mean)
+    lies outside: ``w``'s shape for ``tis``/``icepop``, ``[B]`` for ``seq-mask-tis``, ``None``
+    without truncation.
     """
-    t = cfg.truncated_importance_sampling_type
-    hi = cfg.truncated_importance_sampling_ratio
-    lo = cfg.truncated_importance_sampling_ratio_min
-    fdtype = raw_weight.dtype
-    if t is None:
-        return raw_weight, {}
-    if t == "tis":
-        lo = 0.0 if lo is None else lo
-        clamped = raw_weight.clamp(lo, hi)
-        oob = torch.sign((raw_weight - clamped).abs())  # 1 where the clamp changed the weight
-        return clamped, {"is_oob_ratio": (_token_mean(oob, valid, gvt), "tokens", "sum")}
-    if t == "icepop":
-        oob = outside(raw_weight, lo, hi)
-        weight = raw_weight * (1.0 - oob)
-        return weight, {"is_oob_ratio": (_token_mean(oob, valid, gvt), "tokens", "sum")}
-    # seq-mask-tis: NeMo-RL's rule, the geometric mean over token_mask (non-finite
-    # log-ratios counted as 0) decides; survivors keep the untruncated weight.
-    geo = torch.exp(seq_d_sum / (seq_ntok + EPS))
-    seq_in = ((geo >= lo) & (geo <= hi)).to(fdtype)  # [B]
-    oob_frac = ((1.0 - seq_in) * sm).sum() / (gvs + EPS)
-    return raw_weight * seq_in.unsqueeze(-1), {"is_oob_ratio": (oob_frac, "sequences", "replicated")}
+    if kind is None:
+        return raw_weight, None
+    if kind == "tis":
+        lower = 0.0 if lower is None else lower
+        oob = out_of_bounds(raw_weight, lower, upper)
+        return raw_weight.clamp(lower, upper), oob.to(raw_weight.dtype)
+    if kind == "icepop":
+        oob = out_of_bounds(raw_weight, lower, upper)
+        return raw_weight.masked_fill(oob, 0.0), oob.to(raw_weight.dtype)
+    oob = out_of_bounds(torch.exp(seq_mean_log_ratio), lower, upper)  # seq-mask-tis, [B]
+    return raw_weight.masked_fill(oob.unsqueeze(-1), 0.0), oob.to(raw_weight.dtype)
 
 
-def _token_mean(values: torch.Tensor, valid: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
-    if values.shape == valid.shape:
-        return masked_sum(values, valid) / (denom + EPS)
-    # values may be [B, 1] (a sequence weight): broadcast over the sequence's tokens on purpose.
-    return (values.expand_as(valid) * valid).sum() / (denom + EPS)
-
-
-def _add_weight_metrics(
-    metrics: dict,
-    raw_weight: torch.Tensor,
-    weight: torch.Tensor,
-    loss_tokens: torch.Tensor,
-    seq_kept: torch.Tensor,
-    valid: torch.Tensor,
-    usable_bin: torch.Tensor,
-    usable_penalty: torch.Tensor,
-    sm: torch.Tensor,
-    level: str,
-    gvs: torch.Tensor,
-    gvt: torch.Tensor,
-    has_tokens: torch.Tensor,
+def _record_token_weight_metrics(
+    metrics: MetricSet,
+    raw_weight: torch.Tensor,  # [B, T]
+    weight: torch.Tensor,  # [B, T] truncated (and normalised)
+    masks: TokenMasks,
+    loss_tokens: torch.Tensor,  # [B, T] valid tokens that reach the loss
 ) -> None:
-    """IS weight statistics before and after truncation/rejection.
+    """Per-token IS weight statistics: sums over tokens / ``global_valid_toks``, summed over CP ranks.
 
-    Per token when the weight is per token (sums of per-token terms / global_valid_toks; a
-    ``sum`` across CP ranks), per sequence otherwise (``/ global_valid_seqs``; identical on
-    every CP rank). Effective sample size ``(sum w)^2 / (n sum w^2)`` of the applied weights
-    is reported per microbatch; ``is_weight_mean^2 / is_weight_sq_mean`` gives it globally.
+    ``is_weight_raw_*`` over valid tokens before truncation, ``is_weight_*`` over the tokens
+    that reach the loss; ``is_ess = (sum w)^2 / (n sum w^2)`` of the applied weights (per
+    microbatch; ``is_weight_mean^2 / is_weight_sq_mean`` gives it globally).
     """
-    if level == "token":
-        unit_mask, unit_bin, penalty = valid, usable_bin, usable_penalty  # [B, T]
-        weighted = weight * loss_tokens  # applied weight x valid mask, rejected units 0
-        raw = raw_weight
-        norm, red, denom = "tokens", "sum", gvt
-    else:
-        unit_mask = sm * has_tokens.to(sm.dtype)  # [B]
-        unit_bin = torch.sign(unit_mask)
-        penalty = None
-        # A sequence's weight after rejection: 0 when a sequence filter rejected it.
-        weighted = weight.squeeze(-1) * seq_kept.to(weight.dtype) * unit_mask
-        raw = raw_weight.squeeze(-1)
-        norm, red, denom = "sequences", "replicated", gvs
-    applied = weight if level == "token" else weight.squeeze(-1)
-    sum_w = weighted.sum()
-    sum_w2 = masked_sum(weighted, applied)
-    metrics["is_weight_raw_mean"] = (masked_sum(raw, unit_mask) / (denom + EPS), norm, red)
-    metrics["is_weight_mean"] = (sum_w / (denom + EPS), norm, red)
-    metrics["is_weight_sq_mean"] = (sum_w2 / (denom + EPS), norm, red)
-    raw_min, raw_max = masked_extrema(raw, unit_bin, penalty)
-    metrics["is_weight_raw_min"] = (raw_min, "none", "min")
-    metrics["is_weight_raw_max"] = (raw_max, "none", "max")
-    applied_min, applied_max = masked_extrema(applied, torch.sign(weighted))  # kept units
-    metrics["is_weight_min"] = (applied_min, "none", "min")
-    metrics["is_weight_max"] = (applied_max, "none", "max")
-    # ESS from sums; with sharded tokens they are reduced with the other metrics first.
-    metrics["_ess_sum_w"] = (sum_w, "none", red)
-    metrics["_ess_sum_w2"] = (sum_w2, "none", red)
-    metrics["_ess_n"] = (unit_mask.sum(), "none", red)
+    metrics.add_masked_total("is_weight_raw_mean", raw_weight, masks.valid, "tokens", "sum")
+    metrics.add_masked_totals(
+        ["is_weight_mean", "is_weight_sq_mean"], torch.stack([weight, weight * weight]), loss_tokens, "tokens", "sum"
+    )
+    metrics.add_total("_ess_units", masks.valid.sum(), "tokens", "sum")
+    metrics.add_masked_extrema("is_weight_raw_min", "is_weight_raw_max", raw_weight, masks.usable_penalty)
+    applied_penalty = extrema_penalty(torch.sign(weight * loss_tokens))  # kept tokens with a weight
+    metrics.add_masked_extrema("is_weight_min", "is_weight_max", weight, applied_penalty)
+    metrics.derive("is_ess", "none", _effective_sample_size)
+
+
+def _record_sequence_weight_metrics(
+    metrics: MetricSet,
+    raw_weight: torch.Tensor,  # [B, 1]
+    weight: torch.Tensor,  # [B, 1] truncated (and normalised)
+    units: torch.Tensor,  # [B] sample_mask of sequences with a valid token
+    seq_in_loss: torch.Tensor,  # [B] 0/1 not dropped by a sequence filter
+) -> None:
+    """Per-sequence IS weight statistics: sums over sequences / ``global_valid_seqs``, identical on CP ranks.
+
+    As :func:`_record_token_weight_metrics`, with a sequence (that has a valid token) as the unit.
+    """
+    raw, applied = raw_weight.squeeze(-1), weight.squeeze(-1)
+    kept_units = units * seq_in_loss
+    metrics.add_masked_total("is_weight_raw_mean", raw, units, "sequences", "replicated")
+    metrics.add_masked_totals(
+        ["is_weight_mean", "is_weight_sq_mean"],
+        torch.stack([applied, applied * applied]),
+        kept_units,
+        "sequences",
+        "replicated",
+    )
+    metrics.add_total("_ess_units", units.sum(), "sequences", "replicated")
+    metrics.add_masked_extrema("is_weight_raw_min", "is_weight_raw_max", raw, extrema_penalty(torch.sign(units)))
+    metrics.add_masked_extrema(
+        "is_weight_min", "is_weight_max", applied, extrema_penalty(torch.sign(applied * kept_units))
+    )
+    metrics.derive("is_ess", "none", _effective_sample_size)
+
+
+def _effective_sample_size(out: dict[str, float]) -> float:
+    """``(sum w)^2 / (n sum w^2)`` from the three normalised sums (the normalisation cancels)."""
+    mean, sq_mean, units = out["is_weight_mean"], out["is_weight_sq_mean"], out["_ess_units"]
+    return mean * mean / (units * sq_mean) if sq_mean > 0 and units > 0 else 0.0

@@ -40,7 +40,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from nemo_rs_plugin import RSClippedPGLoss
+from nemo_rs_plugin import CorrectedPGLoss
 
 __all__ = ["LabSettings", "CONFIGS", "run_one", "run_all", "summarize", "main"]
 
@@ -220,7 +220,7 @@ def run_one(name: str, seed: int, s: LabSettings, tick: Optional[Callable[[], No
 
 def _run_one(name: str, seed: int, s: LabSettings, tick: Optional[Callable[[], None]]) -> list[dict]:
     torch.manual_seed(seed)
-    loss_fn = RSClippedPGLoss({**_BASE_LOSS, **CONFIGS[name]})
+    loss_fn = CorrectedPGLoss({**_BASE_LOSS, **CONFIGS[name]})
     applies_is = bool(CONFIGS[name].get("use_importance_sampling_correction", False))
     policy = build_model(s).train()
     sampler = build_model(s, _DTYPES[s.sampler_dtype])

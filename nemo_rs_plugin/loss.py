@@ -1,4 +1,4 @@
-"""``RSClippedPGLoss``: NeMo-RL's clipped PG loss with the off-policy correction layer.
+"""``CorrectedPGLoss``: NeMo-RL's clipped PG loss with the off-policy correction layer.
 
 This is the host-independent core: it takes NeMo-RL's data dict (or any mapping with the
 same keys) and imports neither NeMo-RL nor Megatron. The NeMo-RL subclass in
@@ -25,10 +25,10 @@ import torch
 
 from nemo_rs_plugin.compiled import core_fn
 from nemo_rs_plugin.config import RSClippedPGLossConfig
-from nemo_rs_plugin.correction import PolicyLogProbs, compute_correction
+from nemo_rs_plugin.correction import CorrectionResult, PolicyLogProbs, apply_correction, plan_correction
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
-from nemo_rs_plugin.masking import EPS, log_ratio, masked_extrema, masked_sum, nonfinite, sanitize
-from nemo_rs_plugin.metrics import MetricSet
+from nemo_rs_plugin.masking import EPS, TokenMasks, masked_sum, nonfinite, sanitize
+from nemo_rs_plugin.metrics import GlobalCounts, MetricSet
 from nemo_rs_plugin.policy_loss import (
     clipped_objective,
     kl_estimate,
@@ -37,7 +37,7 @@ from nemo_rs_plugin.policy_loss import (
     positive_example_nll,
 )
 
-__all__ = ["RSClippedPGLoss", "LossInputs", "metric_normalizations"]
+__all__ = ["CorrectedPGLoss", "LossInputs", "metric_normalizations"]
 
 _LOGPROB_KEYS = ("prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
 
@@ -112,8 +112,7 @@ class LossInputs:
         log-ratio of 11.1 (the +-20 clamp allows exp(20) = 4.9e8), and a bf16 count of
         global tokens rounds to 8 significant bits.
         """
-        dtype = torch.float32
-        for t in (
+        inputs = (
             self.curr,
             self.prev,
             self.generation,
@@ -121,10 +120,10 @@ class LossInputs:
             self.advantages,
             self.token_mask,
             self.curr_unfiltered,
-        ):
-            if t is not None and t.is_floating_point():
-                dtype = torch.promote_types(dtype, t.dtype)
-        return dtype
+        )
+        # Python-side dtype logic: torch.promote_types would dispatch an operator per input.
+        wide = any(t is not None and t.dtype == torch.float64 for t in inputs)
+        return torch.float64 if wide else torch.float32
 
     def to_dtype(self, dtype: torch.dtype) -> "LossInputs":
         """Float tensors cast to ``dtype`` (differentiably; a no-op for those already in it).
@@ -194,8 +193,12 @@ def _required(data: Mapping[str, Any], key: str) -> torch.Tensor:
     return t
 
 
-class RSClippedPGLoss:
+class CorrectedPGLoss:
     """Clipped policy-gradient loss with decoupled IS level and composable rejection sampling.
+
+    The host-independent core: plain torch in, ``(loss, metrics)`` out. NeMo-RL never sees
+    this class; it builds :class:`~nemo_rs_plugin.nemo_rl_adapter.RSClippedPGLossFn` (the
+    ``ClippedPGLossFn`` subclass registered as ``rs_clipped_pg``), which forwards here.
 
     Args:
         cfg: anything :meth:`RSClippedPGLossConfig.from_any` accepts; validated here, once.
@@ -203,10 +206,10 @@ class RSClippedPGLoss:
 
     def __init__(self, cfg: Any = None):
         self.cfg = RSClippedPGLossConfig.from_any(cfg if cfg is not None else {})
-        c = self.cfg
-        self.token_level_loss = c.token_level_loss
+        cfg = self.cfg
+        self.token_level_loss = cfg.token_level_loss
         # use_kl_in_reward moves the KL into the reward: the loss has no KL term then.
-        self.kl_coef = 0.0 if c.use_kl_in_reward else c.reference_policy_kl_penalty
+        self.kl_coef = 0.0 if cfg.use_kl_in_reward else cfg.reference_policy_kl_penalty
         self._normalizations: Optional[dict[str, str]] = None
 
     # ------------------------------------------------------------------ public API
@@ -294,135 +297,106 @@ class RSClippedPGLoss:
     def _tensors(
         self, x: LossInputs, global_valid_seqs: Any, global_valid_toks: Any, groups: SequenceGroups
     ) -> tuple[torch.Tensor, MetricSet]:
-        """The pure-tensor part of :meth:`compute`: the loss and the unreduced metric tensors."""
+        """The pure-tensor part of :meth:`compute`: the loss and the stacked, unreduced metrics."""
         x = x.to_dtype(x.compute_dtype())
-        c = self.cfg
-        curr_raw = x.curr
-        dtype = curr_raw.dtype
-        device = curr_raw.device
-        gvs = _global_count("global_valid_seqs", global_valid_seqs, dtype, device)
-        gvt = _global_count("global_valid_toks", global_valid_toks, dtype, device)
-
-        token_mask = x.token_mask  # integer, bool or float (already in `dtype`)
-        sample_mask = x.sample_mask.to(dtype)
-        valid = token_mask * sample_mask.unsqueeze(-1)  # [B, T]
-
-        # Non-finite log-probs are replaced by 0 *before* any arithmetic, so that a token
-        # that is masked or rejected receives an exact zero gradient, never 0 * NaN.
-        curr = sanitize(curr_raw)
-        prev_raw = curr_raw.detach() if c.force_on_policy_ratio else x.prev
-        prev = curr.detach() if c.force_on_policy_ratio else sanitize(prev_raw)
-        gen = sanitize(x.generation)
-        _, d, d_finite = log_ratio(prev_raw, x.generation)  # [B, T] each
-        # 0/1 masks of non-finite entries per input kind, counted in the metrics.
-        bad_curr = nonfinite(curr_raw)  # [B, T]
-        bad_ref = None
-        bad_any = bad_curr + (1.0 - d_finite)
-        ref = curr_unfiltered = None
-        if self.kl_coef != 0:
-            ref = sanitize(x.reference)
-            bad_ref = nonfinite(x.reference)
-            bad_any = bad_any + bad_ref
-            if x.curr_unfiltered is not None:
-                curr_unfiltered = sanitize(x.curr_unfiltered)
-                bad_unfiltered = nonfinite(x.curr_unfiltered)
-                bad_curr = torch.maximum(bad_curr, bad_unfiltered)
-                bad_any = bad_any + bad_unfiltered
-            else:
-                curr_unfiltered = curr
-        inputs_finite = 1.0 - torch.sign(bad_any)  # [B, T] 0/1: every log-prob input finite
-        advantages = sanitize(x.advantages)  # a non-finite advantage: no policy-gradient term
-
-        corr = compute_correction(
-            d,
-            d_finite,
-            valid,
-            token_mask,
-            sample_mask,
-            inputs_finite,
-            c,
-            gvs,
-            gvt,
-            groups,
-            log_probs=PolicyLogProbs(curr=curr_raw.detach(), prev=prev_raw.detach(), gen=x.generation),
-            advantages=advantages,
+        cfg = self.cfg
+        dtype, device = x.curr.dtype, x.curr.device
+        counts = GlobalCounts(
+            tokens=_global_count("global_valid_toks", global_valid_toks, dtype, device),
+            sequences=_global_count("global_valid_seqs", global_valid_seqs, dtype, device),
         )
+        metrics = MetricSet(counts)
+        clean = _sanitize_inputs(x, cfg.force_on_policy_ratio, self.kl_coef != 0)
+        masks = clean.masks
+        token_mask, sample_mask = masks.token_mask, masks.sample_mask
+
+        # ---- the off-policy correction: plan (local) -> reduce (one collective) -> apply ----
+        plan = plan_correction(
+            cfg,
+            clean.d,
+            masks,
+            log_probs=PolicyLogProbs(curr=x.curr.detach(), prev=clean.prev_raw.detach(), gen=x.generation),
+            advantages=clean.advantages,
+        )
+        stats = plan.reduce(groups)
+        corr = apply_correction(cfg, plan, stats, metrics, groups)
+
         keep = corr.keep  # [B, T]
         loss_tokens = corr.loss_tokens  # [B, T] tokens that contribute to the loss
         # NeMo-RL's sequence-level aggregation averages each row over token_mask.
         agg_mask = loss_tokens if self.token_level_loss else token_mask * keep
-        gvt_loss, gvs_loss = gvt, gvs
-        if c.rejection_denominator == "kept":
+        token_denominator, seq_denominator = counts.tokens, counts.sequences
+        if cfg.rejection_denominator == "kept":
             # VERL's decoupled semantics: shrink the global denominators by the kept fraction
             # of this microbatch (over all ranks that split its sequences).
             n_valid = corr.seq_token_count.sum()
-            n_seqs = (sample_mask * (corr.seq_token_count > 0).to(dtype)).sum()
-            gvt_loss = gvt * corr.kept_token_count / n_valid.clamp_min(EPS)
-            gvs_loss = gvs * corr.kept_seq_count / n_seqs.clamp_min(EPS)
+            n_seqs = sample_mask @ torch.sign(corr.seq_token_count)
+            token_denominator = counts.tokens * corr.kept_token_count / n_valid.clamp_min(EPS)
+            seq_denominator = counts.sequences * corr.kept_seq_count / n_seqs.clamp_min(EPS)
 
         # ---- policy-gradient term ----
         # Tokens with a non-finite input take no part in the GSPO sequence ratio either.
-        ratio_mask = corr.ratio_mask if c.sequence_level_importance_ratios else token_mask
+        ratio_mask = corr.ratio_mask if cfg.sequence_level_importance_ratios else token_mask
         ratios, ratios_clamped = policy_ratios(
-            curr,
-            prev,
+            clean.curr,
+            clean.prev,
             ratio_mask,
-            force_on_policy=c.force_on_policy_ratio,
-            disable_ppo_ratio=c.disable_ppo_ratio,
-            sequence_level=c.sequence_level_importance_ratios,
-            clip_min=c.ratio_clip_min,
-            clip_max=c.ratio_clip_max,
+            force_on_policy=cfg.force_on_policy_ratio,
+            disable_ppo_ratio=cfg.disable_ppo_ratio,
+            sequence_level=cfg.sequence_level_importance_ratios,
+            clip_min=cfg.ratio_clip_min,
+            clip_max=cfg.ratio_clip_max,
             groups=groups,
             row_count=corr.ratio_token_count,
         )
         pg = clipped_objective(
-            advantages,
+            clean.advantages,
             ratios,
             ratios_clamped,
-            curr,
-            use_cispo=c.use_cispo,
-            dual_clip_c=c.ratio_clip_c,
+            clean.curr,
+            use_cispo=cfg.use_cispo,
+            dual_clip_c=cfg.ratio_clip_c,
         )
-        weight = corr.is_weight if c.use_importance_sampling_correction else None
+        weight = corr.is_weight if cfg.use_importance_sampling_correction else None
         pg_weighted = pg * weight if weight is not None else pg
         actor_loss = self._aggregate(
-            pg_weighted, agg_mask, sample_mask, corr.seq_mask_count, gvs_loss, gvt_loss, groups
+            pg_weighted, agg_mask, sample_mask, corr.seq_mask_count, seq_denominator, token_denominator, groups
         )
 
         # ---- KL penalty ----
         if self.kl_coef != 0:
             kl_tok = self.kl_coef * kl_penalty_per_token(
-                curr_unfiltered,
-                ref,
-                gen,
-                kl_type=c.reference_policy_kl_type,
-                input_clamp=c.kl_input_clamp_value,
-                output_clamp=c.kl_output_clamp_value,
-                on_policy_approximation=c.use_on_policy_kl_approximation,
+                clean.curr_unfiltered,
+                clean.reference,
+                clean.gen,
+                kl_type=cfg.reference_policy_kl_type,
+                input_clamp=cfg.kl_input_clamp_value,
+                output_clamp=cfg.kl_output_clamp_value,
+                on_policy_approximation=cfg.use_on_policy_kl_approximation,
             )
-            kl = self._aggregate(kl_tok, agg_mask, sample_mask, corr.seq_mask_count, gvs_loss, gvt_loss, groups)
+            kl = self._aggregate(
+                kl_tok, agg_mask, sample_mask, corr.seq_mask_count, seq_denominator, token_denominator, groups
+            )
+            loss = actor_loss + kl
         else:
-            kl = torch.zeros((), dtype=dtype, device=device)
+            kl, loss = None, actor_loss
 
         # ---- VAPO positive-example NLL ----
-        nll = torch.zeros((), dtype=dtype, device=device)
-        if c.positive_example_nll_weight > 0 and x.rewards is not None:
+        nll = None
+        if cfg.positive_example_nll_weight > 0 and x.rewards is not None:
             correct = (x.rewards > 0).to(dtype)  # [B]
-            correct_count = (corr.seq_token_count * correct).sum()
-            nll = positive_example_nll(curr, loss_tokens, correct, correct_count)
+            correct_count = corr.seq_token_count @ correct
+            nll = positive_example_nll(clean.curr, loss_tokens, correct, correct_count)
+            loss = loss + cfg.positive_example_nll_weight * nll
 
-        loss = actor_loss + kl + c.positive_example_nll_weight * nll
-
-        metrics = MetricSet()
-        _check_global_counts(metrics, gvs, gvt, valid, sample_mask)
+        _check_global_counts(metrics, counts, masks)
         # Metrics average over valid tokens whose inputs are all finite; without filters these
         # are exactly the tokens that reach the loss.
-        usable = valid * inputs_finite if c.rejection_sampling else loss_tokens
-        self._upstream_metrics(
-            metrics, loss, kl, nll, ratios, ratios_clamped, curr, gen, d, usable, sample_mask, corr, gvs, gvt
-        )
-        metrics.update(corr.metrics)
-        self._nonfinite_metrics(metrics, valid, bad_curr, bad_ref, x.advantages)
+        usable = masks.valid * masks.inputs_finite if cfg.rejection_sampling else loss_tokens
+        terms = _LossTerms(loss, kl, nll, ratios, ratios_clamped)
+        self._upstream_metrics(metrics, terms, clean, usable, corr)
+        _nonfinite_metrics(metrics, masks, clean.nonfinite, clean.input_names)
+        metrics.stack()  # evaluated here, inside the (optionally compiled) tensor core
         return loss, metrics
 
     # ------------------------------------------------------------------ pieces
@@ -432,8 +406,8 @@ class RSClippedPGLoss:
         mask: torch.Tensor,  # [B, T] valid (token-level) or token_mask (sequence-level), kept
         sample_mask: torch.Tensor,  # [B]
         seq_mask_count: torch.Tensor,  # [B] token_mask count per row, all ranks
-        gvs: torch.Tensor,
-        gvt: torch.Tensor,
+        seq_denominator: torch.Tensor,  # global_valid_seqs (or its kept share)
+        token_denominator: torch.Tensor,  # global_valid_toks (or its kept share)
         groups: SequenceGroups,
     ) -> torch.Tensor:
         """Token mean over ``global_valid_toks``, or mean over sequences of per-row means.
@@ -442,10 +416,10 @@ class RSClippedPGLoss:
         row's full ``token_mask`` count (reduced over ``groups``), as NeMo-RL's.
         """
         if self.token_level_loss:
-            return masked_sum(per_token, mask.to(per_token.dtype)) / (gvt + EPS)
+            return masked_sum(per_token, mask.to(per_token.dtype)) / (token_denominator + EPS)
         row_sum = all_reduce_sum_with_grad((per_token * mask).sum(-1), groups)  # [B]
         row_mean = row_sum / (seq_mask_count + EPS)
-        loss = (row_mean * sample_mask).sum() / (gvs + EPS)
+        loss = (row_mean * sample_mask).sum() / (seq_denominator + EPS)
         if groups.active:
             # Every rank now holds the whole value; return its share so that the shares
             # summed over the ranks (the data-parallel gradient reduction) are the loss.
@@ -456,108 +430,189 @@ class RSClippedPGLoss:
     def _upstream_metrics(
         self,
         metrics: MetricSet,
-        loss: torch.Tensor,
-        kl: torch.Tensor,
-        nll: torch.Tensor,
-        ratios: torch.Tensor,
-        ratios_clamped: torch.Tensor,
-        curr: torch.Tensor,
-        gen: torch.Tensor,
-        d: torch.Tensor,
-        mask: torch.Tensor,  # [B, T] valid tokens with finite inputs
-        sample_mask: torch.Tensor,
-        corr: Any,
-        gvs: torch.Tensor,
-        gvt: torch.Tensor,
+        terms: "_LossTerms",
+        clean: "_Sanitized",
+        usable: torch.Tensor,  # [B, T] valid tokens with finite inputs (that reach the loss)
+        corr: CorrectionResult,
     ) -> None:
-        """Every metric NeMo-RL's ``ClippedPGLossFn`` returns, same names and meanings."""
-        c = self.cfg
-        grad_norm = "tokens" if self.token_level_loss else "sequences"
+        """Every metric NeMo-RL's ``ClippedPGLossFn`` returns, same names and meanings.
 
-        def token_mean(v: torch.Tensor) -> torch.Tensor:
-            return masked_sum(v, mask) / (gvt + EPS)
-
-        with torch.no_grad():
-            metrics.add("loss", loss, grad_norm, "sum")
-            r, rc = ratios.detach(), ratios_clamped.detach()
-            metrics.add("probs_ratio", token_mean(r), "tokens", "sum")
-            metrics.add("probs_ratio_clamped", token_mean(rc), "tokens", "sum")
-            r_min, r_max = masked_extrema(r, corr.usable_bin, corr.usable_penalty)
-            metrics.add("probs_ratio_min", r_min, "none", "min")
-            metrics.add("probs_ratio_max", r_max, "none", "max")
-            # The clamp is monotonic, so the extremes of clip(r) are clip(extremes of r);
-            # the empty-mask sentinels (+-inf) stay as they are.
-            rc_min, rc_max = self._clamped_extremes(r_min, r_max)
-            metrics.add("probs_ratio_clamped_min", rc_min, "none", "min")
-            metrics.add("probs_ratio_clamped_max", rc_max, "none", "max")
-            kl_metric = kl / self.kl_coef if self.kl_coef != 0 else torch.zeros_like(kl)
-            metrics.add("kl_penalty", kl_metric, grad_norm, "sum")
-            metrics.add("token_mult_prob_error", token_mean(torch.exp(d.abs() * mask)), "tokens", "sum")
-            kl_type = c.reference_policy_kl_type
-            metrics.add("gen_kl_error", token_mean(kl_estimate(d, kl_type)), "tokens", "sum")
-            metrics.add("policy_kl_error", token_mean(kl_estimate(-d, kl_type)), "tokens", "sum")
-            # NeMo-RL's per-token JS estimate with M = (P_train + P_gen) / 2,
-            #   0.5 [k3(log M/P_train) + k3(log M/P_gen)],  k3(x) = exp(x) - 1 - x,
-            # simplifies exactly to log cosh(d / 2) = softplus(-d) + d / 2 - log 2, which is
-            # stable for any d and costs one transcendental instead of five.
-            js = torch.nn.functional.softplus(-d) + 0.5 * d - math.log(2.0)
-            metrics.add("js_divergence_error", token_mean(js), "tokens", "sum")
-            self._sampling_importance_ratio(metrics, corr, mask, sample_mask, gvs, gvt)
-            metrics.add("num_valid_samples", sample_mask.sum(), "none", "replicated")
-            entropy = -token_mean(torch.exp(curr - gen) * curr)  # E_gen[-(pi/pi_gen) log pi]
-            metrics.add("approx_entropy", entropy, "tokens", "sum")
-            metrics.add("positive_nll_loss", nll, "none", "sum")
-
-    @staticmethod
-    def _nonfinite_metrics(
-        metrics: MetricSet,
-        valid: torch.Tensor,  # [B, T]
-        bad_curr: torch.Tensor,  # [B, T] 0/1
-        bad_ref: Optional[torch.Tensor],  # [B, T] 0/1, None when the KL term is off
-        advantages: torch.Tensor,  # [B, T] raw
-    ) -> None:
-        """Valid tokens with a non-finite input, one count per input kind.
-
-        ``nonfinite_log_ratio_count`` (``prev - gen``) comes from the correction layer.
-        See: docs/guide.md#non-finite-inputs
+        Token means are declared as masked totals over ``usable`` (one matrix-vector product
+        for all of them, see :class:`MetricSet`).
         """
-        valid_bin = torch.sign(valid)
-        zero = valid_bin.new_zeros(())
-        metrics.add("nonfinite_curr_logprobs_count", masked_sum(valid_bin, bad_curr), "none", "sum")
-        ref_count = masked_sum(valid_bin, bad_ref) if bad_ref is not None else zero
-        metrics.add("nonfinite_reference_logprobs_count", ref_count, "none", "sum")
-        metrics.add("nonfinite_advantages_count", masked_sum(valid_bin, nonfinite(advantages)), "none", "sum")
+        cfg = self.cfg
+        grad_norm = "tokens" if self.token_level_loss else "sequences"
+        d = clean.d
+        with torch.no_grad():
+            kl, nll = terms.kl, terms.nll
+            metrics.add("loss", terms.total, grad_norm, "sum")
+            r, rc = terms.ratios.detach(), terms.ratios_clamped.detach()
+            kl_type = cfg.reference_policy_kl_type
+            per_token = {
+                "probs_ratio": r,
+                "probs_ratio_clamped": rc,
+                "token_mult_prob_error": torch.exp(d.abs() * usable),
+                "gen_kl_error": kl_estimate(d, kl_type),
+                "policy_kl_error": kl_estimate(-d, kl_type),
+                # NeMo-RL's per-token JS estimate with M = (P_train + P_gen) / 2,
+                #   0.5 [k3(log M/P_train) + k3(log M/P_gen)],  k3(x) = exp(x) - 1 - x,
+                # simplifies exactly to log cosh(d / 2) = softplus(-d) + d / 2 - log 2, which is
+                # stable for any d and costs one transcendental instead of five.
+                "js_divergence_error": torch.nn.functional.softplus(-d) + 0.5 * d - math.log(2.0),
+                # E_gen[-(pi/pi_gen) log pi]
+                "approx_entropy": -torch.exp(clean.curr - clean.gen) * clean.curr,
+            }
+            if self.cfg.effective_is_level == "token":
+                per_token["sampling_importance_ratio"] = corr.is_weight
+            metrics.add_masked_totals(list(per_token), torch.stack(list(per_token.values())), usable, "tokens", "sum")
+            metrics.add_masked_extrema("probs_ratio_min", "probs_ratio_max", r, clean.masks.usable_penalty)
+            self._clamped_extremes(metrics)
+            if kl is not None:
+                metrics.add("kl_penalty", kl / self.kl_coef, grad_norm, "sum")
+            else:
+                metrics.derive("kl_penalty", grad_norm, lambda out: 0.0)
+            if self.cfg.effective_is_level != "token":
+                self._sequence_sampling_importance_ratio(metrics, corr.is_weight, clean.masks.sample_mask)
+            metrics.add("num_valid_samples", clean.masks.sample_mask.sum(), "none", "replicated")
+            if nll is not None:
+                metrics.add("positive_nll_loss", nll, "none", "sum")
+            else:
+                metrics.derive("positive_nll_loss", "none", lambda out: 0.0)
 
-    def _clamped_extremes(self, r_min: torch.Tensor, r_max: torch.Tensor):
-        c = self.cfg
-        if c.force_on_policy_ratio or c.disable_ppo_ratio:
-            return r_min, r_max  # no clamp in these modes
-        lo, hi = 1.0 - c.ratio_clip_min, 1.0 + c.ratio_clip_max
-        half = torch.finfo(r_min.dtype).max / 2  # "no token" sentinels stay sentinels
-        return (
-            torch.where(r_min >= half, r_min, r_min.clamp(lo, hi)),
-            torch.where(r_max <= -half, r_max, r_max.clamp(lo, hi)),
-        )
+    def _clamped_extremes(self, metrics: MetricSet) -> None:
+        """Declare ``probs_ratio_clamped_{min,max}``, derived on the host after the reduction.
 
-    def _sampling_importance_ratio(self, metrics, corr, mask, sample_mask, gvs, gvt) -> None:
-        """``sampling_importance_ratio``: mean IS weight after truncation.
+        The clamp is monotonic, so the extremes of clip(r) are clip(extremes of r); the
+        "no token" sentinels (+-inf) stay as they are.
+        """
+        cfg = self.cfg
+        unclamped = cfg.force_on_policy_ratio or cfg.disable_ppo_ratio  # no clamp in these modes
+        lo, hi = 1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max
 
-        Per token when the weight is per token, per sequence otherwise. In NeMo-RL's own
-        GSPO mode (``is_correction_level`` unset) the value is NeMo-RL's, whose ``[B, 1]``
+        def clip(value: float) -> float:
+            return value if unclamped or not math.isfinite(value) else min(max(value, lo), hi)
+
+        metrics.derive("probs_ratio_clamped_min", "none", lambda out: clip(out["probs_ratio_min"]))
+        metrics.derive("probs_ratio_clamped_max", "none", lambda out: clip(out["probs_ratio_max"]))
+
+    def _sequence_sampling_importance_ratio(
+        self, metrics: MetricSet, is_weight: torch.Tensor, sample_mask: torch.Tensor
+    ) -> None:
+        """``sampling_importance_ratio`` with a per-sequence weight: its mean over sequences.
+
+        (Per-token weights are averaged over tokens with the other token means.) In NeMo-RL's
+        own GSPO mode (``is_correction_level`` unset) the value is NeMo-RL's, whose ``[B, 1]``
         weight broadcasts against the ``[B]`` sample mask: ``sum_i w_i * sum_j s_j / N_seq``
         (NeMo-RL #3753). It is reproduced for parity; ``is_weight_mean`` is the true mean.
         """
-        w = corr.is_weight
-        if self.cfg.effective_is_level == "token":
-            value = masked_sum(w, mask) / (gvt + EPS)
-            metrics.add("sampling_importance_ratio", value, "tokens", "sum")
-            return
-        w_seq = w.squeeze(-1)  # [B]
+        w_seq = is_weight.squeeze(-1)  # [B]
         if self.cfg.is_correction_level is None:
-            value = w_seq.sum() * sample_mask.sum() / (gvs + EPS)
+            metrics.add_total("sampling_importance_ratio", w_seq.sum() * sample_mask.sum(), "sequences", "replicated")
         else:
-            value = (w_seq * sample_mask).sum() / (gvs + EPS)
-        metrics.add("sampling_importance_ratio", value, "sequences", "replicated")
+            metrics.add_masked_total("sampling_importance_ratio", w_seq, sample_mask, "sequences", "replicated")
+
+
+@dataclass
+class _LossTerms:
+    """The loss and the terms its metrics report."""
+
+    total: torch.Tensor
+    kl: Optional[torch.Tensor]  # None without the KL term
+    nll: Optional[torch.Tensor]  # None without the NLL term
+    ratios: torch.Tensor  # [B, T] policy ratio
+    ratios_clamped: torch.Tensor  # [B, T] its clamp
+
+
+@dataclass
+class _Sanitized:
+    """The inputs with NaN and +-inf replaced by 0, and where they were not finite.
+
+    Non-finite log-probs are replaced by 0 *before* any arithmetic, so that a token that is
+    masked or rejected receives an exact zero gradient, never 0 * NaN.
+    """
+
+    curr: torch.Tensor  # [B, T] differentiable
+    prev: torch.Tensor  # [B, T] detached (curr's value under a forced on-policy ratio)
+    prev_raw: torch.Tensor  # [B, T] as given
+    gen: torch.Tensor
+    reference: Optional[torch.Tensor]  # None without the KL term
+    curr_unfiltered: Optional[torch.Tensor]  # the KL's curr (curr unless the caller passed one)
+    advantages: torch.Tensor
+    d: torch.Tensor  # [B, T] prev - gen, 0 where not finite
+    masks: TokenMasks
+    nonfinite: torch.Tensor  # [K, B, T] 0/1 non-finite entries of each input, rows named by
+    input_names: tuple  # the K input names (keys of _NONFINITE_COUNTS)
+
+
+def _sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool) -> _Sanitized:
+    """One pass over every input: sanitised copies, non-finite masks, the token masks.
+
+    The detached inputs are stacked, so replacing and detecting non-finite entries costs two
+    kernels whatever their number; ``curr`` is sanitised on its own (it carries the gradient).
+    """
+    curr = sanitize(x.curr)
+    prev_raw = x.curr.detach() if force_on_policy else x.prev
+    # The first rows are the log-prob inputs a token's loss reads (any non-finite one makes
+    # the token unusable); the others are sanitised and counted only. Each row's name is the
+    # metric counting its non-finite valid tokens (hidden when another metric covers it).
+    rows = {"curr": x.curr, "d": prev_raw - x.generation}
+    if with_reference:
+        rows["reference"] = x.reference
+        if x.curr_unfiltered is not None:
+            rows["curr_unfiltered"] = x.curr_unfiltered
+    n_logprob = len(rows)
+    rows.update(prev=prev_raw, gen=x.generation, advantages=x.advantages)
+    stacked = torch.stack([t.detach() for t in rows.values()])  # [K, B, T]
+    clean = dict(zip(rows, sanitize(stacked)))
+    bad = nonfinite(stacked)  # [K, B, T] 0/1
+    d_finite = 1.0 - bad[1]
+    inputs_finite = 1.0 - bad[:n_logprob].amax(0)
+    unfiltered = None
+    if with_reference:
+        unfiltered = sanitize(x.curr_unfiltered) if x.curr_unfiltered is not None else curr
+    return _Sanitized(
+        curr=curr,
+        prev=curr.detach() if force_on_policy else clean["prev"],
+        prev_raw=prev_raw,
+        gen=clean["gen"],
+        reference=clean.get("reference"),
+        curr_unfiltered=unfiltered,
+        advantages=clean["advantages"],
+        d=clean["d"],
+        masks=TokenMasks.build(x.token_mask, x.sample_mask, d_finite, inputs_finite),
+        nonfinite=bad,
+        input_names=tuple(rows),
+    )
+
+
+# Input row of _sanitize_inputs -> the metric counting its non-finite valid tokens ("_": hidden,
+# covered by another count: prev and gen through the log-ratio).
+_NONFINITE_COUNTS = {
+    "curr": "nonfinite_curr_logprobs_count",
+    "d": "nonfinite_log_ratio_count",
+    "reference": "nonfinite_reference_logprobs_count",
+    "curr_unfiltered": "_nonfinite_curr_unfiltered_count",
+    "prev": "_nonfinite_prev_logprobs_count",
+    "gen": "_nonfinite_generation_logprobs_count",
+    "advantages": "nonfinite_advantages_count",
+}
+
+
+def _nonfinite_metrics(metrics: MetricSet, masks: TokenMasks, nonfinite: torch.Tensor, inputs: tuple) -> None:
+    """Valid tokens with a non-finite input, one count per input kind (summed over CP ranks).
+
+    All counts are one matrix-vector product of the stacked non-finite masks. With a separate
+    unfiltered ``curr`` (for the KL), ``nonfinite_curr_logprobs_count`` counts tokens where
+    either is non-finite. See: docs/guide.md#non-finite-inputs
+    """
+    names = [_NONFINITE_COUNTS[row] for row in inputs]
+    if "curr_unfiltered" in inputs:
+        names[0] = "_nonfinite_curr_filtered_count"
+        either = torch.maximum(nonfinite[0], nonfinite[inputs.index("curr_unfiltered")])
+        metrics.add_masked_total(_NONFINITE_COUNTS["curr"], either, masks.valid_bin, "none", "sum")
+    metrics.add_masked_totals(names, nonfinite, masks.valid_bin, "none", "sum")
+    if "reference" not in inputs:
+        metrics.derive(_NONFINITE_COUNTS["reference"], "none", lambda out: 0.0)
 
 
 def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -576,42 +631,41 @@ def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.devic
     return count.reshape(())
 
 
-def _check_global_counts(
-    metrics: MetricSet,
-    gvs: torch.Tensor,
-    gvt: torch.Tensor,
-    valid: torch.Tensor,  # [B, T] token_mask * sample_mask
-    sample_mask: torch.Tensor,  # [B]
-) -> None:
-    """Register the global-count checks of :meth:`RSClippedPGLoss.compute` (no host sync).
+def _check_global_counts(metrics: MetricSet, counts: GlobalCounts, masks: TokenMasks) -> None:
+    """Register the global-count checks of :meth:`CorrectedPGLoss.compute` (decided on the host).
 
     A count is wrong when it is negative or not finite, or 0 while this microbatch has a
-    unit it counts: the loss would divide by ``0 + 1e-8``.
+    unit it counts: the loss would divide by ``0 + 1e-8``. The counts and the microbatch's
+    own (summed over the ranks that split its tokens) ride on the one host transfer.
     """
-    for name, count, local, reduction, unit in (
-        ("global_valid_toks", gvt, valid.sum(), "sum", "valid tokens (token_mask * sample_mask)"),
-        ("global_valid_seqs", gvs, sample_mask.sum(), "replicated", "valid sequences (sample_mask)"),
+    metrics.add("_global_valid_toks", counts.tokens, "none", "replicated")
+    metrics.add("_global_valid_seqs", counts.sequences, "none", "replicated")
+    metrics.add("_local_valid_toks", masks.valid.sum(), "none", "sum")
+    metrics.add("_local_valid_seqs", masks.sample_mask.sum(), "none", "replicated")
+    for name, local, unit in (
+        ("global_valid_toks", "_local_valid_toks", "valid tokens (token_mask * sample_mask)"),
+        ("global_valid_seqs", "_local_valid_seqs", "valid sequences (sample_mask)"),
     ):
-        bad = (count < 0) | ~torch.isfinite(count) | ((count == 0) & (local > 0))
-        metrics.add(f"_{name}", count, "none", "replicated")
-        # Tokens are split over the group's ranks (summed); sample_mask is replicated.
-        metrics.add(f"_local_{name}", local, "none", reduction)
 
-        def error(out: dict, name: str = name, unit: str = unit) -> ValueError:
+        def failed(out: dict, name: str = name, local: str = local) -> bool:
+            count = out[f"_{name}"]
+            return not math.isfinite(count) or count < 0 or (count == 0 and out[local] > 0)
+
+        def error(out: dict, name: str = name, local: str = local, unit: str = unit) -> ValueError:
             return ValueError(
                 f"{name}: got {out[f'_{name}']:g} while this microbatch has "
-                f"{out[f'_local_{name}']:g} {unit}; expected the count of {unit} over the whole "
+                f"{out[local]:g} {unit}; expected the count of {unit} over the whole "
                 "global batch (all microbatches and data-parallel ranks): a finite number, "
                 "> 0 whenever a microbatch has one (0 only for a fully masked global batch)"
             )
 
-        metrics.check(f"_bad_{name}", bad.to(count.dtype), error)
+        metrics.check(failed, error)
 
 
 def metric_normalizations(cfg: Any) -> dict[str, str]:
     """Metric name -> global denominator (``tokens``, ``sequences``, ``none``) for a config.
 
     NeMo-RL's ``metric_normalizations`` counterpart, read from the declarations next to each
-    metric's computation (see :meth:`RSClippedPGLoss.metric_normalizations`).
+    metric's computation (see :meth:`CorrectedPGLoss.metric_normalizations`).
     """
-    return RSClippedPGLoss(cfg).metric_normalizations()
+    return CorrectedPGLoss(cfg).metric_normalizations()

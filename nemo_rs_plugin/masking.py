@@ -6,19 +6,20 @@ that results match NeMo-RL's loss to float precision.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 __all__ = [
     "EPS",
+    "TokenMasks",
     "extrema_penalty",
     "finite_exp",
     "log_ratio",
-    "masked_extrema",
     "masked_sum",
     "nonfinite",
-    "outside",
+    "out_of_bounds",
     "sanitize",
 ]
 
@@ -36,29 +37,13 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def extrema_penalty(mask: torch.Tensor) -> torch.Tensor:
-    """The additive penalty that :func:`masked_extrema` uses for a 0/1 ``mask`` (reusable)."""
-    return (1.0 - mask) * torch.finfo(mask.dtype).max
+    """Additive penalty for masked extrema: 0 where the 0/1 ``mask`` is 1, ``finfo.max`` elsewhere.
 
-
-def masked_extrema(
-    values: torch.Tensor, mask: torch.Tensor, penalty: Optional[torch.Tensor] = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(min, max)`` of finite ``values`` where the 0/1 float ``mask`` is 1.
-
-    With an empty mask the result is ``(finfo.max, -finfo.max)`` or beyond: a sentinel that
-    :class:`~nemo_rs_plugin.metrics.MetricSet` reports as ``(inf, -inf)``. ``penalty``
-    (:func:`extrema_penalty` of the mask) can be passed to share it between calls.
-
-    Masked entries are pushed past half the float range by adding the penalty, instead of
-    ``torch.where`` or boolean indexing: no host sync, and on CPU float arithmetic is several
-    times faster than ops on boolean tensors.
+    ``(x + penalty).amin()`` and ``(x - penalty).amax()`` are the extremes of finite ``x`` over
+    the mask (an empty mask gives the ``+-finfo.max`` sentinels): no ``torch.where``, no
+    boolean indexing, no host sync. See :meth:`~nemo_rs_plugin.metrics.MetricSet.add_masked_extrema`.
     """
-    big = torch.finfo(values.dtype).max
-    if values.numel() == 0:
-        return values.new_full((), big), values.new_full((), -big)
-    if penalty is None:
-        penalty = extrema_penalty(mask.to(values.dtype))
-    return (values + penalty).amin(), (values - penalty).amax()
+    return (1.0 - mask) * torch.finfo(mask.dtype).max
 
 
 def nonfinite(x: torch.Tensor) -> torch.Tensor:
@@ -66,9 +51,15 @@ def nonfinite(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num((x - x).detach(), nan=1.0, posinf=1.0, neginf=1.0)
 
 
-def outside(x: torch.Tensor, lower: Optional[float], upper: Optional[float]) -> torch.Tensor:
-    """0/1 float mask of ``x`` outside ``[lower, upper]`` (finite ``x``), without bool ops."""
-    return torch.sign((x - x.clamp(lower, upper)).abs())
+def out_of_bounds(x: torch.Tensor, lower: Optional[float], upper: Optional[float]) -> torch.Tensor:
+    """Boolean: ``x`` outside the inclusive ``[lower, upper]`` (a ``None`` bound is open); NaN is outside.
+
+    The one bound check of the package (filters, truncation, sequence decisions): ``x`` differs
+    from its clamp exactly when it lies outside, and ``NaN != NaN``. Two kernels, no host sync.
+    """
+    if lower is None and upper is None:
+        return x != x
+    return x != x.clamp(lower, upper)
 
 
 def finite_exp(x: torch.Tensor) -> torch.Tensor:
@@ -97,3 +88,57 @@ def sanitize(x: torch.Tensor) -> torch.Tensor:
     back-propagates ``0 * NaN = NaN``; a value replaced up front receives an exact zero.
     """
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@dataclass(frozen=True)
+class TokenMasks:
+    """The masks of one microbatch, built once and shared by the correction, the loss and the metrics.
+
+    ``[B, T]`` float 0/1 unless noted:
+
+    * ``token_mask``: as the caller gave it (integer, bool or float);
+    * ``sample_mask``: ``[B]`` float;
+    * ``valid``: ``token_mask * sample_mask`` (fractional with weighted samples);
+    * ``valid_bin``: 1 where ``valid`` is non-zero;
+    * ``d_finite``: ``prev - gen`` was finite;
+    * ``inputs_finite``: every log-prob input (``curr``, ``prev - gen``, the reference) was finite;
+    * ``usable_bin``: ``valid_bin * inputs_finite``, the tokens per-token extremes range over,
+      and ``usable_penalty`` its :func:`extrema_penalty`.
+    """
+
+    token_mask: torch.Tensor
+    sample_mask: torch.Tensor
+    valid: torch.Tensor
+    valid_bin: torch.Tensor
+    d_finite: torch.Tensor
+    inputs_finite: torch.Tensor
+    usable_bin: torch.Tensor
+    usable_penalty: torch.Tensor
+
+    @classmethod
+    def build(
+        cls,
+        token_mask: torch.Tensor,
+        sample_mask: torch.Tensor,
+        d_finite: torch.Tensor,
+        inputs_finite: torch.Tensor,
+        valid: Optional[torch.Tensor] = None,
+    ) -> "TokenMasks":
+        """The masks from the caller's two (``valid``: their product, when the caller has it)."""
+        sample_mask = sample_mask.to(d_finite.dtype)
+        if valid is None:
+            valid = token_mask * sample_mask.unsqueeze(-1)
+        if valid.dtype != d_finite.dtype:
+            valid = valid.to(d_finite.dtype)
+        valid_bin = torch.sign(valid)
+        usable_bin = valid_bin * inputs_finite
+        return cls(
+            token_mask=token_mask,
+            sample_mask=sample_mask,
+            valid=valid,
+            valid_bin=valid_bin,
+            d_finite=d_finite,
+            inputs_finite=inputs_finite,
+            usable_bin=usable_bin,
+            usable_penalty=extrema_penalty(usable_bin),
+        )

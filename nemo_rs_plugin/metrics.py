@@ -1,9 +1,15 @@
-"""Metric collection with one host transfer per loss call.
+"""Metric collection: few kernels, one host transfer per loss call.
 
 NeMo-RL's loss calls ``.item()`` about fifteen times per call, each a host-device sync on
-GPU. Here every metric stays a 0-dim tensor until :meth:`MetricSet.finalize`, which reduces
+GPU. Here every metric stays on the device until :meth:`MetricSet.finalize`, which reduces
 them over the sequence groups (so every rank reports identical values) and moves them to the
 host in a single ``tolist()``.
+
+Most metrics are masked sums over the same few masks divided by the same global count, and
+on a GPU each small operator is a kernel launch. So they are declared, not computed, where
+they are defined, and :meth:`MetricSet.stack` computes them together: per mask, one
+``stack`` and one matrix-vector product; per global count, one division; all masked extrema
+in one ``amin`` and one ``amax``. Whatever the number of metrics, a handful of kernels.
 
 Each metric carries:
 
@@ -16,102 +22,236 @@ Each metric carries:
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+import math
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
 
 import torch
 
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
+from nemo_rs_plugin.masking import EPS
 
-__all__ = ["MetricSet", "Normalization", "Reduction"]
+__all__ = ["GlobalCounts", "MetricSet", "Normalization", "Reduction"]
 
 Normalization = Literal["tokens", "sequences", "none"]
 Reduction = Literal["sum", "replicated", "max", "min"]
 
 
-class MetricSet:
-    """Ordered metric tensors with their normalization and cross-rank reduction."""
+@dataclass(frozen=True)
+class GlobalCounts:
+    """NeMo-RL's global denominators: valid tokens and valid sequences of the global batch.
 
-    def __init__(self) -> None:
-        self._entries: dict[str, tuple[torch.Tensor, str, str]] = {}
-        self._checks: list[tuple[str, Callable[[dict[str, float]], Exception]]] = []
+    Each is a 0-dim tensor; normalized values are ``total / (count + 1e-8)``, as NeMo-RL's.
+    """
+
+    tokens: torch.Tensor
+    sequences: torch.Tensor
+
+    def of(self, normalization: str) -> Optional[torch.Tensor]:
+        """The count a ``normalization`` divides by (``None`` for ``none``)."""
+        return {"tokens": self.tokens, "sequences": self.sequences}.get(normalization)
+
+
+class MetricSet:
+    """Ordered metrics with their normalization and cross-rank reduction.
+
+    Declare with :meth:`add` (a final value), :meth:`add_total` (a sum, divided by the global
+    count its normalization names), :meth:`add_masked_total` (``sum(values * mask)``, likewise
+    divided) and :meth:`add_masked_extrema` (min and max of ``values`` where ``mask`` is 1).
+    :meth:`stack` evaluates them all into one vector (on the device, no sync); :meth:`finalize`
+    reduces it over the groups and transfers it once.
+    """
+
+    def __init__(self, counts: Optional[GlobalCounts] = None) -> None:
+        self.counts = counts
+        self._declared: dict[str, tuple[str, str]] = {}  # name -> (normalization, reduction)
+        self._values: dict[str, torch.Tensor] = {}  # final 0-dim values
+        self._totals: dict[str, list[tuple[str, torch.Tensor]]] = {}  # normalization -> totals
+        self._masked: dict[tuple[int, str], tuple[torch.Tensor, list]] = {}  # (mask, norm) -> names/values
+        self._extrema: dict[tuple, list] = {}  # (rank, dtype) -> [(min name, max name, values, penalty)]
+        self._derived: list[tuple[str, str, Callable[[dict[str, float]], float]]] = []
+        self._checks: list[tuple[Callable[[dict[str, float]], bool], Callable[[dict[str, float]], Exception]]] = []
+        self._stacked: Optional[tuple[list[str], torch.Tensor]] = None
+
+    # ------------------------------------------------------------------ declaring
+    def _declare(self, name: str, normalization: str, reduction: str) -> None:
+        if name in self._declared:
+            raise KeyError(f"metric {name!r} declared twice")
+        if self._stacked is not None:
+            raise RuntimeError(f"metric {name!r} declared after MetricSet.stack()")
+        self._declared[name] = (normalization, reduction)
 
     def add(self, name: str, value: torch.Tensor, normalization: str, reduction: str) -> None:
-        """Record a 0-dim tensor (never synced here).
+        """Record a final 0-dim value (never synced here).
 
         ``min``/``max`` entries may hold ``+-finfo.max`` for "no unit" (see
-        :func:`~nemo_rs_plugin.masking.masked_extrema`); :meth:`finalize` reports them as
+        :func:`~nemo_rs_plugin.masking.extrema_penalty`); :meth:`finalize` reports them as
         ``+-inf``, as NeMo-RL does.
         """
-        if value.requires_grad:
-            value = value.detach()
-        if value.dim():
-            value = value.reshape(())
-        self._entries[name] = (value, normalization, reduction)
+        self._declare(name, normalization, reduction)
+        self._values[name] = value.detach().reshape(())
 
-    # Metrics :meth:`finalize` derives on the host: name -> (hidden entry it needs, normalization).
-    DERIVED = {"is_ess": ("_ess_sum_w", "none")}
+    def add_total(self, name: str, total: torch.Tensor, normalization: str, reduction: str) -> None:
+        """Record a 0-dim sum; its value is ``total / (count + 1e-8)`` for the count of ``normalization``."""
+        if normalization == "none":
+            self.add(name, total, normalization, reduction)
+            return
+        self._declare(name, normalization, reduction)
+        self._totals.setdefault(normalization, []).append((name, total.detach().reshape(())))
+
+    def add_masked_total(
+        self, name: str, values: torch.Tensor, mask: torch.Tensor, normalization: str, reduction: str
+    ) -> None:
+        """Record ``sum(values * mask)`` (divided as in :meth:`add_total`); ``values`` broadcasts to ``mask``.
+
+        Metrics sharing the same ``mask`` tensor and normalization are evaluated together in
+        :meth:`stack`, one matrix-vector product for all of them.
+        """
+        self.add_masked_totals([name], values.detach().expand(mask.shape).unsqueeze(0), mask, normalization, reduction)
+
+    def add_masked_totals(
+        self, names: list[str], rows: torch.Tensor, mask: torch.Tensor, normalization: str, reduction: str
+    ) -> None:
+        """:meth:`add_masked_total` for each row of an already stacked ``[len(names), *mask.shape]`` tensor."""
+        for name in names:
+            self._declare(name, normalization, reduction)
+        key = (id(mask), normalization)
+        if key not in self._masked:
+            self._masked[key] = (mask, [])
+        self._masked[key][1].append((names, rows.detach()))
+
+    def add_masked_extrema(self, min_name: str, max_name: str, values: torch.Tensor, penalty: torch.Tensor) -> None:
+        """Record the min and max of finite ``values`` where the mask behind ``penalty`` is 1.
+
+        ``penalty`` is :func:`~nemo_rs_plugin.masking.extrema_penalty` of the mask (shared
+        between metrics of one mask). With an empty mask the values are the ``+-finfo.max``
+        sentinels that :meth:`finalize` reports as ``(inf, -inf)``.
+        """
+        self._declare(min_name, "none", "min")
+        self._declare(max_name, "none", "max")
+        # Same rank and dtype stack together (their shapes agree: one microbatch). Not the
+        # shape itself: hashing a symbolic size would pin it in a compiled graph.
+        key = (values.dim(), values.dtype)
+        self._extrema.setdefault(key, []).append((min_name, max_name, values.detach(), penalty))
+
+    def derive(self, name: str, normalization: str, fn: Callable[[dict[str, float]], float]) -> None:
+        """Declare a metric :meth:`finalize` computes on the host from the reduced values."""
+        self._declared[name] = (normalization, "derived")
+        self._derived.append((name, normalization, fn))
+
+    def check(self, failed: Callable[[dict[str, float]], bool], error: Callable[[dict[str, float]], Exception]) -> None:
+        """Raise ``error(values)`` from :meth:`finalize` when ``failed(values)`` holds.
+
+        Input checks that depend on tensor values are decided on the host, after the one
+        transfer and the reduction (every rank of a group raises together), instead of
+        syncing on their own; they read every value, hidden (``_``-prefixed) ones included.
+        """
+        self._checks.append((failed, error))
 
     def normalizations(self) -> dict[str, str]:
-        """Public metric name -> the normalization declared with it.
+        """Public metric name -> the normalization declared with it (what NeMo-RL's ``MetricNormalizer`` reads)."""
+        return {name: norm for name, (norm, _) in self._declared.items() if not name.startswith("_")}
 
-        What NeMo-RL's ``MetricNormalizer`` reads; the names are those :meth:`finalize` returns.
+    # ------------------------------------------------------------------ evaluating
+    def stack(self) -> tuple[list[str], torch.Tensor]:
+        """``(names, values)``: every device-side metric in one ``[M]`` tensor (no sync).
+
+        Called at the end of the loss's tensor core (so a compiled core evaluates the metrics
+        in its graph); :meth:`finalize` calls it if nobody did.
         """
-        out = {name: norm for name, (_, norm, _) in self._entries.items() if not name.startswith("_")}
-        for name, (source, norm) in self.DERIVED.items():
-            if source in self._entries:
-                out[name] = norm
-        return out
-
-    def check(self, name: str, bad: torch.Tensor, error: Callable[[dict[str, float]], Exception]) -> None:
-        """Raise ``error(values)`` from :meth:`finalize` when the 0-dim ``bad`` is > 0 on any rank.
-
-        Input checks that depend on tensor values ride on the one host transfer instead of
-        syncing on their own. ``bad`` is recorded as the hidden metric ``name`` (a ``_``
-        prefix, MAX over the groups, so every rank of a group raises together); ``error``
-        receives every value, hidden ones included, after the reduction.
-        """
-        self.add(name, bad, "none", "max")
-        self._checks.append((name, error))
-
-    def update(self, entries: dict) -> None:
-        """Add entries given as ``name -> (tensor, normalization, reduction)``."""
-        for name, (value, normalization, reduction) in entries.items():
-            self.add(name, value, normalization, reduction)
+        if self._stacked is not None:
+            return self._stacked
+        names: list[str] = list(self._values)
+        parts: list[torch.Tensor] = [torch.stack(list(self._values.values()))] if self._values else []
+        for key, (mask, entries) in self._masked.items():
+            norm = key[1]
+            totals = _masked_totals([rows for _, rows in entries], mask)
+            names_here = [n for group, _ in entries for n in group]
+            if norm == "none":
+                names += names_here
+                parts.append(totals)
+            else:
+                self._totals.setdefault(norm, []).append((names_here, totals))
+        for norm, entries in self._totals.items():
+            if not entries:
+                continue
+            flat = [t.reshape(-1) for _, t in entries]
+            for n, _ in entries:
+                names += [n] if isinstance(n, str) else n
+            count = self.counts.of(norm) if self.counts is not None else None
+            if count is None:
+                raise ValueError(f"metrics normalized by {norm!r} need the global counts (MetricSet(counts))")
+            parts.append((torch.cat(flat) if len(flat) > 1 else flat[0]) / (count + EPS))
+        for entries in self._extrema.values():
+            lows, highs = _masked_extrema([v for *_, v, _ in entries], [p for *_, p in entries])
+            names += [lo for lo, *_ in entries] + [hi for _, hi, *_ in entries]
+            parts += [lows, highs]
+        if not parts:
+            self._stacked = ([], torch.zeros(0))
+            return self._stacked
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
+        parts = [p if p.dtype == dtype else p.to(dtype) for p in parts]
+        self._stacked = (names, torch.cat(parts) if len(parts) > 1 else parts[0])
+        return self._stacked
 
     def finalize(self, groups: SequenceGroups = NO_GROUPS) -> dict[str, float]:
-        """Reduce over ``groups``, transfer once, derive the effective sample size on the host."""
-        names = list(self._entries)
-        if not names:
-            return {}
-        tensors = [self._entries[n][0] for n in names]
-        dtype = torch.promote_types(tensors[0].dtype, torch.float32)
-        values = torch.stack([t if t.dtype == dtype else t.to(dtype) for t in tensors])  # [M]
-        reductions = [self._entries[n][2] for n in names]
-        if groups.active:
-            is_sum = torch.tensor([r == "sum" for r in reductions], device=values.device)
-            is_max = torch.tensor([r == "max" for r in reductions], device=values.device)
-            is_min = torch.tensor([r == "min" for r in reductions], device=values.device)
-            summed = torch.where(is_sum, values, torch.zeros_like(values))
-            # Extrema in one MAX collective: minima negated; other entries are neutral.
-            neutral = torch.full_like(values, -float("inf"))
-            maxed = torch.where(is_max, values, torch.where(is_min, -values, neutral))
-            summed, maxed = reduce_sequence_statistics(summed.unsqueeze(0), maxed.unsqueeze(0), groups)
-            summed, maxed = summed[0], maxed[0]
-            values = torch.where(is_sum, summed, values)
-            values = torch.where(is_max, maxed, values)
-            values = torch.where(is_min, -maxed, values)
-        host = values.tolist()  # the one host transfer of the loss call
+        """Reduce over ``groups``, transfer once, check, derive; public metrics in declaration order."""
+        names, values = self.stack()
+        reductions = [self._declared[n][1] for n in names]
+        if groups.active and names:
+            values = _reduce(values, reductions, groups)
+        host = values.tolist() if names else []  # the one host transfer of the loss call
         out = dict(zip(names, host))
-        for name, error in self._checks:
-            if out[name] > 0:
+        for failed, error in self._checks:
+            if failed(out):
                 raise error(out)
-        half = torch.finfo(dtype).max / 2
+        half = torch.finfo(values.dtype).max / 2 if names else math.inf
         for name, red in zip(names, reductions):
             if red == "min" and out[name] >= half:
                 out[name] = float("inf")  # no unit: NeMo-RL's sentinel
             elif red == "max" and out[name] <= -half:
                 out[name] = float("-inf")
-        if "_ess_sum_w" in out:
-            sw, sw2, n = out["_ess_sum_w"], out["_ess_sum_w2"], out["_ess_n"]
-            out["is_ess"] = sw * sw / (n * sw2) if sw2 > 0 and n > 0 else 0.0
-        return {k: v for k, v in out.items() if not k.startswith("_")}
+        for name, _, fn in self._derived:
+            out[name] = fn(out)
+        return {n: out[n] for n in self._declared if not n.startswith("_")}
+
+
+def _masked_totals(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """``[k]`` totals ``sum(row * mask)`` of every row: one matrix-vector product (plus one ``cat``)."""
+    if mask.dtype != rows[0].dtype:
+        mask = mask.to(rows[0].dtype)
+    flat = [r.reshape(r.shape[0], -1) for r in rows]
+    matrix = torch.cat(flat) if len(flat) > 1 else flat[0]
+    if matrix.shape[0] == 1:
+        return torch.dot(matrix[0], mask.reshape(-1)).reshape(1)
+    return matrix @ mask.reshape(-1)
+
+
+def _masked_extrema(values: list[torch.Tensor], penalties: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([k] minima, [k] maxima)`` of each ``values[i]`` where its penalty is 0 (``+-finfo.max`` if nowhere)."""
+    big = torch.finfo(values[0].dtype).max
+    k = len(values)
+    if values[0].numel() == 0:
+        return values[0].new_full((k,), big), values[0].new_full((k,), -big)
+    v = torch.stack(values).reshape(k, -1) if k > 1 else values[0].reshape(1, -1)
+    if all(p is penalties[0] for p in penalties):
+        p = penalties[0].reshape(1, -1)  # one mask for all: broadcast, no stack
+    else:
+        p = torch.stack([q.expand(values[0].shape) for q in penalties]).reshape(k, -1)
+    return (v + p).amin(-1), (v - p).amax(-1)
+
+
+def _reduce(values: torch.Tensor, reductions: list[str], groups: SequenceGroups) -> torch.Tensor:
+    """``values`` reduced over ``groups`` by each entry's reduction, in one SUM and one MAX collective."""
+    is_sum = torch.tensor([r == "sum" for r in reductions], device=values.device)
+    is_max = torch.tensor([r == "max" for r in reductions], device=values.device)
+    is_min = torch.tensor([r == "min" for r in reductions], device=values.device)
+    summed = torch.where(is_sum, values, torch.zeros_like(values))
+    # Extrema in one MAX collective: minima negated; other entries are neutral.
+    neutral = torch.full_like(values, -float("inf"))
+    maxed = torch.where(is_max, values, torch.where(is_min, -values, neutral))
+    summed, maxed = reduce_sequence_statistics(summed.unsqueeze(0), maxed.unsqueeze(0), groups)
+    summed, maxed = summed[0], maxed[0]
+    values = torch.where(is_sum, summed, values)
+    values = torch.where(is_max, maxed, values)
+    return torch.where(is_min, -maxed, values)

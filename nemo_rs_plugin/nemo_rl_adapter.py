@@ -3,7 +3,7 @@
 * :class:`RSClippedPGLossFn` subclasses NeMo-RL's ``ClippedPGLossFn`` (``isinstance``,
   ``loss_type``, ``input_type``, ``metric_normalizations``, ``use_fused_linear_logprobs``,
   pickling) and forwards ``__call__`` to the host-independent :class:`~nemo_rs_plugin.loss.
-  RSClippedPGLoss`.
+  CorrectedPGLoss`.
 * :class:`ClippedPGLossSelector` stands in for the name ``ClippedPGLossFn`` inside NeMo-RL's
   GRPO, PPO and single-controller setup modules (installed by :func:`install_into` when those
   modules are imported; see ``_nemo_rs_plugin_hook``). ``ClippedPGLossFn(loss_config, ...)``
@@ -29,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - exercised where NeMo-RL is abse
         "RSClippedPGLossFn needs NeMo-RL, which is not importable here "
         f"({exc}). NeMo-RL is not on PyPI: install it from its git repository "
         "(git clone https://github.com/NVIDIA-NeMo/RL && uv sync, or use its container), "
-        "or point PYTHONPATH at a checkout. The core loss, nemo_rs_plugin.RSClippedPGLoss, "
+        "or point PYTHONPATH at a checkout. The core loss, nemo_rs_plugin.CorrectedPGLoss, "
         "works without it."
     ) from exc
 
@@ -41,7 +41,7 @@ from nemo_rs_plugin.config import (
     own_loss_problems,
 )
 from nemo_rs_plugin.distributed import SequenceGroups
-from nemo_rs_plugin.loss import RSClippedPGLoss, metric_normalizations
+from nemo_rs_plugin.loss import CorrectedPGLoss, metric_normalizations
 from nemo_rs_plugin.registry import get_loss_class
 
 __all__ = [
@@ -135,7 +135,7 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         self.truncated_importance_sampling_ratio = config.truncated_importance_sampling_ratio
         self.truncated_importance_sampling_ratio_min = config.truncated_importance_sampling_ratio_min
         self.rs_config = config
-        self.core = RSClippedPGLoss(config)
+        self.core = CorrectedPGLoss(config)
         if config.sharded_logits_input and use_fused_linear_logprobs:
             raise ConfigError(
                 [

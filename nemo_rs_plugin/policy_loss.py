@@ -153,10 +153,9 @@ def kl_penalty_per_token(
     log_ratio = reference - curr
     if input_clamp is not None:
         clamped = log_ratio.clamp(-input_clamp, input_clamp)
-        # Detach the weight where the clamp is active: value unchanged, gradient times a 0/1
-        # float mask (cheaper than torch.where on a boolean tensor).
-        free = 1.0 - torch.sign((log_ratio - clamped).detach().abs())
-        weights = torch.lerp(weights.detach(), weights, free)  # frozen + free * (w - frozen)
+        # Detach the weight where the clamp is active (the one bound check, as
+        # masking.out_of_bounds: a value differs from its clamp exactly outside the bounds).
+        weights = torch.where((log_ratio != clamped).detach(), weights.detach(), weights)
         log_ratio = clamped
     kl = weights * kl_estimate(log_ratio, kl_type)
     if output_clamp is not None:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_rs_plugin.distributed import SequenceGroups, all_reduce_sum_with_grad, group_is_active
-from nemo_rs_plugin.loss import LossInputs, RSClippedPGLoss
+from nemo_rs_plugin.loss import CorrectedPGLoss, LossInputs
 from nemo_rs_plugin.parallel_layout import cp_shard, shift_left
 from nemo_rs_plugin.vocab_parallel import target_logprobs
 
@@ -135,7 +135,7 @@ def _pad_sequences(data: Mapping[str, Any], length: int) -> dict:
 
 
 def sharded_loss(
-    loss_fn: RSClippedPGLoss,
+    loss_fn: CorrectedPGLoss,
     logits: torch.Tensor,
     data: Mapping[str, Any],
     global_valid_seqs: Any,

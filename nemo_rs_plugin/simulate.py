@@ -9,7 +9,7 @@ A synthetic batch models what a practitioner sees on MoE long-sequence GRPO:
 * staleness: a per-sequence shift of ``d`` of scale ``--staleness`` (async / off-policy).
 
 Or real per-token log-probs (:func:`load_batch`, ``--from``). For every configuration the
-real :class:`~nemo_rs_plugin.loss.RSClippedPGLoss` runs forward and backward; the report has
+real :class:`~nemo_rs_plugin.loss.CorrectedPGLoss` runs forward and backward; the report has
 the IS weight mean / std / min, effective sample size, fraction of sequences and tokens
 rejected, and the gradient norm relative to the uncorrected loss.
 
@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nemo_rs_plugin.loss import RSClippedPGLoss
+from nemo_rs_plugin.loss import CorrectedPGLoss
 from nemo_rs_plugin.masking import log_ratio
 
 __all__ = [
@@ -308,7 +308,7 @@ def _metrics_of(cfg: dict, batch: dict[str, torch.Tensor]) -> tuple[dict, torch.
     # On-policy snapshot: the current policy equals prev, so the PPO ratio is 1 and the
     # gradient is the advantage-weighted score, scaled by what the correction applies.
     lp = torch.nan_to_num(batch["prev_logprobs"][:, 1:].clone()).requires_grad_(True)
-    loss, metrics = RSClippedPGLoss(cfg)(lp, data, batch["sample_mask"].sum(), valid.sum())
+    loss, metrics = CorrectedPGLoss(cfg)(lp, data, batch["sample_mask"].sum(), valid.sum())
     loss.backward()
     return metrics, lp.grad.norm()
 
@@ -323,6 +323,8 @@ def _applied_weights(cfg: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """
     from nemo_rs_plugin.config import RSClippedPGLossConfig
     from nemo_rs_plugin.correction import compute_correction
+    from nemo_rs_plugin.masking import TokenMasks
+    from nemo_rs_plugin.metrics import GlobalCounts
 
     c = RSClippedPGLossConfig.from_any(cfg)
     dtype = batch["prev_logprobs"].dtype
@@ -330,7 +332,8 @@ def _applied_weights(cfg: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     tm = batch["token_mask"][:, 1:].to(dtype)
     sm = batch["sample_mask"].to(dtype)
     valid = tm * sm[:, None]
-    out = compute_correction(d, d_finite, valid, tm, sm, d_finite, c, sm.sum(), valid.sum())
+    masks = TokenMasks.build(tm, sm, d_finite, d_finite, valid=valid)
+    out = compute_correction(c, d, masks, GlobalCounts(tokens=valid.sum(), sequences=sm.sum()))
     if c.effective_is_level == "token":
         units = valid != 0
         return (out.is_weight * out.keep)[units].double()

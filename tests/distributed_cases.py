@@ -11,9 +11,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from nemo_rs_plugin import RSClippedPGLoss, RSClippedPGLossConfig
+from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
 from nemo_rs_plugin.correction import PolicyLogProbs, compute_correction
 from nemo_rs_plugin.distributed import SequenceGroups
+from nemo_rs_plugin.masking import TokenMasks
+from nemo_rs_plugin.metrics import GlobalCounts
 from nemo_rs_plugin.parallel_layout import cp_shard, shift_left
 from nemo_rs_plugin.sharded import sharded_loss, sharded_loss_inputs
 
@@ -181,7 +183,7 @@ def check_sharded_equals_unsharded(rank, world_size, tp):
     logits, data, gvs, gvt = make_data(B, S, V)
     v_local = V // tp
     for name, cfg in CONFIGS.items():
-        loss_fn = RSClippedPGLoss(cfg)
+        loss_fn = CorrectedPGLoss(cfg)
         ref_loss, ref_metrics, ref_zgrad, ref_lpgrad = reference(loss_fn, logits, data, gvs, gvt)
         shard = cp_shard(logits, cp, cp_rank)[..., tp_rank * v_local : (tp_rank + 1) * v_local]
         z = shard.clone().requires_grad_(True)
@@ -216,16 +218,12 @@ def _correction_keep(cfg, data, groups, shard_fn, gvs, gvt, curr):
     tm = shard_fn(shift_left(data["token_mask"]).float())
     d = prev - gen
     sm = data["sample_mask"]
+    finite = torch.isfinite(d).float()
     out = compute_correction(
-        d,
-        torch.isfinite(d).float(),
-        tm * sm[:, None],
-        tm,
-        sm,
-        torch.isfinite(d).float(),
         cfg,
-        gvs,
-        gvt,
+        d,
+        TokenMasks.build(tm, sm, finite, finite),
+        GlobalCounts(tokens=torch.as_tensor(gvt), sequences=torch.as_tensor(gvs)),
         groups,
         log_probs=PolicyLogProbs(curr=shard_fn(curr), prev=prev, gen=gen),
         advantages=shard_fn(shift_left(data["advantages"])),
@@ -266,30 +264,11 @@ def check_statistic_reduced_before_masking(rank, world_size):
     tm = torch.ones(1, S)
     local = cp_shard(d, world_size, rank)
     tm_l = cp_shard(tm, world_size, rank)
-    out = compute_correction(
-        local,
-        torch.isfinite(local).float(),
-        tm_l,
-        tm_l,
-        torch.ones(1),
-        torch.isfinite(local).float(),
-        cfg,
-        torch.tensor(1.0),
-        tm.sum(),
-        SequenceGroups.of(group),
-    )
-    unreduced = compute_correction(
-        local,
-        torch.isfinite(local).float(),
-        tm_l,
-        tm_l,
-        torch.ones(1),
-        torch.isfinite(local).float(),
-        cfg,
-        torch.tensor(1.0),
-        tm.sum(),
-        SequenceGroups(),
-    )
+    finite = torch.isfinite(local).float()
+    masks = TokenMasks.build(tm_l, torch.ones(1), finite, finite)
+    counts = GlobalCounts(tokens=tm.sum(), sequences=torch.tensor(1.0))
+    out = compute_correction(cfg, local, masks, counts, SequenceGroups.of(group))
+    unreduced = compute_correction(cfg, local, masks, counts, SequenceGroups())
     failures = []
     if out.keep.sum() != 0:
         failures.append(f"sequence kept on rank {rank}: its statistic was not reduced before masking")
@@ -302,7 +281,7 @@ def check_bad_groups(rank, world_size):
     group = dist.new_group(list(range(world_size)))
     logits, data, gvs, gvt = make_data(2, 16, 6)
     failures = []
-    loss_fn = RSClippedPGLoss({})
+    loss_fn = CorrectedPGLoss({})
     cases = {
         "shard shape": (
             lambda: sharded_loss(loss_fn, logits, data, gvs, gvt, cp_group=group),
@@ -374,7 +353,7 @@ def check_collective_budget(rank, world_size):
             stat_calls.clear()
             total_calls.clear()
             loss, _ = sharded_loss(
-                RSClippedPGLoss(CONFIGS[name]),
+                CorrectedPGLoss(CONFIGS[name]),
                 cp_shard(logits, world_size, rank).requires_grad_(True),
                 data,
                 gvs,
@@ -388,8 +367,8 @@ def check_collective_budget(rank, world_size):
                 failures.append(f"{name}: statistic collectives {stat_calls[0]}")
             # Batch normalisation: one SUM of two numbers over CP for token totals (partial
             # sums), none for per-sequence weights (already identical on the CP ranks).
-            normalized = RSClippedPGLoss(CONFIGS[name]).cfg.is_batch_normalization is not None
-            token_level = RSClippedPGLoss(CONFIGS[name]).cfg.effective_is_level == "token"
+            normalized = CorrectedPGLoss(CONFIGS[name]).cfg.is_batch_normalization is not None
+            token_level = CorrectedPGLoss(CONFIGS[name]).cfg.effective_is_level == "token"
             want = ([[("ReduceOp.SUM", 2)]] if token_level else [[]]) if normalized else []
             if [[(op.split(".")[-1], n) for op, n in c] for c in total_calls] != [
                 [(op.split(".")[-1], n) for op, n in c] for c in want
@@ -411,7 +390,7 @@ def check_bad_global_count_raises_on_every_rank(rank, world_size):
     token_mask[0, 1:4] = 1  # aligned positions 0..2: chunk 0, rank 0's shard only
     data = {**data, "token_mask": token_mask, "sample_mask": torch.ones(2)}
     try:
-        sharded_loss(RSClippedPGLoss({}), cp_shard(logits, world_size, rank), data, 2.0, 0.0, cp_group=group)
+        sharded_loss(CorrectedPGLoss({}), cp_shard(logits, world_size, rank), data, 2.0, 0.0, cp_group=group)
     except ValueError as exc:
         if "global_valid_toks: got 0 while this microbatch has 3 valid tokens" not in str(exc):
             return [f"unclear error on rank {rank}: {exc}"]
@@ -444,7 +423,7 @@ def check_data_parallel_batch_normalization(rank, world_size):
             "is_batch_normalization": "data_parallel",
             "rejection_sampling": [{"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "upper": 1.09}],
         }
-        loss_fn = RSClippedPGLoss(cfg)
+        loss_fn = CorrectedPGLoss(cfg)
         ref_loss, ref_metrics, _, _ = reference(loss_fn, logits, data, gvs, gvt)
         _, full_w = _correction_keep(
             loss_fn.cfg, data, SequenceGroups(), lambda x: x, gvs, gvt, _aligned_curr(logits, data)
@@ -466,7 +445,7 @@ def check_data_parallel_batch_normalization(rank, world_size):
             failures.append(
                 f"{level}: factor@{rank} {metrics['is_batch_norm_factor']} vs {ref_metrics['is_batch_norm_factor']}"
             )
-        per_rank = RSClippedPGLoss({**cfg, "is_batch_normalization": "microbatch"})
+        per_rank = CorrectedPGLoss({**cfg, "is_batch_normalization": "microbatch"})
         _, half = sharded_loss(per_rank, z.detach(), local, gvs, gvt, cp_group=cp_group, data_parallel_group=dp_group)
         half_ref = reference(per_rank, logits[rows], local, gvs, gvt)[1]
         if not close(half["is_batch_norm_factor"], half_ref["is_batch_norm_factor"]):

@@ -136,9 +136,9 @@ def select():
     lp, data, gvs, gvt = _batch()
     loss, metrics = plugin(lp, data, gvs, gvt)
     loss2, _ = restored(lp, data, gvs, gvt)
-    from nemo_rs_plugin import RSClippedPGLoss
+    from nemo_rs_plugin import CorrectedPGLoss
 
-    core_loss, _ = RSClippedPGLoss({k: v for k, v in PLUGIN_CFG.items() if k != "name"})(lp, data, gvs, gvt)
+    core_loss, _ = CorrectedPGLoss({k: v for k, v in PLUGIN_CFG.items() if k != "name"})(lp, data, gvs, gvt)
     return {
         "selector": type(original).__name__,
         "plugin_type": type(plugin).__name__,
@@ -246,7 +246,7 @@ def sharded_adapter():
     """sharded_logits_input: LOGIT input, single rank and with megatron groups forwarded."""
     import torch
 
-    from nemo_rs_plugin import RSClippedPGLoss, sharded
+    from nemo_rs_plugin import CorrectedPGLoss, sharded
     from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
 
     cfg = {k: v for k, v in PLUGIN_CFG.items() if k != "name"}
@@ -259,13 +259,13 @@ def sharded_adapter():
     data["input_ids"] = torch.randint(0, V, (B, S), generator=g)
     gvt = torch.tensor(float(B * (S - 1)))
     lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, data["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
-    ref_loss, _ = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    ref_loss, _ = CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
     loss, _ = loss_fn(logits=logits, data=data, global_valid_seqs=gvs, global_valid_toks=gvt)
     # NeMo-RL's packing wrapper passes a padded sequence's logits with its unpadded data.
     short = {k: (v[:, : S - 3] if v.dim() == 2 else v) for k, v in data.items()}
     padded_loss, _ = loss_fn(logits=logits, data=short, global_valid_seqs=gvs, global_valid_toks=gvt)
     lp_short = lp[:, : S - 4]
-    ref_short, _ = RSClippedPGLoss(cfg)(lp_short, short, gvs, gvt)
+    ref_short, _ = CorrectedPGLoss(cfg)(lp_short, short, gvs, gvt)
     # Plumbing: the groups come from megatron-core's parallel_state when it is initialised.
     from megatron_stub import install_parallel_state  # tests/, this script's folder
 

@@ -77,7 +77,7 @@ def prepare():
     )
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
-    from nemo_rs_plugin import RSClippedPGLoss
+    from nemo_rs_plugin import CorrectedPGLoss
 
     cfg = _loss_cfg()
     host_cfg_cls = getattr(
@@ -85,7 +85,7 @@ def prepare():
     )
     loss_cfg = host_cfg_cls(**cfg) if hasattr(host_cfg_cls, "model_validate") else dict(cfg)
     loss_fn = grpo.ClippedPGLossFn(loss_cfg)
-    core = RSClippedPGLoss({k: v for k, v in cfg.items() if k != "name"})
+    core = CorrectedPGLoss({k: v for k, v in cfg.items() if k != "name"})
     g = torch.Generator().manual_seed(0)
     B, S, V = 3, 12, 17
     lengths = [12, 9, 5]

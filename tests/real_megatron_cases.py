@@ -301,14 +301,14 @@ def check_gathered_path_gives_full_gradient(rank, world_size, host):
     """The measurement behind the fix: under NeMo-RL's real post-processing the gathered
     path sends rank r exactly ``dL/dz_r`` (not ``/ cp``), the single-process gradient."""
     m = _host_modules(host)
-    from nemo_rs_plugin import RSClippedPGLoss
+    from nemo_rs_plugin import CorrectedPGLoss
     from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
 
     logits_full, data, gvs, gvt = make_batch()
     cfg = CONFIGS["seq-loss/gspo/sequence_mean/geo-rs+veto+token-k3"]
     z = logits_full.clone().requires_grad_(True)
     lp = torch.log_softmax(z, -1)[:, :-1].gather(-1, data["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
-    loss, _ = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    loss, _ = CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
     loss.backward()
     failures = []
     for tp, cp in ((1, 4), (2, 2)):

@@ -12,7 +12,7 @@ import torch
 
 from nemo_rs_plugin import simulate as sim
 from nemo_rs_plugin.cli import EXIT_INVALID, main
-from nemo_rs_plugin.loss import RSClippedPGLoss
+from nemo_rs_plugin.loss import CorrectedPGLoss
 
 
 @pytest.fixture
@@ -326,7 +326,7 @@ def test_weights_are_the_ones_the_loss_applies_float32_overflow_is_0(tmp_path, c
         "reference_policy_logprobs": batch["prev_logprobs"],
     }
     valid = batch["token_mask"][:, 1:].float()
-    loss, _ = RSClippedPGLoss(sim.DEFAULT_CONFIGS["sequence"])(lp, data, torch.tensor(2.0), valid.sum())
+    loss, _ = CorrectedPGLoss(sim.DEFAULT_CONFIGS["sequence"])(lp, data, torch.tensor(2.0), valid.sum())
     loss.backward()
     from_gradient = -lp.grad[:, 0].double() * valid.sum()
     torch.testing.assert_close(w, from_gradient, rtol=1e-6, atol=0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from nemo_rs_plugin import RSClippedPGLoss, compiled
+from nemo_rs_plugin import CorrectedPGLoss, compiled
 from nemo_rs_plugin.distributed import NO_GROUPS
 from tests.test_inputs import FULL, batch
 from tests.test_parity import CASES, DEVICE, assert_matches_upstream, run_case
@@ -51,7 +51,7 @@ def run_eager(loss_fn, case, monkeypatch):
 def test_compiled_equals_eager_on_parity_cases(compile_on, monkeypatch):
     for name in SAMPLE:
         case = BY_NAME[name]
-        loss_fn = RSClippedPGLoss(case["config"])
+        loss_fn = CorrectedPGLoss(case["config"])
         loss_c, metrics_c, grad_c = run_case(loss_fn, case)
         loss_e, metrics_e, grad_e = run_eager(loss_fn, case, monkeypatch)
         torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
@@ -68,7 +68,7 @@ def test_compiled_equals_eager_on_parity_cases(compile_on, monkeypatch):
 @pytest.mark.parametrize("compile_on", BACKENDS, indirect=True)
 @pytest.mark.parametrize("cfg", [{}, FULL], ids=["plain", "full"])
 def test_other_microbatch_sizes_do_not_recompile(compile_on, cfg):
-    loss_fn = RSClippedPGLoss(cfg)
+    loss_fn = CorrectedPGLoss(cfg)
 
     def call(B, T):
         lp, data, gvs, gvt = batch(B, T)
@@ -89,16 +89,16 @@ def test_other_microbatch_sizes_do_not_recompile(compile_on, cfg):
 
 
 def test_compile_is_opt_in(monkeypatch):
-    loss_fn = RSClippedPGLoss({})
+    loss_fn = CorrectedPGLoss({})
     monkeypatch.delenv(compiled.COMPILE_ENV, raising=False)
-    assert compiled.core_fn(loss_fn, NO_GROUPS) is RSClippedPGLoss._tensors
+    assert compiled.core_fn(loss_fn, NO_GROUPS) is CorrectedPGLoss._tensors
     monkeypatch.setenv(compiled.COMPILE_ENV, "0")
-    assert compiled.core_fn(loss_fn, NO_GROUPS) is RSClippedPGLoss._tensors
+    assert compiled.core_fn(loss_fn, NO_GROUPS) is CorrectedPGLoss._tensors
     monkeypatch.setenv(compiled.COMPILE_ENV, "1")
     monkeypatch.setattr(compiled, "_COMPILED", {})
-    assert compiled.core_fn(loss_fn, NO_GROUPS) is not RSClippedPGLoss._tensors
+    assert compiled.core_fn(loss_fn, NO_GROUPS) is not CorrectedPGLoss._tensors
 
     class Sharded:
         active = True
 
-    assert compiled.core_fn(loss_fn, Sharded()) is RSClippedPGLoss._tensors  # collectives stay eager
+    assert compiled.core_fn(loss_fn, Sharded()) is CorrectedPGLoss._tensors  # collectives stay eager

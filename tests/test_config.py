@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from nemo_rs_plugin import ConfigError, RSClippedPGLoss, RSClippedPGLossConfig
+from nemo_rs_plugin import ConfigError, CorrectedPGLoss, RSClippedPGLossConfig
 
 IS_ON = {"use_importance_sampling_correction": True}
 
@@ -148,12 +148,12 @@ def test_accepts_dict_object_and_pydantic():
     from_pydantic = RSClippedPGLossConfig.from_any(HostConfig(**fields))
     assert from_dict == from_obj == from_pydantic
     assert from_dict.rejection_sampling[0].label == "sequence_ratio_mean"
-    assert RSClippedPGLoss(fields).cfg == from_dict
+    assert CorrectedPGLoss(fields).cfg == from_dict
 
 
 def test_loss_construction_validates():
     with pytest.raises(ConfigError, match="ratio_clip_c"):
-        RSClippedPGLoss({"ratio_clip_c": 1.0})
+        CorrectedPGLoss({"ratio_clip_c": 1.0})
 
 
 def test_name_field_is_accepted():

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from nemo_rs_plugin import RSClippedPGLoss
+from nemo_rs_plugin import CorrectedPGLoss
 from tests.test_inputs import FULL
 
 # Issue 9's additions, all at once: probability-space and curr-based statistics, both KL
@@ -79,10 +79,10 @@ def syncs_of_one_call(loss_fn, lp, data, gvs, gvt):
 )
 def test_single_host_sync_on_cuda(cfg, dtype, monkeypatch):
     monkeypatch.delenv("NEMO_RS_COMPILE", raising=False)
-    syncs, metrics = syncs_of_one_call(RSClippedPGLoss(cfg), *cuda_batch(dtype))
+    syncs, metrics = syncs_of_one_call(CorrectedPGLoss(cfg), *cuda_batch(dtype))
     assert len(syncs) == 1, syncs
     if dtype == torch.bfloat16:  # computed in float32: same metrics as from float32 inputs
-        _, ref = syncs_of_one_call(RSClippedPGLoss(cfg), *cuda_batch_from_bf16())
+        _, ref = syncs_of_one_call(CorrectedPGLoss(cfg), *cuda_batch_from_bf16())
         for key, value in ref.items():
             assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
 
@@ -100,5 +100,5 @@ def test_single_host_sync_on_cuda_compiled(monkeypatch):
     from nemo_rs_plugin import compiled
 
     monkeypatch.setenv(compiled.COMPILE_ENV, "1")
-    syncs, _ = syncs_of_one_call(RSClippedPGLoss(FULL), *cuda_batch(torch.float32))
+    syncs, _ = syncs_of_one_call(CorrectedPGLoss(FULL), *cuda_batch(torch.float32))
     assert len(syncs) == 1, syncs

@@ -93,8 +93,8 @@ def test_no_collective_without_groups(monkeypatch):
     monkeypatch.setattr(torch.distributed, "all_reduce", fail)
     sums, maxima = reduce_sequence_statistics(torch.ones(3, 2), torch.ones(1, 2), SequenceGroups())
     assert sums.sum() == 6
-    from nemo_rs_plugin import RSClippedPGLoss
+    from nemo_rs_plugin import CorrectedPGLoss
     from tests.test_inputs import FULL, batch
 
-    loss, _ = RSClippedPGLoss(FULL)(*batch())
+    loss, _ = CorrectedPGLoss(FULL)(*batch())
     loss.backward()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from nemo_rs_plugin import RSClippedPGLoss, metric_normalizations
+from nemo_rs_plugin import CorrectedPGLoss, metric_normalizations
 from tests.conftest import make_batch
 
 FULL = {
@@ -43,20 +43,20 @@ def test_shape_mismatch_names_the_tensor():
     lp, data, gvs, gvt = batch()
     data["generation_logprobs"] = data["generation_logprobs"][:, :-1]
     with pytest.raises(ValueError, match=r"generation_logprobs: shape \(3, 5\).*next_token_logprobs \(3, 6\)"):
-        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+        CorrectedPGLoss(FULL)(lp, data, gvs, gvt)
 
 
 def test_sample_mask_and_dtype_mismatch():
     lp, data, gvs, gvt = batch()
     data["sample_mask"] = torch.ones(2)
     with pytest.raises(ValueError, match="sample_mask: shape"):
-        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+        CorrectedPGLoss(FULL)(lp, data, gvs, gvt)
     lp, data, gvs, gvt = batch()
     data["prev_logprobs"] = data["prev_logprobs"].long()
     with pytest.raises(TypeError, match="prev_logprobs: expected a float tensor"):
-        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+        CorrectedPGLoss(FULL)(lp, data, gvs, gvt)
     with pytest.raises(ValueError, match=r"expected \[B, T\]"):
-        RSClippedPGLoss(FULL)(lp[0], data, gvs, gvt)
+        CorrectedPGLoss(FULL)(lp[0], data, gvs, gvt)
 
 
 def test_per_sequence_advantages_are_an_error_naming_the_expected_shape():
@@ -68,15 +68,15 @@ def test_per_sequence_advantages_are_an_error_naming_the_expected_shape():
         match=r"data\['advantages'\]: got shape \(3,\); expected \[B, S\] = \(3, 7\)"
         r".*next_token_logprobs \(3, 6\).*unsqueeze\(-1\)\.expand\(-1, S\)",
     ):
-        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+        CorrectedPGLoss(FULL)(lp, data, gvs, gvt)
     lp, data, gvs, gvt = batch()
     data["token_mask"] = torch.ones(3, 7, 1)
     with pytest.raises(ValueError, match=r"data\['token_mask'\]: got shape \(3, 7, 1\); expected \[B, S\]"):
-        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+        CorrectedPGLoss(FULL)(lp, data, gvs, gvt)
     lp, data, gvs, gvt = batch()
     data["advantages"] = data["advantages"].tolist()
     with pytest.raises(TypeError, match=r"data\['advantages'\]: got list; expected a torch.Tensor"):
-        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+        CorrectedPGLoss(FULL)(lp, data, gvs, gvt)
 
 
 SEQUENCE_FILTERS = [
@@ -103,7 +103,7 @@ def test_empty_sequence_dimension_is_a_fully_masked_batch(cfg):
     # gradient, as without filters; `amax` over the empty dimension used to raise.
     empty = torch.zeros(3, 0)
     lp, data, gvs, gvt = make_batch(empty, empty, empty, rewards=torch.ones(3))
-    loss, metrics = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    loss, metrics = CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
     loss.backward()
     assert loss.item() == 0.0 and lp.grad.shape == (3, 0)
     assert metrics["num_valid_samples"] == 3.0
@@ -115,7 +115,7 @@ def test_missing_key_is_named():
     lp, data, gvs, gvt = batch()
     del data["generation_logprobs"]
     with pytest.raises(KeyError, match="generation_logprobs"):
-        RSClippedPGLoss(FULL)(lp, data, gvs, gvt)
+        CorrectedPGLoss(FULL)(lp, data, gvs, gvt)
 
 
 @pytest.mark.parametrize(
@@ -133,7 +133,7 @@ def test_missing_key_is_named():
     ],
 )
 def test_metric_normalizations_list_exactly_the_returned_metrics(cfg):
-    loss_fn = RSClippedPGLoss(cfg)
+    loss_fn = CorrectedPGLoss(cfg)
     _, metrics = loss_fn(*batch())
     assert set(metrics) == set(metric_normalizations(loss_fn.cfg))
     assert all(isinstance(v, float) for v in metrics.values())
@@ -144,7 +144,7 @@ def test_sequence_level_metric_is_a_per_sequence_mean_not_a_broadcast():
     prev = torch.zeros(2, 5)
     gen = prev - torch.tensor([[0.1], [-0.1]])
     lp, data, gvs, gvt = make_batch(prev, prev, gen)
-    _, m = RSClippedPGLoss(
+    _, m = CorrectedPGLoss(
         {
             "use_importance_sampling_correction": True,
             "is_correction_level": "sequence",
@@ -168,7 +168,7 @@ def test_sequence_level_metric_leaves_out_masked_samples():
             "sequence_level_importance_ratios": gspo,
             "token_level_loss": not gspo,
         }
-        _, m = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+        _, m = CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
         want = (math.exp(0.5) + math.exp(-0.5)) / 2
         assert m["sampling_importance_ratio"] == pytest.approx(want, rel=1e-6), gspo
         assert m["is_weight_mean"] == pytest.approx(want, rel=1e-6), gspo
@@ -212,7 +212,7 @@ def test_each_metric_is_divided_by_the_denominator_it_declares(name):
     prev = -torch.rand(B, T, dtype=torch.float64)
     gen = prev + 0.05 * torch.randn(B, T, dtype=torch.float64)
     curr = prev + 0.1 * torch.randn(B, T, dtype=torch.float64)
-    loss_fn = RSClippedPGLoss(cfg)
+    loss_fn = CorrectedPGLoss(cfg)
 
     def metrics(seq_scale, tok_scale):
         advantages = torch.randn(B, T, generator=torch.Generator().manual_seed(1))
@@ -238,11 +238,11 @@ def test_each_metric_is_divided_by_the_denominator_it_declares(name):
 def test_ess_is_one_for_uniform_weights_and_drops_with_spread():
     prev = torch.zeros(2, 4)
     lp, data, gvs, gvt = make_batch(prev, prev, prev)
-    _, m = RSClippedPGLoss({"use_importance_sampling_correction": True})(lp, data, gvs, gvt)
+    _, m = CorrectedPGLoss({"use_importance_sampling_correction": True})(lp, data, gvs, gvt)
     assert m["is_ess"] == pytest.approx(1.0)
     gen = prev - torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     lp, data, gvs, gvt = make_batch(prev, prev, gen)
-    _, m = RSClippedPGLoss({"use_importance_sampling_correction": True})(lp, data, gvs, gvt)
+    _, m = CorrectedPGLoss({"use_importance_sampling_correction": True})(lp, data, gvs, gvt)
     w = torch.tensor([2.718281828] + [1.0] * 7)
     assert m["is_ess"] == pytest.approx((w.sum() ** 2 / (8 * (w**2).sum())).item(), rel=1e-5)
 
@@ -254,27 +254,27 @@ def test_zero_global_count_with_valid_units_is_an_error(cfg, as_tensor):
     zero = torch.tensor(0.0) if as_tensor else 0
     lp, data, gvs, gvt = batch()
     with pytest.raises(ValueError, match=r"global_valid_toks: got 0 while this microbatch has 18 valid tokens"):
-        RSClippedPGLoss(cfg)(lp, data, gvs, zero)
+        CorrectedPGLoss(cfg)(lp, data, gvs, zero)
     with pytest.raises(ValueError, match=r"global_valid_seqs: got 0 while this microbatch has 3 valid sequences"):
-        RSClippedPGLoss(cfg)(lp, data, zero, gvt)
+        CorrectedPGLoss(cfg)(lp, data, zero, gvt)
 
 
 @pytest.mark.parametrize("value, shown", [(-5.0, "-5"), (float("nan"), "nan"), (float("inf"), "inf")])
 def test_negative_or_nonfinite_global_count_is_an_error(value, shown):
     lp, data, gvs, gvt = batch()
     with pytest.raises(ValueError, match=rf"global_valid_toks: got {shown} while"):
-        RSClippedPGLoss({})(lp, data, gvs, torch.tensor(value))
+        CorrectedPGLoss({})(lp, data, gvs, torch.tensor(value))
     data["sample_mask"] = torch.zeros(3)  # even for a fully masked batch
     with pytest.raises(ValueError, match=rf"global_valid_seqs: got {shown} while"):
-        RSClippedPGLoss({})(lp, data, value, 0)
+        CorrectedPGLoss({})(lp, data, value, 0)
 
 
 def test_global_count_must_be_one_number():
     lp, data, gvs, gvt = batch()
     with pytest.raises(ValueError, match=r"global_valid_toks: got a tensor of shape \(2,\); expected one count"):
-        RSClippedPGLoss({})(lp, data, gvs, torch.tensor([18.0, 18.0]))
+        CorrectedPGLoss({})(lp, data, gvs, torch.tensor([18.0, 18.0]))
     with pytest.raises(TypeError, match=r"global_valid_seqs: got NoneType None; expected a number"):
-        RSClippedPGLoss({})(lp, data, None, gvt)
+        CorrectedPGLoss({})(lp, data, None, gvt)
 
 
 @pytest.mark.parametrize(
@@ -289,7 +289,7 @@ def test_fully_masked_global_batch_gives_zero_loss_and_gradient(cfg, masked):
     else:  # valid samples without a single valid token
         data["token_mask"] = torch.zeros_like(data["token_mask"])
         gvs = 3
-    loss, metrics = RSClippedPGLoss(cfg)(lp, data, gvs, torch.tensor(0.0))
+    loss, metrics = CorrectedPGLoss(cfg)(lp, data, gvs, torch.tensor(0.0))
     loss.backward()
     assert loss.item() == 0.0
     assert torch.all(lp.grad == 0)
@@ -322,7 +322,7 @@ def test_nonfinite_inputs_are_counted_per_kind():
         curr, prev, gen, ref=ref, advantages=adv, token_mask=token_mask, sample_mask=[1.0, 1.0, 0.0]
     )
     data["curr_logprobs_unfiltered"] = unfiltered
-    loss, m = RSClippedPGLoss({"reference_policy_kl_penalty": 0.1})(lp, data, gvs, gvt)
+    loss, m = CorrectedPGLoss({"reference_policy_kl_penalty": 0.1})(lp, data, gvs, gvt)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
     assert m["nonfinite_curr_logprobs_count"] == 2.0  # curr (0, 0), unfiltered (1, 5)
@@ -331,7 +331,7 @@ def test_nonfinite_inputs_are_counted_per_kind():
     assert m["nonfinite_advantages_count"] == 2.0
     # Without the KL term neither the reference nor the unfiltered log-probs are read.
     lp.grad = None
-    _, m = RSClippedPGLoss({"reference_policy_kl_penalty": 0.0})(lp, data, gvs, gvt)
+    _, m = CorrectedPGLoss({"reference_policy_kl_penalty": 0.0})(lp, data, gvs, gvt)
     assert m["nonfinite_curr_logprobs_count"] == 1.0
     assert m["nonfinite_reference_logprobs_count"] == 0.0
     assert m["nonfinite_advantages_count"] == 2.0
@@ -359,7 +359,7 @@ class HostSyncCounter(TorchFunctionMode):
 
 @pytest.mark.parametrize("cfg", [{}, FULL])
 def test_one_host_transfer_per_call(cfg):
-    loss_fn = RSClippedPGLoss(cfg)
+    loss_fn = CorrectedPGLoss(cfg)
     args = batch()
     with HostSyncCounter() as counter:
         loss, _ = loss_fn(*args)
@@ -376,9 +376,9 @@ def test_kl_uses_unfiltered_current_logprobs_when_given():
     lp, data, gvs, gvt = make_batch(prev, prev, prev, ref=ref)
     data["curr_logprobs_unfiltered"] = unfiltered  # aligned like next_token_logprobs, as NeMo-RL's
     cfg = {"reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k1"}
-    _, m = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    _, m = CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
     # k1 of KL(curr || ref) per token = -(ref - curr_unfiltered) = 0.2 (not 0.3 from curr)
     assert m["kl_penalty"] == pytest.approx(0.2, rel=1e-5)
     del data["curr_logprobs_unfiltered"]
-    _, m = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    _, m = CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
     assert m["kl_penalty"] == pytest.approx(0.3, rel=1e-5)

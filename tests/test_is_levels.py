@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin import RSClippedPGLoss
+from nemo_rs_plugin import CorrectedPGLoss
 from tests.conftest import make_batch
 
 D = torch.tensor([[0.1, -0.2, 0.3], [0.5, 0.5, 0.0]])
@@ -50,7 +50,7 @@ def test_level_times_ratio(level, gspo):
         "reference_policy_kl_penalty": 0.0,
     }
     lp, data, gvs, gvt = make_batch(PREV, PREV, GEN, token_mask=TOKEN_MASK)
-    loss, metrics = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    loss, metrics = CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
     assert loss.item() == pytest.approx(expected_loss(level, gspo), rel=1e-5)
     # The metric follows the IS level: per token for token, per sequence otherwise.
     if level == "token":
@@ -67,7 +67,7 @@ def test_level_times_ratio(level, gspo):
     assert metrics["is_weight_sq_mean"] == pytest.approx(sq, rel=1e-5)
     # ... and each is declared with the denominator it was divided by (docs/guide.md#metrics).
     unit = "tokens" if level == "token" else "sequences"
-    norms = RSClippedPGLoss(cfg).metric_normalizations()
+    norms = CorrectedPGLoss(cfg).metric_normalizations()
     for key in ("is_weight_raw_mean", "is_weight_mean", "is_weight_sq_mean", "sampling_importance_ratio"):
         assert norms[key] == unit, key
 
@@ -75,11 +75,11 @@ def test_level_times_ratio(level, gspo):
 def test_unset_level_follows_the_gspo_flag():
     base = {"use_importance_sampling_correction": True, "reference_policy_kl_penalty": 0.0}
     lp, data, gvs, gvt = make_batch(PREV, PREV, GEN, token_mask=TOKEN_MASK)
-    loss, _ = RSClippedPGLoss(base)(lp, data, gvs, gvt)
+    loss, _ = CorrectedPGLoss(base)(lp, data, gvs, gvt)
     assert loss.item() == pytest.approx(expected_loss("token", False), rel=1e-5)
     gspo = {**base, "sequence_level_importance_ratios": True, "token_level_loss": False}
     lp, data, gvs, gvt = make_batch(PREV, PREV, GEN, token_mask=TOKEN_MASK)
-    loss, _ = RSClippedPGLoss(gspo)(lp, data, gvs, gvt)
+    loss, _ = CorrectedPGLoss(gspo)(lp, data, gvs, gvt)
     assert loss.item() == pytest.approx(expected_loss("sequence", True), rel=1e-5)
 
 
@@ -97,7 +97,7 @@ def test_gspo_ratio_is_independent_of_the_is_level(level):
         "reference_policy_kl_penalty": 0.0,
     }
     lp, data, gvs, gvt = make_batch(curr, PREV, GEN, token_mask=TOKEN_MASK)
-    _, metrics = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    _, metrics = CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
     assert metrics["probs_ratio"] == pytest.approx((3 * e(0.2) + 2 * 1.0) / 5, rel=1e-5)
     assert metrics["probs_ratio_max"] == pytest.approx(e(0.2), rel=1e-6)
 
@@ -110,7 +110,7 @@ def test_sequence_mean_stays_near_one_where_sequence_collapses():
     weights = {}
     for level in ("sequence", "sequence_mean"):
         lp, data, gvs, gvt = make_batch(prev, prev, gen)
-        _, m = RSClippedPGLoss({"use_importance_sampling_correction": True, "is_correction_level": level})(
+        _, m = CorrectedPGLoss({"use_importance_sampling_correction": True, "is_correction_level": level})(
             lp, data, gvs, gvt
         )
         weights[level] = m["is_weight_mean"]

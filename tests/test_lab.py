@@ -39,7 +39,7 @@ def test_quick_mode_completes_deterministic_and_finite(tmp_path):
 
 
 def test_every_published_configuration_is_a_valid_loss_config():
-    from nemo_rs_plugin import RSClippedPGLoss
+    from nemo_rs_plugin import CorrectedPGLoss
 
     for name, cfg in lab.CONFIGS.items():
-        RSClippedPGLoss({**lab._BASE_LOSS, **cfg})
+        CorrectedPGLoss({**lab._BASE_LOSS, **cfg})

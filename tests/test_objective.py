@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin import RSClippedPGLoss
+from nemo_rs_plugin import CorrectedPGLoss
 from tests.conftest import make_batch
 
 
@@ -31,7 +31,7 @@ def run(cfg, curr, prev, gen=None, advantages=None, ref=None, token_mask=None):
     )
     data = {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
     lp = curr.clone().requires_grad_(True)
-    loss, metrics = RSClippedPGLoss(cfg)(lp, data, gvs.double(), gvt.double())
+    loss, metrics = CorrectedPGLoss(cfg)(lp, data, gvs.double(), gvt.double())
     loss.backward()
     return loss.item(), lp.grad, metrics
 

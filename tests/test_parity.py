@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from nemo_rs_plugin import RSClippedPGLoss
+from nemo_rs_plugin import CorrectedPGLoss
 from tests.conftest import fixtures_path
 
 # Shipped in tests/data (or $NEMO_RS_FIXTURES): a missing recording fails, it never skips.
@@ -59,7 +59,7 @@ def test_fixture_file_is_complete():
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_matches_nemo_rl(case):
-    loss_fn = RSClippedPGLoss(case["config"])
+    loss_fn = CorrectedPGLoss(case["config"])
     assert_matches_upstream(case, *run_case(loss_fn, case))
 
 
@@ -70,8 +70,8 @@ def test_explicit_default_level_is_identical(case):
     level = "sequence" if cfg["sequence_level_importance_ratios"] else "token"
     if cfg["truncated_importance_sampling_type"] == "seq-mask-tis" and level == "sequence":
         pytest.skip("seq-mask-tis with the GSPO ratio is rejected by NeMo-RL")
-    base = run_case(RSClippedPGLoss(case["config"]), case)
-    explicit = run_case(RSClippedPGLoss({**cfg, "is_correction_level": level}), case)
+    base = run_case(CorrectedPGLoss(case["config"]), case)
+    explicit = run_case(CorrectedPGLoss({**cfg, "is_correction_level": level}), case)
     torch.testing.assert_close(explicit[0], base[0])
     torch.testing.assert_close(explicit[2], base[2])
     for key, value in base[1].items():

@@ -20,9 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_rs_plugin import RSClippedPGLoss, RSClippedPGLossConfig
+from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
 from nemo_rs_plugin.config import ConfigError
 from nemo_rs_plugin.correction import PolicyLogProbs, compute_correction
+from nemo_rs_plugin.masking import TokenMasks
+from nemo_rs_plugin.metrics import GlobalCounts
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "peer_modes.json").read_text())
 IS_TOKEN = {"use_importance_sampling_correction": True, "is_correction_level": "token"}
@@ -39,20 +41,15 @@ def correction(cfg, prev, gen, mask, curr=None, advantages=None):
     finite = torch.isfinite(d).to(d.dtype)
     B = d.shape[0]
     out = compute_correction(
-        d,
-        finite,
-        mask,
-        mask,
-        torch.ones(B, dtype=d.dtype),
-        finite,
         c,
-        torch.tensor(float(B)),
-        mask.sum(),
+        d,
+        TokenMasks.build(mask, torch.ones(B, dtype=d.dtype), finite, finite),
+        GlobalCounts(tokens=mask.sum(), sequences=torch.tensor(float(B))),
         log_probs=PolicyLogProbs(curr=curr, prev=prev, gen=gen),
         advantages=advantages,
     )
     w = out.is_weight.expand_as(d) if c.use_importance_sampling_correction else torch.ones_like(d)
-    metrics = {k: float(v[0]) for k, v in out.metrics.items()}
+    metrics = out.metrics.finalize()
     return w * out.keep * mask, out.keep * mask, metrics
 
 
@@ -72,7 +69,7 @@ def effective_coefficients(cfg, prev, gen, curr, advantages, mask, denominator):
         "sample_mask": torch.ones(B, dtype=torch.float64),
     }
     lp = curr.clone().requires_grad_(True)
-    loss_fn = RSClippedPGLoss({**cfg, "disable_ppo_ratio": True, "reference_policy_kl_penalty": 0.0})
+    loss_fn = CorrectedPGLoss({**cfg, "disable_ppo_ratio": True, "reference_policy_kl_penalty": 0.0})
     loss, metrics = loss_fn(lp, data, torch.tensor(float(B), dtype=torch.float64), mask.sum())
     loss.backward()
     return -lp.grad * denominator / advantages, metrics
@@ -502,20 +499,16 @@ def test_data_parallel_batch_mean_on_emulated_dp2_cp2_ranks(name, monkeypatch):
         ones = torch.ones_like(d)
         groups = SequenceGroups((cp_groups[dp_rank],), data_parallel=dp_groups[cp_rank])
         out = compute_correction(
-            d,
-            ones,
-            m,
-            m,
-            torch.ones(4, dtype=d.dtype),
-            ones,
             cfg,
-            torch.tensor(8.0),
-            mask.sum(),
+            d,
+            TokenMasks.build(m, torch.ones(4, dtype=d.dtype), ones, ones),
+            GlobalCounts(tokens=mask.sum(), sequences=torch.tensor(8.0)),
             groups,
             log_probs=PolicyLogProbs(curr=part(curr), prev=p, gen=g),
             advantages=part(adv),
         )
-        return out.is_weight.expand_as(d) * out.keep * m, part(want), out.metrics["is_batch_norm_factor"][0]
+        factor = out.metrics.finalize()["is_batch_norm_factor"]  # replicated: no reduction needed
+        return out.is_weight.expand_as(d) * out.keep * m, part(want), factor
 
     results = run_ranks(4, rank_fn, cp_groups + dp_groups, monkeypatch)
     factors = {float(r[0][2]) for r in results}

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin import RSClippedPGLoss
+from nemo_rs_plugin import CorrectedPGLoss
 from tests.conftest import make_batch
 
 CONFIGS = {
@@ -62,7 +62,7 @@ def cast(lp, data, lp_dtype, data_dtype):
 
 
 def run(cfg, lp, data, gvs, gvt):
-    loss, metrics = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    loss, metrics = CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
     loss.backward()
     return loss.detach(), metrics, lp.grad
 

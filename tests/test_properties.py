@@ -8,8 +8,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nemo_rs_plugin import RSClippedPGLoss, RSClippedPGLossConfig
+from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
 from nemo_rs_plugin.correction import compute_correction, token_filter_statistic
+from nemo_rs_plugin.masking import TokenMasks
+from nemo_rs_plugin.metrics import GlobalCounts
 from tests.naive_reference import with_unique_labels
 
 BAD = [float("nan"), float("inf"), float("-inf")]
@@ -142,7 +144,7 @@ def test_loss_and_gradients_are_finite(cfg, batch):
     tensors, token_mask, sample_mask, advantages, rewards = batch
     data, gvs, gvt = to_nemo_rl(tensors, token_mask, sample_mask, advantages, rewards)
     lp = tensors["curr"].clone().requires_grad_(True)
-    loss, metrics = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    loss, metrics = CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
     loss.backward()
     assert torch.isfinite(loss), (cfg, loss)
     assert torch.isfinite(lp.grad).all(), cfg
@@ -177,7 +179,7 @@ def test_issue9_options_keep_loss_gradients_and_metrics_finite(cfg, batch):
     tensors, token_mask, sample_mask, advantages, rewards = batch
     data, gvs, gvt = to_nemo_rl(tensors, token_mask, sample_mask, advantages, rewards)
     lp = tensors["curr"].clone().requires_grad_(True)
-    loss, metrics = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    loss, metrics = CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(lp.grad).all(), cfg
     valid = token_mask.bool() & (sample_mask[:, None] > 0)
@@ -197,9 +199,8 @@ def test_masks_are_consistent_with_the_bounds(cfg, batch):
     d_finite = torch.isfinite(raw_d)
     d = torch.where(d_finite, raw_d, torch.zeros_like(raw_d))
     valid = token_mask.float() * sample_mask[:, None]
-    out = compute_correction(
-        d, d_finite.float(), valid, token_mask.float(), sample_mask, d_finite.float(), c, sample_mask.sum(), valid.sum()
-    )
+    masks = TokenMasks.build(token_mask.float(), sample_mask, d_finite.float(), d_finite.float())
+    out = compute_correction(c, d, masks, GlobalCounts(tokens=valid.sum(), sequences=sample_mask.sum()))
     keep = out.keep.bool() & (valid > 0)
     assert torch.isfinite(out.is_weight).all()
     assert not torch.any(keep & ~d_finite), "a non-finite log-ratio reached a kept token"

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import nemo_rs_plugin.loss as loss_module
-from nemo_rs_plugin import RSClippedPGLoss
+from nemo_rs_plugin import CorrectedPGLoss
 from nemo_rs_plugin.distributed import SequenceGroups
 from nemo_rs_plugin.loss import LossInputs
 from tests.naive_reference import reference, sequence_statistic, token_statistic, with_unique_labels
@@ -231,22 +231,22 @@ def nemo_rl_data(batch: dict) -> dict:
 def captured_correction():
     """Record the :class:`CorrectionResult` the loss computes (masks and weights it used)."""
     seen = []
-    original = loss_module.compute_correction
+    original = loss_module.apply_correction
 
     def spy(*args, **kwargs):
         out = original(*args, **kwargs)
         seen.append(out)
         return out
 
-    loss_module.compute_correction = spy
+    loss_module.apply_correction = spy
     try:
         yield seen
     finally:
-        loss_module.compute_correction = original
+        loss_module.apply_correction = original
 
 
 def run_package(cfg: dict, batch: dict):
-    loss_fn = RSClippedPGLoss(cfg)
+    loss_fn = CorrectedPGLoss(cfg)
     lp = as_tensor(batch["curr"]).requires_grad_(True)
     with captured_correction() as seen:
         loss, metrics = loss_fn(
@@ -465,7 +465,7 @@ def test_token_shards_on_emulated_ranks_match_the_reference(seed, layout, monkey
     curr = as_tensor(batch["curr"])
     gvs = torch.tensor(batch["gvs"], dtype=torch.float64)
     gvt = torch.tensor(batch["gvt"], dtype=torch.float64)
-    loss_fn = RSClippedPGLoss(cfg)
+    loss_fn = CorrectedPGLoss(cfg)
 
     def rank_fn(rank):
         cols = slices[rank]

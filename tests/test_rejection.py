@@ -9,8 +9,10 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin import RSClippedPGLoss, RSClippedPGLossConfig
+from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
 from nemo_rs_plugin.correction import compute_correction
+from nemo_rs_plugin.masking import TokenMasks
+from nemo_rs_plugin.metrics import GlobalCounts
 from tests.conftest import make_batch
 
 e = math.exp
@@ -34,18 +36,13 @@ def correction(cfg: dict, d=D, mask=MASK, metrics=None):
     c = RSClippedPGLossConfig.from_any(cfg)
     B = d.shape[0]
     out = compute_correction(
-        d,
-        torch.isfinite(d).float(),
-        mask,
-        mask,
-        torch.ones(B),
-        torch.ones_like(d),
         c,
-        torch.tensor(float(B)),
-        mask.sum(),
+        d,
+        TokenMasks.build(mask, torch.ones(B, dtype=d.dtype), torch.isfinite(d).to(d.dtype), torch.ones_like(d)),
+        GlobalCounts(tokens=mask.sum(), sequences=torch.tensor(float(B))),
     )
     if metrics is not None:
-        metrics.update({k: float(v[0]) for k, v in out.metrics.items()})
+        metrics.update(out.metrics.finalize())
     w = out.is_weight.expand_as(d) if c.use_importance_sampling_correction else torch.ones_like(d)
     return (w * out.keep * mask), out.keep * mask
 
@@ -324,7 +321,7 @@ def reinforce_grad(cfg, d=D, mask=MASK):
     prev = torch.full_like(d, -1.0)
     lp, data, gvs, gvt = make_batch(prev, prev, prev - d, token_mask=mask)
     full = {"disable_ppo_ratio": True, "reference_policy_kl_penalty": 0.0, **cfg}
-    loss, metrics = RSClippedPGLoss(full)(lp, data, gvs, gvt)
+    loss, metrics = CorrectedPGLoss(full)(lp, data, gvs, gvt)
     loss.backward()
     return lp.grad, gvt, loss, metrics
 
@@ -376,7 +373,7 @@ def test_rejection_also_zeroes_kl_and_nll_terms():
         "reference_policy_kl_penalty": 0.1,
     }
     lp, data, gvs, gvt = make_batch(prev, prev, prev - D, token_mask=MASK, ref=ref, rewards=[1.0, 1.0, 1.0])
-    loss, _ = RSClippedPGLoss(cfg)(lp, data, gvs, gvt)
+    loss, _ = CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
     loss.backward()
     assert torch.all(lp.grad[1] == 0)  # row 1 (outlier token) rejected everywhere
     assert torch.all(lp.grad[0] != 0)
@@ -447,7 +444,7 @@ def seq_level_loss(cfg, mask, sample_mask):
     prev = torch.full_like(d, -1.0)
     lp, data, gvs, gvt = make_batch(prev, prev, prev - d, token_mask=mask, sample_mask=sample_mask)
     full = {"disable_ppo_ratio": True, "reference_policy_kl_penalty": 0.0, "token_level_loss": False, **cfg}
-    loss, _ = RSClippedPGLoss(full)(lp, data, gvs, gvt)
+    loss, _ = CorrectedPGLoss(full)(lp, data, gvs, gvt)
     return loss.item()
 
 

@@ -19,20 +19,25 @@ class Mutant(NamedTuple):
     equivalent: Optional[str] = None  # why no test can observe it, for equivalent mutants
 
 
-C, L, P, D = (f"nemo_rs_plugin/{m}.py" for m in ("correction", "loss", "policy_loss", "distributed"))
+C, L, P, D, M, MS = (
+    f"nemo_rs_plugin/{m}.py" for m in ("correction", "loss", "policy_loss", "distributed", "masking", "metrics")
+)
 
 MUTANTS: list[Mutant] = [
-    # ---- filter bounds are inclusive (docs/guide.md#rejection-sampling)
+    # ---- filter bounds are inclusive (docs/guide.md#rejection-sampling): the one bound check
     Mutant(
-        C,
-        "return (x >= lower) & (x <= upper)",
-        "return (x >= lower) & (x < upper)",
-        "sequence filter with both bounds: upper bound made exclusive",
+        M,
+        "return x != x.clamp(lower, upper)",
+        "return (x != x.clamp(lower, upper)) | (x == upper)",
+        "every bound check (filters, truncation, sequence decisions): upper bound made exclusive",
     ),
     Mutant(
-        C, "return x <= upper", "return x < upper", "sequence filter with an upper bound only: bound made exclusive"
+        M,
+        "return x != x.clamp(lower, upper)",
+        "return (x != x.clamp(lower, upper)) | (x == lower)",
+        "every bound check: lower bound made exclusive",
     ),
-    Mutant(C, "return x >= lower", "return x > lower", "sequence filter with a lower bound only: bound made exclusive"),
+    Mutant(M, "        return x != x\n", "        return x != x.clamp(-1e30, 1e30)\n", "an open filter keeps NaN"),
     # ---- filter statistics: KL(gen || prev) estimators from d = prev - gen
     Mutant(
         C,
@@ -43,58 +48,58 @@ MUTANTS: list[Mutant] = [
     # ---- sequence aggregations
     Mutant(
         C,
-        "keep = in_bounds(stats.sum(st.total) / (count + EPS), lo, hi)",
-        "keep = in_bounds(stats.sum(st.total) / (count + 1.0), lo, hi)",
+        "reject = out_of_bounds(stats.sum(stage.total) / (count + EPS), lo, hi)",
+        "reject = out_of_bounds(stats.sum(stage.total) / (count + 1.0), lo, hi)",
         "agg mean (Geo-RS) divides the log-ratio sum by n + 1",
     ),
     Mutant(
         C,
-        "keep = in_bounds(stats.max(st.maximum), lo, hi)",
-        "keep = in_bounds(stats.max(st.maximum), None, hi)",
+        "reject = out_of_bounds(stats.max(stage.maximum), lo, hi)",
+        "reject = out_of_bounds(stats.max(stage.maximum), None, hi)",
         "agg max ignores its lower bound",
     ),
     Mutant(
         C,
-        "keep = in_bounds(-stats.max(st.negated_minimum), lo, hi)",
-        "keep = in_bounds(stats.max(st.negated_minimum), lo, hi)",
+        "reject = out_of_bounds(-stats.max(stage.negated_minimum), lo, hi)",
+        "reject = out_of_bounds(stats.max(stage.negated_minimum), lo, hi)",
         "agg min compares the negated minimum",
     ),
     Mutant(
         C,
-        "keep = in_bounds(stats.max(st.maximum), None, hi) & in_bounds(-stats.max(st.negated_minimum), lo, None)",
-        "keep = in_bounds(stats.max(st.maximum), None, hi)",
+        "reject = above | out_of_bounds(-stats.max(stage.negated_minimum), lo, None)",
+        "reject = above",
         "agg any checks only the largest token (a low-side outlier passes)",
     ),
-    Mutant(C, "return keep | (count == 0)", "return keep", "a sequence with no token left can be rejected"),
+    Mutant(C, "return reject & (count > 0)", "return reject", "a sequence with no token left can be rejected"),
     Mutant(
         C,
-        "keep = keep & (stats.sum(st.nonfinite) == 0)",
-        "keep = keep & (stats.sum(st.nonfinite) >= 0)",
+        "reject = reject | (stats.sum(stage.nonfinite) > 0)",
+        "reject = reject | (stats.sum(stage.nonfinite) < 0)",
         "a non-finite log-ratio no longer rejects its sequence",
     ),
     Mutant(
         C,
         "alive_fin = alive * f_finite",
-        "alive_fin = valid_bin * f_finite",
+        "alive_fin = masks.valid_bin * f_finite",
         "stage order lost: a sequence filter sums over tokens earlier token filters rejected",
     ),
     Mutant(
         C,
-        "in_band = (1.0 - outside(stat, lo, hi)) * f_finite",
-        "in_band = 1.0 - outside(stat, lo, hi)",
+        "in_band = f_finite.masked_fill(out_of_bounds(stat, lo, hi), 0.0)",
+        "in_band = torch.ones_like(f_finite).masked_fill(out_of_bounds(stat, lo, hi), 0.0)",
         "a token filter keeps tokens whose log-ratio is not finite",
     ),
     Mutant(
         C,
-        "rejected = live * (~keep_s).to(fdtype)",
-        "rejected = sm * (~keep_s).to(fdtype)",
+        "rejected = torch.where(rejects, live, 0.0)",
+        "rejected = torch.where(rejects, sample_mask, 0.0)",
         "seq_rejected_frac also counts sequences an earlier filter already rejected",
     ),
     # ---- counts behind rejection_denominator: kept
     Mutant(
         C,
-        "kept_seq_count = (seq_in_loss * sm * has_tokens.to(fdtype)).sum()",
-        "kept_seq_count = (seq_in_loss * sm).sum()",
+        "kept_seq_count = (seq_in_loss * sample_mask) @ has_tokens",
+        "kept_seq_count = (seq_in_loss * sample_mask).sum()",
         "kept_seq_count counts empty sequences",
     ),
     Mutant(
@@ -118,61 +123,83 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         C,
-        "w = torch.where(seq_nonfinite == 0, finite_exp(seq_log_w), torch.zeros_like(seq_log_w))",
-        "w = finite_exp(seq_log_w)",
+        "return finite_exp(seq_log_w).masked_fill(seq_nonfinite > 0, 0.0).unsqueeze(-1)",
+        "return finite_exp(seq_log_w).unsqueeze(-1)",
         "sequence IS weight not 0 when a token's log-ratio is not finite",
     ),
     # ---- truncation
-    Mutant(C, "lo = 0.0 if lo is None else lo", "lo = 0.0", "tis ignores truncated_importance_sampling_ratio_min"),
-    Mutant(C, "clamped = raw_weight.clamp(lo, hi)", "clamped = raw_weight.clamp(lo, None)", "tis does not clamp above"),
     Mutant(
         C,
-        "weight = raw_weight * (1.0 - oob)",
-        "weight = raw_weight.clamp(lo, hi)",
+        "lower = 0.0 if lower is None else lower",
+        "lower = 0.0",
+        "tis ignores truncated_importance_sampling_ratio_min",
+    ),
+    Mutant(
+        C,
+        "return raw_weight.clamp(lower, upper), oob.to(raw_weight.dtype)",
+        "return raw_weight.clamp(lower, None), oob.to(raw_weight.dtype)",
+        "tis does not clamp above",
+    ),
+    Mutant(
+        C,
+        "return raw_weight.masked_fill(oob, 0.0), oob.to(raw_weight.dtype)",
+        "return raw_weight.clamp(lower, upper), oob.to(raw_weight.dtype)",
         "icepop clamps instead of zeroing out-of-band weights",
     ),
     Mutant(
         C,
-        "geo = torch.exp(seq_d_sum / (seq_ntok + EPS))",
-        "geo = torch.exp(seq_d_sum)",
+        'seq_mean_log_ratio = seq_d_sum / (seq_ntok + EPS) if kind == "seq-mask-tis" else None',
+        'seq_mean_log_ratio = seq_d_sum if kind == "seq-mask-tis" else None',
         "seq-mask-tis decides on the product, not the geometric mean",
     ),
     Mutant(
         C,
-        "seq_in = ((geo >= lo) & (geo <= hi)).to(fdtype)",
-        "seq_in = ((geo >= lo) & (geo < hi)).to(fdtype)",
-        "seq-mask-tis upper bound made exclusive",
+        "oob = out_of_bounds(torch.exp(seq_mean_log_ratio), lower, upper)",
+        "oob = out_of_bounds(torch.exp(seq_mean_log_ratio), None, upper)",
+        "seq-mask-tis ignores its lower bound",
     ),
     # ---- IS weight metrics
     Mutant(
         C,
-        'metrics["is_weight_sq_mean"] = (sum_w2 / (denom + EPS), norm, red)',
-        'metrics["is_weight_sq_mean"] = (sum_w / (denom + EPS), norm, red)',
-        "is_weight_sq_mean reports the mean weight",
+        "torch.stack([weight, weight * weight]), loss_tokens,",
+        "torch.stack([weight, weight]), loss_tokens,",
+        "is_weight_sq_mean reports the mean weight (token level)",
     ),
     Mutant(
         C,
-        "weighted = weight * loss_tokens",
-        "weighted = weight * valid",
+        "torch.stack([applied, applied * applied]),",
+        "torch.stack([applied, applied]),",
+        "is_weight_sq_mean reports the mean weight (sequence levels)",
+    ),
+    Mutant(
+        C,
+        "torch.stack([weight, weight * weight]), loss_tokens,",
+        "torch.stack([weight, weight * weight]), masks.valid,",
         "is_weight_mean counts rejected tokens with their weight",
     ),
     Mutant(
         C,
-        'metrics["_ess_n"] = (unit_mask.sum(), "none", red)',
-        'metrics["_ess_n"] = (torch.sign(weighted).sum(), "none", red)',
+        'metrics.add_total("_ess_units", masks.valid.sum(), "tokens", "sum")',
+        'metrics.add_total("_ess_units", torch.sign(loss_tokens).sum(), "tokens", "sum")',
         "is_ess divides by the kept units instead of all units",
+    ),
+    Mutant(
+        C,
+        "return mean * mean / (units * sq_mean) if sq_mean > 0 and units > 0 else 0.0",
+        "return mean / (units * sq_mean) if sq_mean > 0 and units > 0 else 0.0",
+        "is_ess from the mean, not its square",
     ),
     # ---- the loss: denominators, IS weights, metrics
     Mutant(
         L,
-        "gvs_loss = gvs * corr.kept_seq_count / n_seqs.clamp_min(EPS)",
-        "gvs_loss = gvs * corr.kept_token_count / n_valid.clamp_min(EPS)",
+        "seq_denominator = counts.sequences * corr.kept_seq_count / n_seqs.clamp_min(EPS)",
+        "seq_denominator = counts.sequences * corr.kept_token_count / n_valid.clamp_min(EPS)",
         "rejection_denominator kept, token_level_loss false: sequences shrink by the kept token fraction",
     ),
     Mutant(
         L,
-        "gvt_loss = gvt * corr.kept_token_count / n_valid.clamp_min(EPS)",
-        "gvt_loss = gvt",
+        "token_denominator = counts.tokens * corr.kept_token_count / n_valid.clamp_min(EPS)",
+        "token_denominator = counts.tokens",
         "rejection_denominator kept leaves the token denominator unchanged",
     ),
     Mutant(
@@ -183,26 +210,26 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         L,
-        "weight = corr.is_weight if c.use_importance_sampling_correction else None",
+        "weight = corr.is_weight if cfg.use_importance_sampling_correction else None",
         "weight = corr.is_weight",
         "IS weights applied with use_importance_sampling_correction false",
     ),
     Mutant(
         L,
-        "usable = valid * inputs_finite if c.rejection_sampling else loss_tokens",
+        "usable = masks.valid * masks.inputs_finite if cfg.rejection_sampling else loss_tokens",
         "usable = loss_tokens",
         "with filters, sampling_importance_ratio (and NeMo-RL's token metrics) average over kept tokens only",
     ),
     Mutant(
         L,
-        "value = (w_seq * sample_mask).sum() / (gvs + EPS)",
-        "value = w_seq.sum() / (gvs + EPS)",
+        'metrics.add_masked_total("sampling_importance_ratio", w_seq, sample_mask, "sequences", "replicated")',
+        'metrics.add_total("sampling_importance_ratio", w_seq.sum(), "sequences", "replicated")',
         "decoupled sampling_importance_ratio ignores sample_mask",
     ),
     Mutant(
-        "nemo_rs_plugin/correction.py",
-        'norm, red, denom = "sequences", "replicated", gvs',
-        'norm, red, denom = "tokens", "replicated", gvs',
+        C,
+        'metrics.add_masked_total("is_weight_raw_mean", raw, units, "sequences", "replicated")',
+        'metrics.add_masked_total("is_weight_raw_mean", raw, units, "tokens", "replicated")',
         "sequence-level IS metrics declared as normalized by tokens",
     ),
     Mutant(
@@ -210,6 +237,55 @@ MUTANTS: list[Mutant] = [
         "loss = loss / torch.distributed.get_world_size(g)",
         "loss = loss",
         "sequence-level loss not split into per-rank shares (counted once per CP rank)",
+    ),
+    Mutant(
+        L,
+        'metrics.add("kl_penalty", kl / self.kl_coef, grad_norm, "sum")',
+        'metrics.add("kl_penalty", kl, grad_norm, "sum")',
+        "kl_penalty reported times the KL coefficient",
+    ),
+    Mutant(
+        L,
+        "return value if unclamped or not math.isfinite(value) else min(max(value, lo), hi)",
+        "return value",
+        "probs_ratio_clamped_min/max not clamped",
+    ),
+    Mutant(
+        L,
+        "inputs_finite = 1.0 - bad[:n_logprob].amax(0)",
+        "inputs_finite = 1.0 - bad[1]",
+        "a token with a non-finite curr or reference log-prob stays in the loss",
+    ),
+    Mutant(
+        L,
+        "return not math.isfinite(count) or count < 0 or (count == 0 and out[local] > 0)",
+        "return not math.isfinite(count) or count < 0",
+        "a zero global count while the microbatch has valid units is accepted (loss ~1e9)",
+    ),
+    # ---- the metric set: masked totals, normalisation, extrema
+    Mutant(
+        MS,
+        "return matrix @ mask.reshape(-1)",
+        "return matrix.sum(-1)",
+        "metrics declared together as masked totals ignore their mask",
+    ),
+    Mutant(
+        MS,
+        "parts.append((torch.cat(flat) if len(flat) > 1 else flat[0]) / (count + EPS))",
+        "parts.append(torch.cat(flat) if len(flat) > 1 else flat[0])",
+        "normalized totals not divided by their global count",
+    ),
+    Mutant(
+        MS,
+        'return {"tokens": self.tokens, "sequences": self.sequences}.get(normalization)',
+        'return {"tokens": self.sequences, "sequences": self.tokens}.get(normalization)',
+        "token metrics divided by the sequence count and vice versa",
+    ),
+    Mutant(
+        MS,
+        "return (v + p).amin(-1), (v - p).amax(-1)",
+        "return v.amin(-1), v.amax(-1)",
+        "min/max metrics range over masked tokens too",
     ),
     # ---- policy ratios, objective, KL penalty
     Mutant(
@@ -247,7 +323,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         P,
-        "weights = torch.lerp(weights.detach(), weights, free)",
+        "weights = torch.where((log_ratio != clamped).detach(), weights.detach(), weights)",
         "weights = weights",
         "KL sampling weight not detached where the input clamp is active",
     ),
@@ -278,8 +354,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "nemo_rs_plugin/metrics.py",
-        "values = torch.where(is_min, -maxed, values)",
-        "values = torch.where(is_min, maxed, values)",
+        "return torch.where(is_min, -maxed, values)",
+        "return torch.where(is_min, maxed, values)",
         "reduced minimum metrics come back negated",
     ),
     Mutant(
@@ -310,19 +386,19 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         C,
-        "st.keep_tok = in_band if eligible is None else 1.0 - (1.0 - in_band) * eligible",
-        "st.keep_tok = in_band",
+        "stage.keep_tok = in_band if eligible is None else 1.0 - (1.0 - in_band) * eligible",
+        "stage.keep_tok = in_band",
         "a token filter ignores negative_advantages_only",
     ),
     Mutant(
         C,
-        "negative = (sanitize(advantages.detach()) < 0).to(fdtype)",
-        "negative = (sanitize(advantages.detach()) <= 0).to(fdtype)",
+        "negative = (sanitize(advantages.detach()) < 0).to(d.dtype)",
+        "negative = (sanitize(advantages.detach()) <= 0).to(d.dtype)",
         "a zero advantage counts as negative for OPSM",
     ),
     Mutant(
         C,
-        "keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1) * negative)",
+        "keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1) * plan.negative)",
         "keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1))",
         "an advantage-conditioned sequence filter drops positive-advantage tokens too",
     ),
@@ -334,7 +410,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         C,
-        "rejected = rejected - conditional * stats.sum(st.negative)",
+        "rejected = rejected - conditional * stats.sum(stage.negative)",
         "rejected = rejected",
         "a token filter is credited with tokens an earlier conditional rejection removed",
     ),
@@ -346,8 +422,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         C,
-        'units = valid if level == "token" else sm * has_tokens.to(fdtype)',
-        'units = valid if level == "token" else sm',
+        'units = masks.valid if level == "token" else sample_mask * has_tokens',
+        'units = masks.valid if level == "token" else sample_mask',
         "sequence batch mean counts empty sequences (slime's, not VERL's)",
     ),
     Mutant(
@@ -370,8 +446,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "nemo_rs_plugin/correction.py",
-        "ratio_mask = token_mask * inputs_finite * (1.0 - valid_bin + alive)",
-        "ratio_mask = token_mask * inputs_finite",
+        "ratio_mask = masks.token_mask * masks.inputs_finite * (1.0 - masks.valid_bin + alive)",
+        "ratio_mask = masks.token_mask * masks.inputs_finite",
         "GSPO ratio keeps the tokens a token filter rejected",
     ),
     # ---- equivalent

@@ -1,0 +1,112 @@
+"""MetricSet: metrics declared where they are defined, evaluated together, transferred once."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nemo_rs_plugin.masking import EPS, extrema_penalty
+from nemo_rs_plugin.metrics import GlobalCounts, MetricSet
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops[str(func.overloadpacket).removeprefix("aten.")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(5, 3, 7, generator=g)
+    mask = (torch.rand(3, 7, generator=g) > 0.3).float()
+    return values, mask
+
+
+def test_masked_totals_equal_their_formulas_and_are_divided_by_their_count():
+    values, mask = _batch()
+    counts = GlobalCounts(tokens=torch.tensor(40.0), sequences=torch.tensor(3.0))
+    m = MetricSet(counts)
+    m.add_masked_totals(["a", "b"], values[:2], mask, "tokens", "sum")
+    m.add_masked_total("c", values[2], mask, "sequences", "replicated")
+    m.add_masked_total("d", values[3], mask, "none", "sum")
+    m.add_total("e", values[4].sum(), "tokens", "sum")
+    m.add("f", values[4].amax(), "none", "max")
+    out = m.finalize()
+    want = {
+        "a": (values[0] * mask).sum() / (40 + EPS),
+        "b": (values[1] * mask).sum() / (40 + EPS),
+        "c": (values[2] * mask).sum() / (3 + EPS),
+        "d": (values[3] * mask).sum(),
+        "e": values[4].sum() / (40 + EPS),
+        "f": values[4].amax(),
+    }
+    assert list(out) == list(want)  # declaration order
+    for name, value in want.items():
+        assert out[name] == pytest.approx(value.item(), rel=1e-6, abs=1e-6), name
+    assert m.normalizations() == {
+        "a": "tokens",
+        "b": "tokens",
+        "c": "sequences",
+        "d": "none",
+        "e": "tokens",
+        "f": "none",
+    }
+
+
+def test_a_mask_shared_by_many_metrics_costs_one_product():
+    values, mask = _batch()
+    m = MetricSet(GlobalCounts(tokens=torch.tensor(10.0), sequences=torch.tensor(3.0)))
+    for i in range(5):
+        m.add_masked_total(f"m{i}", values[i], mask, "tokens", "sum")
+    with _OpCounter() as counter:
+        m.stack()
+    assert counter.ops["mv"] == 1 and counter.ops["dot"] == 0 and counter.ops["div"] == 1, counter.ops
+
+
+def test_masked_extrema_with_sentinels_for_an_empty_mask():
+    values, mask = _batch()
+    empty = torch.zeros_like(mask)
+    m = MetricSet()
+    m.add_masked_extrema("lo", "hi", values[0], extrema_penalty(mask))
+    m.add_masked_extrema("empty_lo", "empty_hi", values[1], extrema_penalty(empty))
+    out = m.finalize()
+    kept = values[0][mask.bool()]
+    assert out["lo"] == pytest.approx(kept.min().item()) and out["hi"] == pytest.approx(kept.max().item())
+    assert out["empty_lo"] == math.inf and out["empty_hi"] == -math.inf
+
+
+def test_derived_metrics_and_checks_read_the_transferred_values():
+    m = MetricSet()
+    m.add("_hidden", torch.tensor(3.0), "none", "sum")
+    m.derive("twice", "none", lambda out: 2 * out["_hidden"])
+    out = m.finalize()
+    assert out == {"twice": 6.0}  # hidden entries are read, not returned
+
+    failing = MetricSet()
+    failing.add("_count", torch.tensor(-1.0), "none", "replicated")
+    failing.check(lambda out: out["_count"] < 0, lambda out: ValueError(f"count {out['_count']:g}"))
+    with pytest.raises(ValueError, match="count -1"):
+        failing.finalize()
+
+
+def test_declaration_mistakes_are_errors():
+    m = MetricSet()
+    m.add("x", torch.tensor(1.0), "none", "sum")
+    with pytest.raises(KeyError, match="declared twice"):
+        m.add("x", torch.tensor(2.0), "none", "sum")
+    with pytest.raises(ValueError, match="global counts"):
+        bad = MetricSet()
+        bad.add_total("y", torch.tensor(1.0), "tokens", "sum")
+        bad.stack()
+    m.stack()
+    with pytest.raises(RuntimeError, match="after MetricSet.stack"):
+        m.add("z", torch.tensor(1.0), "none", "sum")
