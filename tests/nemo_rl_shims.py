@@ -14,6 +14,11 @@ that the CPU test machine lacks (see ``../shared/nemo-rl/README.md``):
   placed *last* on ``sys.meta_path`` (so it is asked only after the real import failed) gives
   empty stand-in modules for those names; none of them is used on the loss path, and
   :func:`stand_ins` lists which were needed, so a test can say so.
+* ``ray``: NeMo-RL's loss module reaches it at import time (``@ray.remote`` classes of the
+  cluster code), never on the loss path. On a machine without ray (the lent GPU machine has no
+  network and no room for its wheel) a permissive stand-in answers those import-time uses:
+  every attribute is a callable that returns what it decorates. Only when the real ``ray``
+  is missing: the finder is asked last.
 * NeMo-RL main builds megatron-core's ``PackedSeqParams`` with ``total_tokens`` (a field of
   the newer megatron-core it pins, read only by Mamba layers); PyPI's megatron-core lacks it:
   the class gets that one optional field.
@@ -40,14 +45,49 @@ class _StandInModule(types.ModuleType):
         return value
 
 
+class _Anything:
+    """Import-time stand-in for a ray name: a decorator, a decorator factory, a base, a type hint."""
+
+    def __init__(self, name: str = "ray") -> None:
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and not kwargs and callable(args[0]):
+            return args[0]  # @ray.remote on a class or function: leave it as it is
+        return self  # @ray.remote(num_gpus=1): a decorator that leaves its target as it is
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything(f"{self._name}.{name}")
+
+    def __getitem__(self, item):
+        return self
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+
+class _RayStandInModule(types.ModuleType):
+    """``ray`` (and its submodules) when ray is not installed: see :class:`_Anything`."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _Anything(f"{self.__name__}.{name}")
+        setattr(self, name, value)
+        return value
+
+
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
-        if fullname.startswith(_STAND_IN_PREFIXES) or fullname in {"modelopt"}:
+        if fullname.startswith(_STAND_IN_PREFIXES) or fullname in {"modelopt", "ray"} or fullname.startswith("ray."):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
     def create_module(self, spec):
-        module = _StandInModule(spec.name)
+        is_ray = spec.name == "ray" or spec.name.startswith("ray.")
+        module = (_RayStandInModule if is_ray else _StandInModule)(spec.name)
         module.__path__ = []
         return module
 
@@ -57,7 +97,7 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def stand_ins() -> list[str]:
     """Names of the modules that were replaced by stand-ins in this process."""
-    return sorted(name for name, mod in sys.modules.items() if isinstance(mod, _StandInModule))
+    return sorted(name for name, mod in sys.modules.items() if isinstance(mod, (_StandInModule, _RayStandInModule)))
 
 
 def install() -> None:
