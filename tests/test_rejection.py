@@ -499,3 +499,14 @@ def test_nonfinite_log_ratio_rejects_its_sequence_or_token(bad):
     assert tok_keep[0].tolist() == [1, 0, 1, 1]
     seq_w_, _ = correction({**IS, "is_correction_level": "sequence_mean"}, d=d)
     assert seq_w_[0].sum() == 0 and torch.isfinite(seq_w_).all()
+
+
+def test_the_one_bound_check_is_inclusive_and_puts_nan_outside():
+    """masking.out_of_bounds decides every filter, truncation and sequence decision."""
+    from nemo_rs_plugin.masking import out_of_bounds
+
+    x = torch.tensor([math.nan, -math.inf, 0.5, 1.0, 2.0, 2.5, math.inf])
+    assert out_of_bounds(x, 1.0, 2.0).tolist() == [True, True, True, False, False, True, True]
+    assert out_of_bounds(x, None, 2.0).tolist() == [True, False, False, False, False, True, True]
+    assert out_of_bounds(x, 1.0, None).tolist() == [True, True, True, False, False, False, False]
+    assert out_of_bounds(x, None, None).tolist() == [True, False, False, False, False, False, False]

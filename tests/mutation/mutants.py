@@ -37,7 +37,12 @@ MUTANTS: list[Mutant] = [
         "return (x != x.clamp(lower, upper)) | (x == lower)",
         "every bound check: lower bound made exclusive",
     ),
-    Mutant(M, "        return x != x\n", "        return x != x.clamp(-1e30, 1e30)\n", "an open filter keeps NaN"),
+    Mutant(
+        M,
+        "        return x != x\n",
+        "        return torch.zeros_like(x, dtype=torch.bool)\n",
+        "a check without bounds passes NaN",
+    ),
     # ---- filter statistics: KL(gen || prev) estimators from d = prev - gen
     Mutant(
         C,
