@@ -11,6 +11,10 @@ comparable across machines.
 Targets (issue "Ready for the GPU"): each upstream-equivalent config dispatches no more ops
 than NeMo-RL's loss on the same config; the five-stage pipeline at most 1.5x NeMo-RL's plain.
 
+The plugin evaluates its metrics and input checks stacked on accelerators and row by row on
+the CPU (``nemo_rs_plugin.metrics.batched_evaluation``); the counts here are those of the GPU
+form (``NEMO_RS_BATCHED_METRICS=1``), ``--cpu-form`` counts what a CPU run dispatches.
+
 Usage: PYTHONPATH=<NeMo-RL checkout> python benchmarks/bench_ops.py [--top 8] [--size 4x256]
 Without NeMo-RL importable the plugin's counts are printed alone.
 """
@@ -29,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nemo_rs_plugin import CorrectedPGLoss  # noqa: E402
+from nemo_rs_plugin.metrics import BATCHED_ENV  # noqa: E402
 
 TIS = {
     "use_importance_sampling_correction": True,
@@ -137,7 +142,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="4x256", help="B x S of the batch (op counts do not depend on it)")
     parser.add_argument("--top", type=int, default=8, help="most frequent operators to list per config")
+    parser.add_argument("--cpu-form", action="store_true", help="count the CPU form (metrics row by row)")
     args = parser.parse_args(argv)
+    os.environ[BATCHED_ENV] = "0" if args.cpu_form else "1"
     B, S = (int(v) for v in args.size.lower().split("x"))
 
     rows = []
@@ -156,7 +163,8 @@ def main(argv=None) -> int:
         )
     rows.append(("sequence_mean+tis+geo-rs+veto+token-mis", count(CorrectedPGLoss(PIPELINE), B, S), None))
 
-    print(f"aten operators per loss call (forward + backward, non-view), B x S = {B} x {S}")
+    form = "CPU form: rows one by one" if args.cpu_form else "GPU form: rows stacked"
+    print(f"aten operators per loss call (forward + backward, non-view), B x S = {B} x {S}; {form}")
     print(
         f"{'config':42s} {'plugin':>7s} {'NeMo-RL':>8s} {'ratio':>6s} {'host transfers':>15s} {'vs NeMo-RL plain':>17s}"
     )

@@ -730,7 +730,7 @@ def _record_token_weight_metrics(
     """
     metrics.add_masked_total("is_weight_raw_mean", raw_weight, masks.valid, "tokens", "sum")
     metrics.add_masked_totals(
-        ["is_weight_mean", "is_weight_sq_mean"], torch.stack([weight, weight * weight]), loss_tokens, "tokens", "sum"
+        ["is_weight_mean", "is_weight_sq_mean"], [weight, weight * weight], loss_tokens, "tokens", "sum"
     )
     metrics.add_total("_ess_units", masks.valid.sum(), "tokens", "sum")
     metrics.add_masked_extrema("is_weight_raw_min", "is_weight_raw_max", raw_weight, masks.usable_penalty)
@@ -755,7 +755,7 @@ def _record_sequence_weight_metrics(
     metrics.add_masked_total("is_weight_raw_mean", raw, units, "sequences", "replicated")
     metrics.add_masked_totals(
         ["is_weight_mean", "is_weight_sq_mean"],
-        torch.stack([applied, applied * applied]),
+        [applied, applied * applied],
         kept_units,
         "sequences",
         "replicated",

@@ -17,6 +17,7 @@ and the result equals NeMo-RL's ``ClippedPGLossFn`` (loss, gradient, every metri
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -28,7 +29,7 @@ from nemo_rs_plugin.config import RSClippedPGLossConfig
 from nemo_rs_plugin.correction import CorrectionResult, PolicyLogProbs, apply_correction, plan_correction
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
 from nemo_rs_plugin.masking import EPS, TokenMasks, masked_sum, nonfinite, sanitize
-from nemo_rs_plugin.metrics import GlobalCounts, MetricSet
+from nemo_rs_plugin.metrics import GlobalCounts, MetricSet, batched_evaluation
 from nemo_rs_plugin.policy_loss import (
     clipped_objective,
     kl_estimate,
@@ -464,7 +465,7 @@ class CorrectedPGLoss:
             }
             if self.cfg.effective_is_level == "token":
                 per_token["sampling_importance_ratio"] = corr.is_weight
-            metrics.add_masked_totals(list(per_token), torch.stack(list(per_token.values())), usable, "tokens", "sum")
+            metrics.add_masked_totals(list(per_token), list(per_token.values()), usable, "tokens", "sum")
             metrics.add_masked_extrema("probs_ratio_min", "probs_ratio_max", r, clean.masks.usable_penalty)
             self._clamped_extremes(metrics)
             if kl is not None:
@@ -540,7 +541,7 @@ class _Sanitized:
     advantages: torch.Tensor
     d: torch.Tensor  # [B, T] prev - gen, 0 where not finite
     masks: TokenMasks
-    nonfinite: torch.Tensor  # [K, B, T] 0/1 non-finite entries of each input, rows named by
+    nonfinite: Any  # [K, B, T] (or K [B, T]) 0/1 non-finite entries of each input, rows named by
     input_names: tuple  # the K input names (keys of _NONFINITE_COUNTS)
 
 
@@ -562,11 +563,17 @@ def _sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool)
             rows["curr_unfiltered"] = x.curr_unfiltered
     n_logprob = len(rows)
     rows.update(prev=prev_raw, gen=x.generation, advantages=x.advantages)
-    stacked = torch.stack([t.detach() for t in rows.values()])  # [K, B, T]
-    clean = dict(zip(rows, sanitize(stacked)))
-    bad = nonfinite(stacked)  # [K, B, T] 0/1
+    if batched_evaluation(x.curr.device):  # two kernels for all inputs
+        stacked = torch.stack([t.detach() for t in rows.values()])  # [K, B, T]
+        clean = dict(zip(rows, sanitize(stacked)))
+        bad = nonfinite(stacked)  # [K, B, T] 0/1
+        any_bad = bad[:n_logprob].amax(0)
+    else:  # two passes per input, no copy into a stack
+        clean = {name: sanitize(t.detach()) for name, t in rows.items()}
+        bad = [nonfinite(t) for t in rows.values()]
+        any_bad = functools.reduce(torch.maximum, bad[:n_logprob])
     d_finite = 1.0 - bad[1]
-    inputs_finite = 1.0 - bad[:n_logprob].amax(0)
+    inputs_finite = 1.0 - any_bad
     unfiltered = None
     if with_reference:
         unfiltered = sanitize(x.curr_unfiltered) if x.curr_unfiltered is not None else curr
@@ -598,7 +605,7 @@ _NONFINITE_COUNTS = {
 }
 
 
-def _nonfinite_metrics(metrics: MetricSet, masks: TokenMasks, nonfinite: torch.Tensor, inputs: tuple) -> None:
+def _nonfinite_metrics(metrics: MetricSet, masks: TokenMasks, nonfinite: Any, inputs: tuple) -> None:
     """Valid tokens with a non-finite input, one count per input kind (summed over CP ranks).
 
     All counts are one matrix-vector product of the stacked non-finite masks. With a separate

@@ -5,11 +5,13 @@ GPU. Here every metric stays on the device until :meth:`MetricSet.finalize`, whi
 them over the sequence groups (so every rank reports identical values) and moves them to the
 host in a single ``tolist()``.
 
-Most metrics are masked sums over the same few masks divided by the same global count, and
-on a GPU each small operator is a kernel launch. So they are declared, not computed, where
-they are defined, and :meth:`MetricSet.stack` computes them together: per mask, one
-``stack`` and one matrix-vector product; per global count, one division; all masked extrema
-in one ``amin`` and one ``amax``. Whatever the number of metrics, a handful of kernels.
+Most metrics are masked sums over the same few masks divided by the same global count. So
+they are declared, not computed, where they are defined, and :meth:`MetricSet.stack`
+evaluates them together, in the form that suits the device (:func:`batched_evaluation`): on
+a GPU, where each small operator is a kernel launch, per mask one ``stack`` and one
+matrix-vector product and all masked extrema in one ``amin`` and one ``amax`` (a handful of
+kernels whatever the number of metrics); on a CPU, where copying rows into a matrix costs more
+than it saves, one dot product per row, no copy. Either way one division per global count.
 
 Each metric carries:
 
@@ -23,15 +25,34 @@ Each metric carries:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, Optional, Sequence
 
 import torch
 
 from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
 from nemo_rs_plugin.masking import EPS
 
-__all__ = ["GlobalCounts", "MetricSet", "Normalization", "Reduction"]
+__all__ = ["BATCHED_ENV", "GlobalCounts", "MetricSet", "Normalization", "Reduction", "batched_evaluation"]
+
+BATCHED_ENV = "NEMO_RS_BATCHED_METRICS"  # 1/0 overrides the per-device choice (benchmarks, tests)
+
+
+def batched_evaluation(device: torch.device) -> bool:
+    """Whether per-token rows are stacked and reduced together (few kernels) or one by one (no copies).
+
+    Stacked on accelerators, where a kernel launch costs more than a copy of a ``[B, T]`` row;
+    row by row on the CPU, where it is the other way round. ``NEMO_RS_BATCHED_METRICS=1``/``0``
+    forces either (``benchmarks/bench_ops.py`` counts both; the tests compare them).
+    """
+    forced = os.environ.get(BATCHED_ENV, "").strip().lower()
+    if forced in ("1", "true", "yes", "on"):
+        return True
+    if forced in ("0", "false", "no", "off"):
+        return False
+    return device.type != "cpu"
+
 
 Normalization = Literal["tokens", "sequences", "none"]
 Reduction = Literal["sum", "replicated", "max", "min"]
@@ -107,18 +128,18 @@ class MetricSet:
         Metrics sharing the same ``mask`` tensor and normalization are evaluated together in
         :meth:`stack`, one matrix-vector product for all of them.
         """
-        self.add_masked_totals([name], values.detach().expand(mask.shape).unsqueeze(0), mask, normalization, reduction)
+        self.add_masked_totals([name], [values], mask, normalization, reduction)
 
     def add_masked_totals(
-        self, names: list[str], rows: torch.Tensor, mask: torch.Tensor, normalization: str, reduction: str
+        self, names: list[str], rows: Sequence[torch.Tensor], mask: torch.Tensor, normalization: str, reduction: str
     ) -> None:
-        """:meth:`add_masked_total` for each row of an already stacked ``[len(names), *mask.shape]`` tensor."""
+        """:meth:`add_masked_total` for each row: a list of tensors, or a stacked ``[len(names), *mask.shape]`` one."""
         for name in names:
             self._declare(name, normalization, reduction)
         key = (id(mask), normalization)
         if key not in self._masked:
             self._masked[key] = (mask, [])
-        self._masked[key][1].append((names, rows.detach()))
+        self._masked[key][1].append((names, rows))
 
     def add_masked_extrema(self, min_name: str, max_name: str, values: torch.Tensor, penalty: torch.Tensor) -> None:
         """Record the min and max of finite ``values`` where the mask behind ``penalty`` is 1.
@@ -165,7 +186,7 @@ class MetricSet:
         parts: list[torch.Tensor] = [torch.stack(list(self._values.values()))] if self._values else []
         for key, (mask, entries) in self._masked.items():
             norm = key[1]
-            totals = _masked_totals([rows for _, rows in entries], mask)
+            totals = _masked_totals([rows for _, rows in entries], mask, batched_evaluation(mask.device))
             names_here = [n for group, _ in entries for n in group]
             if norm == "none":
                 names += names_here
@@ -183,7 +204,8 @@ class MetricSet:
                 raise ValueError(f"metrics normalized by {norm!r} need the global counts (MetricSet(counts))")
             parts.append((torch.cat(flat) if len(flat) > 1 else flat[0]) / (count + EPS))
         for entries in self._extrema.values():
-            lows, highs = _masked_extrema([v for *_, v, _ in entries], [p for *_, p in entries])
+            values, penalties = [v for *_, v, _ in entries], [p for *_, p in entries]
+            lows, highs = _masked_extrema(values, penalties, batched_evaluation(values[0].device))
             names += [lo for lo, *_ in entries] + [hi for _, hi, *_ in entries]
             parts += [lows, highs]
         if not parts:
@@ -216,23 +238,36 @@ class MetricSet:
         return {n: out[n] for n in self._declared if not n.startswith("_")}
 
 
-def _masked_totals(rows: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    """``[k]`` totals ``sum(row * mask)`` of every row: one matrix-vector product (plus one ``cat``)."""
-    if mask.dtype != rows[0].dtype:
-        mask = mask.to(rows[0].dtype)
-    flat = [r.reshape(r.shape[0], -1) for r in rows]
-    matrix = torch.cat(flat) if len(flat) > 1 else flat[0]
-    if matrix.shape[0] == 1:
-        return torch.dot(matrix[0], mask.reshape(-1)).reshape(1)
-    return matrix @ mask.reshape(-1)
+def _masked_totals(groups: list, mask: torch.Tensor, batched: bool) -> torch.Tensor:
+    """``[k]`` totals ``sum(row * mask)`` of every row of every group (a list or a stacked tensor).
+
+    Batched: one ``cat`` (none for a single stacked group) and one matrix-vector product.
+    Otherwise one dot product per row, reading each row where it is.
+    """
+    rows = [r.detach() for group in groups for r in (group if isinstance(group, (list, tuple)) else group.unbind(0))]
+    dtype = rows[0].dtype
+    flat_mask = (mask if mask.dtype == dtype else mask.to(dtype)).reshape(-1)
+    if batched and len(groups) == 1 and isinstance(groups[0], torch.Tensor):
+        matrix = groups[0].detach()  # already one [k, ...] tensor: no copy
+        return matrix.reshape(matrix.shape[0], -1) @ flat_mask
+    rows = [r.expand(mask.shape) if r.shape != mask.shape else r for r in rows]
+    if batched and len(rows) > 1:
+        return torch.stack(rows).reshape(len(rows), -1) @ flat_mask
+    return torch.stack([torch.dot(r.reshape(-1), flat_mask) for r in rows])
 
 
-def _masked_extrema(values: list[torch.Tensor], penalties: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked_extrema(
+    values: list[torch.Tensor], penalties: list[torch.Tensor], batched: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``([k] minima, [k] maxima)`` of each ``values[i]`` where its penalty is 0 (``+-finfo.max`` if nowhere)."""
     big = torch.finfo(values[0].dtype).max
     k = len(values)
     if values[0].numel() == 0:
         return values[0].new_full((k,), big), values[0].new_full((k,), -big)
+    if not batched:
+        lows = [(v + p).amin() for v, p in zip(values, penalties)]
+        highs = [(v - p).amax() for v, p in zip(values, penalties)]
+        return torch.stack(lows), torch.stack(highs)
     v = torch.stack(values).reshape(k, -1) if k > 1 else values[0].reshape(1, -1)
     if all(p is penalties[0] for p in penalties):
         p = penalties[0].reshape(1, -1)  # one mask for all: broadcast, no stack

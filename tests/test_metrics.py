@@ -62,7 +62,11 @@ def test_masked_totals_equal_their_formulas_and_are_divided_by_their_count():
     }
 
 
-def test_a_mask_shared_by_many_metrics_costs_one_product():
+def test_a_mask_shared_by_many_metrics_costs_one_product(monkeypatch):
+    """The GPU form: one matrix-vector product for every metric of a mask (kernel launches dominate)."""
+    from nemo_rs_plugin.metrics import BATCHED_ENV
+
+    monkeypatch.setenv(BATCHED_ENV, "1")
     values, mask = _batch()
     m = MetricSet(GlobalCounts(tokens=torch.tensor(10.0), sequences=torch.tensor(3.0)))
     for i in range(5):
@@ -110,3 +114,48 @@ def test_declaration_mistakes_are_errors():
     m.stack()
     with pytest.raises(RuntimeError, match="after MetricSet.stack"):
         m.add("z", torch.tensor(1.0), "none", "sum")
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {
+            "use_importance_sampling_correction": True,
+            "truncated_importance_sampling_type": "tis",
+            "truncated_importance_sampling_ratio": 2.0,
+        },
+        {
+            "reference_policy_kl_penalty": 0.01,
+            "use_importance_sampling_correction": True,
+            "is_correction_level": "sequence_mean",
+            "rejection_sampling": [
+                {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.99, "upper": 1.01},
+                {"level": "token", "metric": "kl_k3", "upper": 0.01},
+            ],
+        },
+    ],
+    ids=["token-tis", "pipeline"],
+)
+def test_batched_and_row_by_row_evaluation_agree(cfg, monkeypatch):
+    """The GPU form (rows stacked) and the CPU form (row by row) give the same loss and metrics."""
+    from benchmarks.bench_ops import make_inputs
+    from nemo_rs_plugin import CorrectedPGLoss
+    from nemo_rs_plugin.metrics import BATCHED_ENV
+
+    curr, data, gvs, gvt = make_inputs(3, 40)
+    data["prev_logprobs"][0, 5] = math.nan  # a non-finite input on a valid token
+    data["advantages"][1, 7] = math.inf
+    results = {}
+    for form in ("0", "1"):
+        monkeypatch.setenv(BATCHED_ENV, form)
+        lp = curr.clone().requires_grad_(True)
+        loss, metrics = CorrectedPGLoss(cfg)(lp, dict(data), gvs, gvt)
+        loss.backward()
+        results[form] = (loss.item(), lp.grad, metrics)
+    (loss0, grad0, m0), (loss1, grad1, m1) = results["0"], results["1"]
+    assert loss0 == pytest.approx(loss1, rel=1e-6)
+    torch.testing.assert_close(grad0, grad1)
+    assert list(m0) == list(m1)
+    for name in m0:
+        assert m0[name] == pytest.approx(m1[name], rel=1e-5, abs=1e-6), name
+    assert m0["nonfinite_advantages_count"] == 1 and m0["nonfinite_log_ratio_count"] == 1
