@@ -26,6 +26,16 @@ __all__ = [
 def __getattr__(name: str):
     # The NeMo-RL subclass needs NeMo-RL; import it only when asked for, so that the core
     # stays usable without NeMo-RL (the ImportError explains how NeMo-RL is installed).
+    if name == "RSClippedPGLoss":
+        import warnings
+
+        warnings.warn(
+            "nemo_rs_plugin.RSClippedPGLoss is now CorrectedPGLoss (RSClippedPGLossFn is the NeMo-RL class); "
+            "the old name will be removed",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return CorrectedPGLoss
     if name == "RSClippedPGLossFn":
         from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
 

@@ -49,7 +49,7 @@ from nemo_rs_plugin.masking import (
     out_of_bounds,
     sanitize,
 )
-from nemo_rs_plugin.metrics import GlobalCounts, MetricSet
+from nemo_rs_plugin.metrics import GlobalCounts, MetricSet, batched_evaluation
 from nemo_rs_plugin.policy_loss import kl_estimate
 
 __all__ = [
@@ -543,7 +543,7 @@ def apply_correction(
     if stats is not None:
         seq_d_sum, seq_valid, seq_ntok = stats.sum("d_sum"), stats.sum("valid"), stats.sum("token_mask")
         seq_nonfinite = stats.sum("nonfinite")
-        has_tokens = torch.sign(seq_valid)  # [B] 0/1 (valid is non-negative)
+        has_tokens = (seq_valid > 0).to(seq_valid.dtype)  # [B] 0/1
 
     # ---- rejection: sequence decisions, the combined mask, per-stage metrics ----
     seq_in_loss = torch.ones_like(sample_mask)
@@ -629,7 +629,7 @@ def compute_correction(
     """
     plan = plan_correction(cfg, d, masks, log_probs=log_probs, advantages=advantages)
     stats = plan.reduce(groups)
-    return apply_correction(cfg, plan, stats, MetricSet(counts), groups)
+    return apply_correction(cfg, plan, stats, MetricSet(counts, batched_evaluation(d.device)), groups)
 
 
 def batch_normalize_weights(

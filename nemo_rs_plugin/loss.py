@@ -234,8 +234,9 @@ class CorrectedPGLoss:
     def metric_normalizations(self) -> dict[str, str]:
         """Metric name -> ``tokens`` / ``sequences`` / ``none``, as each metric declares it.
 
-        Every metric is declared once, where it is computed (``MetricSet.add(name, value,
-        normalization, reduction)``); this reads the declarations off one run of the tensor
+        Every metric is declared once, where it is defined, with its normalization and
+        reduction (``MetricSet.add``, ``add_total``, ``add_masked_total(s)``, ``add_masked_extrema``,
+        ``derive``); this reads the declarations off one run of the tensor
         core on a tiny probe batch (two sequences with valid tokens and rewards, on the CPU,
         eager), cached per instance. Which metrics exist depends on the config only.
         """
@@ -292,11 +293,18 @@ class CorrectedPGLoss:
         x.validate()
         # The tensor math (optionally torch.compile'd, see nemo_rs_plugin/compiled.py) never
         # leaves the device; the one host transfer stays here, eager.
-        loss, metrics = core_fn(self, groups)(self, x, global_valid_seqs, global_valid_toks, groups)
+        # The evaluation form is decided here, eagerly: a compiled core specialises on the bool.
+        batched = batched_evaluation(x.curr.device)
+        loss, metrics = core_fn(self, groups)(self, x, global_valid_seqs, global_valid_toks, groups, batched)
         return loss, metrics.finalize(groups)
 
     def _tensors(
-        self, x: LossInputs, global_valid_seqs: Any, global_valid_toks: Any, groups: SequenceGroups
+        self,
+        x: LossInputs,
+        global_valid_seqs: Any,
+        global_valid_toks: Any,
+        groups: SequenceGroups,
+        batched: bool = False,
     ) -> tuple[torch.Tensor, MetricSet]:
         """The pure-tensor part of :meth:`compute`: the loss and the stacked, unreduced metrics."""
         x = x.to_dtype(x.compute_dtype())
@@ -306,8 +314,8 @@ class CorrectedPGLoss:
             tokens=_global_count("global_valid_toks", global_valid_toks, dtype, device),
             sequences=_global_count("global_valid_seqs", global_valid_seqs, dtype, device),
         )
-        metrics = MetricSet(counts)
-        clean = _sanitize_inputs(x, cfg.force_on_policy_ratio, self.kl_coef != 0)
+        metrics = MetricSet(counts, batched)
+        clean = _sanitize_inputs(x, cfg.force_on_policy_ratio, self.kl_coef != 0, batched)
         masks = clean.masks
         token_mask, sample_mask = masks.token_mask, masks.sample_mask
 
@@ -545,7 +553,7 @@ class _Sanitized:
     input_names: tuple  # the K input names (keys of _NONFINITE_COUNTS)
 
 
-def _sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool) -> _Sanitized:
+def _sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool, batched: bool) -> _Sanitized:
     """One pass over every input: sanitised copies, non-finite masks, the token masks.
 
     The detached inputs are stacked, so replacing and detecting non-finite entries costs two
@@ -563,7 +571,7 @@ def _sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool)
             rows["curr_unfiltered"] = x.curr_unfiltered
     n_logprob = len(rows)
     rows.update(prev=prev_raw, gen=x.generation, advantages=x.advantages)
-    if batched_evaluation(x.curr.device):  # two kernels for all inputs
+    if batched:  # two kernels for all inputs (batched_evaluation: the GPU form)
         stacked = torch.stack([t.detach() for t in rows.values()])  # [K, B, T]
         clean = dict(zip(rows, sanitize(stacked)))
         bad = nonfinite(stacked)  # [K, B, T] 0/1

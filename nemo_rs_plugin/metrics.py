@@ -24,7 +24,6 @@ Each metric carries:
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
@@ -83,12 +82,18 @@ class MetricSet:
     reduces it over the groups and transfers it once.
     """
 
-    def __init__(self, counts: Optional[GlobalCounts] = None) -> None:
+    def __init__(self, counts: Optional[GlobalCounts] = None, batched: bool = False) -> None:
+        """``batched``: evaluate in the stacked (GPU) form, see :func:`batched_evaluation`.
+
+        The caller decides it once, outside any compiled region, so that a compiled core
+        specialises on a plain bool instead of reading the environment while tracing.
+        """
         self.counts = counts
+        self.batched = batched
         self._declared: dict[str, tuple[str, str]] = {}  # name -> (normalization, reduction)
         self._values: dict[str, torch.Tensor] = {}  # final 0-dim values
         self._totals: dict[str, list[tuple[str, torch.Tensor]]] = {}  # normalization -> totals
-        self._masked: dict[tuple[int, str], tuple[torch.Tensor, list]] = {}  # (mask, norm) -> names/values
+        self._masked: list[tuple[torch.Tensor, str, list]] = []  # (mask, normalization, [(names, rows)])
         self._extrema: dict[tuple, list] = {}  # (rank, dtype) -> [(min name, max name, values, penalty)]
         self._derived: list[tuple[str, str, Callable[[dict[str, float]], float]]] = []
         self._checks: list[tuple[Callable[[dict[str, float]], bool], Callable[[dict[str, float]], Exception]]] = []
@@ -134,12 +139,17 @@ class MetricSet:
         self, names: list[str], rows: Sequence[torch.Tensor], mask: torch.Tensor, normalization: str, reduction: str
     ) -> None:
         """:meth:`add_masked_total` for each row: a list of tensors, or a stacked ``[len(names), *mask.shape]`` one."""
+        count = len(rows) if isinstance(rows, (list, tuple)) else rows.shape[0]
+        if count != len(names):
+            raise ValueError(f"add_masked_totals: {len(names)} names for {count} rows")
         for name in names:
             self._declare(name, normalization, reduction)
-        key = (id(mask), normalization)
-        if key not in self._masked:
-            self._masked[key] = (mask, [])
-        self._masked[key][1].append((names, rows))
+        # Grouped by the mask *object* (identity, not id(): traceable by torch.compile).
+        for group_mask, group_norm, entries in self._masked:
+            if group_mask is mask and group_norm == normalization:
+                entries.append((names, rows))
+                return
+        self._masked.append((mask, normalization, [(names, rows)]))
 
     def add_masked_extrema(self, min_name: str, max_name: str, values: torch.Tensor, penalty: torch.Tensor) -> None:
         """Record the min and max of finite ``values`` where the mask behind ``penalty`` is 1.
@@ -157,7 +167,7 @@ class MetricSet:
 
     def derive(self, name: str, normalization: str, fn: Callable[[dict[str, float]], float]) -> None:
         """Declare a metric :meth:`finalize` computes on the host from the reduced values."""
-        self._declared[name] = (normalization, "derived")
+        self._declare(name, normalization, "derived")
         self._derived.append((name, normalization, fn))
 
     def check(self, failed: Callable[[dict[str, float]], bool], error: Callable[[dict[str, float]], Exception]) -> None:
@@ -184,9 +194,8 @@ class MetricSet:
             return self._stacked
         names: list[str] = list(self._values)
         parts: list[torch.Tensor] = [torch.stack(list(self._values.values()))] if self._values else []
-        for key, (mask, entries) in self._masked.items():
-            norm = key[1]
-            totals = _masked_totals([rows for _, rows in entries], mask, batched_evaluation(mask.device))
+        for mask, norm, entries in self._masked:
+            totals = _masked_totals([rows for _, rows in entries], mask, self.batched)
             names_here = [n for group, _ in entries for n in group]
             if norm == "none":
                 names += names_here
@@ -205,15 +214,18 @@ class MetricSet:
             parts.append((torch.cat(flat) if len(flat) > 1 else flat[0]) / (count + EPS))
         for entries in self._extrema.values():
             values, penalties = [v for *_, v, _ in entries], [p for *_, p in entries]
-            lows, highs = _masked_extrema(values, penalties, batched_evaluation(values[0].device))
+            lows, highs = _masked_extrema(values, penalties, self.batched)
             names += [lo for lo, *_ in entries] + [hi for _, hi, *_ in entries]
             parts += [lows, highs]
         if not parts:
             self._stacked = ([], torch.zeros(0))
-            return self._stacked
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
-        parts = [p if p.dtype == dtype else p.to(dtype) for p in parts]
-        self._stacked = (names, torch.cat(parts) if len(parts) > 1 else parts[0])
+        else:
+            dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
+            parts = [p if p.dtype == dtype else p.to(dtype) for p in parts]
+            self._stacked = (names, torch.cat(parts) if len(parts) > 1 else parts[0])
+        # Drop the [B, T] rows, masks and penalties: only the [M] vector outlives the tensor
+        # core (a compiled core would otherwise return every one of them as a graph output).
+        self._values, self._totals, self._masked, self._extrema = {}, {}, [], {}
         return self._stacked
 
     def finalize(self, groups: SequenceGroups = NO_GROUPS) -> dict[str, float]:
@@ -227,7 +239,9 @@ class MetricSet:
         for failed, error in self._checks:
             if failed(out):
                 raise error(out)
-        half = torch.finfo(values.dtype).max / 2 if names else math.inf
+        # Extremes over no unit hold +-finfo.max of their dtype; float32's half range flags
+        # them whatever dtype the vector was promoted to.
+        half = torch.finfo(torch.float32).max / 2
         for name, red in zip(names, reductions):
             if red == "min" and out[name] >= half:
                 out[name] = float("inf")  # no unit: NeMo-RL's sentinel
@@ -247,8 +261,8 @@ def _masked_totals(groups: list, mask: torch.Tensor, batched: bool) -> torch.Ten
     rows = [r.detach() for group in groups for r in (group if isinstance(group, (list, tuple)) else group.unbind(0))]
     dtype = rows[0].dtype
     flat_mask = (mask if mask.dtype == dtype else mask.to(dtype)).reshape(-1)
-    if batched and len(groups) == 1 and isinstance(groups[0], torch.Tensor):
-        matrix = groups[0].detach()  # already one [k, ...] tensor: no copy
+    if batched and len(groups) == 1 and isinstance(groups[0], torch.Tensor) and groups[0].shape[1:] == mask.shape:
+        matrix = groups[0].detach()  # already one [k, *mask.shape] tensor: no copy
         return matrix.reshape(matrix.shape[0], -1) @ flat_mask
     rows = [r.expand(mask.shape) if r.shape != mask.shape else r for r in rows]
     if batched and len(rows) > 1:

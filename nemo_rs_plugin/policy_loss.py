@@ -153,8 +153,8 @@ def kl_penalty_per_token(
     log_ratio = reference - curr
     if input_clamp is not None:
         clamped = log_ratio.clamp(-input_clamp, input_clamp)
-        # Detach the weight where the clamp is active (the one bound check, as
-        # masking.out_of_bounds: a value differs from its clamp exactly outside the bounds).
+        # Detach the weight where the clamp is active: outside the bounds, where a value
+        # differs from its clamp (masking.out_of_bounds's test, on the clamp computed anyway).
         weights = torch.where((log_ratio != clamped).detach(), weights.detach(), weights)
         log_ratio = clamped
     kl = weights * kl_estimate(log_ratio, kl_type)

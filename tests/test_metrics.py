@@ -62,13 +62,10 @@ def test_masked_totals_equal_their_formulas_and_are_divided_by_their_count():
     }
 
 
-def test_a_mask_shared_by_many_metrics_costs_one_product(monkeypatch):
+def test_a_mask_shared_by_many_metrics_costs_one_product():
     """The GPU form: one matrix-vector product for every metric of a mask (kernel launches dominate)."""
-    from nemo_rs_plugin.metrics import BATCHED_ENV
-
-    monkeypatch.setenv(BATCHED_ENV, "1")
     values, mask = _batch()
-    m = MetricSet(GlobalCounts(tokens=torch.tensor(10.0), sequences=torch.tensor(3.0)))
+    m = MetricSet(GlobalCounts(tokens=torch.tensor(10.0), sequences=torch.tensor(3.0)), batched=True)
     for i in range(5):
         m.add_masked_total(f"m{i}", values[i], mask, "tokens", "sum")
     with _OpCounter() as counter:
@@ -159,3 +156,48 @@ def test_batched_and_row_by_row_evaluation_agree(cfg, monkeypatch):
     for name in m0:
         assert m0[name] == pytest.approx(m1[name], rel=1e-5, abs=1e-6), name
     assert m0["nonfinite_advantages_count"] == 1 and m0["nonfinite_log_ratio_count"] == 1
+
+
+def test_only_the_metric_vector_outlives_stack():
+    """The [B, T] rows, masks and penalties are released by stack(): a compiled core returns the
+    MetricSet, and anything it still held would become a graph output kept alive until finalize."""
+    import gc
+    import weakref
+
+    values, mask = _batch()
+    row = values[0].clone()
+    penalty = extrema_penalty(mask)
+    m = MetricSet(GlobalCounts(tokens=torch.tensor(10.0), sequences=torch.tensor(3.0)))
+    m.add_masked_total("total", row, mask, "tokens", "sum")
+    m.add_masked_extrema("lo", "hi", row, penalty)
+    refs = [weakref.ref(row), weakref.ref(penalty)]
+    del row, penalty
+    m.stack()
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert set(m.finalize()) == {"total", "lo", "hi"}
+
+
+def test_sentinels_survive_promotion_to_float64():
+    m = MetricSet()
+    m.add("count", torch.tensor(3.0, dtype=torch.float64), "none", "sum")
+    empty = torch.zeros(4)
+    m.add_masked_extrema("lo", "hi", torch.randn(4), extrema_penalty(empty))
+    out = m.finalize()
+    assert out == {"count": 3.0, "lo": math.inf, "hi": -math.inf}
+
+
+def test_names_must_match_rows_and_derived_names_are_declared_once():
+    m = MetricSet()
+    with pytest.raises(ValueError, match="2 names for 3 rows"):
+        m.add_masked_totals(["a", "b"], torch.zeros(3, 4), torch.ones(4), "none", "sum")
+    m.derive("d", "none", lambda out: 0.0)
+    with pytest.raises(KeyError, match="declared twice"):
+        m.add("d", torch.tensor(1.0), "none", "sum")
+
+
+def test_the_old_core_class_name_still_imports_with_a_deprecation_warning():
+    import nemo_rs_plugin
+
+    with pytest.warns(DeprecationWarning, match="CorrectedPGLoss"):
+        assert nemo_rs_plugin.RSClippedPGLoss is nemo_rs_plugin.CorrectedPGLoss
