@@ -576,9 +576,13 @@ def _sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool,
         clean = dict(zip(rows, sanitize(stacked)))
         bad = nonfinite(stacked)  # [K, B, T] 0/1
         any_bad = bad[:n_logprob].amax(0)
-    else:  # two passes per input, no copy into a stack
-        clean = {name: sanitize(t.detach()) for name, t in rows.items()}
-        bad = [nonfinite(t) for t in rows.values()]
+        checked = tuple(rows)
+    else:  # per input, no copy into a stack, and only what is read
+        # curr and curr_unfiltered are sanitised on their own (they carry the gradient); prev
+        # and gen reach the loss, and its checks, through d.
+        clean = {name: sanitize(t.detach()) for name, t in rows.items() if name not in ("curr", "curr_unfiltered")}
+        checked = tuple(name for name in rows if name not in ("prev", "gen"))
+        bad = [nonfinite(rows[name]) for name in checked]
         any_bad = functools.reduce(torch.maximum, bad[:n_logprob])
     d_finite = 1.0 - bad[1]
     inputs_finite = 1.0 - any_bad
@@ -596,7 +600,7 @@ def _sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool,
         d=clean["d"],
         masks=TokenMasks.build(x.token_mask, x.sample_mask, d_finite, inputs_finite),
         nonfinite=bad,
-        input_names=tuple(rows),
+        input_names=checked,
     )
 
 

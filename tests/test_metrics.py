@@ -142,6 +142,7 @@ def test_batched_and_row_by_row_evaluation_agree(cfg, monkeypatch):
     curr, data, gvs, gvt = make_inputs(3, 40)
     data["prev_logprobs"][0, 5] = math.nan  # a non-finite input on a valid token
     data["advantages"][1, 7] = math.inf
+    data["generation_logprobs"][2, 1] = math.nan  # masked (token_mask 0): counted by neither form
     results = {}
     for form in ("0", "1"):
         monkeypatch.setenv(BATCHED_ENV, form)

@@ -166,20 +166,20 @@ MUTANTS: list[Mutant] = [
     # ---- IS weight metrics
     Mutant(
         C,
-        "torch.stack([weight, weight * weight]), loss_tokens,",
-        "torch.stack([weight, weight]), loss_tokens,",
+        "[weight, weight * weight], loss_tokens,",
+        "[weight, weight], loss_tokens,",
         "is_weight_sq_mean reports the mean weight (token level)",
     ),
     Mutant(
         C,
-        "torch.stack([applied, applied * applied]),",
-        "torch.stack([applied, applied]),",
+        "[applied, applied * applied],",
+        "[applied, applied],",
         "is_weight_sq_mean reports the mean weight (sequence levels)",
     ),
     Mutant(
         C,
-        "torch.stack([weight, weight * weight]), loss_tokens,",
-        "torch.stack([weight, weight * weight]), masks.valid,",
+        "[weight, weight * weight], loss_tokens,",
+        "[weight, weight * weight], masks.valid,",
         "is_weight_mean counts rejected tokens with their weight",
     ),
     Mutant(
@@ -257,7 +257,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         L,
-        "inputs_finite = 1.0 - bad[:n_logprob].amax(0)",
+        "inputs_finite = 1.0 - any_bad",
         "inputs_finite = 1.0 - bad[1]",
         "a token with a non-finite curr or reference log-prob stays in the loss",
     ),
@@ -270,9 +270,27 @@ MUTANTS: list[Mutant] = [
     # ---- the metric set: masked totals, normalisation, extrema
     Mutant(
         MS,
-        "return matrix @ mask.reshape(-1)",
-        "return matrix.sum(-1)",
-        "metrics declared together as masked totals ignore their mask",
+        "return torch.stack([torch.dot(r.reshape(-1), flat_mask) for r in rows])",
+        "return torch.stack([r.sum() for r in rows])",
+        "masked totals ignore their mask (CPU form)",
+    ),
+    Mutant(
+        MS,
+        "return torch.stack(rows).reshape(len(rows), -1) @ flat_mask",
+        "return torch.stack(rows).reshape(len(rows), -1).sum(-1)",
+        "masked totals ignore their mask (GPU form, rows given one by one)",
+    ),
+    Mutant(
+        MS,
+        "return matrix.reshape(matrix.shape[0], -1) @ flat_mask",
+        "return matrix.reshape(matrix.shape[0], -1).sum(-1)",
+        "masked totals ignore their mask (GPU form, rows given stacked: the non-finite counts)",
+    ),
+    Mutant(
+        MS,
+        "lows = [(v + p).amin() for v, p in zip(values, penalties)]",
+        "lows = [v.amin() for v, p in zip(values, penalties)]",
+        "min metrics range over masked tokens too (CPU form)",
     ),
     Mutant(
         MS,
@@ -290,7 +308,7 @@ MUTANTS: list[Mutant] = [
         MS,
         "return (v + p).amin(-1), (v - p).amax(-1)",
         "return v.amin(-1), v.amax(-1)",
-        "min/max metrics range over masked tokens too",
+        "min/max metrics range over masked tokens too (GPU form)",
     ),
     # ---- policy ratios, objective, KL penalty
     Mutant(
