@@ -377,6 +377,19 @@ def run_all(s: LabSettings, workers: int = 1, progress: Optional[Callable[[int, 
     return sorted(rows, key=lambda r: (order[r["config"]], r["seed"], r["step"]))
 
 
+# Per-step quantities the table averages over steps (per seed), then over seeds.
+_AVERAGED = (
+    "mismatch_mean",
+    "mismatch_max",
+    "routing_diff_frac",
+    "is_weight_mean",
+    "is_ess",
+    "seq_rejected_frac",
+    "token_rejected_frac",
+    "grad_norm",
+)
+
+
 def summarize(rows: list[dict], s: LabSettings, tail: int = 5) -> list[dict]:
     """The table: per configuration, over seeds (mean and standard deviation)."""
     out = []
@@ -393,19 +406,7 @@ def summarize(rows: list[dict], s: LabSettings, tail: int = 5) -> list[dict]:
                     "final_reward": sum(x["reward"] for x in last) / len(last),
                     "reached": reached,
                     "wall_s": r[-1]["wall_s"],
-                    **{
-                        k: sum(x[k] for x in r) / len(r)
-                        for k in (
-                            "mismatch_mean",
-                            "mismatch_max",
-                            "routing_diff_frac",
-                            "is_weight_mean",
-                            "is_ess",
-                            "seq_rejected_frac",
-                            "token_rejected_frac",
-                            "grad_norm",
-                        )
-                    },
+                    **{k: sum(x[k] for x in r) / len(r) for k in _AVERAGED},
                 }
             )
         if not per_seed:
@@ -429,19 +430,7 @@ def summarize(rows: list[dict], s: LabSettings, tail: int = 5) -> list[dict]:
                 "steps_to_threshold": (sorted(reached)[len(reached) // 2] if len(reached) * 2 > n else None),
                 "seeds_reaching": len(reached),
                 "wall_s_per_run": mean("wall_s"),
-                **{
-                    k: mean(k)
-                    for k in (
-                        "mismatch_mean",
-                        "mismatch_max",
-                        "routing_diff_frac",
-                        "is_weight_mean",
-                        "is_ess",
-                        "seq_rejected_frac",
-                        "token_rejected_frac",
-                        "grad_norm",
-                    )
-                },
+                **{k: mean(k) for k in _AVERAGED},
             }
         )
     return out

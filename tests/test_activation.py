@@ -230,16 +230,7 @@ def _deps_dir() -> str:
 
 
 def _make_venv(path: Path) -> Path:
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, capture_output=True, timeout=300
-    )
-    python = path / "bin" / "python"
-    site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    python, site = _bare_venv(path)
     # The dependencies (torch, pydantic, ...) as a plain path: .pth files there are not run,
     # so no other installation of the plugin can activate in this venv.
     Path(site, "deps.pth").write_text(_deps_dir() + "\n")

@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import collections
 import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_rs_plugin.masking import EPS, extrema_penalty
 from nemo_rs_plugin.metrics import GlobalCounts, MetricSet
-
-
-class _OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.ops[str(func.overloadpacket).removeprefix("aten.")] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _batch(seed: int = 0):
@@ -68,9 +55,11 @@ def test_a_mask_shared_by_many_metrics_costs_one_product():
     m = MetricSet(GlobalCounts(tokens=torch.tensor(10.0), sequences=torch.tensor(3.0)), batched=True)
     for i in range(5):
         m.add_masked_total(f"m{i}", values[i], mask, "tokens", "sum")
-    with _OpCounter() as counter:
+    from benchmarks.bench_ops import OpCounter
+
+    with OpCounter() as counter:
         m.stack()
-    assert counter.ops["mv"] == 1 and counter.ops["dot"] == 0 and counter.ops["div"] == 1, counter.ops
+    assert counter.counts["mv"] == 1 and counter.counts["dot"] == 0 and counter.counts["div"] == 1, counter.counts
 
 
 def test_masked_extrema_with_sentinels_for_an_empty_mask():
