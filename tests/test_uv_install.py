@@ -19,7 +19,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -40,27 +39,10 @@ WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWor
 
 
 def _uv_binary() -> str:
-    candidates = [shutil.which("uv"), str(Path(sysconfig.get_path("scripts")) / "uv")]
-    try:
-        import uv
+    """uv's binary, from the ``uv`` package of the ``[test]`` extra."""
+    import uv  # in the [test] extra: a missing one is an install error, not a skip
 
-        candidates.insert(0, uv.find_uv_bin())
-    except (ImportError, FileNotFoundError):
-        pass
-    for found in candidates:
-        if found and os.access(found, os.X_OK):
-            return found
-    target = Path(tempfile.gettempdir()) / "nemo-rs-test-uv"
-    if not (target / "bin" / "uv").exists():
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--target", str(target), "uv"],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        if proc.returncode != 0 or not (target / "bin" / "uv").exists():
-            pytest.skip(f"uv cannot be installed: {proc.stderr.strip().splitlines()[-1:]}")
-    return str(target / "bin" / "uv")
+    return uv.find_uv_bin()
 
 
 def _pip_sources() -> tuple[list, list, list]:
