@@ -22,13 +22,20 @@ NeMo-RL builds its own loss. The hook then only guards: a recipe that still name
 loss (``loss_fn.name`` other than ``clipped_pg``) is refused when ``load_config`` reads it or
 when NeMo-RL's ``ClippedPGLossFn`` is built from it, instead of training with a loss the recipe
 did not ask for.
+
+Layering: this module is the ground the NeMo-RL glue stands on. It holds the names of the
+watched NeMo-RL modules, the loss-name reader and two generic wrappers (a guard on a class's
+``__init__`` and a post-processor of ``load_config``), used both by the disabled guard here and
+by :mod:`nemo_rs_plugin.nemo_rl.activation`, which imports them. It imports nothing of the
+package: when NeMo-RL's modules load it resolves the activation by name (``ACTIVATION``, as an
+entry point is resolved) and hands it the module.
 """
 
 import os
 import sys
 
 DISABLE_ENV = "NEMO_RS_PLUGIN_DISABLE"
-WORKER_PATH_ENV = "NEMO_RS_PLUGIN_WORKER_PATH"
+#: NeMo-RL's setup modules that build the loss as ``ClippedPGLossFn(cfg, ...)``.
 LOSS_MODULES = (
     "nemo_rl.algorithms.grpo",
     "nemo_rl.algorithms.ppo",
@@ -39,7 +46,10 @@ CONFIG_MODULE = "nemo_rl.utils.config"
 WATCHED = LOSS_MODULES + (HOST_LOSS_MODULE, CONFIG_MODULE)
 #: ``loss_fn.name`` values that mean NeMo-RL's own loss (no name means it too).
 HOST_LOSS_NAMES = ("clipped_pg",)
-LINK_NAME = "nemo_rs_plugin"
+#: What runs when a watched module is imported with the plugin on: ``activate(fullname, module)``.
+ACTIVATION = "nemo_rs_plugin.nemo_rl.activation"
+#: Marks a wrapper this hook made, so that no function is wrapped twice.
+WRAPPED = "_nemo_rs_guard"
 
 
 class PluginDisabledError(RuntimeError):
@@ -51,6 +61,64 @@ def disabled():
     return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def loss_name_of(loss):
+    """``loss_fn.name`` of a loss section: a string (the shorthand), a mapping or an object; else None."""
+    if loss is None or isinstance(loss, str):
+        return loss
+    getter = getattr(loss, "get", None)
+    if getter is not None:
+        try:
+            return getter("name")
+        except Exception:  # noqa: BLE001 - a mapping that refuses unknown keys
+            return None
+    return getattr(loss, "name", None)
+
+
+# ----------------------------------------------------------------------------- generic wrappers
+def guard_init(cls, check):
+    """Make ``cls(cfg, ...)`` call ``check(cfg)`` first; subclasses are not affected.
+
+    Returns whether the guard was installed now (``False``: no class, or guarded already).
+    """
+    init = getattr(cls, "__init__", None)
+    if not isinstance(cls, type) or getattr(init, WRAPPED, False):
+        return False
+
+    def __init__(self, cfg, *args, **kwargs):
+        if type(self) is cls:
+            check(cfg)
+        init(self, cfg, *args, **kwargs)
+
+    _mark(__init__, init)
+    cls.__init__ = __init__
+    return True
+
+
+def wrap_load_config(module, after_load):
+    """Replace ``module.load_config`` by ``after_load(path, config, load)`` applied to its result.
+
+    ``load`` is the original function (``after_load`` may load parent recipes with it).
+    Returns whether the wrapper was installed now.
+    """
+    load = getattr(module, "load_config", None)
+    if load is None or getattr(load, WRAPPED, False):
+        return False
+
+    def load_config(config_path, *args, **kwargs):
+        return after_load(config_path, load(config_path, *args, **kwargs), load)
+
+    _mark(load_config, load)
+    module.load_config = load_config
+    return True
+
+
+def _mark(wrapper, wrapped):
+    setattr(wrapper, WRAPPED, True)
+    wrapper.__wrapped__ = wrapped
+    wrapper.__doc__ = wrapped.__doc__
+
+
+# ----------------------------------------------------------------------------- import hook
 # Plain classes, not importlib.abc subclasses: importing importlib.abc at start-up pulls in
 # ~60 modules (importlib.resources, pathlib, typing, tempfile, ...) in every interpreter.
 class _PatchingLoader:
@@ -95,177 +163,42 @@ def _patch(fullname, module):
     if disabled():
         _guard_disabled(fullname, module)
         return
-    # The heavy imports (torch, pydantic, NeMo-RL's loss) happen here, after NeMo-RL itself
-    # imported them; errors propagate so a broken install is reported where it happens.
-    from nemo_rs_plugin import nemo_rl_adapter
+    # The heavy imports (torch, pydantic) happen here, after NeMo-RL itself imported them;
+    # errors propagate so a broken install is reported where it happens.
+    import importlib
 
-    if fullname == CONFIG_MODULE:
-        nemo_rl_adapter.patch_config_loader(module)
-    elif fullname == HOST_LOSS_MODULE:
-        if hasattr(nemo_rl_adapter, "guard_host_loss"):
-            nemo_rl_adapter.guard_host_loss(module)
-        # else the adapter is being imported and imported NeMo-RL's loss first: it guards the
-        # class itself once it is complete (the end of nemo_rl_adapter).
-    else:
-        if not nemo_rl_adapter.install_into(module):
-            import warnings
-
-            warnings.warn(nemo_rl_adapter.install_failure(module), RuntimeWarning, stacklevel=2)
-        expose_to_workers()
+    importlib.import_module(ACTIVATION).activate(fullname, module)
 
 
 # ----------------------------------------------------------------------------- disabled
-def _disabled_message(name, where):
-    return (
-        f"loss_fn.name is {name!r} ({where}), but nemo-rs-plugin is switched off by "
-        f"{DISABLE_ENV}={os.environ.get(DISABLE_ENV)}: NeMo-RL would train with its own loss and "
-        f"ignore the recipe's correction settings. Unset {DISABLE_ENV} to use the plugin, or "
-        "remove loss_fn.name (and the plugin's fields) to train with NeMo-RL's own loss."
-    )
-
-
-def _name_of(loss):
-    if loss is None or isinstance(loss, str):
-        return loss
-    getter = getattr(loss, "get", None)
-    if getter is not None:
-        try:
-            return getter("name")
-        except Exception:  # noqa: BLE001 - a mapping that refuses unknown keys
-            return None
-    return getattr(loss, "name", None)
-
-
 def _refuse_if_named(loss, where):
-    name = _name_of(loss)
+    name = loss_name_of(loss)
     if name is not None and name not in HOST_LOSS_NAMES:
-        raise PluginDisabledError(_disabled_message(name, where))
+        raise PluginDisabledError(
+            f"loss_fn.name is {name!r} ({where}), but nemo-rs-plugin is switched off by "
+            f"{DISABLE_ENV}={os.environ.get(DISABLE_ENV)}: NeMo-RL would train with its own loss and "
+            f"ignore the recipe's correction settings. Unset {DISABLE_ENV} to use the plugin, or "
+            "remove loss_fn.name (and the plugin's fields) to train with NeMo-RL's own loss."
+        )
+
+
+def _refuse_named_recipe(config_path, config, load):
+    getter = getattr(config, "get", None)
+    if getter is not None:
+        _refuse_if_named(getter("loss_fn"), f"in {config_path}")
+    return config
+
+
+def _refuse_named_config(cfg):
+    _refuse_if_named(cfg, "the config NeMo-RL's ClippedPGLossFn was built from")
 
 
 def _guard_disabled(fullname, module):
     """With the plugin off: refuse, at the two places NeMo-RL reads the loss section."""
     if fullname == CONFIG_MODULE:
-        load = getattr(module, "load_config", None)
-        if load is None or getattr(load, "_nemo_rs_guard", False):
-            return
-
-        def load_config(config_path, *args, **kwargs):
-            config = load(config_path, *args, **kwargs)
-            getter = getattr(config, "get", None)
-            if getter is not None:
-                _refuse_if_named(getter("loss_fn"), f"in {config_path}")
-            return config
-
-        load_config._nemo_rs_guard = True
-        load_config.__doc__ = load.__doc__
-        load_config.__wrapped__ = load
-        module.load_config = load_config
+        wrap_load_config(module, _refuse_named_recipe)
     elif fullname == HOST_LOSS_MODULE:
-        cls = getattr(module, "ClippedPGLossFn", None)
-        init = getattr(cls, "__init__", None)
-        if not isinstance(cls, type) or getattr(init, "_nemo_rs_guard", False):
-            return
-
-        def __init__(self, cfg, *args, **kwargs):
-            if type(self) is cls:
-                _refuse_if_named(cfg, "the config NeMo-RL's ClippedPGLossFn was built from")
-            init(self, cfg, *args, **kwargs)
-
-        __init__._nemo_rs_guard = True
-        __init__.__wrapped__ = init
-        __init__.__doc__ = init.__doc__
-        cls.__init__ = __init__
-
-
-# ----------------------------------------------------------------------------- workers
-def worker_path_base():
-    """The directory holding the worker-path links (``NEMO_RS_PLUGIN_WORKER_PATH``)."""
-    return os.environ.get(WORKER_PATH_ENV) or os.path.join(
-        os.path.expanduser("~"), ".cache", "nemo_rs_plugin", "worker-path"
-    )
-
-
-def dangling_links(base=None):
-    """Worker-path directories under ``base`` whose link points nowhere (a removed install)."""
-    base = base or worker_path_base()
-    try:
-        entries = sorted(os.listdir(base))
-    except OSError:
-        return []
-    out = []
-    for entry in entries:
-        link = os.path.join(base, entry, LINK_NAME)
-        if os.path.islink(link) and not os.path.exists(link):
-            out.append(os.path.join(base, entry))
-    return out
-
-
-def prune_dangling_links(base=None):
-    """Remove the directories :func:`dangling_links` finds; returns those removed."""
-    removed = []
-    for shim in dangling_links(base):
-        try:
-            os.unlink(os.path.join(shim, LINK_NAME))
-            os.rmdir(shim)
-        except OSError:
-            continue
-        removed.append(shim)
-    return removed
-
-
-def expose_to_workers():
-    """Put a directory holding only a link to this package on ``PYTHONPATH``.
-
-    NeMo-RL passes the driver's environment to its Ray workers, whose virtual environments
-    are built from NeMo-RL's lockfile and lack the plugin unless it is a dependency there;
-    with this they can unpickle the loss without a rebuild. The directory must be visible to
-    every node (as NeMo-RL's own ``NEMO_RL_VENV_DIR`` must): set
-    ``NEMO_RS_PLUGIN_WORKER_PATH`` to choose it. Links left dangling by an uninstalled copy
-    are removed, and other worker-path directories are taken off ``PYTHONPATH``.
-
-    Returns the directory, or ``None`` when the package location is unknown or the link
-    cannot be made (a warning then says what the workers will lack).
-    """
-    import importlib.util
-    import zlib  # a stable name per install location (hash() is salted per process)
-
-    spec = importlib.util.find_spec("nemo_rs_plugin")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    package_dir = os.path.realpath(list(spec.submodule_search_locations)[0])
-    base = worker_path_base()
-    shim = os.path.join(base, format(zlib.crc32(package_dir.encode()), "08x"))
-    link = os.path.join(shim, LINK_NAME)
-    try:
-        os.makedirs(shim, exist_ok=True)
-        if os.path.realpath(link) != package_dir:
-            tmp = f"{link}.{os.getpid()}.tmp"
-            os.symlink(package_dir, tmp)
-            os.replace(tmp, link)
-    except OSError as exc:
-        import warnings
-
-        warnings.warn(
-            f"nemo-rs-plugin: cannot link the package into {shim} ({exc}). Ray workers that "
-            "run in NeMo-RL's worker virtual environments will fail to unpickle the loss "
-            "(ModuleNotFoundError: No module named 'nemo_rs_plugin') unless the plugin is a "
-            f"dependency of NeMo-RL there (see README: uv add). Set {WORKER_PATH_ENV} to a "
-            "writable directory that every node sees.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
-    prune_dangling_links(base)
-    prefix = os.path.join(os.path.realpath(base), "")
-    parts = [
-        p
-        for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-        if p and (p == shim or not os.path.realpath(p).startswith(prefix))
-    ]
-    if shim not in parts:
-        parts.append(shim)
-    os.environ["PYTHONPATH"] = os.pathsep.join(parts)
-    return shim
+        guard_init(getattr(module, "ClippedPGLossFn", None), _refuse_named_config)
 
 
 def installed():
@@ -274,7 +207,7 @@ def installed():
 
 
 def install():
-    """Register the import hook once per interpreter (idempotent).
+    """Register the import hook once per interpreter (idempotent); ``nemo_rs_plugin.pth`` calls it.
 
     Returns ``"enabled"``, ``"disabled"`` (guard only) or ``None`` when already registered.
     """
@@ -287,6 +220,3 @@ def install():
         if name in sys.modules:
             _patch(name, sys.modules[name])
     return "disabled" if disabled() else "enabled"
-
-
-install()

@@ -65,8 +65,8 @@ def _rank_main(rank, world, rdzv, B, S, repeats, out_q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world)
     from nemo_rs_plugin import CorrectedPGLoss, SequenceGroups
-    from nemo_rs_plugin.loss import LossInputs
-    from nemo_rs_plugin.parallel_layout import cp_shard
+    from nemo_rs_plugin.core.loss import LossInputs
+    from nemo_rs_plugin.parallel.layout import cp_shard
 
     g = torch.Generator().manual_seed(0)
     prev = -torch.rand(B, S, generator=g)
@@ -101,7 +101,7 @@ def _rank_main(rank, world, rdzv, B, S, repeats, out_q):
         parts = [torch.empty_like(lp) for _ in range(world)]
         dist.all_gather(parts, lp.detach())
         parts[rank] = lp  # own chunk keeps its graph, as NeMo-RL's gather does
-        from nemo_rs_plugin.parallel_layout import cp_unshard
+        from nemo_rs_plugin.parallel.layout import cp_unshard
 
         full = cp_unshard(parts)
         x = LossInputs(
@@ -127,7 +127,7 @@ def _rank_main(rank, world, rdzv, B, S, repeats, out_q):
         return statistics.median(samples)
 
     # Bytes of one call's statistic reduction (the loss's own collectives, metrics excluded).
-    from nemo_rs_plugin import correction as correction_mod
+    from nemo_rs_plugin.core import correction as correction_mod
 
     with _CountingCollectives() as counter:
         orig = correction_mod.reduce_sequence_statistics

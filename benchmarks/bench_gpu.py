@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_loss import CONFIGS, UPSTREAM, make_batch  # noqa: E402
 
 from nemo_rs_plugin import CorrectedPGLoss  # noqa: E402
-from nemo_rs_plugin.compiled import COMPILE_ENV  # noqa: E402
+from nemo_rs_plugin.core.compiled import COMPILE_ENV  # noqa: E402
 
 BASE = "upstream-equivalent"
 HOST = "NeMo-RL ClippedPGLossFn"

@@ -12,7 +12,7 @@ Targets (issue "Ready for the GPU"): each upstream-equivalent config dispatches 
 than NeMo-RL's loss on the same config; the five-stage pipeline at most 1.5x NeMo-RL's plain.
 
 The plugin evaluates its metrics and input checks stacked on accelerators and row by row on
-the CPU (``nemo_rs_plugin.metrics.batched_evaluation``); the counts here are those of the GPU
+the CPU (``nemo_rs_plugin.core.metrics.batched_evaluation``); the counts here are those of the GPU
 form (``NEMO_RS_BATCHED_METRICS=1``), ``--cpu-form`` counts what a CPU run dispatches.
 
 Usage: PYTHONPATH=<NeMo-RL checkout> python benchmarks/bench_ops.py [--top 8] [--size 4x256]
@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nemo_rs_plugin import CorrectedPGLoss  # noqa: E402
-from nemo_rs_plugin.metrics import BATCHED_ENV  # noqa: E402
+from nemo_rs_plugin.core.metrics import BATCHED_ENV  # noqa: E402
 
 TIS = {
     "use_importance_sampling_correction": True,

@@ -1,43 +1,46 @@
 """nemo-rs-plugin: decoupled IS correction and rejection sampling for NeMo-RL's clipped PG loss.
 
-The core (config, math, loss) imports only torch and pydantic. ``RSClippedPGLossFn``, the
-subclass of NeMo-RL's ``ClippedPGLossFn``, is resolved lazily and needs NeMo-RL.
+The package is built in layers, each importing only the ones below it:
+
+* :mod:`nemo_rs_plugin.core`: the tensor math (config, IS weights, rejection filters, the loss);
+  imports torch and pydantic, never NeMo-RL or Megatron.
+* :mod:`nemo_rs_plugin.parallel`: the sharded TP/CP input path (vocab-parallel log-probs, the
+  CP layout) on top of the core.
+* :mod:`nemo_rs_plugin.nemo_rl`: the NeMo-RL glue (``RSClippedPGLossFn``, the host-version
+  rules, the activation the start-up hook calls, the loss registry).
+* :mod:`nemo_rs_plugin.tools`: the ``nemo-rs`` command (check, simulate, recipes, doctor, lab).
+
+The names below resolve on first use, so that ``import nemo_rs_plugin`` itself costs nothing
+(the start-up hook and the doctor import standard-library-only modules of the package).
+``RSClippedPGLossFn`` needs NeMo-RL; the rest does not.
 """
 
-from nemo_rs_plugin.config import ConfigError, RejectionFilter, RSClippedPGLossConfig
-from nemo_rs_plugin.distributed import SequenceGroups
-from nemo_rs_plugin.loss import CorrectedPGLoss, LossInputs, metric_normalizations
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ConfigError",
-    "RSClippedPGLossFn",
-    "LossInputs",
-    "RejectionFilter",
-    "CorrectedPGLoss",
-    "RSClippedPGLossConfig",
-    "SequenceGroups",
-    "metric_normalizations",
-    "__version__",
-]
+_PUBLIC = {
+    "ConfigError": "nemo_rs_plugin.core.config",
+    "RejectionFilter": "nemo_rs_plugin.core.config",
+    "RSClippedPGLossConfig": "nemo_rs_plugin.core.config",
+    "SequenceGroups": "nemo_rs_plugin.core.distributed",
+    "CorrectedPGLoss": "nemo_rs_plugin.core.loss",
+    "LossInputs": "nemo_rs_plugin.core.loss",
+    "metric_normalizations": "nemo_rs_plugin.core.loss",
+    "RSClippedPGLossFn": "nemo_rs_plugin.nemo_rl.loss_fn",
+}
+
+__all__ = [*_PUBLIC, "__version__"]
 
 
 def __getattr__(name: str):
-    # The NeMo-RL subclass needs NeMo-RL; import it only when asked for, so that the core
-    # stays usable without NeMo-RL (the ImportError explains how NeMo-RL is installed).
-    if name == "RSClippedPGLoss":
-        import warnings
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nemo_rs_plugin' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        warnings.warn(
-            "nemo_rs_plugin.RSClippedPGLoss is now CorrectedPGLoss (RSClippedPGLossFn is the NeMo-RL class); "
-            "the old name will be removed",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return CorrectedPGLoss
-    if name == "RSClippedPGLossFn":
-        from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
 
-        return RSClippedPGLossFn
-    raise AttributeError(f"module 'nemo_rs_plugin' has no attribute {name!r}")
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 
 from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
-from nemo_rs_plugin.correction import PolicyLogProbs, compute_correction
-from nemo_rs_plugin.distributed import SequenceGroups
-from nemo_rs_plugin.masking import TokenMasks
-from nemo_rs_plugin.metrics import GlobalCounts
-from nemo_rs_plugin.parallel_layout import cp_shard, shift_left
-from nemo_rs_plugin.sharded import sharded_loss, sharded_loss_inputs
+from nemo_rs_plugin.core.correction import PolicyLogProbs, compute_correction
+from nemo_rs_plugin.core.distributed import SequenceGroups
+from nemo_rs_plugin.core.masking import TokenMasks
+from nemo_rs_plugin.core.metrics import GlobalCounts
+from nemo_rs_plugin.parallel.layout import cp_shard, shift_left
+from nemo_rs_plugin.parallel.sharded import sharded_loss, sharded_loss_inputs
 
 IS = {"use_importance_sampling_correction": True}
 CONFIGS = {
@@ -307,7 +307,7 @@ def check_bad_groups(rank, world_size):
 def check_collective_budget(rank, world_size):
     """One loss call: the mask statistics cost one SUM and one MAX all-reduce of O(batch)
     bytes, and nothing is all-gathered."""
-    from nemo_rs_plugin import correction as correction_mod
+    from nemo_rs_plugin.core import correction as correction_mod
 
     group = dist.new_group(list(range(world_size)))
     calls = []

@@ -75,7 +75,7 @@ def guard_with_adapter_first():
     """The adapter imported before NeMo-RL's loss (a worker unpickling, user code): still guarded."""
     import importlib
 
-    importlib.import_module("nemo_rs_plugin.nemo_rl_adapter")  # first
+    importlib.import_module("nemo_rs_plugin.nemo_rl.loss_fn")  # first
     from nemo_rl.algorithms import loss
 
     return {"guarded": getattr(loss.ClippedPGLossFn.__init__, "_nemo_rs_guard", False)}
@@ -88,9 +88,9 @@ def worker_path():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         from nemo_rl.algorithms import grpo  # noqa: F401
-    import _nemo_rs_plugin_hook as hook
+    from nemo_rs_plugin.nemo_rl import workers
 
-    base = hook.worker_path_base()
+    base = workers.worker_path_base()
     return {
         "warnings": [str(w.message) for w in caught if "nemo-rs-plugin" in str(w.message)],
         "pythonpath": os.environ.get("PYTHONPATH", "").split(os.pathsep),
@@ -178,7 +178,7 @@ def errors():
 
 def unsupported():
     try:
-        from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
+        from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
 
         RSClippedPGLossFn({"name": "rs_clipped_pg"})
         return {"error": "no error"}
@@ -246,8 +246,9 @@ def sharded_adapter():
     """sharded_logits_input: LOGIT input, single rank and with megatron groups forwarded."""
     import torch
 
-    from nemo_rs_plugin import CorrectedPGLoss, sharded
-    from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
+    from nemo_rs_plugin import CorrectedPGLoss
+    from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
+    from nemo_rs_plugin.parallel import sharded
 
     cfg = {k: v for k, v in PLUGIN_CFG.items() if k != "name"}
     loss_fn = RSClippedPGLossFn({**cfg, "sharded_logits_input": True})
@@ -298,8 +299,9 @@ def batch_norm_adapter():
     import torch
     import torch.distributed as dist
 
-    from nemo_rs_plugin import nemo_rl_adapter, sharded
-    from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
+    from nemo_rs_plugin.nemo_rl import loss_fn as nemo_rl_adapter
+    from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
+    from nemo_rs_plugin.parallel import sharded
 
     cfg = {**{k: v for k, v in PLUGIN_CFG.items() if k != "name"}, "is_batch_normalization": "data_parallel"}
     lp, data, gvs, gvt = _batch()

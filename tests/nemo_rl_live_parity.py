@@ -159,7 +159,8 @@ def run() -> dict:
     from nemo_rl.algorithms import loss as host_loss
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
-    from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn, host_api
+    from nemo_rs_plugin.nemo_rl.host import host_api
+    from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
 
     fields = host_fields(host_loss)
     pydantic = host_api() == "pydantic"

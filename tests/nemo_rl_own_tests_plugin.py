@@ -19,7 +19,7 @@ def pytest_configure(config):
     nemo_rl_shims.install()
     import nemo_rl.algorithms.loss as host_loss
 
-    from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
+    from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
 
     class CountingRSClippedPGLossFn(RSClippedPGLossFn):
         def __init__(self, *args, **kwargs):

@@ -170,7 +170,7 @@ def recipes_load():
     from nemo_rl.utils import config as host_config
     from omegaconf import OmegaConf
 
-    from nemo_rs_plugin.recipes import export_recipes
+    from nemo_rs_plugin.tools.recipes import export_recipes
 
     if hasattr(host_config, "register_omegaconf_resolvers"):
         host_config.register_omegaconf_resolvers()
@@ -198,7 +198,7 @@ def new_upstream_field():
         return {"api": "typeddict"}
     extended = pydantic.create_model("ClippedPGLossConfig", __base__=base, new_upstream_option=(float, 0.0))
     host_loss.ClippedPGLossConfig = extended
-    from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
+    from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
 
     built = RSClippedPGLossFn(extended(name="rs_clipped_pg", is_correction_level="sequence_mean"))
     try:

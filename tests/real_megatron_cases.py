@@ -220,7 +220,7 @@ def check_sharded_equals_gathered(rank, world_size, host):
     """For every layout, packing, logits dtype and config: the sharded path's logits
     gradients, reported metrics and loss value equal NeMo-RL's gathered path's."""
     m = _host_modules(host)
-    from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
+    from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
 
     logits_full, data, gvs, gvt = make_batch()
     failures, ratios = [], {}
@@ -272,8 +272,8 @@ def check_sharded_refuses_training_time_filtering(rank, world_size, host):
     m = _host_modules(host)
     from nemo_rl.algorithms.logits_sampling_utils import TrainingSamplingParams
 
-    from nemo_rs_plugin.config import ConfigError
-    from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
+    from nemo_rs_plugin.core.config import ConfigError
+    from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
 
     logits_full, data, gvs, gvt = make_batch()
     cfg = dict(CONFIGS["token-loss/token-IS/tis/kl"], name="rs_clipped_pg", sharded_logits_input=True)
@@ -302,7 +302,7 @@ def check_gathered_path_gives_full_gradient(rank, world_size, host):
     path sends rank r exactly ``dL/dz_r`` (not ``/ cp``), the single-process gradient."""
     m = _host_modules(host)
     from nemo_rs_plugin import CorrectedPGLoss
-    from nemo_rs_plugin.nemo_rl_adapter import RSClippedPGLossFn
+    from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
 
     logits_full, data, gvs, gvt = make_batch()
     cfg = CONFIGS["seq-loss/gspo/sequence_mean/geo-rs+veto+token-k3"]

@@ -14,14 +14,14 @@ import textwrap
 import pytest
 import yaml
 
-from nemo_rs_plugin.cli import EXIT_INVALID, EXIT_UNCHECKED, main
-from nemo_rs_plugin.recipes import list_recipes
+from nemo_rs_plugin.tools.cli import EXIT_INVALID, EXIT_UNCHECKED, main
+from nemo_rs_plugin.tools.recipes import list_recipes
 
 LOSS = {"name": "rs_clipped_pg", "use_importance_sampling_correction": True, "is_correction_level": "sequence_mean"}
 
 
 def _is_nemo_rl(name):
-    return name == "nemo_rl" or name.startswith("nemo_rl.") or name == "nemo_rs_plugin.nemo_rl_adapter"
+    return name == "nemo_rl" or name.startswith("nemo_rl.") or name == "nemo_rs_plugin.nemo_rl.loss_fn"
 
 
 @pytest.fixture(autouse=True)
@@ -46,12 +46,12 @@ def isolated(tmp_path, monkeypatch):
         os.environ.pop("PYTHONPATH", None)
     else:
         os.environ["PYTHONPATH"] = saved_pythonpath
-    import nemo_rs_plugin
+    from nemo_rs_plugin import nemo_rl as glue
 
-    if "nemo_rs_plugin.nemo_rl_adapter" in saved_modules:
-        nemo_rs_plugin.nemo_rl_adapter = saved_modules["nemo_rs_plugin.nemo_rl_adapter"]
-    elif hasattr(nemo_rs_plugin, "nemo_rl_adapter"):
-        del nemo_rs_plugin.nemo_rl_adapter
+    if "nemo_rs_plugin.nemo_rl.loss_fn" in saved_modules:
+        glue.loss_fn = saved_modules["nemo_rs_plugin.nemo_rl.loss_fn"]
+    elif hasattr(glue, "loss_fn"):
+        del glue.loss_fn
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def load_config(path):
     with open(path) as fh:
         cfg = yaml.safe_load(fh) or {}
     if cfg.get("multiline_error"):  # as the adapter's shorthand error: a ConfigError over lines
-        from nemo_rs_plugin.config import ConfigError
+        from nemo_rs_plugin.core.config import ConfigError
         raise ConfigError(["write the mapping form,\\n  loss_fn:\\n    name: rs_clipped_pg"])
     parents = cfg.pop("defaults", None) or []
     merged = {}
@@ -207,20 +207,20 @@ def test_master_config_validates_when_it_imports(tmp_path, capsys):
 V060_LOSS = {**LOSS, "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": None}
 
 
-def test_v060_semantics_come_from_the_adapter(tmp_path, capsys, monkeypatch):
-    """A v0.6.0 host accepts `tis` with a null ratio (truncation off), as the adapter reads it."""
+def test_v060_semantics_come_from_the_host_rules(tmp_path, capsys, monkeypatch):
+    """A v0.6.0 host accepts `tis` with a null ratio (truncation off), as the run reads it."""
     host = fake_nemo_rl(tmp_path / "RL", GRPO_TYPEDDICT, typeddict=True)
     recipe = write_recipe(tmp_path / "r.yaml", {"loss_fn": V060_LOSS})
     sys.path.insert(0, str(host))
-    from nemo_rs_plugin import nemo_rl_adapter
+    from nemo_rs_plugin.nemo_rl import host as host_rules
 
     calls = []
-    original = nemo_rl_adapter._v06_semantics
-    monkeypatch.setattr(nemo_rl_adapter, "_v06_semantics", lambda cfg: calls.append(cfg) or original(cfg))
+    original = host_rules.v06_semantics
+    monkeypatch.setattr(host_rules, "v06_semantics", lambda cfg: calls.append(cfg) or original(cfg))
     code, out, err = run_check(capsys, recipe, "--nemo-rl", str(host))
     assert code == 0, (out, err)
     assert "NeMo-RL v0.6.0 semantics" in out and "truncation: none" in out
-    assert len(calls) == 1  # one source of truth: the adapter's own function
+    assert len(calls) == 1  # one source of truth: nemo_rl/host.py, which the run reads too
 
 
 def test_later_versions_reject_tis_without_a_ratio(tmp_path, capsys):

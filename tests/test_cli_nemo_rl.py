@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nemo_rs_plugin.recipes import list_recipes
+from nemo_rs_plugin.tools.recipes import list_recipes
 from tests.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
 
 HOSTS = nemo_rl_hosts()
@@ -28,7 +28,7 @@ import contextlib, io, json, sys
 if sys.argv[1] == "shim" and sys.version_info < (3, 12):
     import typing, typing_extensions
     typing.TypedDict = typing_extensions.TypedDict
-from nemo_rs_plugin.cli import main
+from nemo_rs_plugin.tools.cli import main
 results = []
 for args in json.loads(sys.argv[2]):
     out, err = io.StringIO(), io.StringIO()
@@ -37,7 +37,7 @@ for args in json.loads(sys.argv[2]):
     results.append({"code": code, "out": out.getvalue(), "err": err.getvalue()})
 api = None
 try:
-    from nemo_rs_plugin.nemo_rl_adapter import host_api
+    from nemo_rs_plugin.nemo_rl.host import host_api
     api = host_api()
 except Exception:
     pass

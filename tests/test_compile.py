@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from nemo_rs_plugin import CorrectedPGLoss, compiled
-from nemo_rs_plugin.distributed import NO_GROUPS
+from nemo_rs_plugin import CorrectedPGLoss
+from nemo_rs_plugin.core import compiled
+from nemo_rs_plugin.core.distributed import NO_GROUPS
 from tests.test_inputs import FULL, batch
 from tests.test_parity import CASES, DEVICE, assert_matches_upstream, run_case
 

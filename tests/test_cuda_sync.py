@@ -97,7 +97,7 @@ def cuda_batch_from_bf16():
 
 def test_single_host_sync_on_cuda_compiled(monkeypatch):
     """The compiled core (NEMO_RS_COMPILE=1) keeps the one transfer, outside the graph."""
-    from nemo_rs_plugin import compiled
+    from nemo_rs_plugin.core import compiled
 
     monkeypatch.setenv(compiled.COMPILE_ENV, "1")
     syncs, _ = syncs_of_one_call(CorrectedPGLoss(FULL), *cuda_batch(torch.float32))

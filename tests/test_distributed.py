@@ -12,8 +12,8 @@ under its Megatron loop" is tested against NeMo-RL's and megatron-core's real co
 import pytest
 import torch
 
-from nemo_rs_plugin.distributed import SequenceGroups, reduce_sequence_statistics
-from nemo_rs_plugin.parallel_layout import cp_shard, cp_unshard
+from nemo_rs_plugin.core.distributed import SequenceGroups, reduce_sequence_statistics
+from nemo_rs_plugin.parallel.layout import cp_shard, cp_unshard
 from tests import distributed_cases as cases
 from tests.distributed_harness import run_world_cases
 

@@ -1,4 +1,4 @@
-"""``python -m nemo_rs_plugin.doctor``: passes only where the plugin really is active.
+"""``python -m nemo_rs_plugin.tools.doctor``: passes only where the plugin really is active.
 
 Run in fresh interpreters against tests/fake_hosts (as tests/test_activation.py), with a worker
 virtual environment made as NeMo-RL's are seen by a worker: its own interpreter without the
@@ -20,7 +20,12 @@ def doctor(*args, host="supported", env=None, python=sys.executable, cwd):
         [str(FAKE / host)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     )
     proc = subprocess.run(
-        [python, "-m", "nemo_rs_plugin.doctor", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
+        [python, "-m", "nemo_rs_plugin.tools.doctor", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=600,
     )
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -42,7 +47,7 @@ def test_doctor_passes_where_the_plugin_is_active(tmp_path, worker_venvs):
     assert "ok   nemo_rl.algorithms.grpo: ClippedPGLossFn is the plugin's selector" in out
     assert "ok   NeMo-RL's ClippedPGLossFn: refuses configs that name a plugin loss" in out
     assert (
-        f"ok   loss: loss_fn.name 'rs_clipped_pg' builds nemo_rs_plugin.nemo_rl_adapter.RSClippedPGLossFn from {recipe}"
+        f"ok   loss: loss_fn.name 'rs_clipped_pg' builds nemo_rs_plugin.nemo_rl.loss_fn.RSClippedPGLossFn from {recipe}"
     ) in out
     assert (
         "ok   worker nemo_rl.models.policy.workers.dtensor_policy_worker.DTensorPolicyWorker: unpickles "

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from nemo_rs_plugin import lab  # noqa: E402
+from nemo_rs_plugin.tools import lab  # noqa: E402
 
 
 def test_quick_mode_completes_deterministic_and_finite(tmp_path):

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin.masking import EPS, extrema_penalty
-from nemo_rs_plugin.metrics import GlobalCounts, MetricSet
+from nemo_rs_plugin.core.masking import EPS, extrema_penalty
+from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
 
 
 def _batch(seed: int = 0):
@@ -126,7 +126,7 @@ def test_batched_and_row_by_row_evaluation_agree(cfg, monkeypatch):
     """The GPU form (rows stacked) and the CPU form (row by row) give the same loss and metrics."""
     from benchmarks.bench_ops import make_inputs
     from nemo_rs_plugin import CorrectedPGLoss
-    from nemo_rs_plugin.metrics import BATCHED_ENV
+    from nemo_rs_plugin.core.metrics import BATCHED_ENV
 
     curr, data, gvs, gvt = make_inputs(3, 40)
     data["prev_logprobs"][0, 5] = math.nan  # a non-finite input on a valid token
@@ -184,10 +184,3 @@ def test_names_must_match_rows_and_derived_names_are_declared_once():
     m.derive("d", "none", lambda out: 0.0)
     with pytest.raises(KeyError, match="declared twice"):
         m.add("d", torch.tensor(1.0), "none", "sum")
-
-
-def test_the_old_core_class_name_still_imports_with_a_deprecation_warning():
-    import nemo_rs_plugin
-
-    with pytest.warns(DeprecationWarning, match="CorrectedPGLoss"):
-        assert nemo_rs_plugin.RSClippedPGLoss is nemo_rs_plugin.CorrectedPGLoss

@@ -116,7 +116,7 @@ def test_wheel_installs_into_a_fresh_venv_and_activates(dists, tmp_path):
         [
             str(python),
             "-c",
-            "import json; from nemo_rs_plugin.recipes import list_recipes; "
+            "import json; from nemo_rs_plugin.tools.recipes import list_recipes; "
             "print(json.dumps([str(p) for p in list_recipes()]))",
         ],
         capture_output=True,

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
-from nemo_rs_plugin.config import ConfigError
-from nemo_rs_plugin.correction import PolicyLogProbs, compute_correction
-from nemo_rs_plugin.masking import TokenMasks
-from nemo_rs_plugin.metrics import GlobalCounts
+from nemo_rs_plugin.core.config import ConfigError
+from nemo_rs_plugin.core.correction import PolicyLogProbs, compute_correction
+from nemo_rs_plugin.core.masking import TokenMasks
+from nemo_rs_plugin.core.metrics import GlobalCounts
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "peer_modes.json").read_text())
 IS_TOKEN = {"use_importance_sampling_correction": True, "is_correction_level": "token"}
@@ -458,7 +458,7 @@ def test_new_metrics_and_log_ratios_are_validated():
 
 
 def test_every_metric_key_is_declared():
-    from nemo_rs_plugin.loss import metric_normalizations
+    from nemo_rs_plugin.core.loss import metric_normalizations
 
     b = RECORDED["batch"]
     prev, gen, curr, adv = (torch.tensor(b[k], dtype=torch.float64) for k in ("prev", "gen", "curr", "advantages"))
@@ -477,8 +477,8 @@ def test_data_parallel_batch_mean_on_emulated_dp2_cp2_ranks(name, monkeypatch):
     """VERL's mean over the whole batch, with the batch split over two data-parallel ranks
     (rows) and each row's tokens over two CP ranks: every rank reproduces VERL's weights on
     its part, and the totals cost one SUM over CP (token weights only) and one over DP."""
-    from nemo_rs_plugin.distributed import SequenceGroups
-    from nemo_rs_plugin.parallel_layout import cp_shard
+    from nemo_rs_plugin.core.distributed import SequenceGroups
+    from nemo_rs_plugin.parallel.layout import cp_shard
     from tests.threaded_world import ThreadGroup, run_ranks
 
     mode = next(m for m in RECORDED["modes"] if m["name"] == name)

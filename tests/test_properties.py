@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
-from nemo_rs_plugin.correction import compute_correction, token_filter_statistic
-from nemo_rs_plugin.masking import TokenMasks
-from nemo_rs_plugin.metrics import GlobalCounts
+from nemo_rs_plugin.core.correction import compute_correction, token_filter_statistic
+from nemo_rs_plugin.core.masking import TokenMasks
+from nemo_rs_plugin.core.metrics import GlobalCounts
 from tests.naive_reference import with_unique_labels
 
 BAD = [float("nan"), float("inf"), float("-inf")]

@@ -18,10 +18,10 @@ import random
 import pytest
 import torch
 
-import nemo_rs_plugin.loss as loss_module
+import nemo_rs_plugin.core.loss as loss_module
 from nemo_rs_plugin import CorrectedPGLoss
-from nemo_rs_plugin.distributed import SequenceGroups
-from nemo_rs_plugin.loss import LossInputs
+from nemo_rs_plugin.core.distributed import SequenceGroups
+from nemo_rs_plugin.core.loss import LossInputs
 from tests.naive_reference import reference, sequence_statistic, token_statistic, with_unique_labels
 from tests.threaded_world import ThreadGroup, run_ranks
 

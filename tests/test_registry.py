@@ -4,7 +4,7 @@ from importlib import metadata
 
 import pytest
 
-from nemo_rs_plugin import registry
+from nemo_rs_plugin.nemo_rl import registry
 
 
 @pytest.fixture

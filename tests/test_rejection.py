@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
-from nemo_rs_plugin.correction import compute_correction
-from nemo_rs_plugin.masking import TokenMasks
-from nemo_rs_plugin.metrics import GlobalCounts
+from nemo_rs_plugin.core.correction import compute_correction
+from nemo_rs_plugin.core.masking import TokenMasks
+from nemo_rs_plugin.core.metrics import GlobalCounts
 from tests.conftest import make_batch
 
 e = math.exp
@@ -503,7 +503,7 @@ def test_nonfinite_log_ratio_rejects_its_sequence_or_token(bad):
 
 def test_the_one_bound_check_is_inclusive_and_puts_nan_outside():
     """masking.out_of_bounds decides every filter, truncation and sequence decision."""
-    from nemo_rs_plugin.masking import out_of_bounds
+    from nemo_rs_plugin.core.masking import out_of_bounds
 
     x = torch.tensor([math.nan, -math.inf, 0.5, 1.0, 2.0, 2.5, math.inf])
     assert out_of_bounds(x, 1.0, 2.0).tolist() == [True, True, True, False, False, True, True]

@@ -245,7 +245,15 @@ def test_uv_add_editable_survives_uv_sync_and_reaches_worker_venvs(uv_setup, tmp
     assert worker_out["type"] == "RSClippedPGLossFn"
     # ... and the doctor, run as training runs, proves all of it.
     proc = project.uv(
-        "run", "--locked", "python", "-m", "nemo_rs_plugin.doctor", "recipe.yaml", "--venvs", str(venvs), check=False
+        "run",
+        "--locked",
+        "python",
+        "-m",
+        "nemo_rs_plugin.tools.doctor",
+        "recipe.yaml",
+        "--venvs",
+        str(venvs),
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok   install: a dependency in" in proc.stdout
@@ -292,5 +300,5 @@ def test_uv_pip_install_is_undone_by_uv_sync_and_the_doctor_says_so(uv_setup, tm
     # The recipe now trains silently with NeMo-RL's loss: nothing of the plugin is left to
     # object. The doctor, run the same way, fails.
     assert project.run_grpo("uv", "run", "--locked")["loss"] == "ClippedPGLossFn"
-    proc = project.uv("run", "--locked", "python", "-m", "nemo_rs_plugin.doctor", "recipe.yaml", check=False)
+    proc = project.uv("run", "--locked", "python", "-m", "nemo_rs_plugin.tools.doctor", "recipe.yaml", check=False)
     assert proc.returncode != 0 and "No module named 'nemo_rs_plugin'" in proc.stderr

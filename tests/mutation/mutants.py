@@ -20,7 +20,7 @@ class Mutant(NamedTuple):
 
 
 C, L, P, D, M, MS = (
-    f"nemo_rs_plugin/{m}.py" for m in ("correction", "loss", "policy_loss", "distributed", "masking", "metrics")
+    f"nemo_rs_plugin/core/{m}.py" for m in ("correction", "loss", "policy_loss", "distributed", "masking", "metrics")
 )
 
 MUTANTS: list[Mutant] = [
@@ -370,19 +370,19 @@ MUTANTS: list[Mutant] = [
         "differentiable all-reduce: backward does not sum the gradient over ranks",
     ),
     Mutant(
-        "nemo_rs_plugin/metrics.py",
+        "nemo_rs_plugin/core/metrics.py",
         "summed, maxed = reduce_sequence_statistics(summed.unsqueeze(0), maxed.unsqueeze(0), groups)",
         "summed, maxed = summed.unsqueeze(0), maxed.unsqueeze(0)",
         "metrics not reduced over the ranks (each rank reports its own part)",
     ),
     Mutant(
-        "nemo_rs_plugin/metrics.py",
+        "nemo_rs_plugin/core/metrics.py",
         "return torch.where(is_min, -maxed, values)",
         "return torch.where(is_min, maxed, values)",
         "reduced minimum metrics come back negated",
     ),
     Mutant(
-        "nemo_rs_plugin/config.py",
+        "nemo_rs_plugin/core/config.py",
         'return "sequence" if self.sequence_level_importance_ratios else "token"',
         'return "token"',
         "unset is_correction_level ignores the GSPO flag (NeMo-RL's sequence weight)",
@@ -462,13 +462,13 @@ MUTANTS: list[Mutant] = [
         "batch totals never reduced over the data-parallel group",
     ),
     Mutant(
-        "nemo_rs_plugin/config.py",
+        "nemo_rs_plugin/core/config.py",
         "        if len(where) > 1",
         "        if len(where) > 2",
         "two filters with one label are accepted (their metrics overwrite each other)",
     ),
     Mutant(
-        "nemo_rs_plugin/correction.py",
+        "nemo_rs_plugin/core/correction.py",
         "ratio_mask = masks.token_mask * masks.inputs_finite * (1.0 - masks.valid_bin + alive)",
         "ratio_mask = masks.token_mask * masks.inputs_finite",
         "GSPO ratio keeps the tokens a token filter rejected",

@@ -58,10 +58,12 @@ IGNORE = shutil.ignore_patterns(
 
 
 def test_files() -> list[str]:
-    names = sorted(p.name for p in (REPO / "tests").glob("test_*.py") if p.name not in NOT_THE_COPY)
+    """Every test file (tests/<layer>/test_*.py and tests/test_*.py), the quick killers first."""
+    paths = {p.name: p.relative_to(REPO).as_posix() for p in (REPO / "tests").rglob("test_*.py")}
+    names = sorted(n for n in paths if n not in NOT_THE_COPY)
     middle = [n for n in names if n not in FIRST and n not in LAST]
     ordered = [n for n in FIRST if n in names] + middle + [n for n in LAST if n in names]
-    return [f"tests/{n}" for n in ordered]
+    return [paths[n] for n in ordered]
 
 
 def copy_repo(dest: Path) -> Path:

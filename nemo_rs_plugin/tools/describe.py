@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nemo_rs_plugin.config import RejectionFilter, RSClippedPGLossConfig
+from nemo_rs_plugin.core.config import RejectionFilter, RSClippedPGLossConfig
 
 __all__ = ["describe_pipeline", "describe_filter"]
 

@@ -4,7 +4,7 @@ Loading follows NeMo-RL: with NeMo-RL importable (``--nemo-rl PATH`` puts a chec
 path) the recipe goes through NeMo-RL's own ``load_config`` (``defaults`` inheritance),
 Hydra-style overrides, ``MasterConfig`` where it is a pydantic model, and the loss rules of
 the NeMo-RL version found (v0.6.0 reads ``truncated_importance_sampling_type`` only with a
-ratio, as :mod:`nemo_rs_plugin.nemo_rl_adapter` does). Without NeMo-RL the plugin resolves
+ratio, as :mod:`nemo_rs_plugin.nemo_rl.loss_fn` does). Without NeMo-RL the plugin resolves
 ``defaults`` itself where the files exist. Whatever could not be checked is listed in
 :attr:`CheckReport.unchecked` (what, why, how to check it), and the command then exits 3,
 never 0. Problems are one line each with the YAML path; nothing raises.
@@ -22,8 +22,9 @@ from typing import Any, Optional
 
 import yaml
 
-from nemo_rs_plugin.config import PLUGIN_FIELDS, ConfigError, RSClippedPGLossConfig, own_loss_problems
-from nemo_rs_plugin.recipes import defaults_of, parent_paths
+from nemo_rs_plugin.core.config import PLUGIN_FIELDS, ConfigError, RSClippedPGLossConfig, own_loss_problems
+from nemo_rs_plugin.nemo_rl.host import fused_sharded_problem, training_time_filtering_problem
+from nemo_rs_plugin.nemo_rl.recipe_defaults import defaults_of, parent_paths
 
 __all__ = ["CheckReport", "check_recipe", "load_recipe"]
 
@@ -285,7 +286,7 @@ def load_recipe(path: str, overrides: list[str], nemo_rl_path: Optional[str], re
         if root and defaults_of(raw) and not _defaults_resolve(path):
             # A shipped recipe outside a checkout: resolve its defaults as if it sat in
             # <NeMo-RL>/examples/configs/recipes/llm/ (where `nemo-rs recipes` puts it).
-            from nemo_rs_plugin.recipes import export_recipe
+            from nemo_rs_plugin.tools.recipes import export_recipe
 
             load_path = str(export_recipe(path, tmp, root))
             report.notes.append(f"defaults resolved against {root}")
@@ -394,24 +395,23 @@ def _master_config_problems(cfg: dict, report: CheckReport) -> list[str]:
 
 
 def _host_loss_section(loss: dict, report: CheckReport) -> dict:
-    """The loss section as the NeMo-RL version found reads it (the adapter's own rules)."""
+    """The loss section as the NeMo-RL version found reads it (the run's own rules)."""
+    from nemo_rs_plugin.nemo_rl import host
+
     try:
-        from nemo_rs_plugin import nemo_rl_adapter as adapter
+        api = host.host_api()
+    except host.UnsupportedHostError as exc:
+        report.errors.append(_flatten(str(exc)))
+        return loss
     except Exception as exc:  # noqa: BLE001
         report.unchecked.append(
             f"the loss rules of this NeMo-RL version: nemo_rl.algorithms.loss does not import here "
             f"({_one_line(exc)}); " + HOW_TO_CHECK
         )
         return loss
-    try:
-        api = adapter.host_api()
-    except ImportError as exc:  # an unsupported NeMo-RL version
-        report.errors.append(_flatten(str(exc)))
-        return loss
     if api != "typeddict":
         return loss
-    # See: nemo_rl_adapter._v06_semantics (one rule for the check and the run).
-    read = adapter._v06_semantics(loss)
+    read = host.v06_semantics(loss)
     if read != loss:
         report.notes.append(
             "NeMo-RL v0.6.0 semantics: truncated_importance_sampling_type is ignored without "
@@ -437,21 +437,11 @@ def _parallelism_problems(cfg: dict, config: RSClippedPGLossConfig, report: Chec
         report.warnings.append(
             "loss_fn.sharded_logits_input needs the Megatron backend, and policy.megatron_cfg.enabled is not set here"
         )
-    if megatron is True and _get(cfg, "policy.megatron_cfg.use_fused_linear_logprobs") is True:
-        problems.append(
-            "loss_fn.sharded_logits_input: got true with policy.megatron_cfg.use_fused_linear_logprobs "
-            "true; the fused path returns gathered log-probs, set one of them to false"
-        )
-    top_k = _get(cfg, "policy.generation.top_k")
-    top_p = _get(cfg, "policy.generation.top_p")
-    filters_k = isinstance(top_k, (int, float)) and not isinstance(top_k, bool) and top_k > 0
-    filters_p = isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and top_p != 1.0
-    if filters_k or filters_p:
-        problems.append(
-            f"loss_fn.sharded_logits_input: got true with training-time top-k/top-p filtering "
-            f"(policy.generation.top_k: {top_k}, top_p: {top_p}); the sharded path computes unfiltered "
-            "log-probs: set sharded_logits_input: false, or top_k: null and top_p: 1.0"
-        )
+    fused = fused_sharded_problem(megatron is True, _get(cfg, "policy.megatron_cfg.use_fused_linear_logprobs"))
+    filtering = training_time_filtering_problem(
+        _get(cfg, "policy.generation.top_k"), _get(cfg, "policy.generation.top_p")
+    )
+    problems += [f"loss_fn.{p}" for p in (fused, filtering) if p is not None]
     return problems
 
 
@@ -504,7 +494,7 @@ def _check(
             f"loss_fn {'has no name' if name is None else 'names clipped_pg'}: NeMo-RL's own ClippedPGLossFn is used"
         )
     elif name != "rs_clipped_pg":
-        from nemo_rs_plugin.registry import LossRegistryError, get_loss_class
+        from nemo_rs_plugin.nemo_rl.registry import LossRegistryError, get_loss_class
 
         try:
             get_loss_class(name)
@@ -527,7 +517,7 @@ def _check(
 
 
 def _describe(config: RSClippedPGLossConfig) -> list[str]:
-    from nemo_rs_plugin.describe import describe_pipeline
+    from nemo_rs_plugin.tools.describe import describe_pipeline
 
     return describe_pipeline(config)
 
@@ -564,7 +554,7 @@ def _warn(
 
 
 def _warn_rejection(report: CheckReport, config: RSClippedPGLossConfig, mismatch: float, tokens: int) -> None:
-    from nemo_rs_plugin.simulate import MismatchModel, _metrics_of, synthetic_batch
+    from nemo_rs_plugin.tools.simulate import MismatchModel, _metrics_of, synthetic_batch
 
     model = MismatchModel(responses=64, length=max(16, min(tokens, 4096)), mismatch=mismatch, seed=1)
     fields = config.model_dump()

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from nemo_rs_plugin.config import PLUGIN_FIELDS, RejectionFilter, RSClippedPGLossConfig
+from nemo_rs_plugin.core.config import PLUGIN_FIELDS, RejectionFilter, RSClippedPGLossConfig
 
 __all__ = ["render_reference"]
 
@@ -65,7 +65,7 @@ def render_reference() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `nemo_rs_plugin/config.py` by `nemo-rs reference`; do not edit by hand.",
+        "Generated from `nemo_rs_plugin/core/config.py` by `nemo-rs reference`; do not edit by hand.",
         "Everything goes under `loss_fn:` in a NeMo-RL recipe, with `name: rs_clipped_pg`.",
         "Invalid values and combinations are rejected when the loss is built, one line per",
         "problem naming the field, the value and what is allowed.",

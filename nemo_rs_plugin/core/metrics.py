@@ -30,8 +30,8 @@ from typing import Callable, Literal, Optional, Sequence
 
 import torch
 
-from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
-from nemo_rs_plugin.masking import EPS
+from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
+from nemo_rs_plugin.core.masking import EPS
 
 __all__ = ["BATCHED_ENV", "GlobalCounts", "MetricSet", "Normalization", "Reduction", "batched_evaluation"]
 
@@ -111,7 +111,7 @@ class MetricSet:
         """Record a final 0-dim value (never synced here).
 
         ``min``/``max`` entries may hold ``+-finfo.max`` for "no unit" (see
-        :func:`~nemo_rs_plugin.masking.extrema_penalty`); :meth:`finalize` reports them as
+        :func:`~nemo_rs_plugin.core.masking.extrema_penalty`); :meth:`finalize` reports them as
         ``+-inf``, as NeMo-RL does.
         """
         self._declare(name, normalization, reduction)
@@ -154,7 +154,7 @@ class MetricSet:
     def add_masked_extrema(self, min_name: str, max_name: str, values: torch.Tensor, penalty: torch.Tensor) -> None:
         """Record the min and max of finite ``values`` where the mask behind ``penalty`` is 1.
 
-        ``penalty`` is :func:`~nemo_rs_plugin.masking.extrema_penalty` of the mask (shared
+        ``penalty`` is :func:`~nemo_rs_plugin.core.masking.extrema_penalty` of the mask (shared
         between metrics of one mask). With an empty mask the values are the ``+-finfo.max``
         sentinels that :meth:`finalize` reports as ``(inf, -inf)``.
         """

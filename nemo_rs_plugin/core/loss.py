@@ -2,7 +2,7 @@
 
 This is the host-independent core: it takes NeMo-RL's data dict (or any mapping with the
 same keys) and imports neither NeMo-RL nor Megatron. The NeMo-RL subclass in
-:mod:`nemo_rs_plugin.nemo_rl_adapter` only forwards to it.
+:mod:`nemo_rs_plugin.nemo_rl.loss_fn` only forwards to it.
 
 Loss (token-level; ``m`` valid mask, ``w`` IS weight, ``k`` rejection mask, ``N`` NeMo-RL's
 ``global_valid_toks``)::
@@ -11,7 +11,7 @@ Loss (token-level; ``m`` valid mask, ``w`` IS weight, ``k`` rejection mask, ``N`
 
 and, with ``token_level_loss: false``, the mean over sequences (``/ global_valid_seqs``) of
 per-sequence token means. ``pg_t`` is the clipped objective of
-:func:`~nemo_rs_plugin.policy_loss.clipped_objective`. With no plugin field set, ``k = 1``
+:func:`~nemo_rs_plugin.core.policy_loss.clipped_objective`. With no plugin field set, ``k = 1``
 and the result equals NeMo-RL's ``ClippedPGLossFn`` (loss, gradient, every metric).
 """
 
@@ -24,13 +24,13 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from nemo_rs_plugin.compiled import core_fn
-from nemo_rs_plugin.config import RSClippedPGLossConfig
-from nemo_rs_plugin.correction import CorrectionResult, PolicyLogProbs, apply_correction, plan_correction
-from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
-from nemo_rs_plugin.masking import EPS, TokenMasks, masked_sum, nonfinite, sanitize
-from nemo_rs_plugin.metrics import GlobalCounts, MetricSet, batched_evaluation
-from nemo_rs_plugin.policy_loss import (
+from nemo_rs_plugin.core.compiled import core_fn
+from nemo_rs_plugin.core.config import RSClippedPGLossConfig
+from nemo_rs_plugin.core.correction import CorrectionResult, PolicyLogProbs, apply_correction, plan_correction
+from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
+from nemo_rs_plugin.core.masking import EPS, TokenMasks, masked_sum, nonfinite, sanitize
+from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet, batched_evaluation
+from nemo_rs_plugin.core.policy_loss import (
     clipped_objective,
     kl_estimate,
     kl_penalty_per_token,
@@ -198,7 +198,7 @@ class CorrectedPGLoss:
     """Clipped policy-gradient loss with decoupled IS level and composable rejection sampling.
 
     The host-independent core: plain torch in, ``(loss, metrics)`` out. NeMo-RL never sees
-    this class; it builds :class:`~nemo_rs_plugin.nemo_rl_adapter.RSClippedPGLossFn` (the
+    this class; it builds :class:`~nemo_rs_plugin.nemo_rl.loss_fn.RSClippedPGLossFn` (the
     ``ClippedPGLossFn`` subclass registered as ``rs_clipped_pg``), which forwards here.
 
     Args:
@@ -291,7 +291,7 @@ class CorrectedPGLoss:
         fp16 gradient beyond +-65504 saturates to +-inf there). float32 inputs are untouched.
         """
         x.validate()
-        # The tensor math (optionally torch.compile'd, see nemo_rs_plugin/compiled.py) never
+        # The tensor math (optionally torch.compile'd, see nemo_rs_plugin/core/compiled.py) never
         # leaves the device; the one host transfer stays here, eager.
         # The evaluation form is decided here, eagerly: a compiled core specialises on the bool.
         batched = batched_evaluation(x.curr.device)

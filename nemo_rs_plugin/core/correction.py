@@ -12,7 +12,7 @@ Entry points (all pure torch; no NeMo-RL, no Megatron, no ``.item()``):
 * the pipeline, in three visible steps (the loss calls them in order; :func:`compute_correction`
   chains them): :func:`plan_correction` computes every local decision and every partial
   per-sequence statistic; :meth:`CorrectionPlan.reduce` passes all of them through **one** call
-  of :func:`~nemo_rs_plugin.distributed.reduce_sequence_statistics` (one SUM and one MAX
+  of :func:`~nemo_rs_plugin.core.distributed.reduce_sequence_statistics` (one SUM and one MAX
   all-reduce when sequences are sharded); :func:`apply_correction` derives masks, weights and
   metrics from the reduced statistics only.
 * :func:`batch_normalize_weights`: IS weights over their batch mean (one more SUM of two
@@ -32,14 +32,14 @@ from typing import Optional
 
 import torch
 
-from nemo_rs_plugin.config import RejectionFilter, RSClippedPGLossConfig
-from nemo_rs_plugin.distributed import (
+from nemo_rs_plugin.core.config import RejectionFilter, RSClippedPGLossConfig
+from nemo_rs_plugin.core.distributed import (
     NO_GROUPS,
     SequenceGroups,
     reduce_batch_totals,
     reduce_sequence_statistics,
 )
-from nemo_rs_plugin.masking import (
+from nemo_rs_plugin.core.masking import (
     EPS,
     TokenMasks,
     extrema_penalty,
@@ -49,8 +49,8 @@ from nemo_rs_plugin.masking import (
     out_of_bounds,
     sanitize,
 )
-from nemo_rs_plugin.metrics import GlobalCounts, MetricSet, batched_evaluation
-from nemo_rs_plugin.policy_loss import kl_estimate
+from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet, batched_evaluation
+from nemo_rs_plugin.core.policy_loss import kl_estimate
 
 __all__ = [
     "BATCH_MEAN_FLOOR",
@@ -188,7 +188,7 @@ class CorrectionResult:
             the GSPO ratio; with no token filter it is NeMo-RL's mask).
         ratio_token_count: ``[B]`` ``ratio_mask`` tokens per sequence over all ranks: the GSPO
             ratio's denominator.
-        metrics: the :class:`~nemo_rs_plugin.metrics.MetricSet` the correction declared its
+        metrics: the :class:`~nemo_rs_plugin.core.metrics.MetricSet` the correction declared its
             metrics in.
     """
 

@@ -1,6 +1,6 @@
 """A small GRPO experiment with a real training/inference mismatch: does the correction help?
 
-``python -m nemo_rs_plugin.lab`` (``--quick`` for the < 2 minute smoke run). Every
+``python -m nemo_rs_plugin.tools.lab`` (``--quick`` for the < 2 minute smoke run). Every
 configuration trains the same tiny mixture-of-experts decoder (transformers' Qwen3-MoE,
 random initialisation from a tiny config, nothing downloaded) on the same task with GRPO,
 and only the loss's off-policy correction differs. The loss is the plugin's public API,
@@ -40,28 +40,22 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from nemo_rs_plugin import CorrectedPGLoss
+from nemo_rs_plugin.core import presets
+from nemo_rs_plugin.core.loss import CorrectedPGLoss
 
 __all__ = ["LabSettings", "CONFIGS", "run_one", "run_all", "summarize", "main"]
-
-_IS = {"use_importance_sampling_correction": True}
-_GEO_RS = {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.99, "upper": 1.01}
-_VETO = {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4}
-_TOKEN_MIS = {"level": "token", "metric": "ratio", "lower": 0.5, "upper": 2.0}
 
 #: The compared corrections (the loss sections; the common fields are in ``_BASE_LOSS``).
 CONFIGS: dict[str, dict] = {
     "none": {},
-    "token-tis": {
-        **_IS,
-        "is_correction_level": "token",
-        "truncated_importance_sampling_type": "tis",
-        "truncated_importance_sampling_ratio": 2.0,
+    "token-tis": presets.tis("token"),
+    "sequence": presets.is_level("sequence"),
+    "sequence_mean": presets.is_level("sequence_mean"),
+    "seqmean+geo-rs+veto": {
+        **presets.is_level("sequence_mean"),
+        "rejection_sampling": [presets.GEO_RS, presets.OUTLIER_VETO],
     },
-    "sequence": {**_IS, "is_correction_level": "sequence"},
-    "sequence_mean": {**_IS, "is_correction_level": "sequence_mean"},
-    "seqmean+geo-rs+veto": {**_IS, "is_correction_level": "sequence_mean", "rejection_sampling": [_GEO_RS, _VETO]},
-    "geo-rs+token-mis": {**_IS, "is_correction_level": "token", "rejection_sampling": [_GEO_RS, _TOKEN_MIS]},
+    "geo-rs+token-mis": {**presets.is_level("token"), "rejection_sampling": [presets.GEO_RS, presets.TOKEN_MIS]},
 }
 
 # GRPO as NeMo-RL's grpo_math_1B: PPO clip 0.2 both sides, token-level loss, no KL penalty.
@@ -545,7 +539,7 @@ def progress_bar(done: int, total: int, stream=None, _state={"t0": None, "last":
 
 # ---------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
-    """Arguments of ``python -m nemo_rs_plugin.lab`` / ``nemo-rs lab``."""
+    """Arguments of ``python -m nemo_rs_plugin.tools.lab`` / ``nemo-rs lab``."""
     d = LabSettings()
     p = argparse.ArgumentParser(prog="nemo-rs lab", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run (< 2 min): 2 configs x 2 seeds, tiny sizes")

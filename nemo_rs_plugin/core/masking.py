@@ -41,7 +41,7 @@ def extrema_penalty(mask: torch.Tensor) -> torch.Tensor:
 
     ``(x + penalty).amin()`` and ``(x - penalty).amax()`` are the extremes of finite ``x`` over
     the mask (an empty mask gives the ``+-finfo.max`` sentinels): no ``torch.where``, no
-    boolean indexing, no host sync. See :meth:`~nemo_rs_plugin.metrics.MetricSet.add_masked_extrema`.
+    boolean indexing, no host sync. See :meth:`~nemo_rs_plugin.core.metrics.MetricSet.add_masked_extrema`.
     """
     return (1.0 - mask) * torch.finfo(mask.dtype).max
 

@@ -19,32 +19,16 @@ __all__ = [
     "export_recipe",
     "export_recipes",
     "NEMO_RL_RECIPE_SUBDIR",
-    "defaults_of",
-    "parent_paths",
 ]
 
 NEMO_RL_RECIPE_SUBDIR = os.path.join("examples", "configs", "recipes", "llm")
 _DEFAULTS = re.compile(r"^(defaults:\s*)(['\"]?)([^'\"\n#]+?)\2(\s*(#.*)?)$", re.MULTILINE)
 
 
-def defaults_of(raw: object) -> list[str]:
-    """The parents a recipe names in ``defaults`` (a string or a list), in order."""
-    defaults = raw.get("defaults") if isinstance(raw, dict) else None
-    if not defaults:
-        return []
-    return [str(d) for d in ([defaults] if isinstance(defaults, str) else defaults)]
-
-
-def parent_paths(recipe_path: str, raw: object) -> list[str]:
-    """Paths of the recipe's ``defaults``, resolved against the recipe's folder as NeMo-RL does."""
-    base = os.path.dirname(os.path.abspath(str(recipe_path)))
-    return [p if os.path.isabs(p) else os.path.join(base, p) for p in defaults_of(raw)]
-
-
 def recipe_dir() -> Path:
     """Where the YAMLs are: inside the installed package, or ``recipes/`` of a source tree."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "recipes", here.parent / "recipes"):
+    package = Path(__file__).resolve().parent.parent  # nemo_rs_plugin/
+    for candidate in (package / "recipes", package.parent / "recipes"):
         if any(candidate.glob("*.yaml")):
             return candidate
     raise FileNotFoundError("nemo-rs-plugin's recipes are not installed (no recipes/*.yaml found)")

@@ -3,7 +3,7 @@
 Entries are stored as import paths (``"package.module:Class"``) and imported on lookup, so
 the registry itself is cheap to import and safe to pickle. Built in:
 
-* ``rs_clipped_pg``: :class:`nemo_rs_plugin.nemo_rl_adapter.RSClippedPGLossFn`
+* ``rs_clipped_pg``: :class:`nemo_rs_plugin.nemo_rl.loss_fn.RSClippedPGLossFn`
 * ``clipped_pg``: NeMo-RL's own ``ClippedPGLossFn``
 
 Third parties add names with :func:`register_loss` or through the entry-point group
@@ -28,7 +28,7 @@ __all__ = [
 ENTRY_POINT_GROUP = "nemo_rs_plugin.losses"
 
 _REGISTRY: dict[str, Union[str, type]] = {
-    "rs_clipped_pg": "nemo_rs_plugin.nemo_rl_adapter:RSClippedPGLossFn",
+    "rs_clipped_pg": "nemo_rs_plugin.nemo_rl.loss_fn:RSClippedPGLossFn",
     "clipped_pg": "nemo_rl.algorithms.loss:ClippedPGLossFn",
 }
 _entry_points_loaded = False

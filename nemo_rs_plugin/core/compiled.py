@@ -1,10 +1,10 @@
 """Opt-in ``torch.compile`` of the loss's pure-tensor core (``NEMO_RS_COMPILE=1``).
 
-:meth:`CorrectedPGLoss.compute <nemo_rs_plugin.loss.CorrectedPGLoss.compute>` runs in three
+:meth:`CorrectedPGLoss.compute <nemo_rs_plugin.core.loss.CorrectedPGLoss.compute>` runs in three
 parts: input validation (Python, eager), the tensor math (``CorrectedPGLoss._tensors``: the
 loss and the metrics evaluated into one ``[M]`` vector by ``MetricSet.stack``, no host
 transfer; only that vector leaves the graph) and
-:meth:`MetricSet.finalize <nemo_rs_plugin.metrics.MetricSet.finalize>` (the one ``tolist()``,
+:meth:`MetricSet.finalize <nemo_rs_plugin.core.metrics.MetricSet.finalize>` (the one ``tolist()``,
 eager). With ``NEMO_RS_COMPILE=1`` in the environment the middle part is
 ``torch.compile(..., dynamic=True)``: sequence length and batch size are symbolic from the
 first call, so microbatches of other sizes reuse the same graph instead of recompiling.

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from nemo_rs_plugin.distributed import group_is_active
+from nemo_rs_plugin.core.distributed import group_is_active
 
 __all__ = ["target_logprobs"]
 

@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from nemo_rs_plugin.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
-from nemo_rs_plugin.masking import EPS, finite_exp
+from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
+from nemo_rs_plugin.core.masking import EPS, finite_exp
 
 __all__ = [
     "LOG_RATIO_CLAMP",

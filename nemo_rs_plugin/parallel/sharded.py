@@ -33,10 +33,10 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from nemo_rs_plugin.distributed import SequenceGroups, all_reduce_sum_with_grad, group_is_active
-from nemo_rs_plugin.loss import CorrectedPGLoss, LossInputs
-from nemo_rs_plugin.parallel_layout import cp_shard, shift_left
-from nemo_rs_plugin.vocab_parallel import target_logprobs
+from nemo_rs_plugin.core.distributed import SequenceGroups, all_reduce_sum_with_grad, group_is_active
+from nemo_rs_plugin.core.loss import CorrectedPGLoss, LossInputs
+from nemo_rs_plugin.parallel.layout import cp_shard, shift_left
+from nemo_rs_plugin.parallel.vocab_parallel import target_logprobs
 
 __all__ = ["sharded_loss", "sharded_loss_inputs"]
 

@@ -9,7 +9,7 @@ A synthetic batch models what a practitioner sees on MoE long-sequence GRPO:
 * staleness: a per-sequence shift of ``d`` of scale ``--staleness`` (async / off-policy).
 
 Or real per-token log-probs (:func:`load_batch`, ``--from``). For every configuration the
-real :class:`~nemo_rs_plugin.loss.CorrectedPGLoss` runs forward and backward; the report has
+real :class:`~nemo_rs_plugin.core.loss.CorrectedPGLoss` runs forward and backward; the report has
 the IS weight mean / std / min, effective sample size, fraction of sequences and tokens
 rejected, and the gradient norm relative to the uncorrected loss.
 
@@ -29,8 +29,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nemo_rs_plugin.loss import CorrectedPGLoss
-from nemo_rs_plugin.masking import log_ratio
+from nemo_rs_plugin.core import presets
+from nemo_rs_plugin.core.loss import CorrectedPGLoss
+from nemo_rs_plugin.core.masking import log_ratio
 
 __all__ = [
     "MismatchModel",
@@ -46,39 +47,23 @@ __all__ = [
     "plot_figure",
 ]
 
-_IS = {"use_importance_sampling_correction": True, "reference_policy_kl_penalty": 0.0}
+_NO_KL = {"reference_policy_kl_penalty": 0.0}
 DEFAULT_CONFIGS: dict[str, dict] = {
-    "uncorrected": {"reference_policy_kl_penalty": 0.0},
-    "token": {**_IS, "is_correction_level": "token"},
-    "token+tis2": {
-        **_IS,
-        "is_correction_level": "token",
-        "truncated_importance_sampling_type": "tis",
-        "truncated_importance_sampling_ratio": 2.0,
-    },
-    "sequence": {**_IS, "is_correction_level": "sequence"},
-    "sequence+tis2": {
-        **_IS,
-        "is_correction_level": "sequence",
-        "truncated_importance_sampling_type": "tis",
-        "truncated_importance_sampling_ratio": 2.0,
-    },
-    "sequence_mean": {**_IS, "is_correction_level": "sequence_mean"},
+    "uncorrected": dict(_NO_KL),
+    "token": {**_NO_KL, **presets.is_level("token")},
+    "token+tis2": {**_NO_KL, **presets.tis("token")},
+    "sequence": {**_NO_KL, **presets.is_level("sequence")},
+    "sequence+tis2": {**_NO_KL, **presets.tis("sequence")},
+    "sequence_mean": {**_NO_KL, **presets.is_level("sequence_mean")},
     "seqmean+geo-rs+veto": {
-        **_IS,
-        "is_correction_level": "sequence_mean",
-        "rejection_sampling": [
-            {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01},
-            {"level": "sequence", "agg": "any", "lower": 1e-4, "upper": 1e4},
-        ],
+        **_NO_KL,
+        **presets.is_level("sequence_mean"),
+        "rejection_sampling": [presets.GEO_RS, presets.OUTLIER_VETO],
     },
     "geo-rs+token-mis": {
-        **_IS,
-        "is_correction_level": "token",
-        "rejection_sampling": [
-            {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01},
-            {"level": "token", "lower": 0.5, "upper": 2.0},
-        ],
+        **_NO_KL,
+        **presets.is_level("token"),
+        "rejection_sampling": [presets.GEO_RS, presets.TOKEN_MIS],
     },
 }
 
@@ -317,14 +302,14 @@ def _applied_weights(cfg: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-unit IS weights the loss applies, from the loss's own correction function.
 
     Computed in the batch's dtype (float32), as the loss computes them: a weight whose
-    ``exp`` overflows float32 is 0 there (:func:`~nemo_rs_plugin.masking.finite_exp`), so it
+    ``exp`` overflows float32 is 0 there (:func:`~nemo_rs_plugin.core.masking.finite_exp`), so it
     is 0 here too. Returned as float64 for the statistics (``w**2`` of a large float32
     weight must not overflow).
     """
-    from nemo_rs_plugin.config import RSClippedPGLossConfig
-    from nemo_rs_plugin.correction import compute_correction
-    from nemo_rs_plugin.masking import TokenMasks
-    from nemo_rs_plugin.metrics import GlobalCounts
+    from nemo_rs_plugin.core.config import RSClippedPGLossConfig
+    from nemo_rs_plugin.core.correction import compute_correction
+    from nemo_rs_plugin.core.masking import TokenMasks
+    from nemo_rs_plugin.core.metrics import GlobalCounts
 
     c = RSClippedPGLossConfig.from_any(cfg)
     dtype = batch["prev_logprobs"].dtype

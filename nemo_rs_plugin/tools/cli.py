@@ -39,7 +39,7 @@ SYNTHETIC_OPTIONS = {
 
 def _simulate_problems(args: argparse.Namespace) -> list[str]:
     """Every problem with the options, found before the (minutes long) run."""
-    from nemo_rs_plugin import simulate as sim
+    from nemo_rs_plugin.tools import simulate as sim
 
     problems = []
     if args.from_file:
@@ -69,7 +69,7 @@ def _simulate_problems(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from nemo_rs_plugin import simulate as sim
+    from nemo_rs_plugin.tools import simulate as sim
 
     configs = dict(sim.DEFAULT_CONFIGS)
     problems = []
@@ -122,7 +122,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from nemo_rs_plugin.check import check_recipe
+    from nemo_rs_plugin.tools.check import check_recipe
 
     problems = []
     if not math.isfinite(args.mismatch) or args.mismatch < 0:
@@ -158,7 +158,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_recipes(args: argparse.Namespace) -> int:
-    from nemo_rs_plugin.recipes import export_recipes, list_recipes
+    from nemo_rs_plugin.tools.recipes import export_recipes, list_recipes
 
     if args.out:
         for path in export_recipes(args.out, args.nemo_rl):
@@ -170,7 +170,7 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def _cmd_reference(args: argparse.Namespace) -> int:
-    from nemo_rs_plugin.reference import render_reference
+    from nemo_rs_plugin.tools.reference import render_reference
 
     sys.stdout.write(render_reference())
     return 0
@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("lab", help="GRPO on a tiny MoE with a real sampler/trainer mismatch (docs/lab.md)", add_help=False)
 
-    from nemo_rs_plugin import doctor  # standard library only at import
+    from nemo_rs_plugin.tools import doctor  # standard library only at import
 
     d = sub.add_parser("doctor", help=doctor.HELP)
     doctor.add_arguments(d)
@@ -237,7 +237,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``nemo-rs`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lab"]:  # the lab parses its own flags (docs/lab.md)
-        from nemo_rs_plugin import lab
+        from nemo_rs_plugin.tools import lab
 
         return lab.main(argv[1:])
     parser = build_parser()

@@ -1,7 +1,7 @@
-"""``python -m nemo_rs_plugin.doctor [RECIPE]``: prove the plugin is active where NeMo-RL runs.
+"""``python -m nemo_rs_plugin.tools.doctor [RECIPE]``: prove the plugin is active where NeMo-RL runs.
 
 Run it the way training runs, from NeMo-RL's checkout (``uv run python -m
-nemo_rs_plugin.doctor my-recipe.yaml``). In this interpreter, the driver, it checks that:
+nemo_rs_plugin.tools.doctor my-recipe.yaml``). In this interpreter, the driver, it checks that:
 
 * the start-up hook ran here and is not switched off (``NEMO_RS_PLUGIN_DISABLE``);
 * NeMo-RL is importable and its loss API supported;
@@ -33,6 +33,8 @@ import subprocess
 import sys
 import warnings
 from typing import Any, Optional, Sequence, TextIO
+
+from nemo_rs_plugin.nemo_rl import workers as worker_links  # standard library only
 
 __all__ = ["HELP", "add_arguments", "main", "run", "run_checks"]
 
@@ -106,13 +108,13 @@ def _nemo_rl(report: _Report) -> Any:
         report.fail(
             "NeMo-RL",
             f"not importable here ({exc}); run the doctor in NeMo-RL's "
-            "environment (uv run python -m nemo_rs_plugin.doctor)",
+            "environment (uv run python -m nemo_rs_plugin.tools.doctor)",
             stop=True,
         )
-    from nemo_rs_plugin import nemo_rl_adapter
+    from nemo_rs_plugin.nemo_rl.host import host_api
 
     try:
-        api = nemo_rl_adapter.host_api()
+        api = host_api()
     except ImportError as exc:
         report.fail("NeMo-RL", str(exc), stop=True)
     report.ok(
@@ -129,7 +131,8 @@ def _module_exists(name: str) -> bool:
 
 
 def _selectors(report: _Report, hook: Any) -> Any:
-    from nemo_rs_plugin import nemo_rl_adapter as adapter
+    from nemo_rs_plugin.nemo_rl import activation
+    from nemo_rs_plugin.nemo_rl.host import SUPPORTED_NEMO_RL
 
     grpo = None
     for name in hook.LOSS_MODULES:
@@ -141,8 +144,8 @@ def _selectors(report: _Report, hook: Any) -> Any:
         except Exception as exc:  # noqa: BLE001 - reported, not hidden
             (report.fail if required else report.warn)(name, f"cannot import: {type(exc).__name__}: {exc}")
             continue
-        if not isinstance(getattr(module, "ClippedPGLossFn", None), adapter.ClippedPGLossSelector):
-            report.fail(name, adapter.install_failure(module))
+        if not isinstance(getattr(module, "ClippedPGLossFn", None), activation.ClippedPGLossSelector):
+            report.fail(name, activation.install_failure(module))
             continue
         try:
             calls = "ClippedPGLossFn(" in inspect_source(module)
@@ -153,7 +156,7 @@ def _selectors(report: _Report, hook: Any) -> Any:
                 name,
                 "ClippedPGLossFn is the plugin's selector, but the module never calls "
                 "ClippedPGLossFn(...): this NeMo-RL builds its loss somewhere else "
-                f"(supported: {adapter.SUPPORTED_NEMO_RL})",
+                f"(supported: {SUPPORTED_NEMO_RL})",
             )
             continue
         report.ok(
@@ -165,7 +168,7 @@ def _selectors(report: _Report, hook: Any) -> Any:
             grpo = module
     from nemo_rl.algorithms import loss as host_loss
 
-    if getattr(host_loss.ClippedPGLossFn.__init__, "_nemo_rs_guard", False):
+    if getattr(host_loss.ClippedPGLossFn.__init__, hook.WRAPPED, False):
         report.ok("NeMo-RL's ClippedPGLossFn", "refuses configs that name a plugin loss")
     else:
         report.fail(
@@ -174,7 +177,7 @@ def _selectors(report: _Report, hook: Any) -> Any:
         )
     if _module_exists(hook.CONFIG_MODULE):
         config = importlib.import_module(hook.CONFIG_MODULE)
-        if getattr(config.load_config, "_nemo_rs_wrapped", False):
+        if getattr(config.load_config, hook.WRAPPED, False):
             report.ok(hook.CONFIG_MODULE, "load_config is patched (loss_fn shorthand, early refusal)")
         else:
             report.fail(hook.CONFIG_MODULE, "load_config is not patched")
@@ -202,7 +205,7 @@ def _plain(section: Any) -> Any:
 
 
 def _build(report: _Report, grpo: Any, hook: Any, recipe: Optional[str]) -> Any:
-    from nemo_rs_plugin.registry import get_loss_class
+    from nemo_rs_plugin.nemo_rl.registry import get_loss_class
 
     cfg: Any = {"name": PLUGIN_NAME}
     if recipe:
@@ -259,15 +262,16 @@ def _project(report: _Report, nemo_rl: Any) -> None:
 def _worker_path(report: _Report, hook: Any) -> Optional[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        shim = hook.expose_to_workers()
+        shim = worker_links.expose_to_workers()
     if shim is None:
         detail = "; ".join(str(w.message) for w in caught) or "the package location is unknown"
         report.fail("worker path", detail)
         return None
     report.ok(
-        "worker path", f"{shim} is on PYTHONPATH, linking to {os.path.realpath(os.path.join(shim, hook.LINK_NAME))}"
+        "worker path",
+        f"{shim} is on PYTHONPATH, linking to {os.path.realpath(os.path.join(shim, worker_links.LINK_NAME))}",
     )
-    for dangling in hook.dangling_links():
+    for dangling in worker_links.dangling_links():
         report.warn("worker path", f"dangling link left by a removed install: {dangling} (remove it)")
     return shim
 
@@ -337,7 +341,7 @@ def run_checks(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The doctor's options, for ``nemo-rs doctor`` and ``python -m nemo_rs_plugin.doctor``."""
+    """The doctor's options, for ``nemo-rs doctor`` and ``python -m nemo_rs_plugin.tools.doctor``."""
     parser.add_argument("recipe", nargs="?", help="a recipe to load with NeMo-RL's load_config and build")
     parser.add_argument(
         "--venvs",
@@ -355,8 +359,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``python -m nemo_rs_plugin.doctor``."""
-    parser = argparse.ArgumentParser(prog="python -m nemo_rs_plugin.doctor", description=HELP)
+    """Entry point of ``python -m nemo_rs_plugin.tools.doctor``."""
+    parser = argparse.ArgumentParser(prog="python -m nemo_rs_plugin.tools.doctor", description=HELP)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

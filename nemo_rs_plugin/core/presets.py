@@ -1,0 +1,41 @@
+"""Named corrections: the one definition of each preset that the tools, the recipes and the docs read.
+
+Each preset is a plain fragment of a ``loss_fn`` section, as a recipe writes it. Where its
+numbers come from, and where they are measured harmful, is in docs/guide.md ("What to pick
+first") and docs/lab.md. ``nemo-rs simulate`` and ``nemo-rs lab`` build their configurations
+from these.
+
+* ``GEO_RS``: Geo-RS, the geometric mean of the sequence's ratios kept within ``[0.99, 1.01]``:
+  a band for *precision* mismatch (about 1e-3 nats per token, NeMo-RL PR #2269). Under
+  staleness (0.1 to 0.7 nats per token) it rejects most of the batch.
+* ``OUTLIER_VETO``: reject a sequence with any token ratio outside ``[1e-4, 1e4]``.
+* ``TOKEN_MIS``: token-level masked IS, tokens with a ratio outside ``[0.5, 2]`` rejected.
+* ``TIS_CAP``: the truncation cap of token/sequence TIS (``truncated_importance_sampling_ratio``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["GEO_RS", "OUTLIER_VETO", "TOKEN_MIS", "TIS_CAP", "IS_ON", "tis", "is_level"]
+
+GEO_RS: dict[str, Any] = {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.99, "upper": 1.01}
+OUTLIER_VETO: dict[str, Any] = {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4}
+TOKEN_MIS: dict[str, Any] = {"level": "token", "metric": "ratio", "lower": 0.5, "upper": 2.0}
+TIS_CAP = 2.0
+#: Importance sampling switched on (the level decides what the weight is).
+IS_ON: dict[str, Any] = {"use_importance_sampling_correction": True}
+
+
+def is_level(level: str) -> dict[str, Any]:
+    """IS on, at ``level`` (``token``, ``sequence`` or ``sequence_mean``)."""
+    return {**IS_ON, "is_correction_level": level}
+
+
+def tis(level: str, cap: float = TIS_CAP) -> dict[str, Any]:
+    """IS at ``level``, weights truncated at ``cap`` (TIS)."""
+    return {
+        **is_level(level),
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": cap,
+    }

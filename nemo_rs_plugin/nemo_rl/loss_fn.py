@@ -1,0 +1,228 @@
+"""``RSClippedPGLossFn``: the NeMo-RL loss class that recipes select with ``loss_fn.name: rs_clipped_pg``.
+
+It subclasses NeMo-RL's ``ClippedPGLossFn`` (``isinstance``, ``loss_type``, ``input_type``,
+``metric_normalizations``, ``use_fused_linear_logprobs``, pickling) and forwards ``__call__`` to
+the host-independent :class:`~nemo_rs_plugin.core.loss.CorrectedPGLoss`; with
+``sharded_logits_input`` to :func:`~nemo_rs_plugin.parallel.sharded.sharded_loss`, with the TP
+and CP groups read from megatron-core's ``parallel_state``. The rules that depend on the
+NeMo-RL version are in :mod:`nemo_rs_plugin.nemo_rl.host`; how recipes reach this class is in
+:mod:`nemo_rs_plugin.nemo_rl.activation`.
+
+Supported hosts: NeMo-RL v0.6.0 (TypedDict config), v0.7.0 and main (pydantic config), all
+with the loss in ``nemo_rl.algorithms.loss`` taking next-token log-probs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+try:
+    from nemo_rl.algorithms.loss import ClippedPGLossFn
+    from nemo_rl.algorithms.loss.interfaces import LossInputType
+except ImportError as exc:  # pragma: no cover - exercised where NeMo-RL is absent
+    raise ImportError(
+        "RSClippedPGLossFn needs NeMo-RL, which is not importable here "
+        f"({exc}). NeMo-RL is not on PyPI: install it from its git repository "
+        "(git clone https://github.com/NVIDIA-NeMo/RL && uv sync, or use its container), "
+        "or point PYTHONPATH at a checkout. The core loss, nemo_rs_plugin.CorrectedPGLoss, "
+        "works without it."
+    ) from exc
+
+from nemo_rs_plugin.core.config import ConfigError, RSClippedPGLossConfig, as_plain_dict
+from nemo_rs_plugin.core.distributed import SequenceGroups
+from nemo_rs_plugin.core.loss import CorrectedPGLoss, metric_normalizations
+from nemo_rs_plugin.nemo_rl.host import (
+    fused_sharded_problem,
+    host_accepts_fused_flag,
+    host_api,
+    host_config,
+    host_only_fields,
+    training_time_filtering_problem,
+    v06_semantics,
+)
+
+__all__ = ["RSClippedPGLossFn", "batch_data_parallel_group", "megatron_groups"]
+
+try:  # v0.7.0 has no MetricNormalizer; main does
+    from nemo_rl.algorithms.loss.interfaces import MetricNormalizer
+except ImportError:  # pragma: no cover - depends on the host version
+    MetricNormalizer = None  # type: ignore[assignment,misc]
+
+
+class RSClippedPGLossFn(ClippedPGLossFn):
+    """NeMo-RL's clipped PG loss with decoupled IS level and composable rejection sampling.
+
+    Formula, fields and metrics: :mod:`nemo_rs_plugin.core.loss` and ``docs/guide.md``. With no
+    plugin field set every output equals NeMo-RL's ``ClippedPGLossFn`` on the same inputs.
+
+    Args:
+        cfg: ``loss_fn`` section (NeMo-RL's pydantic config, a dict, or any mapping);
+            validated here, at construction.
+        use_fused_linear_logprobs: as NeMo-RL's (``prepare_loss_input`` reads it).
+    """
+
+    def __init__(self, cfg: Any, use_fused_linear_logprobs: bool = False):
+        api = host_api()
+        if api == "typeddict":
+            cfg = v06_semantics(cfg)
+        raw = as_plain_dict(cfg)
+        host_only = host_only_fields(raw)
+        config = RSClippedPGLossConfig.from_any(raw)
+        host_cfg = host_config(config, api, host_only)
+        if host_accepts_fused_flag():
+            super().__init__(host_cfg, use_fused_linear_logprobs=use_fused_linear_logprobs)
+        else:
+            super().__init__(host_cfg)
+        self.use_fused_linear_logprobs = use_fused_linear_logprobs
+        # The host saw truncation disabled (its asserts reject some decoupled-level
+        # combinations); expose the real values to code that reads these attributes.
+        self.truncated_importance_sampling_type = config.truncated_importance_sampling_type
+        self.truncated_importance_sampling_ratio = config.truncated_importance_sampling_ratio
+        self.truncated_importance_sampling_ratio_min = config.truncated_importance_sampling_ratio_min
+        self.rs_config = config
+        self.core = CorrectedPGLoss(config)
+        problem = fused_sharded_problem(config.sharded_logits_input, use_fused_linear_logprobs)
+        if problem is not None:
+            raise ConfigError([problem])
+        # See: docs/parallelism.md#sharded-input
+        self.input_type = LossInputType.LOGIT if config.sharded_logits_input else LossInputType.LOGPROB
+        if MetricNormalizer is not None:
+            self.metric_normalizations = {k: MetricNormalizer(v) for k, v in metric_normalizations(config).items()}
+
+    def __call__(
+        self,
+        next_token_logprobs: Any = None,
+        data: Optional[Mapping[str, Any]] = None,
+        global_valid_seqs: Any = None,
+        global_valid_toks: Any = None,
+        logits: Any = None,
+    ) -> tuple[Any, dict]:
+        """NeMo-RL's ``ClippedPGLossFn.__call__``; with ``sharded_logits_input``, ``logits``.
+
+        The sharded path reads the TP and CP groups from megatron-core's ``parallel_state``
+        (NeMo-RL's Megatron worker initialises it) and returns this rank's loss share; see
+        :mod:`nemo_rs_plugin.parallel.sharded` for why NeMo-RL's ``/ cp`` post-processing then gives the
+        gathered path's gradients.
+        """
+        if data is None:
+            raise TypeError("rs_clipped_pg: the data dict is required")
+        dp_group = batch_data_parallel_group(self.rs_config)
+        if not self.rs_config.sharded_logits_input:
+            if next_token_logprobs is None:
+                raise TypeError(
+                    "rs_clipped_pg: next_token_logprobs is required (input_type LOGPROB); set "
+                    "sharded_logits_input: true to pass logits"
+                )
+            return self.core(
+                next_token_logprobs,
+                data,
+                global_valid_seqs,
+                global_valid_toks,
+                SequenceGroups.of(data_parallel=dp_group),
+            )
+        if logits is None:
+            raise TypeError("rs_clipped_pg with sharded_logits_input: logits are required")
+        _refuse_training_time_filtering(_callers_sampling_params())
+        from nemo_rs_plugin.parallel.sharded import sharded_loss
+
+        tp_group, cp_group = megatron_groups()
+        return sharded_loss(
+            self.core,
+            logits,
+            data,
+            global_valid_seqs,
+            global_valid_toks,
+            cp_group=cp_group,
+            tp_group=tp_group,
+            pad_to_shard=True,
+            data_parallel_group=dp_group,
+        )
+
+
+def _callers_sampling_params(max_depth: int = 4) -> Any:
+    """The ``sampling_params`` NeMo-RL bound into the ``prepare_fn`` that is calling the loss.
+
+    NeMo-RL hands a LOGIT-input loss the raw logits and applies its training-time top-k/top-p
+    filtering only to LOGPROB-input losses, so the loss never sees those settings. They are
+    bound (``functools.partial``) into the ``prepare_fn`` of the wrapper that calls the loss
+    (``wrap_loss_fn_with_input_preparation``'s argument, ``SequencePackingLossWrapper.
+    prepare_fn``): read them from the calling frames. ``tests/test_real_megatron.py`` checks,
+    at every supported NeMo-RL, that this finds them.
+    """
+    import functools
+    import sys
+
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        local = frame.f_locals
+        candidate = local.get("prepare_fn")
+        if candidate is None and "self" in local:
+            candidate = getattr(local["self"], "prepare_fn", None)
+        if isinstance(candidate, functools.partial) and "sampling_params" in candidate.keywords:
+            return candidate.keywords["sampling_params"]
+        frame = frame.f_back
+    return None
+
+
+def _refuse_training_time_filtering(params: Any) -> None:
+    """Top-k/top-p training-time filtering cannot be honoured from logits: refuse it."""
+    if params is None:
+        return
+    problem = training_time_filtering_problem(getattr(params, "top_k", None), getattr(params, "top_p", 1.0))
+    if problem is not None:
+        raise ConfigError([problem])
+
+
+def _megatron_parallel_state() -> Any:
+    """megatron-core's ``parallel_state`` where it is importable and initialised, else ``None``."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        return None
+    return parallel_state if parallel_state.model_parallel_is_initialized() else None
+
+
+def megatron_groups() -> tuple[Any, Any]:
+    """``(tp_group, cp_group)`` from megatron-core's ``parallel_state``.
+
+    ``(None, None)`` when megatron-core is absent or not initialised (single process,
+    DTensor backend).
+    """
+    parallel_state = _megatron_parallel_state()
+    if parallel_state is None:
+        return None, None
+    return (
+        parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_context_parallel_group(),
+    )
+
+
+def batch_data_parallel_group(config: RSClippedPGLossConfig) -> Any:
+    """The data-parallel group ``is_batch_normalization: data_parallel`` reduces over, or None.
+
+    Megatron backend: megatron-core's ``get_data_parallel_group()`` (without CP: on NeMo-RL's
+    gathered path every CP rank holds whole copies of the same sequences, and the sharded
+    path sums the CP split through its sequence groups). A single process needs none.
+    NeMo-RL's DTensor worker keeps its device mesh to itself, so with several ranks and no
+    megatron-core the group is unknown: a ``ConfigError`` rather than a silent per-rank mean.
+    See: docs/guide.md#batch-normalisation
+    """
+    if config.is_batch_normalization != "data_parallel":
+        return None
+    parallel_state = _megatron_parallel_state()
+    if parallel_state is not None:
+        return parallel_state.get_data_parallel_group()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigError(
+            [
+                "is_batch_normalization: got 'data_parallel', but no data-parallel group is known "
+                "here (megatron-core's parallel_state is not initialised, as under NeMo-RL's DTensor "
+                "backend); allowed here: 'microbatch', or call the core loss with "
+                "SequenceGroups(data_parallel=...)"
+            ]
+        )
+    return None
