@@ -54,7 +54,7 @@ def nemo_rl_loss(checkout: Path | None):
         return None, f"no NeMo-RL checkout at {checkout} (extract one: see docs/performance.md#on-a-gpu)"
     sys.path.insert(0, str(checkout))
     try:
-        from tests import nemo_rl_shims
+        from tests.support import nemo_rl_shims
 
         nemo_rl_shims.install()
         from nemo_rl.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn

@@ -126,7 +126,7 @@ def count(loss_fn, B: int, S: int, wrap=lambda d: d) -> collections.Counter:
 def nemo_rl_loss(cfg: dict):
     """NeMo-RL's own loss for ``cfg`` (and its data wrapper), or ``None`` without NeMo-RL."""
     try:
-        from tests import nemo_rl_shims
+        from tests.support import nemo_rl_shims
 
         nemo_rl_shims.install()
         from nemo_rl.algorithms import loss as host

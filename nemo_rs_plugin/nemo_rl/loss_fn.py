@@ -146,7 +146,7 @@ def _callers_sampling_params(max_depth: int = 4) -> Any:
     filtering only to LOGPROB-input losses, so the loss never sees those settings. They are
     bound (``functools.partial``) into the ``prepare_fn`` of the wrapper that calls the loss
     (``wrap_loss_fn_with_input_preparation``'s argument, ``SequencePackingLossWrapper.
-    prepare_fn``): read them from the calling frames. ``tests/test_real_megatron.py`` checks,
+    prepare_fn``): read them from the calling frames. ``tests/parallel/test_real_megatron.py`` checks,
     at every supported NeMo-RL, that this finds them.
     """
     import functools

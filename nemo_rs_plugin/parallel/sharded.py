@@ -22,7 +22,7 @@ returns), and in backward each rank's ``1/cp`` is summed over the ``cp`` ranks, 
 receives ``d(sum_r' L_r')/dz_r = dL/dz_r``, as on the gathered path. Returning the bare share
 instead gives ``dL/dz_r / cp``: that was the case before this was measured against NeMo-RL's
 real ``LossPostProcessor``, megatron-core's ``forward_step``/``backward_step`` and
-``parallel_state`` on gloo (``tests/test_real_megatron.py``: ratio 0.5 at CP2, 0.25 at CP4).
+``parallel_state`` on gloo (``tests/parallel/test_real_megatron.py``: ratio 0.5 at CP2, 0.25 at CP4).
 The *metrics* are reduced over the CP group, so every rank reports the full-batch values.
 """
 

@@ -5,7 +5,7 @@ Usage (from anywhere; takes ~10-20 min on two cores)::
     python tests/mutation/run.py                 # every mutant of tests/mutation/mutants.py
     python tests/mutation/run.py --only 9 34     # some mutants, by number
     python tests/mutation/run.py --list          # the mutants, without running anything
-    python tests/mutation/run.py --tests tests/test_reference.py   # what one file kills
+    python tests/mutation/run.py --tests tests/core/test_reference.py   # what one file kills
 
 Each mutant is applied to a fresh temporary copy of the repository (the working tree is
 never edited); the subset runs there with the copy first on ``sys.path``, so the copy's

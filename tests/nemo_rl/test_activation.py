@@ -1,7 +1,7 @@
 """Activation on install, selection by ``loss_fn.name``, errors, shorthand and Ray workers.
 
 These run against tests/fake_hosts (written for these tests; no NeMo-RL code) in fresh
-interpreters, so they run in CI without NeMo-RL; tests/test_nemo_rl_host.py repeats the
+interpreters, so they run in CI without NeMo-RL; tests/nemo_rl/test_nemo_rl_host.py repeats the
 important ones against the real NeMo-RL where it is importable.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-FAKE = Path(__file__).resolve().parent / "fake_hosts"
+REPO = Path(__file__).resolve().parents[2]
+FAKE = Path(__file__).resolve().parents[1] / "fake_hosts"
 
 
 def plugin_installed() -> bool:
@@ -26,11 +26,11 @@ def plugin_installed() -> bool:
 needs_install = pytest.mark.skipif(not plugin_installed(), reason="nemo-rs-plugin is not pip-installed here")
 
 
-SCRIPTS = Path(__file__).resolve().parent / "host_scripts.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "support" / "host_scripts.py"
 
 
 def run_script(name, *args, host="supported", python=sys.executable, env=None, cwd=None):
-    """Run tests/host_scripts.py by path: the repository root is not on sys.path, so the
+    """Run tests/support/host_scripts.py by path: the repository root is not on sys.path, so the
     plugin is imported from wherever it is installed (or not at all)."""
     env = dict(os.environ if env is None else env)
     paths = [str(host if os.path.isabs(str(host)) else FAKE / host)] if host else []
@@ -40,7 +40,7 @@ def run_script(name, *args, host="supported", python=sys.executable, env=None, c
         capture_output=True,
         text=True,
         env=env,
-        cwd=cwd or Path(SCRIPTS).parent.parent.parent,
+        cwd=cwd or REPO.parent,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

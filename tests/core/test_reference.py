@@ -1,4 +1,4 @@
-"""Seeded random batches against the naive reference (tests/naive_reference.py).
+"""Seeded random batches against the naive reference (tests/support/naive_reference.py).
 
 Every filter kind (level x metric x agg x bound kind), every IS level x truncation x
 denominator x loss aggregation, and random multi-stage pipelines are run through the
@@ -22,8 +22,8 @@ import nemo_rs_plugin.core.loss as loss_module
 from nemo_rs_plugin import CorrectedPGLoss
 from nemo_rs_plugin.core.distributed import SequenceGroups
 from nemo_rs_plugin.core.loss import LossInputs
-from tests.naive_reference import reference, sequence_statistic, token_statistic, with_unique_labels
-from tests.threaded_world import ThreadGroup, run_ranks
+from tests.support.naive_reference import reference, sequence_statistic, token_statistic, with_unique_labels
+from tests.support.threaded_world import ThreadGroup, run_ranks
 
 RTOL, ATOL = 1e-6, 1e-9
 MIN_MARGIN = 1e-7  # statistics this close to a bound could fall either side by rounding

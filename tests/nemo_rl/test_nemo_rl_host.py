@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import fixtures_path
-from tests.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, real_host_required, skip_or_fail
-from tests.test_activation import plugin_installed
+from tests.nemo_rl.test_activation import plugin_installed
+from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, real_host_required, skip_or_fail
 
-SCRIPTS = Path(__file__).resolve().parent / "nemo_rl_scripts.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "support" / "nemo_rl_scripts.py"
 
 
 HOSTS = nemo_rl_hosts()
@@ -40,7 +40,7 @@ def run(host, name, *args):
         text=True,
         env=env,
         timeout=900,
-        cwd=SCRIPTS.parent.parent.parent,
+        cwd=SCRIPTS.parents[3],
     )
     if proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr and "nemo_rl" not in proc.stderr.splitlines()[-1]:
         skip_or_fail(f"NeMo-RL at {host or 'this environment'} lacks a dependency: {proc.stderr.splitlines()[-1]}")
@@ -108,6 +108,6 @@ def test_a_new_upstream_field_passes_at_its_default_and_is_refused_when_set(host
 @pytest.mark.slow
 @pytest.mark.parametrize("host", [h for h in HOSTS if h], ids=host_label)
 def test_ray_worker_unpickles_the_loss_against_real_nemo_rl(host, tmp_path):
-    from tests.test_activation import ray_worker_roundtrip
+    from tests.nemo_rl.test_activation import ray_worker_roundtrip
 
     ray_worker_roundtrip(tmp_path, host)

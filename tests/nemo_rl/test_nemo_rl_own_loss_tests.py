@@ -1,7 +1,7 @@
 """NeMo-RL's own loss tests, run from each checkout with ``RSClippedPGLossFn`` substituted.
 
 The test module ships inside each NeMo-RL archive (``tests/unit/algorithms/
-test_loss_functions.py``); nothing of it is copied here. ``tests/nemo_rl_own_tests_plugin.py``
+test_loss_functions.py``); nothing of it is copied here. ``tests/support/nemo_rl_own_tests_plugin.py``
 puts the plugin's subclass under NeMo-RL's name before the module is collected. Tests that
 need a GPU skip themselves on this CPU machine (at v0.6.0 that is all of them: its loss tests
 build CUDA tensors); every test that runs must pass, and at v0.7.0 and main the plugin's class
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark
+from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HOSTS = [h for h in nemo_rl_hosts() if h]
 pytestmark = [pytest.mark.slow, no_hosts_mark()]
 
@@ -39,7 +39,7 @@ def test_nemo_rl_loss_tests_pass_with_the_plugin_substituted(host):
             "-o",
             "addopts=",
             "-p",
-            "tests.nemo_rl_own_tests_plugin",
+            "tests.support.nemo_rl_own_tests_plugin",
             str(test_file),
         ],
         capture_output=True,

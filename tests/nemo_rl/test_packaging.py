@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_activation import REPO, _make_venv, run_script
+from tests.nemo_rl.test_activation import REPO, _make_venv, run_script
 
 RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.yaml"))
 
@@ -36,7 +36,7 @@ _BUILT: dict = {}
 @pytest.fixture(scope="session")
 def dists(tmp_path_factory) -> dict:
     """The sdist and the wheel built from it (``python -m build``, isolated build); built once
-    per session, also for tests/test_uv_install.py, which imports this fixture."""
+    per session, also for tests/nemo_rl/test_uv_install.py, which imports this fixture."""
     if not _BUILT:
         _BUILT.update(_build(tmp_path_factory.mktemp("dist")))
     return dict(_BUILT)

@@ -12,7 +12,7 @@ import pytest
 
 from nemo_rs_plugin.tools.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUOTED = ["--configs", "sequence", "sequence+tis2", "sequence_mean"]
 
 

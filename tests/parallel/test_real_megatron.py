@@ -5,16 +5,16 @@ megatron-core ``parallel_state``, ``forward_step``/``backward_step`` and NeMo-RL
 ``LossPostProcessor`` over CP2, CP4, TP2xCP2 and TP2, packed and unpacked, fp32 and bf16
 logits, and compares ``sharded_logits_input: true`` with NeMo-RL's default gathered path:
 logits gradients (1e-5 relative in fp32), every reported metric and the loss value. What is
-real and what is a stand-in: see ``tests/real_megatron_cases.py``.
+real and what is a stand-in: see ``tests/support/real_megatron_cases.py``.
 """
 
 import importlib.util
 
 import pytest
 
-from tests import real_megatron_cases as cases
-from tests.distributed_harness import run_world
-from tests.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
+from tests.support import real_megatron_cases as cases
+from tests.support.distributed_harness import run_world
+from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
 
 HOSTS = nemo_rl_hosts()
 pytestmark = [pytest.mark.distributed, no_hosts_mark()]

@@ -12,7 +12,7 @@ from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction import compute_correction, token_filter_statistic
 from nemo_rs_plugin.core.masking import TokenMasks
 from nemo_rs_plugin.core.metrics import GlobalCounts
-from tests.naive_reference import with_unique_labels
+from tests.support.naive_reference import with_unique_labels
 
 BAD = [float("nan"), float("inf"), float("-inf")]
 

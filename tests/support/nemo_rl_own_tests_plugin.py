@@ -1,6 +1,6 @@
 """pytest plugin: NeMo-RL's own loss tests, with ``RSClippedPGLossFn`` in place of its loss.
 
-``python -m pytest -p tests.nemo_rl_own_tests_plugin <checkout>/tests/unit/algorithms/test_loss_functions.py``
+``python -m pytest -p tests.support.nemo_rl_own_tests_plugin <checkout>/tests/unit/algorithms/test_loss_functions.py``
 (run from this repository's root, the checkout on ``PYTHONPATH``). NeMo-RL's test module
 imports ``ClippedPGLossFn`` from ``nemo_rl.algorithms.loss`` when it is collected; this plugin
 puts the plugin's subclass under that name first, so every test of NeMo-RL's that builds its
@@ -14,7 +14,7 @@ BUILT = {"count": 0}
 
 
 def pytest_configure(config):
-    from tests import nemo_rl_shims
+    from tests.support import nemo_rl_shims
 
     nemo_rl_shims.install()
     import nemo_rl.algorithms.loss as host_loss

@@ -6,7 +6,7 @@ IS weights with the single-process computation on the full batch (rel 1e-5).
 
 These test the plugin's own contracts with itself. The claim "equals NeMo-RL's gathered path
 under its Megatron loop" is tested against NeMo-RL's and megatron-core's real code in
-``tests/test_real_megatron.py``.
+``tests/parallel/test_real_megatron.py``.
 """
 
 import pytest
@@ -14,8 +14,8 @@ import torch
 
 from nemo_rs_plugin.core.distributed import SequenceGroups, reduce_sequence_statistics
 from nemo_rs_plugin.parallel.layout import cp_shard, cp_unshard
-from tests import distributed_cases as cases
-from tests.distributed_harness import run_world_cases
+from tests.support import distributed_cases as cases
+from tests.support.distributed_harness import run_world_cases
 
 pytestmark = pytest.mark.distributed
 
@@ -94,7 +94,7 @@ def test_no_collective_without_groups(monkeypatch):
     sums, maxima = reduce_sequence_statistics(torch.ones(3, 2), torch.ones(1, 2), SequenceGroups())
     assert sums.sum() == 6
     from nemo_rs_plugin import CorrectedPGLoss
-    from tests.test_inputs import FULL, batch
+    from tests.core.test_inputs import FULL, batch
 
     loss, _ = CorrectedPGLoss(FULL)(*batch())
     loss.backward()

@@ -26,7 +26,7 @@ from nemo_rs_plugin.core.correction import PolicyLogProbs, compute_correction
 from nemo_rs_plugin.core.masking import TokenMasks
 from nemo_rs_plugin.core.metrics import GlobalCounts
 
-RECORDED = json.loads((Path(__file__).parent / "data" / "peer_modes.json").read_text())
+RECORDED = json.loads((Path(__file__).resolve().parents[1] / "data" / "peer_modes.json").read_text())
 IS_TOKEN = {"use_importance_sampling_correction": True, "is_correction_level": "token"}
 e, log = math.exp, math.log
 
@@ -479,7 +479,7 @@ def test_data_parallel_batch_mean_on_emulated_dp2_cp2_ranks(name, monkeypatch):
     its part, and the totals cost one SUM over CP (token weights only) and one over DP."""
     from nemo_rs_plugin.core.distributed import SequenceGroups
     from nemo_rs_plugin.parallel.layout import cp_shard
-    from tests.threaded_world import ThreadGroup, run_ranks
+    from tests.support.threaded_world import ThreadGroup, run_ranks
 
     mode = next(m for m in RECORDED["modes"] if m["name"] == name)
     b = RECORDED["batch"]

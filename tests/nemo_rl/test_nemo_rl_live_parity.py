@@ -1,6 +1,6 @@
 """The plugin against NeMo-RL's own ``ClippedPGLossFn``, live, at every NeMo-RL checkout.
 
-``tests/nemo_rl_live_parity.py`` runs in a fresh interpreter per checkout (the product of the
+``tests/support/nemo_rl_live_parity.py`` runs in a fresh interpreter per checkout (the product of the
 upstream option axes that version has, three generated batches each; loss, gradient and every
 metric NeMo-RL reports, plus agreement on which configs are refused). A NeMo-RL release that
 changes its loss fails here, naming the version and the option combination.
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark
+from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark
 
-SCRIPT = Path(__file__).resolve().parent / "nemo_rl_live_parity.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "nemo_rl_live_parity.py"
 HOSTS = [h for h in nemo_rl_hosts() if h]
 pytestmark = [pytest.mark.slow, no_hosts_mark()]
 

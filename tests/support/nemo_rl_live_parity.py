@@ -1,6 +1,6 @@
 """Live parity: the plugin against NeMo-RL's own ``ClippedPGLossFn``, in this interpreter.
 
-``python tests/nemo_rl_live_parity.py`` with one NeMo-RL checkout on ``PYTHONPATH`` prints one
+``python tests/support/nemo_rl_live_parity.py`` with one NeMo-RL checkout on ``PYTHONPATH`` prints one
 JSON line: the host version, how many option combinations the host accepts, and every
 disagreement (loss, gradient, a metric, or which configs are refused), each naming the
 combination. The combinations are the product of the upstream option axes below, restricted to
@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 AXES = {
     "ratio": {
@@ -151,7 +151,7 @@ def batches():
 
 
 def run() -> dict:
-    from tests import nemo_rl_shims
+    from tests.support import nemo_rl_shims
 
     nemo_rl_shims.install()
     import nemo_rl

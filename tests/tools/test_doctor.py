@@ -1,6 +1,6 @@
 """``python -m nemo_rs_plugin.tools.doctor``: passes only where the plugin really is active.
 
-Run in fresh interpreters against tests/fake_hosts (as tests/test_activation.py), with a worker
+Run in fresh interpreters against tests/fake_hosts (as tests/nemo_rl/test_activation.py), with a worker
 virtual environment made as NeMo-RL's are seen by a worker: its own interpreter without the
 plugin, started with the driver's environment.
 """
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.test_activation import FAKE, REPO, _make_venv, needs_install
+from tests.nemo_rl.test_activation import FAKE, REPO, _make_venv, needs_install
 
 
 def doctor(*args, host="supported", env=None, python=sys.executable, cwd):

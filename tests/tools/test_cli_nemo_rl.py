@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from nemo_rs_plugin.tools.recipes import list_recipes
-from tests.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
+from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
 
 HOSTS = nemo_rl_hosts()
 pytestmark = no_hosts_mark()

@@ -13,8 +13,8 @@ from torch._dynamo.utils import counters
 from nemo_rs_plugin import CorrectedPGLoss
 from nemo_rs_plugin.core import compiled
 from nemo_rs_plugin.core.distributed import NO_GROUPS
-from tests.test_inputs import FULL, batch
-from tests.test_parity import CASES, DEVICE, assert_matches_upstream, run_case
+from tests.core.test_inputs import FULL, batch
+from tests.core.test_parity import CASES, DEVICE, assert_matches_upstream, run_case
 
 # One case per loss level (token, seq, GSPO), covering every KL kind's path (none, k3, k1 with
 # the on-policy approximation, KL in the reward) and the NLL term; 4 configurations stay under

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nemo_rs_plugin import CorrectedPGLoss
-from tests.test_inputs import FULL
+from tests.core.test_inputs import FULL
 
 # Issue 9's additions, all at once: probability-space and curr-based statistics, both KL
 # directions, an advantage-conditioned filter and batch normalisation (its extra reduction
@@ -48,7 +48,7 @@ LOGPROB_KEYS = ("prev_logprobs", "generation_logprobs", "reference_policy_logpro
 
 def cuda_batch(dtype):
     """The test batch on CUDA, its log-probs in ``dtype`` (masks, advantages and counts as they are)."""
-    from tests.test_inputs import batch
+    from tests.core.test_inputs import batch
 
     torch.manual_seed(0)  # the same values on every call
     lp, data, gvs, gvt = batch()

@@ -3,7 +3,7 @@
 Everything runs in this process through the CLI's ``main()``. NeMo-RL is either blocked
 (``sys.modules["nemo_rl"] = None``: "not importable") or a stand-in written into
 ``tmp_path`` by these tests (no NeMo-RL code); the real NeMo-RL is exercised in
-tests/test_cli_nemo_rl.py.
+tests/tools/test_cli_nemo_rl.py.
 """
 
 import os

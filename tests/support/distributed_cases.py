@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_distributed.py (module-level so spawn can import them).
+"""Rank functions for tests/parallel/test_distributed.py (module-level so spawn can import them).
 
 Every rank builds the same seeded batch, computes the single-process reference on the full
 batch, then its sharded result, and returns the differences it finds.

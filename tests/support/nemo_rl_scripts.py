@@ -9,8 +9,8 @@ import os
 import sys
 
 # Python 3.11 / CPU-torch shims for NeMo-RL's archives (appended: the installed plugin wins).
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests import nemo_rl_shims  # noqa: E402
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.support import nemo_rl_shims  # noqa: E402
 
 nemo_rl_shims.install()
 

@@ -200,10 +200,10 @@ def shorthand():
 
 
 def _real_host_shims():
-    """Python 3.11 / CPU shims for a real NeMo-RL checkout (tests/nemo_rl_shims.py; harmless
+    """Python 3.11 / CPU shims for a real NeMo-RL checkout (tests/support/nemo_rl_shims.py; harmless
     for the fake hosts). Appended to sys.path: the plugin still comes from its installation."""
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests import nemo_rl_shims
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from tests.support import nemo_rl_shims
 
     nemo_rl_shims.install()
     sys.path.pop()
@@ -268,7 +268,7 @@ def sharded_adapter():
     lp_short = lp[:, : S - 4]
     ref_short, _ = CorrectedPGLoss(cfg)(lp_short, short, gvs, gvt)
     # Plumbing: the groups come from megatron-core's parallel_state when it is initialised.
-    from megatron_stub import install_parallel_state  # tests/, this script's folder
+    from megatron_stub import install_parallel_state  # tests/support/, this script's folder
 
     seen = {}
     tp, cp = object(), object()
@@ -318,7 +318,7 @@ def batch_norm_adapter():
         out["dtensor_error"] = str(exc)
     dist.is_initialized, dist.get_world_size = saved
     # Megatron: both paths receive parallel_state's data-parallel group.
-    from megatron_stub import install_parallel_state  # tests/, this script's folder
+    from megatron_stub import install_parallel_state  # tests/support/, this script's folder
 
     tp, cp, dp = object(), object(), object()
     install_parallel_state(tp, cp, dp)

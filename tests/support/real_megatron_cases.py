@@ -1,6 +1,6 @@
 """Rank functions: the plugin inside NeMo-RL's real Megatron loss path, on CPU with gloo.
 
-Run by ``tests/test_real_megatron.py`` in a world of 4 processes per NeMo-RL version. Every
+Run by ``tests/parallel/test_real_megatron.py`` in a world of 4 processes per NeMo-RL version. Every
 component that decides a gradient's scale or a token's place is the real one:
 
 * megatron-core: ``parallel_state.initialize_model_parallel`` (groups, on gloo),
@@ -103,7 +103,7 @@ def make_batch(seed: int = 5):
 def _host_modules(host: str):
     if host:
         sys.path.insert(0, host)
-    from tests import nemo_rl_shims
+    from tests.support import nemo_rl_shims
 
     nemo_rl_shims.install()
     import warnings

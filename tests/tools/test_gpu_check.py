@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script for the Linux GPU machines")
@@ -44,7 +44,7 @@ _WITHOUT_RAY = """
 import importlib.abc, sys
 
 sys.path.insert(0, "benchmarks")
-from tests import nemo_rl_shims
+from tests.support import nemo_rl_shims
 
 
 class NoRay(importlib.abc.MetaPathFinder):
@@ -77,7 +77,7 @@ def test_nemo_rl_loss_runs_without_ray_for_the_gpu_comparison():
     """bench_gpu.py compares with NeMo-RL's own loss on a machine without ray (the lent GPU
     machine has none): NeMo-RL's loss module imports ray only for its cluster code, which the
     shims answer with a stand-in; the loss itself runs for real."""
-    from tests.nemo_rl_hosts import nemo_rl_hosts, skip_or_fail
+    from tests.support.nemo_rl_hosts import nemo_rl_hosts, skip_or_fail
 
     hosts = [h for h in nemo_rl_hosts() if h]
     if not hosts:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_activation import FAKE, REPO, run_script
-from tests.test_packaging import dists  # noqa: F401 - the session fixture (sdist -> wheel)
+from tests.nemo_rl.test_activation import FAKE, REPO, run_script
+from tests.nemo_rl.test_packaging import dists  # noqa: F401 - the session fixture (sdist -> wheel)
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from nemo_rs_plugin.tools.cli import main
 from nemo_rs_plugin.tools.recipes import export_recipes, list_recipes
 from nemo_rs_plugin.tools.reference import render_reference
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +37,7 @@ def _files_only_in_tmp_path(tmp_path, monkeypatch):
 
 @pytest.fixture
 def no_nemo_rl(monkeypatch):
-    """NeMo-RL not importable, whatever this environment has (see tests/test_cli_check.py)."""
+    """NeMo-RL not importable, whatever this environment has (see tests/tools/test_cli_check.py)."""
     for k in [k for k in sys.modules if k == "nemo_rl" or k.startswith("nemo_rl.")]:
         monkeypatch.delitem(sys.modules, k)
     monkeypatch.setitem(sys.modules, "nemo_rl", None)
@@ -53,7 +53,7 @@ def run_cli(*args):
 
 def test_simulate_writes_the_table_as_csv_and_json(tmp_path):
     # What the default run (PR #2269's situation) shows is checked against README.md in
-    # tests/test_cli_docs.py.
+    # tests/tools/test_cli_docs.py.
     out = tmp_path / "rows.json"
     assert (
         main(["simulate", "--length", "300", "--steps", "1", "--json", str(out), "--csv", str(tmp_path / "rows.csv")])
