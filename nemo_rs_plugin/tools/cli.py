@@ -40,6 +40,7 @@ SYNTHETIC_OPTIONS = {
 def _simulate_problems(args: argparse.Namespace) -> list[str]:
     """Every problem with the options, found before the (minutes long) run."""
     from nemo_rs_plugin.tools import simulate as sim
+    from nemo_rs_plugin.tools.report import output_problems
 
     problems = []
     if args.from_file:
@@ -62,7 +63,7 @@ def _simulate_problems(args: argparse.Namespace) -> list[str]:
                 problems.append(f"{SYNTHETIC_OPTIONS[dest][0]}: got {v}; allowed: {allowed}")
     for flag, path in (("--csv", args.csv), ("--json", args.json), ("--plot", args.plot)):
         if path:
-            problems += sim.output_problems(flag, path)
+            problems += output_problems(flag, path)
     if args.plot:
         problems += sim.plot_problems(args.plot)
     return problems
@@ -70,6 +71,7 @@ def _simulate_problems(args: argparse.Namespace) -> list[str]:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from nemo_rs_plugin.tools import simulate as sim
+    from nemo_rs_plugin.tools.report import ProgressBar
 
     configs = dict(sim.DEFAULT_CONFIGS)
     problems = []
@@ -106,7 +108,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             f"{args.outlier_rate:g}, staleness {args.staleness:g}, seed {args.seed}"
         )
     print(source)
-    rows = sim.run(configs, batches, progress=sim.progress_bar)
+    rows = sim.run(configs, batches, progress=ProgressBar())
     print(sim.format_table(rows))
     try:
         if args.csv:

@@ -52,7 +52,23 @@ def describe_filter(f: RejectionFilter) -> str:
 
 def describe_pipeline(cfg: RSClippedPGLossConfig) -> list[str]:
     """Numbered lines: policy ratio, IS weight, truncation, filters, denominators."""
-    lines = []
+    lines = [_ratio_line(cfg), _is_weight_line(cfg), _truncation_line(cfg)]
+    if cfg.is_batch_normalization is not None:
+        lines.append(_batch_normalization_line(cfg))
+    if cfg.rejection_sampling:
+        for i, f in enumerate(cfg.rejection_sampling, 1):
+            lines.append(f"rejection stage {i}: {describe_filter(f)}")
+    else:
+        lines.append("rejection sampling: none")
+    lines.append(_loss_line(cfg))
+    if cfg.reference_policy_kl_penalty and not cfg.use_kl_in_reward:
+        lines.append(f"KL penalty: {cfg.reference_policy_kl_penalty:g} x {cfg.reference_policy_kl_type}")
+    if cfg.sharded_logits_input:
+        lines.append("input: local logits shard (TP/CP), statistics all-reduced, no all-gather")
+    return [f"{i}. {line}" for i, line in enumerate(lines, 1)]
+
+
+def _ratio_line(cfg: RSClippedPGLossConfig) -> str:
     if cfg.force_on_policy_ratio:
         ratio = "forced to 1 (on-policy; one update per rollout)"
     elif cfg.disable_ppo_ratio:
@@ -66,7 +82,10 @@ def describe_pipeline(cfg: RSClippedPGLossConfig) -> list[str]:
     clip = f", clipped to [1-{cfg.ratio_clip_min:g}, 1+{cfg.ratio_clip_max:g}]"
     if cfg.ratio_clip_c is not None:
         clip += f", dual clip c={cfg.ratio_clip_c:g}"
-    lines.append(f"policy ratio: {ratio}{clip if not (cfg.force_on_policy_ratio or cfg.disable_ppo_ratio) else ''}")
+    return f"policy ratio: {ratio}{clip if not (cfg.force_on_policy_ratio or cfg.disable_ppo_ratio) else ''}"
+
+
+def _is_weight_line(cfg: RSClippedPGLossConfig) -> str:
     level = cfg.effective_is_level
     formula = {
         "token": "exp(d_t) per token",
@@ -75,46 +94,42 @@ def describe_pipeline(cfg: RSClippedPGLossConfig) -> list[str]:
     }[level]
     source = "set" if cfg.is_correction_level is not None else "NeMo-RL's default for this ratio"
     if cfg.use_importance_sampling_correction:
-        lines.append(f"IS weight ({source}): {level}, {formula}, d = prev - gen")
-    else:
-        lines.append(f"IS weight: off (use_importance_sampling_correction: false); {level} weights are only reported")
+        return f"IS weight ({source}): {level}, {formula}, d = prev - gen"
+    return f"IS weight: off (use_importance_sampling_correction: false); {level} weights are only reported"
+
+
+def _truncation_line(cfg: RSClippedPGLossConfig) -> str:
     t = cfg.truncated_importance_sampling_type
     if t == "tis":
         lo = cfg.truncated_importance_sampling_ratio_min or 0.0
-        lines.append(f"truncation: clamp the weight to [{lo:g}, {cfg.truncated_importance_sampling_ratio:g}] (TIS)")
-    elif t == "icepop":
-        lines.append(
+        return f"truncation: clamp the weight to [{lo:g}, {cfg.truncated_importance_sampling_ratio:g}] (TIS)"
+    if t == "icepop":
+        return (
             f"truncation: weight 0 outside [{cfg.truncated_importance_sampling_ratio_min:g}, "
             f"{cfg.truncated_importance_sampling_ratio:g}] (icepop / MIS)"
         )
-    elif t == "seq-mask-tis":
-        lines.append(
+    if t == "seq-mask-tis":
+        return (
             "truncation: weight 0 for sequences whose geometric-mean ratio is outside "
             f"[{cfg.truncated_importance_sampling_ratio_min:g}, {cfg.truncated_importance_sampling_ratio:g}]"
             ", others untruncated (seq-mask-tis)"
         )
-    else:
-        lines.append("truncation: none")
-    if cfg.is_batch_normalization is not None:
-        scope = {"microbatch": "this microbatch", "data_parallel": "the microbatches of all data-parallel ranks"}[
-            cfg.is_batch_normalization
-        ]
-        units = "valid tokens" if level == "token" else "sequences"
-        lines.append(f"batch normalisation: weights divided by their mean over the {units} of {scope}")
-    if cfg.rejection_sampling:
-        for i, f in enumerate(cfg.rejection_sampling, 1):
-            lines.append(f"rejection stage {i}: {describe_filter(f)}")
-    else:
-        lines.append("rejection sampling: none")
+    return "truncation: none"
+
+
+def _batch_normalization_line(cfg: RSClippedPGLossConfig) -> str:
+    scope = {"microbatch": "this microbatch", "data_parallel": "the microbatches of all data-parallel ranks"}[
+        cfg.is_batch_normalization
+    ]
+    units = "valid tokens" if cfg.effective_is_level == "token" else "sequences"
+    return f"batch normalisation: weights divided by their mean over the {units} of {scope}"
+
+
+def _loss_line(cfg: RSClippedPGLossConfig) -> str:
     denom = (
         "the valid tokens/sequences before rejection (rejected units count as 0)"
         if cfg.rejection_denominator == "original"
         else "the kept tokens/sequences (VERL decoupled semantics)"
     )
     loss = "token mean" if cfg.token_level_loss else "mean over sequences of token means"
-    lines.append(f"loss: {loss}, divided by {denom}")
-    if cfg.reference_policy_kl_penalty and not cfg.use_kl_in_reward:
-        lines.append(f"KL penalty: {cfg.reference_policy_kl_penalty:g} x {cfg.reference_policy_kl_type}")
-    if cfg.sharded_logits_input:
-        lines.append("input: local logits shard (TP/CP), statistics all-reduced, no all-gather")
-    return [f"{i}. {line}" for i, line in enumerate(lines, 1)]
+    return f"loss: {loss}, divided by {denom}"

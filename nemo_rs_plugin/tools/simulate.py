@@ -19,12 +19,9 @@ README.md states what it shows, for which seeds (tests/tools/test_cli_docs.py re
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,12 +29,15 @@ import torch
 from nemo_rs_plugin.core import presets
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
 from nemo_rs_plugin.core.masking import log_ratio
+from nemo_rs_plugin.tools import report
+from nemo_rs_plugin.tools.batch_formats import BatchFormatError, load_batch
 
 __all__ = [
     "MismatchModel",
     "DEFAULT_CONFIGS",
     "synthetic_batch",
     "load_batch",
+    "loss_metrics",
     "run",
     "BatchFormatError",
     "format_table",
@@ -66,10 +66,6 @@ DEFAULT_CONFIGS: dict[str, dict] = {
         "rejection_sampling": [presets.GEO_RS, presets.TOKEN_MIS],
     },
 }
-
-
-class BatchFormatError(ValueError):
-    """A malformed ``--from`` file; the message names the record and the field."""
 
 
 @dataclass
@@ -108,190 +104,27 @@ def synthetic_batch(m: MismatchModel, step: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-_REQUIRED = ("prev_logprobs", "generation_logprobs")
-_JSONL_FIELDS = ("prev_logprobs", "generation_logprobs", "token_mask", "advantage")
-TORCH_SUFFIXES = (".pt", ".pth", ".torch")
+def loss_metrics(cfg: dict, batch: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
+    """The real loss's metrics on ``batch``, and the norm of its gradient.
 
+    One forward and backward of :class:`~nemo_rs_plugin.core.loss.CorrectedPGLoss` with the
+    loss section ``cfg``, on an on-policy snapshot: the current policy's log-probs are
+    ``prev_logprobs``, so the PPO ratio is 1 and the gradient is the advantage-weighted score,
+    scaled by what the correction applies.
 
-def load_batch(path: str) -> dict[str, torch.Tensor]:
-    """Per-token log-probs saved from a real run: JSONL (one sequence per line) or torch.
+    Args:
+        cfg: a loss section (anything ``CorrectedPGLoss`` accepts).
+        batch: a batch in the layout of :func:`synthetic_batch` (or :func:`load_batch`'s).
 
-    JSONL (any suffix but ``.pt``/``.pth``/``.torch``), one JSON object per line, blank lines
-    skipped::
-
-        {"prev_logprobs": [...], "generation_logprobs": [...], "token_mask": [...], "advantage": 0.5}
-
-    Each list holds one entry per response token, in order, and every entry is used (no
-    leading position is dropped); the three lists of a record have equal lengths (records
-    may differ). ``token_mask`` (0/1, default all 1) and ``advantage`` (a finite number,
-    default 1) are optional; ``null`` in a log-prob list marks a non-finite value. Other
-    fields are an error (a misspelt ``advantages`` would otherwise be ignored).
-
-    Torch file (``.pt``/``.pth``/``.torch``): a dict of tensors in NeMo-RL's ``train_data``
-    layout: ``prev_logprobs`` and ``generation_logprobs`` ``[B, S]`` (real dtype),
-    optional ``token_mask`` ``[B, S]`` (0/1), ``advantages`` ``[B]``, ``[B, 1]`` or
-    ``[B, S]``, ``sample_mask`` ``[B]`` (0/1); other keys are ignored. As in NeMo-RL's
-    loss, position 0 is dropped (its log-prob belongs to no predicted token), so ``S >= 2``.
-
-    Returns a batch in the layout of :func:`synthetic_batch` (position 0 a dummy position).
-
-    Raises:
-        BatchFormatError: one line naming the file, the record (line) and the field.
+    Returns:
+        ``(metrics, gradient norm)``: the loss's metrics dict (``rs_seq_rejected_frac``,
+        ``is_oob_ratio``, ``rs/<filter>/seq_rejected_frac``, ...) and the gradient's norm.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise BatchFormatError(f"{path}: no such file")
-    if p.suffix in TORCH_SUFFIXES:
-        batch = _load_torch(p)
-    else:
-        batch = _load_jsonl(p)
-    valid = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
-    if not bool((valid != 0).any()):
-        raise BatchFormatError(f"{p}: no valid token in any sequence (every one is empty or masked)")
-    return batch
-
-
-def _real_tensor(p: Path, raw: dict, key: str, shapes: tuple[tuple[int, ...], ...]) -> torch.Tensor:
-    t = raw[key]
-    if not isinstance(t, torch.Tensor):
-        raise BatchFormatError(f"{p}: field {key!r} must be a tensor, got {type(t).__name__}")
-    if t.is_complex() or (t.dtype == torch.bool and key not in ("token_mask", "sample_mask")):
-        raise BatchFormatError(f"{p}: field {key!r} must hold real numbers, got dtype {t.dtype}")
-    if tuple(t.shape) not in shapes:
-        expected = " or ".join(str(list(s)) for s in shapes)
-        raise BatchFormatError(f"{p}: field {key!r} has shape {list(t.shape)}, expected {expected}")
-    return t
-
-
-def _zero_one(p: Path, key: str, t: torch.Tensor) -> torch.Tensor:
-    t = t.float()
-    if not bool(((t == 0) | (t == 1)).all()):
-        raise BatchFormatError(f"{p}: field {key!r} must hold 0 or 1 only")
-    return t
-
-
-def _load_torch(p: Path) -> dict[str, torch.Tensor]:
-    try:
-        raw = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is a format error
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise BatchFormatError(f"{p}: not a readable torch file ({first})") from None
-    if not isinstance(raw, dict):
-        raise BatchFormatError(f"{p}: expected a dict of tensors, got {type(raw).__name__}")
-    for key in _REQUIRED:
-        if key not in raw:
-            raise BatchFormatError(f"{p}: field {key!r} is missing")
-        if not isinstance(raw[key], torch.Tensor) or raw[key].dim() != 2:
-            shape = list(raw[key].shape) if isinstance(raw[key], torch.Tensor) else type(raw[key]).__name__
-            raise BatchFormatError(f"{p}: field {key!r} must be a [B, S] tensor, got {shape}")
-    B, S = raw["prev_logprobs"].shape
-    if B == 0:
-        raise BatchFormatError(f"{p}: field 'prev_logprobs' holds no sequence (B = 0)")
-    if S < 2:
-        raise BatchFormatError(
-            f"{p}: field 'prev_logprobs' has S = {S}; position 0 is dropped as in NeMo-RL's "
-            "loss, so S must be at least 2"
-        )
-    out = {k: _real_tensor(p, raw, k, ((B, S),)).float() for k in _REQUIRED}
-    mask = _real_tensor(p, raw, "token_mask", ((B, S),)) if "token_mask" in raw else torch.ones(B, S)
-    out["token_mask"] = _zero_one(p, "token_mask", mask).long()
-    if "advantages" in raw:
-        adv = _real_tensor(p, raw, "advantages", ((B,), (B, 1), (B, S))).float()
-    else:
-        adv = torch.ones(B)
-    out["advantages"] = (adv.reshape(B, 1).expand(B, S) if adv.numel() == B else adv).contiguous()
-    sample = _real_tensor(p, raw, "sample_mask", ((B,),)) if "sample_mask" in raw else torch.ones(B)
-    out["sample_mask"] = _zero_one(p, "sample_mask", sample)
-    return out
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _jsonl_record(p: Path, lineno: int, line: str) -> tuple[dict, int, float]:
-    """One validated JSONL record: ``(record, number of tokens, advantage)``."""
-    where = f"{p}:{lineno}"
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise BatchFormatError(f"{where}: record is not valid JSON ({exc.msg})") from None
-    if not isinstance(rec, dict):
-        raise BatchFormatError(f"{where}: record must be a JSON object")
-    unknown = [k for k in rec if k not in _JSONL_FIELDS]
-    if unknown:
-        raise BatchFormatError(f"{where}: field {unknown[0]!r} is unknown (fields: {', '.join(_JSONL_FIELDS)})")
-    n = None
-    for key in _REQUIRED + ("token_mask",):
-        if key not in rec:
-            if key == "token_mask":
-                continue
-            raise BatchFormatError(f"{where}: field {key!r} is missing")
-        value = rec[key]
-        if not isinstance(value, list):
-            raise BatchFormatError(f"{where}: field {key!r} must be a list of numbers")
-        for j, v in enumerate(value):
-            if key == "token_mask" and not (_is_number(v) and v in (0, 1)):
-                raise BatchFormatError(f"{where}: field 'token_mask' value {j} is {json.dumps(v)}; expected 0 or 1")
-            if key != "token_mask" and not (v is None or _is_number(v)):
-                raise BatchFormatError(
-                    f"{where}: field {key!r} value {j} is {json.dumps(v)}; expected a number or null"
-                )
-        if n is None:
-            n = len(value)
-        elif len(value) != n:
-            raise BatchFormatError(f"{where}: field {key!r} has {len(value)} values, expected {n}")
-    adv = rec.get("advantage", 1.0)
-    if not _is_number(adv) or not math.isfinite(adv):
-        raise BatchFormatError(f"{where}: field 'advantage' is {json.dumps(adv)}; expected a finite number")
-    return rec, n or 0, float(adv)
-
-
-def _load_jsonl(p: Path) -> dict[str, torch.Tensor]:
-    records = []
-    try:
-        with open(p, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if line.strip():
-                    records.append(_jsonl_record(p, lineno, line))
-    except UnicodeDecodeError:
-        raise BatchFormatError(
-            f"{p}: not a UTF-8 JSONL file (a torch file needs the suffix {', '.join(TORCH_SUFFIXES)})"
-        ) from None
-    if not records:
-        raise BatchFormatError(f"{p}: no records")
-    # Position 0 is a dummy (NeMo-RL's layout, dropped by the loss): every listed token counts.
-    B, S = len(records), 1 + max(n for _, n, _ in records)
-
-    def column(key: str) -> torch.Tensor:
-        out = torch.zeros(B, S)
-        for i, (rec, n, _) in enumerate(records):
-            if n:
-                out[i, 1 : n + 1] = torch.tensor([float("nan") if v is None else float(v) for v in rec[key]])
-        return out
-
-    mask = torch.zeros(B, S, dtype=torch.long)
-    for i, (rec, n, _) in enumerate(records):
-        if n:
-            mask[i, 1 : n + 1] = torch.tensor(rec["token_mask"], dtype=torch.long) if "token_mask" in rec else 1
-    adv = torch.tensor([a for _, _, a in records]).reshape(B, 1).expand(B, S).contiguous()
-    return {
-        "prev_logprobs": column("prev_logprobs"),
-        "generation_logprobs": column("generation_logprobs"),
-        "token_mask": mask,
-        "sample_mask": torch.ones(B),
-        "advantages": adv,
-    }
-
-
-def _metrics_of(cfg: dict, batch: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
     B, S = batch["prev_logprobs"].shape
     data = dict(batch)
     data.setdefault("input_ids", torch.zeros(B, S, dtype=torch.long))
     data.setdefault("reference_policy_logprobs", batch["prev_logprobs"])
     valid = batch["token_mask"][:, 1:].float() * batch["sample_mask"][:, None]
-    # On-policy snapshot: the current policy equals prev, so the PPO ratio is 1 and the
-    # gradient is the advantage-weighted score, scaled by what the correction applies.
     lp = torch.nan_to_num(batch["prev_logprobs"][:, 1:].clone()).requires_grad_(True)
     loss, metrics = CorrectedPGLoss(cfg)(lp, data, batch["sample_mask"].sum(), valid.sum())
     loss.backward()
@@ -327,6 +160,30 @@ def _applied_weights(cfg: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (out.is_weight.squeeze(-1) * kept_rows)[units].double()
 
 
+def _config_row(cfg: dict, batch: dict[str, torch.Tensor], base_norm: torch.Tensor) -> dict[str, float]:
+    """One configuration's statistics on one batch (the values of :data:`COLUMNS`)."""
+    m, norm = loss_metrics(cfg, batch)
+    # Without IS correction the loss applies weight 1 (its metrics still report the
+    # weights it would have used).
+    if cfg.get("use_importance_sampling_correction", False):
+        w = _applied_weights(cfg, batch)
+    else:
+        w = torch.ones(1, dtype=torch.float64)
+    kept = w[w > 0]
+    # seq-mask-tis zeroes whole sequences: reported with the rejected ones.
+    seq_mask_tis = cfg.get("truncated_importance_sampling_type") == "seq-mask-tis"
+    seq_masked = m.get("is_oob_ratio", 0.0) if seq_mask_tis else 0.0
+    return {
+        "is_weight_mean": float(w.mean()),
+        "is_weight_std": float(w.std(unbiased=False)),
+        "is_weight_min": float(kept.min()) if kept.numel() else 0.0,
+        "ess": float(w.sum() ** 2 / (w.numel() * (w**2).sum())) if (w**2).sum() > 0 else 0.0,
+        "seq_rejected": m.get("rs_seq_rejected_frac", 0.0) + seq_masked,
+        "tok_rejected": m.get("rs_token_rejected_frac", 0.0),
+        "grad_norm_ratio": float(norm / base_norm) if base_norm > 0 else float("nan"),
+    }
+
+
 def run(
     configs: dict[str, dict],
     batches: list[dict[str, torch.Tensor]],
@@ -337,29 +194,9 @@ def run(
     done = 0
     sums: dict[str, dict[str, float]] = {name: {} for name in configs}
     for batch in batches:
-        _, base_norm = _metrics_of(DEFAULT_CONFIGS["uncorrected"], batch)
+        _, base_norm = loss_metrics(DEFAULT_CONFIGS["uncorrected"], batch)
         for name, cfg in configs.items():
-            m, norm = _metrics_of(cfg, batch)
-            # Without IS correction the loss applies weight 1 (its metrics still report the
-            # weights it would have used).
-            if cfg.get("use_importance_sampling_correction", False):
-                w = _applied_weights(cfg, batch)
-            else:
-                w = torch.ones(1, dtype=torch.float64)
-            kept = w[w > 0]
-            # seq-mask-tis zeroes whole sequences: reported with the rejected ones.
-            seq_mask_tis = cfg.get("truncated_importance_sampling_type") == "seq-mask-tis"
-            seq_masked = m.get("is_oob_ratio", 0.0) if seq_mask_tis else 0.0
-            row = {
-                "is_weight_mean": float(w.mean()),
-                "is_weight_std": float(w.std(unbiased=False)),
-                "is_weight_min": float(kept.min()) if kept.numel() else 0.0,
-                "ess": float(w.sum() ** 2 / (w.numel() * (w**2).sum())) if (w**2).sum() > 0 else 0.0,
-                "seq_rejected": m.get("rs_seq_rejected_frac", 0.0) + seq_masked,
-                "tok_rejected": m.get("rs_token_rejected_frac", 0.0),
-                "grad_norm_ratio": float(norm / base_norm) if base_norm > 0 else float("nan"),
-            }
-            for k, v in row.items():
+            for k, v in _config_row(cfg, batch, base_norm).items():
                 sums[name][k] = sums[name].get(k, 0.0) + v / len(batches)
             done += 1
             if progress is not None:
@@ -388,28 +225,13 @@ LEGEND = (
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """A fixed-width table of :func:`run`'s rows, with a legend."""
-    head = f"{'config':<22}" + "".join(f"{c:>16}" for c in COLUMNS)
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['config']:<22}" + "".join(f"{r[c]:>16.4g}" for c in COLUMNS))
-    lines.append(LEGEND)
-    return "\n".join(lines)
+    lines = report.fixed_width_table(rows, "config", COLUMNS, label_width=22, width=16, spec=".4g")
+    return "\n".join([*lines, LEGEND])
 
 
 def write_csv(rows: list[dict[str, Any]], path: str) -> None:
     """The table as CSV (non-finite values as ``nan`` / ``inf``, as Python prints them)."""
-    import csv
-
-    with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=["config", *COLUMNS])
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def _strict_json_value(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
-    return v
+    report.write_csv(rows, path, ["config", *COLUMNS])
 
 
 def write_json(rows: list[dict[str, Any]], source: str, path: str) -> None:
@@ -418,42 +240,16 @@ def write_json(rows: list[dict[str, Any]], source: str, path: str) -> None:
     A non-finite value is written as the string ``"NaN"``, ``"Infinity"`` or
     ``"-Infinity"``, which Python's ``float()`` and JavaScript's ``Number()`` both read back.
     """
-    data = {"source": source, "rows": [{k: _strict_json_value(v) for k, v in r.items()} for r in rows]}
-    with open(path, "w") as fh:
-        json.dump(data, fh, indent=2, allow_nan=False)
-        fh.write("\n")
-
-
-def output_problems(flag: str, path: str) -> list[str]:
-    """Why ``path`` cannot be written (``[]`` if it can), checked before a run."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return [f"{flag} {path}: is a directory"]
-    if not os.path.isdir(parent):
-        return [f"{flag} {path}: directory {parent} does not exist"]
-    if not os.access(parent, os.W_OK):
-        return [f"{flag} {path}: directory {parent} is not writable"]
-    return []
+    report.write_strict_json({"source": source, "rows": rows}, "rows", path)
 
 
 PLOT_HELP = "--plot needs matplotlib: pip install matplotlib (or: uv add matplotlib)"
 
 
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError(PLOT_HELP) from exc
-    return plt
-
-
 def plot_problems(path: str) -> list[str]:
     """Why ``--plot path`` cannot be drawn (matplotlib missing, format unknown), before a run."""
     try:
-        plt = _pyplot()
+        plt = report.pyplot(PLOT_HELP)
     except ImportError:
         return [PLOT_HELP]
     suffix = os.path.splitext(path)[1].lstrip(".").lower()
@@ -479,7 +275,7 @@ def plot_figure(rows: list[dict[str, Any]]) -> Any:
     all-zero panel still reads as zero and one huge weight does not squash the other bars;
     values beyond the axis, and non-finite ones, are written on their bar.
     """
-    plt = _pyplot()
+    plt = report.pyplot(PLOT_HELP)
     names = [r["config"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     panels = (
@@ -511,17 +307,4 @@ def write_plot(rows: list[dict[str, Any]], path: str) -> None:
     """:func:`plot_figure` saved to ``path`` (the suffix names the format)."""
     fig = plot_figure(rows)
     fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
-
-
-def progress_bar(done: int, total: int, stream=None) -> None:
-    """A one-line text progress bar (only drawn on a terminal)."""
-    stream = stream if stream is not None else sys.stderr  # the current one, not the one at import
-    if not stream.isatty():
-        return
-    width = 30
-    filled = int(width * done / max(total, 1))
-    stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-    if done == total:
-        stream.write("\n")
-    stream.flush()
+    report.pyplot(PLOT_HELP).close(fig)

@@ -1,0 +1,199 @@
+"""``nemo-rs simulate --from``: per-token log-probs saved from a real run, as a batch.
+
+Two formats, both read into the layout of :func:`~nemo_rs_plugin.tools.simulate.synthetic_batch`
+(NeMo-RL's ``[B, S]`` tensors, position 0 a dummy position): JSONL (one sequence per line)
+and a torch file in NeMo-RL's ``train_data`` layout. Every malformed input is one
+:class:`BatchFormatError` line naming the file, the record and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["BatchFormatError", "TORCH_SUFFIXES", "load_batch"]
+
+
+class BatchFormatError(ValueError):
+    """A malformed ``--from`` file; the message names the record and the field."""
+
+
+_REQUIRED = ("prev_logprobs", "generation_logprobs")
+_JSONL_FIELDS = ("prev_logprobs", "generation_logprobs", "token_mask", "advantage")
+TORCH_SUFFIXES = (".pt", ".pth", ".torch")
+
+
+def load_batch(path: str) -> dict[str, torch.Tensor]:
+    """Per-token log-probs saved from a real run: JSONL (one sequence per line) or torch.
+
+    JSONL (any suffix but ``.pt``/``.pth``/``.torch``), one JSON object per line, blank lines
+    skipped::
+
+        {"prev_logprobs": [...], "generation_logprobs": [...], "token_mask": [...], "advantage": 0.5}
+
+    Each list holds one entry per response token, in order, and every entry is used (no
+    leading position is dropped); the three lists of a record have equal lengths (records
+    may differ). ``token_mask`` (0/1, default all 1) and ``advantage`` (a finite number,
+    default 1) are optional; ``null`` in a log-prob list marks a non-finite value. Other
+    fields are an error (a misspelt ``advantages`` would otherwise be ignored).
+
+    Torch file (``.pt``/``.pth``/``.torch``): a dict of tensors in NeMo-RL's ``train_data``
+    layout: ``prev_logprobs`` and ``generation_logprobs`` ``[B, S]`` (real dtype),
+    optional ``token_mask`` ``[B, S]`` (0/1), ``advantages`` ``[B]``, ``[B, 1]`` or
+    ``[B, S]``, ``sample_mask`` ``[B]`` (0/1); other keys are ignored. As in NeMo-RL's
+    loss, position 0 is dropped (its log-prob belongs to no predicted token), so ``S >= 2``.
+
+    Returns a batch in the layout of :func:`~nemo_rs_plugin.tools.simulate.synthetic_batch`
+    (position 0 a dummy position).
+
+    Raises:
+        BatchFormatError: one line naming the file, the record (line) and the field.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise BatchFormatError(f"{path}: no such file")
+    if p.suffix in TORCH_SUFFIXES:
+        batch = _load_torch(p)
+    else:
+        batch = _load_jsonl(p)
+    valid = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
+    if not bool((valid != 0).any()):
+        raise BatchFormatError(f"{p}: no valid token in any sequence (every one is empty or masked)")
+    return batch
+
+
+def _real_tensor(p: Path, raw: dict, key: str, shapes: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    t = raw[key]
+    if not isinstance(t, torch.Tensor):
+        raise BatchFormatError(f"{p}: field {key!r} must be a tensor, got {type(t).__name__}")
+    if t.is_complex() or (t.dtype == torch.bool and key not in ("token_mask", "sample_mask")):
+        raise BatchFormatError(f"{p}: field {key!r} must hold real numbers, got dtype {t.dtype}")
+    if tuple(t.shape) not in shapes:
+        expected = " or ".join(str(list(s)) for s in shapes)
+        raise BatchFormatError(f"{p}: field {key!r} has shape {list(t.shape)}, expected {expected}")
+    return t
+
+
+def _zero_one(p: Path, key: str, t: torch.Tensor) -> torch.Tensor:
+    t = t.float()
+    if not bool(((t == 0) | (t == 1)).all()):
+        raise BatchFormatError(f"{p}: field {key!r} must hold 0 or 1 only")
+    return t
+
+
+def _load_torch(p: Path) -> dict[str, torch.Tensor]:
+    try:
+        raw = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is a format error
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BatchFormatError(f"{p}: not a readable torch file ({first})") from None
+    if not isinstance(raw, dict):
+        raise BatchFormatError(f"{p}: expected a dict of tensors, got {type(raw).__name__}")
+    for key in _REQUIRED:
+        if key not in raw:
+            raise BatchFormatError(f"{p}: field {key!r} is missing")
+        if not isinstance(raw[key], torch.Tensor) or raw[key].dim() != 2:
+            shape = list(raw[key].shape) if isinstance(raw[key], torch.Tensor) else type(raw[key]).__name__
+            raise BatchFormatError(f"{p}: field {key!r} must be a [B, S] tensor, got {shape}")
+    B, S = raw["prev_logprobs"].shape
+    if B == 0:
+        raise BatchFormatError(f"{p}: field 'prev_logprobs' holds no sequence (B = 0)")
+    if S < 2:
+        raise BatchFormatError(
+            f"{p}: field 'prev_logprobs' has S = {S}; position 0 is dropped as in NeMo-RL's "
+            "loss, so S must be at least 2"
+        )
+    out = {k: _real_tensor(p, raw, k, ((B, S),)).float() for k in _REQUIRED}
+    mask = _real_tensor(p, raw, "token_mask", ((B, S),)) if "token_mask" in raw else torch.ones(B, S)
+    out["token_mask"] = _zero_one(p, "token_mask", mask).long()
+    if "advantages" in raw:
+        adv = _real_tensor(p, raw, "advantages", ((B,), (B, 1), (B, S))).float()
+    else:
+        adv = torch.ones(B)
+    out["advantages"] = (adv.reshape(B, 1).expand(B, S) if adv.numel() == B else adv).contiguous()
+    sample = _real_tensor(p, raw, "sample_mask", ((B,),)) if "sample_mask" in raw else torch.ones(B)
+    out["sample_mask"] = _zero_one(p, "sample_mask", sample)
+    return out
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _jsonl_record(p: Path, lineno: int, line: str) -> tuple[dict, int, float]:
+    """One validated JSONL record: ``(record, number of tokens, advantage)``."""
+    where = f"{p}:{lineno}"
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise BatchFormatError(f"{where}: record is not valid JSON ({exc.msg})") from None
+    if not isinstance(rec, dict):
+        raise BatchFormatError(f"{where}: record must be a JSON object")
+    unknown = [k for k in rec if k not in _JSONL_FIELDS]
+    if unknown:
+        raise BatchFormatError(f"{where}: field {unknown[0]!r} is unknown (fields: {', '.join(_JSONL_FIELDS)})")
+    n = None
+    for key in _REQUIRED + ("token_mask",):
+        if key not in rec:
+            if key == "token_mask":
+                continue
+            raise BatchFormatError(f"{where}: field {key!r} is missing")
+        value = rec[key]
+        if not isinstance(value, list):
+            raise BatchFormatError(f"{where}: field {key!r} must be a list of numbers")
+        for j, v in enumerate(value):
+            if key == "token_mask" and not (_is_number(v) and v in (0, 1)):
+                raise BatchFormatError(f"{where}: field 'token_mask' value {j} is {json.dumps(v)}; expected 0 or 1")
+            if key != "token_mask" and not (v is None or _is_number(v)):
+                raise BatchFormatError(
+                    f"{where}: field {key!r} value {j} is {json.dumps(v)}; expected a number or null"
+                )
+        if n is None:
+            n = len(value)
+        elif len(value) != n:
+            raise BatchFormatError(f"{where}: field {key!r} has {len(value)} values, expected {n}")
+    adv = rec.get("advantage", 1.0)
+    if not _is_number(adv) or not math.isfinite(adv):
+        raise BatchFormatError(f"{where}: field 'advantage' is {json.dumps(adv)}; expected a finite number")
+    return rec, n or 0, float(adv)
+
+
+def _load_jsonl(p: Path) -> dict[str, torch.Tensor]:
+    records = []
+    try:
+        with open(p, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if line.strip():
+                    records.append(_jsonl_record(p, lineno, line))
+    except UnicodeDecodeError:
+        raise BatchFormatError(
+            f"{p}: not a UTF-8 JSONL file (a torch file needs the suffix {', '.join(TORCH_SUFFIXES)})"
+        ) from None
+    if not records:
+        raise BatchFormatError(f"{p}: no records")
+    # Position 0 is a dummy (NeMo-RL's layout, dropped by the loss): every listed token counts.
+    B, S = len(records), 1 + max(n for _, n, _ in records)
+
+    def column(key: str) -> torch.Tensor:
+        out = torch.zeros(B, S)
+        for i, (rec, n, _) in enumerate(records):
+            if n:
+                out[i, 1 : n + 1] = torch.tensor([float("nan") if v is None else float(v) for v in rec[key]])
+        return out
+
+    mask = torch.zeros(B, S, dtype=torch.long)
+    for i, (rec, n, _) in enumerate(records):
+        if n:
+            mask[i, 1 : n + 1] = torch.tensor(rec["token_mask"], dtype=torch.long) if "token_mask" in rec else 1
+    adv = torch.tensor([a for _, _, a in records]).reshape(B, 1).expand(B, S).contiguous()
+    return {
+        "prev_logprobs": column("prev_logprobs"),
+        "generation_logprobs": column("generation_logprobs"),
+        "token_mask": mask,
+        "sample_mask": torch.ones(B),
+        "advantages": adv,
+    }

@@ -1,0 +1,357 @@
+"""How ``nemo-rs check`` loads a recipe: as NeMo-RL does where it is found, else itself.
+
+With NeMo-RL importable (``--nemo-rl PATH`` puts a checkout on the path) the recipe goes
+through NeMo-RL's own ``load_config`` (``defaults`` inheritance) and ``parse_hydra_overrides``.
+Without it, the plugin reads the YAML, resolves ``defaults`` relative to each file where the
+files exist, and applies Hydra-style overrides (``a.b=v``, ``+a.b=v``, ``++a.b=v``, ``~a.b``)
+itself. Problems are one line each in ``report.errors``; what could not be loaded the way
+NeMo-RL loads it is in ``report.unchecked``; nothing raises.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+from typing import Any, Optional, Protocol
+
+import yaml
+
+from nemo_rs_plugin.core.config import ConfigError
+from nemo_rs_plugin.nemo_rl.recipe_defaults import defaults_of, parent_paths
+
+__all__ = [
+    "HOW_TO_CHECK",
+    "LoadReport",
+    "OverrideError",
+    "flatten",
+    "load_recipe",
+    "one_line",
+    "with_cause",
+]
+
+HOW_TO_CHECK = (
+    "to check it, run nemo-rs check in NeMo-RL's own environment (where `import "
+    "nemo_rl.algorithms.grpo` works, e.g. `uv run nemo-rs check ...` in the NeMo-RL checkout "
+    "with nemo-rs-plugin installed there)"
+)
+
+
+class LoadReport(Protocol):
+    """What loading writes to (:class:`~nemo_rs_plugin.tools.check.CheckReport` is one)."""
+
+    errors: list[str]
+    notes: list[str]
+    unchecked: list[str]
+    nemo_rl: bool
+
+
+def one_line(exc: BaseException, strip: str = "") -> str:
+    """``Type: message`` on one line (Hydra and pydantic messages span several)."""
+    text = str(exc)
+    if strip and text.startswith(strip):
+        text = text[len(strip) :]
+    parts = [line.strip() for line in text.splitlines()]
+    parts = [p for p in parts if p and set(p) != {"^"} and not p.startswith("See https://")]
+    return f"{type(exc).__name__}: {' '.join(parts)}" if parts else type(exc).__name__
+
+
+def with_cause(exc: BaseException, strip: str = "") -> str:
+    """:func:`one_line` plus the first line of the innermost cause (Hydra hides it)."""
+    text = one_line(exc, strip)
+    inner, seen = exc, 0
+    while (inner.__cause__ or inner.__context__) is not None and seen < 10:
+        inner, seen = inner.__cause__ or inner.__context__, seen + 1
+    first = next((line.strip() for line in str(inner).splitlines() if line.strip()), "")
+    if inner is not exc and first and first not in text:
+        text += f" ({first})"
+    return text
+
+
+def flatten(line: str) -> str:
+    """``line`` with its line breaks folded: one problem, one line of output."""
+    return " ".join(part.strip() for part in str(line).splitlines() if part.strip())
+
+
+def _find_nemo_rl(nemo_rl_path: Optional[str], report: LoadReport) -> tuple[bool, Optional[str]]:
+    """``(importable, checkout root)``; a bad ``--nemo-rl`` is an error, an import failure unchecked."""
+    root = None
+    if nemo_rl_path:
+        root = os.path.abspath(os.path.expanduser(nemo_rl_path))
+        if not os.path.isfile(os.path.join(root, "nemo_rl", "__init__.py")):
+            what = "no such directory" if not os.path.isdir(root) else "no nemo_rl/__init__.py in it"
+            report.errors.append(f"--nemo-rl {nemo_rl_path}: not a NeMo-RL checkout ({what})")
+            return False, None
+        if root not in sys.path:
+            sys.path.insert(0, root)
+    why = None
+    try:
+        installed = importlib.util.find_spec("nemo_rl") is not None
+    except (ImportError, ValueError):
+        installed = False
+    if not installed:
+        why = "NeMo-RL is not installed in this environment"
+    else:
+        try:
+            import nemo_rl.utils.config  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - any import failure: reported as not checked
+            where = f"NeMo-RL at {nemo_rl_path}" if nemo_rl_path else "NeMo-RL"
+            why = f"{where} does not import here ({one_line(exc)})"
+    if why is not None:
+        report.unchecked.append(
+            "NeMo-RL's config loading (defaults, interpolations, overrides), its MasterConfig and "
+            f"its version's loss rules: {why}; {HOW_TO_CHECK}"
+        )
+        return False, root
+    import nemo_rl
+
+    found = os.path.dirname(os.path.dirname(os.path.realpath(nemo_rl.__file__)))
+    if root and found != os.path.realpath(root):
+        report.errors.append(f"--nemo-rl {nemo_rl_path}: this process already imported NeMo-RL from {found}")
+        return False, None
+    if root is None and os.path.isdir(os.path.join(found, "examples", "configs")):
+        root = found
+    return True, root
+
+
+def _defaults_resolve(path: str) -> bool:
+    try:
+        raw = _read_yaml(path)
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return True
+    return all(os.path.isfile(p) for p in parent_paths(path, raw))
+
+
+class OverrideError(ValueError):
+    """An override that does not fit the recipe; the message names the override."""
+
+
+def _override_key(override: str) -> tuple[str, str, Optional[str]]:
+    """``(kind, dotted key, value)`` of ``key=value`` / ``+key=value`` / ``++key=value`` / ``~key``."""
+    if override.startswith("~"):
+        kind, rest = "~", override[1:]
+        key, _, value = rest.partition("=")
+        value = value or None
+    else:
+        kind = "++" if override.startswith("++") else "+" if override.startswith("+") else ""
+        key, sep, value = override[len(kind) :].partition("=")
+        if not sep:
+            raise OverrideError(f"override {override!r}: expected key=value")
+    parts = key.split(".")
+    if not key or any(not p.strip() or p != p.strip() for p in parts):
+        raise OverrideError(f"override {override!r}: {key!r} is not a dotted key (e.g. loss_fn.ratio_clip_max)")
+    return kind, key, value
+
+
+def _child(node: Any, key: str, where: str, override: str, create: bool) -> Any:
+    if isinstance(node, dict):
+        if key not in node:
+            if not create:
+                raise OverrideError(f"override {override!r}: {where or 'the recipe'} has no key {key!r}")
+            node[key] = {}
+        return node[key]
+    if isinstance(node, list):
+        return node[_index(node, key, where, override)]
+    raise OverrideError(
+        f"override {override!r}: {where} is a {type(node).__name__} ({node!r}), not a mapping or a list"
+    )
+
+
+def _index(node: list, key: str, where: str, override: str) -> int:
+    try:
+        i = int(key)
+    except ValueError:
+        raise OverrideError(f"override {override!r}: {where} is a list; {key!r} is not an index") from None
+    if not 0 <= i < len(node):
+        raise OverrideError(f"override {override!r}: {where} has {len(node)} entries; index {i} is out of range")
+    return i
+
+
+def _apply_override(cfg: dict, override: str) -> None:
+    """``a.b.c=value`` / ``+a.b=value`` (value parsed as YAML) / ``~a.b`` (delete), in place.
+
+    Raises:
+        OverrideError: one line naming the override and what does not fit.
+    """
+    kind, key, value = _override_key(override)
+    parts = key.split(".")
+    node: Any = cfg
+    for depth, k in enumerate(parts[:-1]):
+        node = _child(node, k, ".".join(parts[:depth]), override, create=kind != "~")
+    where, last = ".".join(parts[:-1]), parts[-1]
+    if kind == "~":
+        if isinstance(node, dict) and last in node:
+            del node[last]
+        elif isinstance(node, list):
+            del node[_index(node, last, where, override)]
+        else:
+            raise OverrideError(f"override {override!r}: nothing to delete at {key}")
+        return
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise OverrideError(f"override {override!r}: the value is not valid YAML ({one_line(exc)})") from None
+    if isinstance(node, dict):
+        node[last] = parsed
+    elif isinstance(node, list):
+        node[_index(node, last, where, override)] = parsed
+    else:
+        raise OverrideError(
+            f"override {override!r}: {where} is a {type(node).__name__} ({node!r}), not a mapping or a list"
+        )
+
+
+def _merge(base: Any, override: Any) -> Any:
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for k, v in override.items():
+            out[k] = _merge(base[k], v) if k in base else v
+        return out
+    return override
+
+
+def _read_yaml(path: str) -> dict:
+    with open(path) as fh:
+        data = yaml.safe_load(fh)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise yaml.YAMLError(f"top level is a {type(data).__name__}, expected a mapping")
+    return data
+
+
+def _load_plain(path: str, missing: list[str]) -> dict:
+    """Resolve ``defaults`` relative to each file, as NeMo-RL does, where the files exist."""
+    raw = _read_yaml(path)
+    parents = zip(defaults_of(raw), parent_paths(path, raw))
+    raw.pop("defaults", None)
+    merged: dict = {}
+    for parent, parent_path in parents:
+        if not os.path.isfile(parent_path):
+            missing.append(parent)
+            continue
+        merged = _merge(merged, _load_plain(parent_path, missing))
+    return _merge(merged, raw)
+
+
+def _inherited_loss_mapping(path: str) -> Optional[str]:
+    """The parent (from ``defaults``) that defines a ``loss_fn`` mapping, if any."""
+    raw = _read_yaml(path)
+    for parent, parent_path in zip(defaults_of(raw), parent_paths(path, raw)):
+        try:
+            inherited = _load_plain(parent_path, []) if os.path.isfile(parent_path) else {}
+        except (yaml.YAMLError, OSError, UnicodeDecodeError):
+            continue  # reported by the loader that follows
+        if isinstance(inherited.get("loss_fn"), dict):
+            return parent
+    return None
+
+
+def load_recipe(path: str, overrides: list[str], nemo_rl_path: Optional[str], report: LoadReport) -> Optional[dict]:
+    """The resolved recipe as plain data, or ``None`` with ``report.errors`` filled.
+
+    Sets ``report.nemo_rl`` and adds to ``report.unchecked`` what could not be loaded the way
+    NeMo-RL loads it. Temporary files (a shipped recipe placed in a checkout) are removed.
+    """
+    if not os.path.isfile(path):
+        report.errors.append(f"{path}: no such file")
+        return None
+    try:
+        raw = _read_yaml(path)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        report.errors.append(f"{path}{where}: invalid YAML: {problem}")
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        report.errors.append(f"{path}: cannot read it ({one_line(exc)})")
+        return None
+    for o in overrides:
+        try:
+            _override_key(o)
+        except OverrideError as exc:
+            report.errors.append(str(exc))
+    have_nemo_rl, root = _find_nemo_rl(nemo_rl_path, report)
+    report.nemo_rl = have_nemo_rl
+    if report.errors:
+        return None
+    with tempfile.TemporaryDirectory(prefix="nemo-rs-check-") as tmp:
+        load_path = path
+        if root and defaults_of(raw) and not _defaults_resolve(path):
+            # A shipped recipe outside a checkout: resolve its defaults as if it sat in
+            # <NeMo-RL>/examples/configs/recipes/llm/ (where `nemo-rs recipes` puts it).
+            from nemo_rs_plugin.tools.recipes import export_recipe
+
+            load_path = str(export_recipe(path, tmp, root))
+            report.notes.append(f"defaults resolved against {root}")
+        if isinstance(raw.get("loss_fn"), str):
+            parent = _inherited_loss_mapping(load_path)
+            if parent is not None:
+                report.errors.append(
+                    f"loss_fn: the shorthand `loss_fn: {raw['loss_fn']}` would replace the loss_fn "
+                    f"mapping inherited from {parent} (dropping its settings); write the mapping "
+                    f"form, loss_fn: {{name: {raw['loss_fn']}, ...}}"
+                )
+                return None
+        if have_nemo_rl:
+            return _load_with_nemo_rl(load_path, path, overrides, report)
+        return _load_without_nemo_rl(load_path, path, overrides, report)
+
+
+def _load_with_nemo_rl(load_path: str, path: str, overrides: list[str], report: LoadReport) -> Optional[dict]:
+    from nemo_rl.utils import config as host_config
+
+    if hasattr(host_config, "register_omegaconf_resolvers"):
+        try:
+            host_config.register_omegaconf_resolvers()
+        except ValueError:
+            pass  # already registered in this process
+    try:
+        cfg = host_config.load_config(load_path)
+    except ConfigError as exc:
+        report.errors.extend(exc.problems)
+        return None
+    except Exception as exc:  # noqa: BLE001 - reported as a line, never a traceback
+        report.errors.append(f"{path}: NeMo-RL's load_config rejects it: {with_cause(exc)}")
+        return None
+    for o in overrides:
+        try:
+            cfg = host_config.parse_hydra_overrides(cfg, [o])
+        except Exception as exc:  # noqa: BLE001
+            report.errors.append(f"override {o!r}: {with_cause(exc, strip='Failed to parse Hydra overrides: ')}")
+    if report.errors:
+        return None
+    if isinstance(cfg, dict):
+        resolved = cfg
+    else:
+        try:
+            from omegaconf import OmegaConf
+
+            resolved = OmegaConf.to_container(cfg, resolve=True)
+        except Exception as exc:  # noqa: BLE001
+            report.errors.append(f"{path}: NeMo-RL's config does not resolve: {one_line(exc)}")
+            return None
+    report.notes.append("loaded with NeMo-RL's load_config")
+    return resolved
+
+
+def _load_without_nemo_rl(load_path: str, path: str, overrides: list[str], report: LoadReport) -> Optional[dict]:
+    missing: list[str] = []
+    try:
+        cfg = _load_plain(load_path, missing)
+    except (yaml.YAMLError, OSError, UnicodeDecodeError) as exc:
+        report.errors.append(f"{path}: a file it inherits through defaults does not load ({one_line(exc)})")
+        return None
+    for parent in dict.fromkeys(missing):
+        report.unchecked.append(
+            f"fields inherited through defaults: {parent} not found next to the recipe; pass "
+            "--nemo-rl PATH (a NeMo-RL checkout), or check the recipe where it sits in one"
+        )
+    for o in overrides:
+        try:
+            _apply_override(cfg, o)
+        except OverrideError as exc:
+            report.errors.append(str(exc))
+    return None if report.errors else cfg
