@@ -16,12 +16,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# The gathered path reassembles shards with tests/support/cp_layout.py: the repository root on the path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CONFIG = {
     "use_importance_sampling_correction": True,
@@ -101,7 +105,7 @@ def _rank_main(rank, world, rdzv, B, S, repeats, out_q):
         parts = [torch.empty_like(lp) for _ in range(world)]
         dist.all_gather(parts, lp.detach())
         parts[rank] = lp  # own chunk keeps its graph, as NeMo-RL's gather does
-        from nemo_rs_plugin.parallel.layout import cp_unshard
+        from tests.support.cp_layout import cp_unshard
 
         full = cp_unshard(parts)
         x = LossInputs(
@@ -127,7 +131,7 @@ def _rank_main(rank, world, rdzv, B, S, repeats, out_q):
         return statistics.median(samples)
 
     # Bytes of one call's statistic reduction (the loss's own collectives, metrics excluded).
-    from nemo_rs_plugin.core import correction as correction_mod
+    from nemo_rs_plugin.core.correction import statistics as correction_mod
 
     with _CountingCollectives() as counter:
         orig = correction_mod.reduce_sequence_statistics

@@ -19,11 +19,12 @@ attributes.
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from nemo_rs_plugin.core.rejection_filter import RejectionFilter
 
 __all__ = [
     "ConfigError",
@@ -37,25 +38,7 @@ __all__ = [
 
 ISCorrectionLevel = Literal["token", "sequence", "sequence_mean"]
 TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
-FilterLevel = Literal["token", "sequence"]
-FilterMetric = Literal["ratio", "kl_k1", "kl_k2", "kl_k3", "mult_prob_error", "binary_kl", "total_variation"]
-FilterAgg = Literal["mean", "sum", "max", "min", "any"]
-FilterLogRatio = Literal["prev-gen", "gen-prev", "curr-gen", "curr-prev"]
 BatchNormalization = Literal["microbatch", "data_parallel"]
-
-# Aggregations allowed per metric: ratios aggregate in log space, so min/max/any are
-# well defined; every other statistic aggregates arithmetically (mean, sum, max), as in
-# VERL/AReaL/OpenRLHF/NeMo-RL.
-_ARITHMETIC_AGGS = ("mean", "sum", "max")
-_AGGS_FOR_METRIC: dict[str, tuple[str, ...]] = {
-    "ratio": ("mean", "sum", "max", "min", "any"),
-    "kl_k1": _ARITHMETIC_AGGS,
-    "kl_k2": _ARITHMETIC_AGGS,
-    "kl_k3": _ARITHMETIC_AGGS,
-    "mult_prob_error": _ARITHMETIC_AGGS,
-    "binary_kl": _ARITHMETIC_AGGS,
-    "total_variation": _ARITHMETIC_AGGS,
-}
 
 
 class ConfigError(ValueError, AssertionError):
@@ -68,119 +51,6 @@ class ConfigError(ValueError, AssertionError):
     def __init__(self, problems: list[str], prefix: str = "loss_fn"):
         self.problems = [f"{prefix}.{p}" if prefix else p for p in problems]
         super().__init__("invalid loss configuration:\n  " + "\n  ".join(self.problems))
-
-
-class RejectionFilter(BaseModel):
-    """One stage of rejection sampling.
-
-    A filter computes a statistic from the per-token log-ratio ``d = log pi_a - log pi_b``
-    chosen by ``log_ratio`` (default ``prev-gen``: ``d = prev_logprobs -
-    generation_logprobs``) and keeps a token (``level: token``) or a whole sequence
-    (``level: sequence``) iff ``lower <= statistic <= upper`` (a missing bound is open).
-    Rejected units get weight 0 in the whole loss (policy-gradient, KL and NLL terms);
-    denominators do not change.
-
-    Statistics (``m`` = valid-token mask of the stage, ``n = sum_t m``, ``r = exp(d)``,
-    ``p_a = exp(log pi_a)``, ``p_b = exp(log pi_b)`` clamped to ``[1e-6, 1 - 1e-6]``):
-
-    * ``ratio`` (log space): token ``r``; sequence ``mean`` = ``exp(sum_t m d / n)``
-      (geometric mean, "Geo-RS"), ``sum`` = ``exp(sum_t m d)`` (product), ``max``/``min`` =
-      extreme token ratio, ``any`` = reject when any valid token ratio is outside the bounds
-      (outlier-token veto).
-    * ``kl_k1 = -d``, ``kl_k2 = d^2 / 2``, ``kl_k3 = exp(d) - 1 - d`` (estimators of
-      KL(pi_b || pi_a) under samples of pi_b; with ``prev-gen`` VERL's direction, with
-      ``gen-prev`` AReaL's: its ``kl_k1 = log r``, ``kl_k3 = 1/r - 1 + log r``).
-    * ``mult_prob_error = exp(|d|) = max(r, 1/r)`` (NeMo-RL's ``token_mult_prob_error``;
-      ``agg: mean`` is its ``grpo.seq_logprob_error_threshold`` statistic).
-    * ``binary_kl = p_b log(p_b / p_a) + (1 - p_b) log((1 - p_b) / (1 - p_a))`` and
-      ``total_variation = |p_b - p_a|``: the sampled token's probabilities as a Bernoulli
-      pair (OpenRLHF's ``binary_kl`` / ``tv`` gating, its clamp included).
-
-    Every statistic but ``ratio`` aggregates arithmetically by ``mean``, ``sum`` or ``max``.
-    With ``negative_advantages_only`` the filter rejects only tokens whose advantage is
-    negative (TRL's and slime's off-policy sequence masking, OPSM).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    level: FilterLevel
-    """``token`` rejects single tokens; ``sequence`` rejects whole sequences."""
-    metric: FilterMetric = "ratio"
-    """Statistic compared with the bounds: ``ratio``, ``kl_k1``, ``kl_k2``, ``kl_k3``,
-    ``mult_prob_error``, ``binary_kl`` or ``total_variation`` (formulas above)."""
-    agg: Optional[FilterAgg] = None
-    """Sequence filters only: how token values are aggregated (default ``mean``)."""
-    lower: Optional[float] = None
-    """Inclusive lower bound; ``None`` leaves the low side open."""
-    upper: Optional[float] = None
-    """Inclusive upper bound; ``None`` leaves the high side open."""
-    log_ratio: FilterLogRatio = "prev-gen"
-    """The log-ratio ``d = log pi_a - log pi_b`` the statistic reads: ``prev-gen``
-    (default; trainer before the update over the inference engine), ``gen-prev`` (the
-    reverse: AReaL's KL direction, VERL's k1 band on gen/prev), ``curr-gen`` or
-    ``curr-prev`` (the detached current policy: TRL's and slime's OPSM)."""
-    negative_advantages_only: bool = False
-    """Reject only tokens whose advantage is < 0 (a rejected sequence loses its
-    negative-advantage tokens; with one advantage per sequence, as in GRPO, the whole
-    sequence iff its advantage is negative). TRL ``off_policy_mask_threshold``, slime
-    ``use_opsm``."""
-    name: Optional[str] = None
-    """Label used in metric names; default
-    ``<level>_<metric>[_<agg>][_<log_ratio>][_negative_advantages]`` (the last two only
-    when not at their defaults). Labels must be unique within ``rejection_sampling``."""
-
-    @model_validator(mode="after")
-    def _check(self) -> "RejectionFilter":
-        problems = _filter_problems(self)
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
-
-    @property
-    def aggregation(self) -> Optional[str]:
-        """The effective aggregation (``mean`` when a sequence filter leaves it unset)."""
-        if self.level == "token":
-            return None
-        return self.agg or "mean"
-
-    @property
-    def label(self) -> str:
-        """Name used in metric keys, e.g. ``sequence_ratio_mean``."""
-        if self.name:
-            return self.name
-        parts = [self.level, self.metric] + ([self.aggregation] if self.aggregation else [])
-        if self.log_ratio != "prev-gen":
-            parts.append(self.log_ratio)
-        if self.negative_advantages_only:
-            parts.append("negative_advantages")
-        return "_".join(parts)
-
-
-def _filter_problems(f: RejectionFilter) -> list[str]:
-    problems: list[str] = []
-    if f.lower is None and f.upper is None:
-        problems.append(
-            "a filter needs at least one bound: set lower, upper or both "
-            f"(got lower=None, upper=None for level={f.level!r}, metric={f.metric!r})"
-        )
-    for side, v in (("lower", f.lower), ("upper", f.upper)):
-        if v is not None and math.isnan(v):
-            problems.append(f"{side}: got nan; allowed: a number")
-    if f.lower is not None and f.upper is not None and f.lower > f.upper:
-        problems.append(f"lower > upper: got lower={f.lower}, upper={f.upper}; need lower <= upper")
-    if f.metric == "ratio":
-        for side, v in (("lower", f.lower), ("upper", f.upper)):
-            if v is not None and v < 0:
-                problems.append(f"{side}: got {v}; a ratio bound must be >= 0")
-        if f.upper is not None and f.upper <= 0:
-            problems.append(f"upper: got {f.upper}; a ratio upper bound must be > 0")
-    if f.level == "token" and f.agg is not None:
-        problems.append(f"agg: got {f.agg!r} on a token filter; agg is only allowed with level: sequence")
-    if f.level == "sequence" and f.agg is not None:
-        allowed = _AGGS_FOR_METRIC[f.metric]
-        if f.agg not in allowed:
-            problems.append(f"agg: got {f.agg!r} with metric {f.metric!r}; allowed: {', '.join(allowed)}")
-    return problems
 
 
 def _duplicate_label_problems(filters: tuple[RejectionFilter, ...]) -> list[str]:
@@ -333,6 +203,16 @@ class RSClippedPGLossConfig(BaseModel):
         return self
 
     def _problems(self) -> list[str]:
+        """Every invalid combination, one line each, in the order NeMo-RL's checks meet them."""
+        return [
+            *self._loss_type_problems(),
+            *self._truncation_problems(),
+            *self._batch_normalization_problems(),
+            *_duplicate_label_problems(self.rejection_sampling),
+        ]
+
+    def _loss_type_problems(self) -> list[str]:
+        """The GSPO ratio, the dual clip and CISPO against the loss type."""
         p: list[str] = []
         if self.sequence_level_importance_ratios and self.token_level_loss:
             p.append(
@@ -353,6 +233,11 @@ class RSClippedPGLossConfig(BaseModel):
                 p.append(f"ratio_clip_c: got {self.ratio_clip_c} with use_cispo: true; allowed: null")
             if not self.token_level_loss:
                 p.append("token_level_loss: got false with use_cispo: true; allowed: true")
+        return p
+
+    def _truncation_problems(self) -> list[str]:
+        """NeMo-RL's truncation: its type, bounds and what it needs."""
+        p: list[str] = []
         t = self.truncated_importance_sampling_type
         hi = self.truncated_importance_sampling_ratio
         lo = self.truncated_importance_sampling_ratio_min
@@ -400,6 +285,11 @@ class RSClippedPGLossConfig(BaseModel):
                 f"truncated_importance_sampling_ratio_min: got {lo} with "
                 "truncated_importance_sampling_type: null; set the type or remove it"
             )
+        return p
+
+    def _batch_normalization_problems(self) -> list[str]:
+        """Batch normalisation needs the weights it normalises applied."""
+        p: list[str] = []
         if self.is_batch_normalization is not None and not self.use_importance_sampling_correction:
             p.append(
                 f"is_batch_normalization: got {self.is_batch_normalization!r} with "
@@ -407,7 +297,6 @@ class RSClippedPGLossConfig(BaseModel):
                 "applied changes nothing: set use_importance_sampling_correction: true or "
                 "is_batch_normalization: null"
             )
-        p.extend(_duplicate_label_problems(self.rejection_sampling))
         return p
 
     # ------------------------------------------------------------------ construction

@@ -16,6 +16,7 @@ No function here imports NeMo-RL, reads a config object or calls ``.item()``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -25,6 +26,8 @@ from nemo_rs_plugin.core.masking import EPS, finite_exp
 
 __all__ = [
     "LOG_RATIO_CLAMP",
+    "KLOptions",
+    "RatioOptions",
     "policy_ratios",
     "clipped_objective",
     "kl_estimate",
@@ -41,6 +44,27 @@ __all__ = [
 LOG_RATIO_CLAMP = 20.0
 
 
+@dataclass(frozen=True)
+class RatioOptions:
+    """How :func:`policy_ratios` forms the ratio: NeMo-RL's options, its field names in brackets."""
+
+    force_on_policy: bool  # (force_on_policy_ratio) exp(curr - sg(curr)) = 1
+    disable_ppo_ratio: bool  # (disable_ppo_ratio) REINFORCE: log pi itself
+    sequence_level: bool  # (sequence_level_importance_ratios) GSPO
+    clip_min: float  # (ratio_clip_min) clamp at 1 - clip_min
+    clip_max: float  # (ratio_clip_max) clamp at 1 + clip_max
+
+
+@dataclass(frozen=True)
+class KLOptions:
+    """How :func:`kl_penalty_per_token` estimates the KL: NeMo-RL's options, its field names in brackets."""
+
+    kl_type: str  # (reference_policy_kl_type) k1, k2 or k3
+    input_clamp: Optional[float]  # (kl_input_clamp_value) None: no clamp
+    output_clamp: Optional[float]  # (kl_output_clamp_value) None: no clamp
+    on_policy_approximation: bool  # (use_on_policy_kl_approximation) weight pi_curr / pi_gen
+
+
 def _clamp_value(x: torch.Tensor, bound: float) -> torch.Tensor:
     # (x - sg(x)) is exactly 0 in value, so the result is exactly the clamped value in any
     # dtype. The form x + (clamp(x) - x) cancels instead once |x| outgrows the mantissa
@@ -53,16 +77,15 @@ def policy_ratios(
     curr: torch.Tensor,  # [B, T]
     prev: torch.Tensor,  # [B, T]
     token_mask: torch.Tensor,  # [B, T]
+    options: RatioOptions,
     *,
-    force_on_policy: bool,
-    disable_ppo_ratio: bool,
-    sequence_level: bool,
-    clip_min: float,
-    clip_max: float,
     groups: SequenceGroups = NO_GROUPS,
     row_count: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Policy ratio ``r`` and its clamp ``clip(r, 1 - clip_min, 1 + clip_max)``, both ``[B, T]``.
+
+    ``options`` (:class:`RatioOptions`) picks the ratio: PPO/GRPO, GSPO, REINFORCE or forced
+    on-policy.
 
     GSPO: ``r_i = exp(sum_t m_t (curr_t - prev_t) / (sum_t m_t + 1e-8))`` with ``m`` the token
     mask; the numerator is all-reduced over ``groups`` differentiably, and ``row_count``
@@ -70,15 +93,15 @@ def policy_ratios(
     it the count is computed and reduced here. A CP-sharded sequence gets the ratio of the
     whole sequence.
     """
-    if force_on_policy:
+    if options.force_on_policy:
         # exp(x - sg(x)) is 1 in value but keeps d/dx = 1: a truly on-policy gradient.
         ratios = torch.exp(curr - curr.detach())
         return ratios, ratios
-    if disable_ppo_ratio:
+    if options.disable_ppo_ratio:
         # REINFORCE: -A * log pi; NeMo-RL reports log pi under the ratio metric names.
         return curr, curr
     log_ratios = curr - prev
-    if sequence_level:
+    if options.sequence_level:
         row_sum = all_reduce_sum_with_grad((log_ratios * token_mask).sum(dim=-1), groups)  # [B]
         if row_count is None:
             row_count = all_reduce_sum_with_grad(token_mask.sum(dim=-1).to(curr.dtype), groups)
@@ -86,7 +109,7 @@ def policy_ratios(
         ratios = torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(curr)  # [B, T]
     else:
         ratios = torch.exp(_clamp_value(log_ratios, LOG_RATIO_CLAMP))
-    return ratios, ratios.clamp(1.0 - clip_min, 1.0 + clip_max)
+    return ratios, ratios.clamp(1.0 - options.clip_min, 1.0 + options.clip_max)
 
 
 def clipped_objective(
@@ -134,19 +157,17 @@ def kl_penalty_per_token(
     curr: torch.Tensor,  # [B, T] current log-probs (unfiltered by top-k/top-p)
     reference: torch.Tensor,  # [B, T]
     generation: torch.Tensor,  # [B, T]
-    *,
-    kl_type: str,
-    input_clamp: Optional[float],
-    output_clamp: Optional[float],
-    on_policy_approximation: bool,
+    options: KLOptions,
 ) -> torch.Tensor:
     """Per-token ``KL(pi_curr || pi_ref)`` estimate times its sampling weight, ``[B, T]``.
 
     The weight is ``exp(curr - gen)`` with the on-policy approximation (samples come from
     ``pi_gen``), else ``exp(curr - sg(curr)) = 1``, which keeps the score-function gradient.
     Where the input clamp is active the weight is detached, so the clamp stops both gradients.
+    The estimator and the clamps are ``options`` (:class:`KLOptions`).
     """
-    if on_policy_approximation:
+    input_clamp, output_clamp = options.input_clamp, options.output_clamp
+    if options.on_policy_approximation:
         weights = finite_exp(curr - generation)
     else:
         weights = finite_exp(curr - curr.detach())
@@ -157,7 +178,7 @@ def kl_penalty_per_token(
         # differs from its clamp (masking.out_of_bounds's test, on the clamp computed anyway).
         weights = torch.where((log_ratio != clamped).detach(), weights.detach(), weights)
         log_ratio = clamped
-    kl = weights * kl_estimate(log_ratio, kl_type)
+    kl = weights * kl_estimate(log_ratio, options.kl_type)
     if output_clamp is not None:
         kl = kl.clamp(-output_clamp, output_clamp)
     return kl

@@ -5,17 +5,16 @@ rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` (so causal attention work i
 With sequence packing NeMo-RL cuts every padded sequence the same way and hands a LOGIT-input
 loss one sequence at a time (``SequencePackingLossWrapper``), so the same functions serve.
 
-Entry points: :func:`cp_shard` / :func:`cp_unshard` for ``[B, S]`` tensors and
-:func:`shift_left` for next-token alignment done before sharding.
+Entry points: :func:`cp_shard` for ``[B, S]`` tensors (its inverse, for tests and
+benchmarks, is ``tests/support/cp_layout.py``) and :func:`shift_left` for next-token
+alignment done before sharding.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
-__all__ = ["cp_chunk_ranges", "cp_shard", "cp_unshard", "shift_left"]
+__all__ = ["cp_chunk_ranges", "cp_shard", "shift_left"]
 
 
 def cp_chunk_ranges(length: int, cp_size: int, cp_rank: int) -> list[tuple[int, int]]:
@@ -42,19 +41,6 @@ def cp_shard(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch
         return x
     (a0, a1), (b0, b1) = cp_chunk_ranges(x.shape[dim], cp_size, cp_rank)
     return torch.cat([x.narrow(dim, a0, a1 - a0), x.narrow(dim, b0, b1 - b0)], dim=dim)
-
-
-def cp_unshard(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """Inverse of :func:`cp_shard`, from every rank's shard in rank order (for tests/tools)."""
-    cp_size = len(shards)
-    if cp_size == 1:
-        return shards[0]
-    chunks: list = [None] * (2 * cp_size)
-    for r, s in enumerate(shards):
-        half = s.shape[dim] // 2
-        chunks[r] = s.narrow(dim, 0, half)
-        chunks[2 * cp_size - 1 - r] = s.narrow(dim, half, half)
-    return torch.cat(chunks, dim=dim)
 
 
 def shift_left(x: torch.Tensor, fill: float = 0) -> torch.Tensor:

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from nemo_rs_plugin.core.distributed import SequenceGroups, all_reduce_sum_with_grad, group_is_active
-from nemo_rs_plugin.core.loss import CorrectedPGLoss, LossInputs
+from nemo_rs_plugin.core.inputs import LossInputs
+from nemo_rs_plugin.core.loss import CorrectedPGLoss
 from nemo_rs_plugin.parallel.layout import cp_shard, shift_left
 from nemo_rs_plugin.parallel.vocab_parallel import target_logprobs
 
@@ -91,16 +92,7 @@ def sharded_loss_inputs(
     B, S = input_ids.shape
     targets = shift_left(input_ids)
     aligned = {name: shift_left(data[key]) for name, key in _ALIGNED_KEYS.items() if key in data}
-    if S % (2 * cp) != 0:
-        raise ValueError(
-            f"input_ids: sequence length {S} is not divisible by 2 * cp = {2 * cp}; "
-            "pad sequences to a multiple of 2 * cp for the sharded loss path"
-        )
-    if logits.shape[:2] != (B, S // cp):
-        raise ValueError(
-            f"logits shard {tuple(logits.shape)} does not match [B, S/cp] = [{B}, {S // cp}] "
-            f"for sequences of {S} tokens on a CP group of {cp} ranks"
-        )
+    _check_layout(logits, B, S, cp)
 
     def shard(x: torch.Tensor) -> torch.Tensor:
         return cp_shard(x, cp, cp_rank)
@@ -119,6 +111,20 @@ def sharded_loss_inputs(
     )
 
 
+def _check_layout(logits: torch.Tensor, B: int, S: int, cp: int) -> None:
+    """Raise when ``S`` cannot be cut into Megatron's CP layout or the logits shard is not ``[B, S/cp]``."""
+    if S % (2 * cp) != 0:
+        raise ValueError(
+            f"input_ids: sequence length {S} is not divisible by 2 * cp = {2 * cp}; "
+            "pad sequences to a multiple of 2 * cp for the sharded loss path"
+        )
+    if logits.shape[:2] != (B, S // cp):
+        raise ValueError(
+            f"logits shard {tuple(logits.shape)} does not match [B, S/cp] = [{B}, {S // cp}] "
+            f"for sequences of {S} tokens on a CP group of {cp} ranks"
+        )
+
+
 def _pad_sequences(data: Mapping[str, Any], length: int) -> dict:
     """Zero-pad every ``[B, S]`` tensor of ``data`` to ``length`` positions (masked out)."""
     S = data["input_ids"].shape[1]
@@ -134,6 +140,8 @@ def _pad_sequences(data: Mapping[str, Any], length: int) -> dict:
     return out
 
 
+# 9 parameters: NeMo-RL's loss call (logits, data, two global counts) plus the keyword-only
+# process groups and padding flag its callers (nemo_rl.loss_fn, the tests) pass by name.
 def sharded_loss(
     loss_fn: CorrectedPGLoss,
     logits: torch.Tensor,

@@ -19,9 +19,12 @@ class Mutant(NamedTuple):
     equivalent: Optional[str] = None  # why no test can observe it, for equivalent mutants
 
 
-C, L, P, D, M, MS = (
-    f"nemo_rs_plugin/core/{m}.py" for m in ("correction", "loss", "policy_loss", "distributed", "masking", "metrics")
+L, P, D, M, MS, IN = (
+    f"nemo_rs_plugin/core/{m}.py" for m in ("loss", "policy_loss", "distributed", "masking", "metrics", "inputs")
 )
+# The correction package: filter statistics and decisions, IS weights, the statistics and their
+# reductions, the plan -> reduce -> apply pipeline.
+CF, CW, CS, CP = (f"nemo_rs_plugin/core/correction/{m}.py" for m in ("filters", "weights", "statistics", "pipeline"))
 
 MUTANTS: list[Mutant] = [
     # ---- filter bounds are inclusive (docs/guide.md#rejection-sampling): the one bound check
@@ -45,151 +48,151 @@ MUTANTS: list[Mutant] = [
     ),
     # ---- filter statistics: KL(gen || prev) estimators from d = prev - gen
     Mutant(
-        C,
+        CF,
         "return kl_estimate(d, metric[3:])",
         "return kl_estimate(-d, metric[3:])",
         "filters' KL statistics in the reverse direction (AReaL's k3 where VERL's is meant)",
     ),
     # ---- sequence aggregations
     Mutant(
-        C,
-        "reject = out_of_bounds(stats.sum(stage.total) / (count + EPS), lo, hi)",
-        "reject = out_of_bounds(stats.sum(stage.total) / (count + 1.0), lo, hi)",
+        CF,
+        "reject = out_of_bounds(s.total / (count + EPS), lo, hi)",
+        "reject = out_of_bounds(s.total / (count + 1.0), lo, hi)",
         "agg mean (Geo-RS) divides the log-ratio sum by n + 1",
     ),
     Mutant(
-        C,
-        "reject = out_of_bounds(stats.max(stage.maximum), lo, hi)",
-        "reject = out_of_bounds(stats.max(stage.maximum), None, hi)",
+        CF,
+        "reject = out_of_bounds(s.maximum, lo, hi)",
+        "reject = out_of_bounds(s.maximum, None, hi)",
         "agg max ignores its lower bound",
     ),
     Mutant(
-        C,
-        "reject = out_of_bounds(-stats.max(stage.negated_minimum), lo, hi)",
-        "reject = out_of_bounds(stats.max(stage.negated_minimum), lo, hi)",
+        CF,
+        "reject = out_of_bounds(-s.negated_minimum, lo, hi)",
+        "reject = out_of_bounds(s.negated_minimum, lo, hi)",
         "agg min compares the negated minimum",
     ),
     Mutant(
-        C,
-        "reject = above | out_of_bounds(-stats.max(stage.negated_minimum), lo, None)",
+        CF,
+        "reject = above | out_of_bounds(-s.negated_minimum, lo, None)",
         "reject = above",
         "agg any checks only the largest token (a low-side outlier passes)",
     ),
-    Mutant(C, "return reject & (count > 0)", "return reject", "a sequence with no token left can be rejected"),
+    Mutant(CF, "return reject & (count > 0)", "return reject", "a sequence with no token left can be rejected"),
     Mutant(
-        C,
-        "reject = reject | (stats.sum(stage.nonfinite) > 0)",
-        "reject = reject | (stats.sum(stage.nonfinite) < 0)",
+        CF,
+        "reject = reject | (s.nonfinite > 0)",
+        "reject = reject | (s.nonfinite < 0)",
         "a non-finite log-ratio no longer rejects its sequence",
     ),
     Mutant(
-        C,
+        CF,
         "alive_fin = alive * f_finite",
         "alive_fin = masks.valid_bin * f_finite",
         "stage order lost: a sequence filter sums over tokens earlier token filters rejected",
     ),
     Mutant(
-        C,
+        CF,
         "in_band = f_finite.masked_fill(out_of_bounds(stat, lo, hi), 0.0)",
         "in_band = torch.ones_like(f_finite).masked_fill(out_of_bounds(stat, lo, hi), 0.0)",
         "a token filter keeps tokens whose log-ratio is not finite",
     ),
     Mutant(
-        C,
+        CF,
         "rejected = torch.where(rejects, live, 0.0)",
         "rejected = torch.where(rejects, sample_mask, 0.0)",
         "seq_rejected_frac also counts sequences an earlier filter already rejected",
     ),
     # ---- counts behind rejection_denominator: kept
     Mutant(
-        C,
+        CP,
         "kept_seq_count = (seq_in_loss * sample_mask) @ has_tokens",
         "kept_seq_count = (seq_in_loss * sample_mask).sum()",
         "kept_seq_count counts empty sequences",
     ),
     Mutant(
-        C,
+        CF,
         "kept_tokens = kept_tokens * seq_kept",
         "kept_tokens = kept_tokens * 1.0",
         "kept_token_count counts the tokens of rejected sequences",
     ),
     # ---- IS weights per level
     Mutant(
-        C,
+        CW,
         "return finite_exp(d) * d_finite",
         "return finite_exp(d)",
         "token IS weight 1 (not 0) where the log-ratio is not finite",
     ),
     Mutant(
-        C,
+        CW,
         'seq_log_w = seq_d_sum if level == "sequence" else seq_d_sum / (seq_n + EPS)',
         'seq_log_w = seq_d_sum if level == "sequence_mean" else seq_d_sum / (seq_n + EPS)',
         "sequence and sequence_mean swapped (product vs geometric mean)",
     ),
     Mutant(
-        C,
+        CW,
         "return finite_exp(seq_log_w).masked_fill(seq_nonfinite > 0, 0.0).unsqueeze(-1)",
         "return finite_exp(seq_log_w).unsqueeze(-1)",
         "sequence IS weight not 0 when a token's log-ratio is not finite",
     ),
     # ---- truncation
     Mutant(
-        C,
+        CW,
         "lower = 0.0 if lower is None else lower",
         "lower = 0.0",
         "tis ignores truncated_importance_sampling_ratio_min",
     ),
     Mutant(
-        C,
+        CW,
         "return raw_weight.clamp(lower, upper), oob.to(raw_weight.dtype)",
         "return raw_weight.clamp(lower, None), oob.to(raw_weight.dtype)",
         "tis does not clamp above",
     ),
     Mutant(
-        C,
+        CW,
         "return raw_weight.masked_fill(oob, 0.0), oob.to(raw_weight.dtype)",
         "return raw_weight.clamp(lower, upper), oob.to(raw_weight.dtype)",
         "icepop clamps instead of zeroing out-of-band weights",
     ),
     Mutant(
-        C,
+        CW,
         'seq_mean_log_ratio = seq_d_sum / (seq_ntok + EPS) if kind == "seq-mask-tis" else None',
         'seq_mean_log_ratio = seq_d_sum if kind == "seq-mask-tis" else None',
         "seq-mask-tis decides on the product, not the geometric mean",
     ),
     Mutant(
-        C,
+        CW,
         "oob = out_of_bounds(torch.exp(seq_mean_log_ratio), lower, upper)",
         "oob = out_of_bounds(torch.exp(seq_mean_log_ratio), None, upper)",
         "seq-mask-tis ignores its lower bound",
     ),
     # ---- IS weight metrics
     Mutant(
-        C,
+        CW,
         "[weight, weight * weight], loss_tokens,",
         "[weight, weight], loss_tokens,",
         "is_weight_sq_mean reports the mean weight (token level)",
     ),
     Mutant(
-        C,
+        CW,
         "[applied, applied * applied],",
         "[applied, applied],",
         "is_weight_sq_mean reports the mean weight (sequence levels)",
     ),
     Mutant(
-        C,
+        CW,
         "[weight, weight * weight], loss_tokens,",
         "[weight, weight * weight], masks.valid,",
         "is_weight_mean counts rejected tokens with their weight",
     ),
     Mutant(
-        C,
+        CW,
         'metrics.add_total("_ess_units", masks.valid.sum(), "tokens", "sum")',
         'metrics.add_total("_ess_units", torch.sign(loss_tokens).sum(), "tokens", "sum")',
         "is_ess divides by the kept units instead of all units",
     ),
     Mutant(
-        C,
+        CW,
         "return mean * mean / (units * sq_mean) if sq_mean > 0 and units > 0 else 0.0",
         "return mean / (units * sq_mean) if sq_mean > 0 and units > 0 else 0.0",
         "is_ess from the mean, not its square",
@@ -232,7 +235,7 @@ MUTANTS: list[Mutant] = [
         "decoupled sampling_importance_ratio ignores sample_mask",
     ),
     Mutant(
-        C,
+        CW,
         'metrics.add_masked_total("is_weight_raw_mean", raw, units, "sequences", "replicated")',
         'metrics.add_masked_total("is_weight_raw_mean", raw, units, "tokens", "replicated")',
         "sequence-level IS metrics declared as normalized by tokens",
@@ -256,13 +259,13 @@ MUTANTS: list[Mutant] = [
         "probs_ratio_clamped_min/max not clamped",
     ),
     Mutant(
-        L,
+        IN,
         "inputs_finite = 1.0 - any_bad",
         "inputs_finite = 1.0 - bad[1]",
         "a token with a non-finite curr or reference log-prob stays in the loss",
     ),
     Mutant(
-        L,
+        IN,
         "return not math.isfinite(count) or count < 0 or (count == 0 and out[local] > 0)",
         "return not math.isfinite(count) or count < 0",
         "a zero global count while the microbatch has valid units is accepted (loss ~1e9)",
@@ -389,68 +392,68 @@ MUTANTS: list[Mutant] = [
     ),
     # ---- issue 9: peer statistics, log-ratio choice, advantage condition, batch normalisation
     Mutant(
-        C,
+        CF,
         "return torch.exp(d.abs())",
         "return torch.exp(d)",
         "mult_prob_error reads exp(d), not exp(|d|) (NeMo-RL's seq_logprob_error)",
     ),
-    Mutant(C, "return (p_b - p_a).abs()", "return p_b - p_a", "total_variation signed"),
+    Mutant(CF, "return (p_b - p_a).abs()", "return p_b - p_a", "total_variation signed"),
     Mutant(
-        C,
+        CF,
         "return p_b * (p_b / p_a).log() + (1.0 - p_b) * ((1.0 - p_b) / (1.0 - p_a)).log()",
         "return p_b * (p_b / p_a).log()",
         "binary_kl without its (1 - p) term",
     ),
     Mutant(
-        C,
+        CF,
         'target_name, behaviour_name = log_ratio.split("-")',
         'behaviour_name, target_name = log_ratio.split("-")',
         "every non-default log_ratio reversed",
     ),
     Mutant(
-        C,
-        "stage.keep_tok = in_band if eligible is None else 1.0 - (1.0 - in_band) * eligible",
-        "stage.keep_tok = in_band",
+        CF,
+        "keep_tok = in_band if eligible is None else 1.0 - (1.0 - in_band) * eligible",
+        "keep_tok = in_band",
         "a token filter ignores negative_advantages_only",
     ),
     Mutant(
-        C,
+        CP,
         "negative = (sanitize(advantages.detach()) < 0).to(d.dtype)",
         "negative = (sanitize(advantages.detach()) <= 0).to(d.dtype)",
         "a zero advantage counts as negative for OPSM",
     ),
     Mutant(
-        C,
+        CP,
         "keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1) * plan.negative)",
         "keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1))",
         "an advantage-conditioned sequence filter drops positive-advantage tokens too",
     ),
     Mutant(
-        C,
+        CF,
         "newly = rejected * (1.0 - conditional) * torch.sign(negative_alive)",
         "newly = rejected * torch.sign(negative_alive)",
         "a second advantage-conditioned rejection of a row is counted again",
     ),
     Mutant(
-        C,
-        "rejected = rejected - conditional * stats.sum(stage.negative)",
+        CF,
+        "rejected = rejected - conditional * s.rejected_negative",
         "rejected = rejected",
         "a token filter is credited with tokens an earlier conditional rejection removed",
     ),
     Mutant(
-        C,
+        CS,
         "factor = torch.where(mean > BATCH_MEAN_FLOOR, mean, torch.ones_like(mean))",
         "factor = mean",
         "batch normalisation divides by a zero mean",
     ),
     Mutant(
-        C,
+        CP,
         'units = masks.valid if level == "token" else sample_mask * has_tokens',
         'units = masks.valid if level == "token" else sample_mask',
         "sequence batch mean counts empty sequences (slime's, not VERL's)",
     ),
     Mutant(
-        C,
+        CS,
         'totals, groups, tokens_split=token_level, across_data_parallel=scope == "data_parallel"',
         'totals, groups, tokens_split=False, across_data_parallel=scope == "data_parallel"',
         "token batch totals not summed over the ranks that split the tokens",
@@ -468,7 +471,7 @@ MUTANTS: list[Mutant] = [
         "two filters with one label are accepted (their metrics overwrite each other)",
     ),
     Mutant(
-        "nemo_rs_plugin/core/correction.py",
+        CP,
         "ratio_mask = masks.token_mask * masks.inputs_finite * (1.0 - masks.valid_bin + alive)",
         "ratio_mask = masks.token_mask * masks.inputs_finite",
         "GSPO ratio keeps the tokens a token filter rejected",
@@ -479,7 +482,7 @@ MUTANTS: list[Mutant] = [
         "sums = sums.clone()",
         "sums = sums",
         "statistics reduced in place in the caller's tensor",
-        equivalent="every caller passes a temporary it never reads again: _StatPack.reduce a fresh "
+        equivalent="every caller passes a temporary it never reads again: SequenceStatistics.reduce a fresh "
         "torch.stack, MetricSet.finalize a fresh torch.where result, reduce_batch_totals a view of "
         "batch_normalize_weights' fresh torch.stack; reduce_sequence_statistics "
         "returns the reduced tensor either way",

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from nemo_rs_plugin.core.distributed import SequenceGroups, reduce_sequence_statistics
-from nemo_rs_plugin.parallel.layout import cp_shard, cp_unshard
+from nemo_rs_plugin.parallel.layout import cp_shard
 from tests.support import distributed_cases as cases
+from tests.support.cp_layout import cp_unshard
 from tests.support.distributed_harness import run_world_cases
 
 pytestmark = pytest.mark.distributed
@@ -27,6 +28,7 @@ WORLDS = {
         ("collective-budget", cases.check_collective_budget, ()),
         ("bad-groups", cases.check_bad_groups, ()),
         ("bad-global-count", cases.check_bad_global_count_raises_on_every_rank, ()),
+        ("sharded-loss-gradient-scale", cases.check_sharded_loss_gradient_scale, ()),
     ],
     4: [
         ("tp2-cp2-sharded-equals-unsharded", cases.check_sharded_equals_unsharded, (2,)),
@@ -58,6 +60,10 @@ def test_tp2_cp2_sharded_equals_unsharded():
 
 def test_data_parallel_batch_normalization_dp2_cp2():
     check(4, "dp2-cp2-batch-normalization")
+
+
+def test_sharded_loss_gives_the_unsharded_gradient_under_the_cp_normalisation():
+    check(2, "sharded-loss-gradient-scale")
 
 
 def test_statistic_is_reduced_before_any_mask():

@@ -94,6 +94,23 @@ CONFIGS = {
             {"level": "sequence", "metric": "total_variation", "agg": "mean", "upper": 0.0095},
         ],
     },
+    # VERL's decoupled denominator: the kept fraction's base is the valid tokens summed over
+    # the CP group, not one rank's share (with a single rank's base the loss is off by ~cp).
+    "token-level/kept-denominator": {
+        **IS,
+        "rejection_denominator": "kept",
+        "rejection_sampling": [
+            {"level": "token", "lower": 0.9, "upper": 1.1},
+            {"level": "sequence", "agg": "mean", "lower": 0.97, "upper": 1.03},
+        ],
+    },
+    "seq-level/kept-denominator": {
+        **IS,
+        "is_correction_level": "sequence_mean",
+        "token_level_loss": False,
+        "rejection_denominator": "kept",
+        "rejection_sampling": [{"level": "token", "lower": 0.9, "upper": 1.1}],
+    },
     "seq-level/sequence_mean+batch-norm+mult_prob_error": {
         **IS,
         "is_correction_level": "sequence_mean",
@@ -307,7 +324,7 @@ def check_bad_groups(rank, world_size):
 def check_collective_budget(rank, world_size):
     """One loss call: the mask statistics cost one SUM and one MAX all-reduce of O(batch)
     bytes, and nothing is all-gathered."""
-    from nemo_rs_plugin.core import correction as correction_mod
+    from nemo_rs_plugin.core.correction import statistics as correction_mod
 
     group = dist.new_group(list(range(world_size)))
     calls = []
@@ -455,4 +472,35 @@ def check_data_parallel_batch_normalization(rank, world_size):
             )
         if close(half["is_batch_norm_factor"], ref_metrics["is_batch_norm_factor"]):
             failures.append(f"{level}: test data broken: a half has the whole batch's mean")
+    return failures
+
+
+def check_sharded_loss_gradient_scale(rank, world_size):
+    """``sharded_loss`` returns the full loss on every rank; divided by ``cp`` (NeMo-RL's
+    ``cp_normalize``) its backward gives each rank exactly the unsharded ``dL/dz`` of its shard.
+
+    Returning the bare share instead would give ``dL/dz / cp``. The same contract is checked
+    inside NeMo-RL's real Megatron loop in tests/parallel/test_real_megatron.py, which needs
+    NeMo-RL; this checks it wherever gloo runs.
+    """
+    cp_group, cp, cp_rank = dist.group.WORLD, world_size, rank
+    failures = []
+    B, S, V = 5, 16, 12
+    logits, data, gvs, gvt = make_data(B, S, V)
+    for name in ("token-level/token-IS/tis", "gspo/sequence_mean+geo-rs+veto+token-k3", "seq-level/kept-denominator"):
+        loss_fn = CorrectedPGLoss(CONFIGS[name])
+        ref_loss, ref_metrics, ref_zgrad, _ = reference(loss_fn, logits, data, gvs, gvt)
+        z = cp_shard(logits, cp, cp_rank).clone().requires_grad_(True)
+        loss, metrics = sharded_loss(loss_fn, z, data, gvs, gvt, cp_group=cp_group)
+        if not close(loss.detach(), ref_loss):
+            failures.append(f"{name}: sharded_loss {loss.item()} vs the full loss {ref_loss.item()}")
+        (loss / cp).backward()
+        want = cp_shard(ref_zgrad, cp, cp_rank)
+        scale = ref_zgrad.abs().max().item() + 1e-12
+        if not close(z.grad, want, abs_=1e-6 * scale):
+            ratio = (z.grad * want).sum().item() / ((want * want).sum().item() + 1e-30)
+            failures.append(f"{name}: logits grad@{rank} is {ratio:.3g} x the unsharded one")
+        for key, value in ref_metrics.items():
+            if not close(metrics[key], value):
+                failures.append(f"{name}: metric {key}@{rank} {metrics[key]} vs {value}")
     return failures

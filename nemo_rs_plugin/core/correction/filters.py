@@ -1,0 +1,332 @@
+"""Rejection filters: token statistics, the local plan of each filter, the sequence decisions.
+
+A filter reads a per-token statistic of a log-ratio (:func:`token_filter_statistic` of
+:func:`filter_log_ratio`). :func:`plan_filters` makes the token filters' decisions (local) and
+records the sequence filters' partial statistics; after the reduction :func:`apply_filters`
+decides on sequences from the reduced statistics only and declares the per-stage metrics.
+See: docs/guide.md#rejection-sampling and docs/guide.md#filter-statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from nemo_rs_plugin.core.config import RejectionFilter
+from nemo_rs_plugin.core.correction.statistics import (
+    SequenceStageStatistics,
+    SequenceStatistics,
+    StageStatistics,
+    TokenStageStatistics,
+)
+from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, nonfinite, out_of_bounds, sanitize
+from nemo_rs_plugin.core.metrics import MetricSet
+from nemo_rs_plugin.core.policy_loss import kl_estimate
+
+__all__ = [
+    "PROBABILITY_CLAMP",
+    "PolicyLogProbs",
+    "RejectionOutcome",
+    "apply_filters",
+    "filter_log_ratio",
+    "plan_filters",
+    "token_filter_statistic",
+]
+
+# Probability-space statistics clamp the sampled token's probabilities to [1e-6, 1 - 1e-6]
+# (OpenRLHF's clamp), which keeps both logs of the binary KL finite.
+PROBABILITY_CLAMP = 1e-6
+_PROBABILITY_METRICS = ("binary_kl", "total_variation")
+
+
+@dataclass
+class PolicyLogProbs:
+    """Detached per-token log-probs a filter's ``log_ratio`` may compare, ``[B, T]`` each.
+
+    Raw values (non-finite entries included): :func:`filter_log_ratio` sanitises them and
+    marks where the log-ratio was not finite. ``prev`` is ``curr`` under a forced on-policy
+    ratio.
+    """
+
+    curr: torch.Tensor
+    prev: torch.Tensor
+    gen: torch.Tensor
+
+
+def token_filter_statistic(
+    d: torch.Tensor,
+    metric: str,
+    target: Optional[torch.Tensor] = None,
+    behaviour: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Per-token statistic of a filter, from ``d = target - behaviour`` (log-probs).
+
+    ``ratio`` is returned in log space (``d`` itself; bounds are compared as ``log``);
+    ``kl_k1 = -d``, ``kl_k2 = d^2/2``, ``kl_k3 = exp(d) - 1 - d`` estimate
+    KL(behaviour || target); ``mult_prob_error = exp(|d|)``. The probability-space
+    statistics read ``p_a = exp(target)`` and ``p_b = exp(behaviour)``, both clamped to
+    ``[1e-6, 1 - 1e-6]``: ``binary_kl = p_b log(p_b/p_a) + (1-p_b) log((1-p_b)/(1-p_a))``,
+    ``total_variation = |p_b - p_a|``.
+    """
+    if metric == "ratio":
+        return d
+    if metric in ("kl_k1", "kl_k2", "kl_k3"):
+        return kl_estimate(d, metric[3:])
+    if metric == "mult_prob_error":
+        return torch.exp(d.abs())
+    if metric in ("binary_kl", "total_variation"):
+        if target is None or behaviour is None:
+            raise ValueError(f"metric {metric!r} needs the target and behaviour log-probs")
+        p_a = target.exp().clamp(PROBABILITY_CLAMP, 1.0 - PROBABILITY_CLAMP)
+        p_b = behaviour.exp().clamp(PROBABILITY_CLAMP, 1.0 - PROBABILITY_CLAMP)
+        if metric == "total_variation":
+            return (p_b - p_a).abs()
+        return p_b * (p_b / p_a).log() + (1.0 - p_b) * ((1.0 - p_b) / (1.0 - p_a)).log()
+    raise ValueError(
+        f"metric: got {metric!r}; allowed: ratio, kl_k1, kl_k2, kl_k3, mult_prob_error, binary_kl, total_variation"
+    )
+
+
+def filter_log_ratio(
+    log_ratio: str,
+    d: torch.Tensor,  # [B, T] prev - gen, sanitised
+    d_finite: torch.Tensor,  # [B, T] 0/1
+    log_probs: Optional[PolicyLogProbs],
+    needs_log_probs: bool,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(d, d_finite, target, behaviour)`` for a filter's ``log_ratio`` ``"a-b"``.
+
+    ``d = log pi_a - log pi_b`` with non-finite entries replaced by 0 and ``d_finite`` the
+    0/1 mask of where it was finite; ``target``/``behaviour`` are the sanitised log-probs of
+    ``a`` and ``b`` (``None`` unless ``needs_log_probs``). ``prev-gen`` reuses the loss's
+    ``d``; the others read :class:`PolicyLogProbs`.
+    """
+    target_name, behaviour_name = log_ratio.split("-")
+    if log_ratio != "prev-gen" or needs_log_probs:
+        if log_probs is None:
+            raise ValueError(
+                f"log_ratio {log_ratio!r}: this filter needs the policies' log-probs "
+                "(compute_correction(..., log_probs=PolicyLogProbs(...)))"
+            )
+        target_raw = getattr(log_probs, target_name).detach()
+        behaviour_raw = getattr(log_probs, behaviour_name).detach()
+        target, behaviour = sanitize(target_raw), sanitize(behaviour_raw)
+    else:
+        target = behaviour = None
+    if log_ratio == "prev-gen":
+        return d, d_finite, target, behaviour
+    d_raw = target_raw - behaviour_raw
+    return sanitize(d_raw), 1.0 - nonfinite(d_raw), target, behaviour
+
+
+def _log_bound(v: Optional[float]) -> Optional[float]:
+    if v is None:
+        return None
+    return -math.inf if v == 0 else math.log(v)
+
+
+def _filter_bounds(f: RejectionFilter) -> tuple[Optional[float], Optional[float]]:
+    """Bounds in the space the statistic lives in (log space for ratios)."""
+    if f.metric == "ratio":
+        return _log_bound(f.lower), _log_bound(f.upper)
+    return f.lower, f.upper
+
+
+# ------------------------------------------------------------------ plan (local)
+def plan_filters(
+    filters: Sequence[RejectionFilter],
+    d: torch.Tensor,  # [B, T] prev - gen, sanitised, detached
+    masks: TokenMasks,
+    negative: Optional[torch.Tensor],  # [B, T] 0/1 negative advantage; None if no filter is conditioned
+    log_probs: Optional[PolicyLogProbs],
+) -> tuple[tuple[StageStatistics, ...], torch.Tensor]:
+    """Token-filter masks (local decisions) and the local statistics of sequence filters.
+
+    A sequence filter reads the valid tokens that the token filters listed before it kept.
+    Returns each stage's local statistics and the ``[B, T]`` 0/1 mask of valid tokens every
+    token filter kept.
+    """
+    stages = []
+    alive = masks.valid_bin  # [B, T] valid tokens kept by the token filters so far
+    for f in filters:
+        stat, f_finite = _filter_statistic(f, d, masks, log_probs)
+        if f.level == "token":
+            stage, alive = _plan_token_filter(f, stat, f_finite, alive, negative)
+        else:
+            stage = _plan_sequence_filter(f, stat, f_finite, alive, negative, torch.finfo(d.dtype).max)
+        stages.append(stage)
+    return tuple(stages), alive
+
+
+def _filter_statistic(
+    f: RejectionFilter, d: torch.Tensor, masks: TokenMasks, log_probs: Optional[PolicyLogProbs]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T]`` the filter's statistic (finite) and the 0/1 mask of where its log-ratio was finite."""
+    fd, f_finite, target, behaviour = filter_log_ratio(
+        f.log_ratio, d, masks.d_finite, log_probs, f.metric in _PROBABILITY_METRICS
+    )
+    stat = token_filter_statistic(fd, f.metric, target, behaviour)
+    if f.metric != "ratio":  # fd is finite; the statistics can overflow: keep them finite
+        big = torch.finfo(d.dtype).max
+        stat = torch.nan_to_num(stat, nan=0.0, posinf=big, neginf=-big)
+    return stat, f_finite
+
+
+def _plan_token_filter(
+    f: RejectionFilter,
+    stat: torch.Tensor,  # [B, T]
+    f_finite: torch.Tensor,  # [B, T] 0/1
+    alive: torch.Tensor,  # [B, T] 0/1 valid tokens the earlier token filters kept
+    negative: Optional[torch.Tensor],  # [B, T] 0/1
+) -> tuple[TokenStageStatistics, torch.Tensor]:
+    """The token filter's per-row statistics and the tokens still alive after it."""
+    lo, hi = _filter_bounds(f)
+    # Tokens this filter may reject: all, or only those with a negative advantage.
+    eligible = negative if f.negative_advantages_only else None  # [B, T] or None
+    in_band = f_finite.masked_fill(out_of_bounds(stat, lo, hi), 0.0)  # non-finite d: out of band
+    keep_tok = in_band if eligible is None else 1.0 - (1.0 - in_band) * eligible
+    kept = alive * keep_tok
+    rejected = alive - kept
+    stage = TokenStageStatistics(
+        rejected=rejected.sum(-1),
+        rejected_negative=(rejected * negative).sum(-1) if negative is not None else None,
+    )
+    return stage, kept
+
+
+def _plan_sequence_filter(
+    f: RejectionFilter,
+    stat: torch.Tensor,  # [B, T]
+    f_finite: torch.Tensor,  # [B, T] 0/1
+    alive: torch.Tensor,  # [B, T] 0/1 valid tokens the earlier token filters kept
+    negative: Optional[torch.Tensor],  # [B, T] 0/1
+    big: float,  # finfo(d.dtype).max: the maximum of a row without a token is -big
+) -> SequenceStageStatistics:
+    """The sequence filter's partial per-row statistics over the tokens alive at its stage."""
+    alive_fin = alive * f_finite
+    agg = f.aggregation
+    masked = stat * alive_fin  # [B, T], 0 off the stage's tokens
+    penalty = extrema_penalty(alive_fin) if agg in ("max", "min", "any") else None  # pushes other tokens out
+    return SequenceStageStatistics(
+        count=alive.sum(-1),
+        nonfinite=(alive - alive_fin).sum(-1),
+        negative=(alive * negative).sum(-1) if negative is not None else None,
+        total=masked.sum(-1) if agg in ("mean", "sum") else None,
+        maximum=_row_max(masked - penalty, -big) if agg in ("max", "any") else None,
+        negated_minimum=_row_max(-masked - penalty, -big) if agg in ("min", "any") else None,
+    )
+
+
+def _row_max(x: torch.Tensor, empty: float) -> torch.Tensor:
+    """``[B]`` max over the last dimension; ``empty`` when it has no position.
+
+    T = 0 happens in a CP shard or a batch of prompts without a response, where ``amax`` raises.
+    """
+    if x.shape[-1] == 0:
+        return x.new_full(x.shape[:-1], empty)
+    return x.amax(-1)
+
+
+# ------------------------------------------------------------------ decisions (reduced statistics)
+def _sequence_rejects(f: RejectionFilter, s: SequenceStageStatistics) -> torch.Tensor:
+    """``[B]`` bool: the sequence filter rejects the row, decided on reduced statistics."""
+    lo, hi = _filter_bounds(f)
+    count = s.count
+    agg = f.aggregation
+    if agg == "mean":
+        reject = out_of_bounds(s.total / (count + EPS), lo, hi)
+    elif agg == "sum":
+        reject = out_of_bounds(s.total, lo, hi)
+    elif agg == "max":
+        reject = out_of_bounds(s.maximum, lo, hi)
+    elif agg == "min":
+        reject = out_of_bounds(-s.negated_minimum, lo, hi)
+    else:  # any: some valid token outside the bounds
+        above = out_of_bounds(s.maximum, None, hi)
+        reject = above | out_of_bounds(-s.negated_minimum, lo, None)
+    reject = reject | (s.nonfinite > 0)
+    # A sequence with no token left at this stage is never rejected (and never NaN).
+    return reject & (count > 0)
+
+
+@dataclass
+class RejectionOutcome:
+    """The sequence-level result of the filters, from reduced statistics (``[B]`` each)."""
+
+    sequence_kept: torch.Tensor  # 0/1: no unconditional sequence filter rejected the row
+    conditional_rows: Optional[torch.Tensor]  # 0/1: an advantage-conditioned sequence filter
+    # rejected the row, which loses its negative-advantage tokens (None: no such filter)
+    kept_tokens: torch.Tensor  # valid tokens of the row still in the loss (weighted like valid)
+    sequence_in_loss: torch.Tensor  # 0/1: not dropped as a whole sequence
+
+
+def apply_filters(
+    filters: Sequence[RejectionFilter],
+    stats: SequenceStatistics,  # reduced
+    sample_mask: torch.Tensor,  # [B]
+    metrics: MetricSet,
+) -> RejectionOutcome:
+    """Run the sequence decisions in stage order and record per-stage metrics.
+
+    Every number comes from the reduced per-row statistics, so the metrics are identical on
+    all ranks and cost O(batch). A stage's metrics count only what it removed from the
+    loss: units an earlier stage had already removed are not counted again.
+    """
+    conditioned = any(f.negative_advantages_only for f in filters)
+    seq_kept = torch.ones_like(sample_mask)  # [B] 0/1 rows no sequence filter rejected so far
+    conditional = torch.zeros_like(sample_mask)  # [B] rows an advantage-conditioned filter rejected
+    conditional_touched = torch.zeros_like(sample_mask)  # [B] ... and that lost a token to it
+    for f, s in zip(filters, stats.stages):
+        key = f"rs/{f.label}"
+        live = seq_kept * sample_mask  # rows still alive at this stage, weighted like valid
+        if isinstance(s, TokenStageStatistics):
+            rejected = s.rejected  # tokens this filter rejected per row
+            if conditioned:  # not those an earlier conditional rejection removed
+                rejected = rejected - conditional * s.rejected_negative
+            metrics.add_total(f"{key}/token_rejected_frac", rejected @ live, "tokens", "replicated")
+            touched = torch.sign(rejected)
+            metrics.add_total(f"{key}/seq_touched_frac", touched @ live, "sequences", "replicated")
+            continue
+        rejects = _sequence_rejects(f, s)  # [B] bool
+        rejected = torch.where(rejects, live, 0.0)  # [B]
+        in_loss = s.count  # the tokens those rows still have at this stage
+        if conditioned:
+            in_loss = in_loss - conditional * s.negative
+        if f.negative_advantages_only:
+            negative_alive = s.negative  # [B]
+            # Rows that lose negative-advantage tokens now (not already removed earlier).
+            newly = rejected * (1.0 - conditional) * torch.sign(negative_alive)
+            conditional = torch.maximum(conditional, torch.sign(rejected))
+            conditional_touched = torch.maximum(conditional_touched, torch.sign(newly))
+            metrics.add_total(f"{key}/seq_rejected_frac", newly.sum(), "sequences", "replicated")
+            metrics.add_total(f"{key}/token_rejected_frac", newly @ negative_alive, "tokens", "replicated")
+            continue
+        seq_kept = seq_kept.masked_fill(rejects, 0.0)
+        metrics.add_total(f"{key}/seq_rejected_frac", rejected.sum(), "sequences", "replicated")
+        metrics.add_total(f"{key}/token_rejected_frac", rejected @ in_loss, "tokens", "replicated")
+    outcome = _outcome(stats, seq_kept, conditional if conditioned else None, conditional_touched)
+    metrics.add_total("rs_token_rejected_frac", stats.valid.sum() - outcome.kept_tokens.sum(), "tokens", "replicated")
+    dropped = torch.maximum(1.0 - seq_kept, conditional_touched)
+    metrics.add_total("rs_seq_rejected_frac", dropped @ sample_mask, "sequences", "replicated")
+    return outcome
+
+
+def _outcome(
+    stats: SequenceStatistics,
+    seq_kept: torch.Tensor,  # [B] 0/1 no unconditional sequence filter rejected the row
+    conditional: Optional[torch.Tensor],  # [B] 0/1 rows a conditioned filter rejected (None: no such filter)
+    conditional_touched: torch.Tensor,  # [B] 0/1 ... and that lost a token to it
+) -> RejectionOutcome:
+    """The tokens and sequences still in the loss after every filter."""
+    kept_tokens = stats.kept  # [B] valid tokens every token filter kept (weighted)
+    sequence_in_loss = seq_kept
+    if conditional is not None:  # some filter is advantage-conditioned
+        kept_tokens = kept_tokens - conditional * stats.kept_negative
+        # A conditionally rejected row that has no token left leaves as a whole sequence.
+        emptied = conditional_touched * (kept_tokens <= 0).to(seq_kept.dtype)
+        sequence_in_loss = seq_kept * (1.0 - emptied)
+    kept_tokens = kept_tokens * seq_kept
+    return RejectionOutcome(seq_kept, conditional, kept_tokens, sequence_in_loss)

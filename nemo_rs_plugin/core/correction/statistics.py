@@ -1,0 +1,172 @@
+"""The per-sequence statistics of the correction, typed, and the correction's only collectives.
+
+:func:`~nemo_rs_plugin.core.correction.pipeline.plan_correction` fills a
+:class:`SequenceStatistics` with this rank's partial ``[B]`` rows;
+:meth:`SequenceStatistics.reduce` passes every row through **one** call of
+:func:`~nemo_rs_plugin.core.distributed.reduce_sequence_statistics` (one SUM and at most one
+MAX all-reduce when sequences are sharded) and returns the same structure, reduced;
+:func:`~nemo_rs_plugin.core.correction.pipeline.apply_correction` reads it by attribute. A
+statistic is a named field, so a misspelt name fails where it is written, never as a silent
+wrong row.
+
+:func:`batch_normalize_weights` (IS weights over their batch mean: one more SUM of two
+numbers) lives here too, so that every collective of the correction is issued from this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Union
+
+import torch
+
+from nemo_rs_plugin.core.distributed import (
+    NO_GROUPS,
+    SequenceGroups,
+    reduce_batch_totals,
+    reduce_sequence_statistics,
+)
+from nemo_rs_plugin.core.masking import EPS, masked_sum
+
+__all__ = [
+    "BATCH_MEAN_FLOOR",
+    "SequenceStageStatistics",
+    "SequenceStatistics",
+    "StageStatistics",
+    "TokenStageStatistics",
+    "batch_normalize_weights",
+]
+
+# A batch mean at or below this leaves the weights unnormalised (VERL and slime's guard).
+BATCH_MEAN_FLOOR = 1e-8
+
+# Field metadata of the rows reduced by MAX (the others are summed).
+_MAX = {"reduce": "max"}
+
+
+@dataclass(frozen=True)
+class TokenStageStatistics:
+    """``[B]`` rows of one token filter: what it removed from the rows' valid tokens."""
+
+    rejected: torch.Tensor  # valid tokens it rejects (of those the earlier token filters kept)
+    # Of those, the negative-advantage ones (only when some filter is advantage-conditioned).
+    rejected_negative: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class SequenceStageStatistics:
+    """``[B]`` rows of one sequence filter, over the valid tokens alive at its stage."""
+
+    count: torch.Tensor  # tokens alive at this stage
+    nonfinite: torch.Tensor  # of those, with a non-finite log-ratio
+    # Of those, the negative-advantage ones (only when some filter is advantage-conditioned).
+    negative: Optional[torch.Tensor] = None
+    total: Optional[torch.Tensor] = None  # agg mean, sum: sum of the statistic
+    maximum: Optional[torch.Tensor] = field(default=None, metadata=_MAX)  # agg max, any: max of the statistic
+    negated_minimum: Optional[torch.Tensor] = field(default=None, metadata=_MAX)  # agg min, any: max of -statistic
+
+
+StageStatistics = Union[TokenStageStatistics, SequenceStageStatistics]
+
+
+@dataclass(frozen=True)
+class SequenceStatistics:
+    """Every per-sequence statistic of one correction, ``[B]`` each: local, or reduced by :meth:`reduce`.
+
+    ``stages`` has one entry per rejection filter, in order. ``kept_negative`` is set when
+    some filter is advantage-conditioned, ``ratio_tokens`` with the GSPO ratio.
+    """
+
+    d_sum: torch.Tensor  # sum_t m d
+    valid: torch.Tensor  # n_i = sum_t m
+    token_mask: torch.Tensor  # token_mask tokens
+    nonfinite: torch.Tensor  # valid tokens with a non-finite d
+    kept: torch.Tensor  # valid tokens every token filter kept (weighted like valid)
+    stages: tuple[StageStatistics, ...] = ()
+    kept_negative: Optional[torch.Tensor] = None  # their negative-advantage part
+    ratio_tokens: Optional[torch.Tensor] = None  # the GSPO ratio's tokens
+
+    def reduce(self, groups: SequenceGroups = NO_GROUPS) -> "SequenceStatistics":
+        """The same statistics after one SUM (and at most one MAX) collective over ``groups``.
+
+        Identical on every rank of a group afterwards; detached.
+        """
+        parts = (*self.stages, self)  # the order _rebuilt reads them back in
+        sums = [row for part in parts for row in _rows(part, False)]
+        maxima = [row for part in parts for row in _rows(part, True)]
+        summed, maxed = reduce_sequence_statistics(
+            torch.stack(sums),  # [K, B]
+            torch.stack(maxima) if maxima else None,  # [J, B]
+            groups,
+        )
+        cursor = {False: 0, True: 0}
+        stages = tuple(_rebuilt(stage, summed, maxed, cursor) for stage in self.stages)
+        return _rebuilt(self, summed, maxed, cursor, stages=stages)
+
+
+def _tensor_fields(cls: type) -> tuple[tuple[str, bool], ...]:
+    """``(name, max-reduced)`` of a statistics class's tensor fields, in declaration order."""
+    return tuple((f.name, f.metadata == _MAX) for f in fields(cls) if f.name != "stages")
+
+
+# Computed once at import: the traced (optionally compiled) code reads constant names only.
+_FIELDS = {cls: _tensor_fields(cls) for cls in (SequenceStatistics, TokenStageStatistics, SequenceStageStatistics)}
+
+
+def _rows(part: Any, maxima: bool) -> list[torch.Tensor]:
+    """The rows of ``part`` that are set and reduced by MAX (``maxima``) or by SUM."""
+    rows = []
+    for name, is_max in _FIELDS[type(part)]:
+        row = getattr(part, name)
+        if row is not None and is_max == maxima:
+            rows.append(row)
+    return rows
+
+
+def _rebuilt(part: Any, summed: torch.Tensor, maxed: Optional[torch.Tensor], cursor: dict, **extra: Any) -> Any:
+    """``part`` with its set rows replaced by the next reduced ones, read in :func:`_rows` order."""
+    values = dict(extra)
+    for is_max in (False, True):
+        for name, field_max in _FIELDS[type(part)]:
+            if field_max != is_max:
+                continue
+            if getattr(part, name) is None:
+                values[name] = None
+            else:
+                values[name] = (maxed if is_max else summed)[cursor[is_max]]
+                cursor[is_max] += 1
+    return type(part)(**values)
+
+
+def batch_normalize_weights(
+    weight: torch.Tensor,  # [B, T] (token level) or [B, 1] (sequence levels), truncated
+    units: torch.Tensor,  # [B, T] valid tokens, or [B] sequences with a valid token
+    level: str,
+    scope: str,
+    groups: SequenceGroups = NO_GROUPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """IS weights over their batch mean, and the 0-dim factor divided by.
+
+    ``w / mu`` with ``mu = sum_u m_u w_u / sum_u m_u`` over the IS level's units ``u``
+    before rejection (``m`` = ``units``): valid tokens at the ``token`` level (VERL and
+    slime), sequences with a valid token at the sequence levels (VERL; slime's sequence mean
+    also counts empty sequences, as 0). Weights zeroed by truncation count as 0; where
+    ``mu <= 1e-8`` the weights are left as they are (factor 1), as both peers do.
+
+    ``scope`` ``microbatch``: the units of this call. Token totals are partial sums when CP
+    splits the tokens, so they are summed over ``groups.groups``; per-sequence weights are
+    already identical there. ``data_parallel``: also summed over ``groups.data_parallel``,
+    the ranks holding the batch's other sequences.
+    """
+    token_level = level == "token"
+    if token_level:
+        totals = torch.stack([masked_sum(weight, units), units.sum()])
+    else:
+        w_seq = weight.squeeze(-1)  # [B]
+        totals = torch.stack([(w_seq * units).sum(), units.sum()])
+    totals = reduce_batch_totals(
+        totals, groups, tokens_split=token_level, across_data_parallel=scope == "data_parallel"
+    )
+    mean = totals[0] / totals[1].clamp_min(EPS)
+    factor = torch.where(mean > BATCH_MEAN_FLOOR, mean, torch.ones_like(mean))
+    return weight / factor, factor

@@ -1,0 +1,157 @@
+"""IS weights at the chosen level, NeMo-RL's truncation, and the weight metrics.
+
+IS weight per level (``n_i = sum_t m_it``): ``token``: ``w_it = exp(d_it)``; ``sequence``:
+``w_i = exp(sum_t m_it d_it)``; ``sequence_mean``: ``w_i = exp(sum_t m_it d_it / n_i)``.
+See: docs/guide.md#is-correction-level.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nemo_rs_plugin.core.config import RSClippedPGLossConfig
+from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, finite_exp, out_of_bounds
+from nemo_rs_plugin.core.metrics import MetricSet
+
+__all__ = [
+    "apply_truncation",
+    "is_weights",
+    "record_sequence_weight_metrics",
+    "record_token_weight_metrics",
+    "truncate_weights",
+]
+
+
+def is_weights(
+    level: str,
+    d: torch.Tensor,  # [B, T]
+    d_finite: torch.Tensor,  # [B, T] float 0/1
+    seq_d_sum: Optional[torch.Tensor],  # [B] sum_t m d, reduced over ranks
+    seq_n: Optional[torch.Tensor],  # [B] n_i, reduced over ranks
+    seq_nonfinite: Optional[torch.Tensor],  # [B] valid tokens with non-finite d, reduced over ranks
+) -> torch.Tensor:
+    """Untruncated IS weight: ``[B, T]`` for ``token``, ``[B, 1]`` for the sequence levels.
+
+    ``token``: ``exp(d_t)``; ``sequence``: ``exp(sum_t m d)``; ``sequence_mean``:
+    ``exp(sum_t m d / n)``. A non-finite log-ratio gives weight 0 (its token, or its sequence).
+    """
+    if level == "token":
+        return finite_exp(d) * d_finite  # d is 0 where it was not finite: weight 0 there
+    seq_log_w = seq_d_sum if level == "sequence" else seq_d_sum / (seq_n + EPS)
+    return finite_exp(seq_log_w).masked_fill(seq_nonfinite > 0, 0.0).unsqueeze(-1)
+
+
+def truncate_weights(
+    raw_weight: torch.Tensor,  # [B, T] or [B, 1]
+    kind: Optional[str],
+    lower: Optional[float],
+    upper: float,
+    seq_mean_log_ratio: Optional[torch.Tensor] = None,  # [B] sum_t token_mask d / n (seq-mask-tis)
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """NeMo-RL's truncation ``kind`` on the chosen level: ``(weight, out_of_bounds)``.
+
+    ``tis``: ``clamp(w, lower or 0, upper)``; ``icepop``: ``w`` inside ``[lower, upper]``,
+    else 0; ``seq-mask-tis``: sequences whose geometric mean ``exp(seq_mean_log_ratio)`` is
+    outside ``[lower, upper]`` get 0, the others keep the untruncated weight (NeMo-RL's
+    rule: the mean runs over ``token_mask``, non-finite log-ratios counted as 0).
+    ``out_of_bounds`` is the float 0/1 mask of the units whose raw weight (or geometric mean)
+    lies outside: ``w``'s shape for ``tis``/``icepop``, ``[B]`` for ``seq-mask-tis``, ``None``
+    without truncation.
+    """
+    if kind is None:
+        return raw_weight, None
+    if kind == "tis":
+        lower = 0.0 if lower is None else lower
+        oob = out_of_bounds(raw_weight, lower, upper)
+        return raw_weight.clamp(lower, upper), oob.to(raw_weight.dtype)
+    if kind == "icepop":
+        oob = out_of_bounds(raw_weight, lower, upper)
+        return raw_weight.masked_fill(oob, 0.0), oob.to(raw_weight.dtype)
+    oob = out_of_bounds(torch.exp(seq_mean_log_ratio), lower, upper)  # seq-mask-tis, [B]
+    return raw_weight.masked_fill(oob.unsqueeze(-1), 0.0), oob.to(raw_weight.dtype)
+
+
+def apply_truncation(
+    cfg: RSClippedPGLossConfig,
+    raw_weight: torch.Tensor,  # [B, T] or [B, 1]
+    seq_d_sum: Optional[torch.Tensor],  # [B] sum_t m d, reduced (None without statistics)
+    seq_ntok: Optional[torch.Tensor],  # [B] token_mask tokens, reduced (None without statistics)
+    masks: TokenMasks,
+    metrics: MetricSet,
+) -> torch.Tensor:
+    """:func:`truncate_weights` as ``cfg`` asks, and its ``is_oob_ratio`` metric."""
+    kind = cfg.truncated_importance_sampling_type
+    seq_mean_log_ratio = seq_d_sum / (seq_ntok + EPS) if kind == "seq-mask-tis" else None
+    weight, oob = truncate_weights(
+        raw_weight,
+        kind,
+        cfg.truncated_importance_sampling_ratio_min,
+        cfg.truncated_importance_sampling_ratio,
+        seq_mean_log_ratio,
+    )
+    if kind == "seq-mask-tis":
+        metrics.add_masked_total("is_oob_ratio", oob, masks.sample_mask, "sequences", "replicated")
+    elif kind is not None:
+        metrics.add_masked_total("is_oob_ratio", oob, masks.valid, "tokens", "sum")
+    return weight
+
+
+def record_token_weight_metrics(
+    metrics: MetricSet,
+    raw_weight: torch.Tensor,  # [B, T]
+    weight: torch.Tensor,  # [B, T] truncated (and normalised)
+    masks: TokenMasks,
+    loss_tokens: torch.Tensor,  # [B, T] valid tokens that reach the loss
+) -> None:
+    """Per-token IS weight statistics: sums over tokens / ``global_valid_toks``, summed over CP ranks.
+
+    ``is_weight_raw_*`` over valid tokens before truncation, ``is_weight_*`` over the tokens
+    that reach the loss; ``is_ess = (sum w)^2 / (n sum w^2)`` of the applied weights (per
+    microbatch; ``is_weight_mean^2 / is_weight_sq_mean`` gives it globally).
+    """
+    metrics.add_masked_total("is_weight_raw_mean", raw_weight, masks.valid, "tokens", "sum")
+    metrics.add_masked_totals(
+        ["is_weight_mean", "is_weight_sq_mean"], [weight, weight * weight], loss_tokens, "tokens", "sum"
+    )
+    metrics.add_total("_ess_units", masks.valid.sum(), "tokens", "sum")
+    metrics.add_masked_extrema("is_weight_raw_min", "is_weight_raw_max", raw_weight, masks.usable_penalty)
+    applied_penalty = extrema_penalty(torch.sign(weight * loss_tokens))  # kept tokens with a weight
+    metrics.add_masked_extrema("is_weight_min", "is_weight_max", weight, applied_penalty)
+    metrics.derive("is_ess", "none", _effective_sample_size)
+
+
+def record_sequence_weight_metrics(
+    metrics: MetricSet,
+    raw_weight: torch.Tensor,  # [B, 1]
+    weight: torch.Tensor,  # [B, 1] truncated (and normalised)
+    units: torch.Tensor,  # [B] sample_mask of sequences with a valid token
+    seq_in_loss: torch.Tensor,  # [B] 0/1 not dropped by a sequence filter
+) -> None:
+    """Per-sequence IS weight statistics: sums over sequences / ``global_valid_seqs``, identical on CP ranks.
+
+    As :func:`record_token_weight_metrics`, with a sequence (that has a valid token) as the unit.
+    """
+    raw, applied = raw_weight.squeeze(-1), weight.squeeze(-1)
+    kept_units = units * seq_in_loss
+    metrics.add_masked_total("is_weight_raw_mean", raw, units, "sequences", "replicated")
+    metrics.add_masked_totals(
+        ["is_weight_mean", "is_weight_sq_mean"],
+        [applied, applied * applied],
+        kept_units,
+        "sequences",
+        "replicated",
+    )
+    metrics.add_total("_ess_units", units.sum(), "sequences", "replicated")
+    metrics.add_masked_extrema("is_weight_raw_min", "is_weight_raw_max", raw, extrema_penalty(torch.sign(units)))
+    metrics.add_masked_extrema(
+        "is_weight_min", "is_weight_max", applied, extrema_penalty(torch.sign(applied * kept_units))
+    )
+    metrics.derive("is_ess", "none", _effective_sample_size)
+
+
+def _effective_sample_size(out: dict[str, float]) -> float:
+    """``(sum w)^2 / (n sum w^2)`` from the three normalised sums (the normalisation cancels)."""
+    mean, sq_mean, units = out["is_weight_mean"], out["is_weight_sq_mean"], out["_ess_units"]
+    return mean * mean / (units * sq_mean) if sq_mean > 0 and units > 0 else 0.0

@@ -1,0 +1,339 @@
+"""The loss's inputs: ``LossInputs`` from NeMo-RL's data dict, their checks, sanitising, global counts.
+
+Everything here runs before the loss math: slicing NeMo-RL's ``[B, S]`` data dict to the
+next-token positions and checking shapes and dtypes (:class:`LossInputs`); replacing
+non-finite entries by 0 and building the token masks (:func:`sanitize_inputs`); the global
+counts and their checks, decided on the host with the one transfer of the metrics
+(:func:`global_counts`, :func:`check_global_counts`). See: docs/guide.md#non-finite-inputs
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, sanitize
+from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
+
+__all__ = [
+    "LossInputs",
+    "SanitizedInputs",
+    "check_global_counts",
+    "global_counts",
+    "nonfinite_metrics",
+    "sanitize_inputs",
+]
+
+
+@dataclass
+class LossInputs:
+    """Aligned per-token inputs of one microbatch (position t predicts token t + 1).
+
+    All ``[B, T]`` tensors share one shape; ``sample_mask`` and ``rewards`` are ``[B]``.
+    Under context parallelism each holds the local shard of every sequence.
+    """
+
+    curr: torch.Tensor
+    prev: Optional[torch.Tensor]
+    generation: torch.Tensor
+    reference: Optional[torch.Tensor]
+    advantages: torch.Tensor
+    token_mask: torch.Tensor
+    sample_mask: torch.Tensor
+    rewards: Optional[torch.Tensor] = None
+    curr_unfiltered: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_nemo_rl(
+        cls,
+        next_token_logprobs: torch.Tensor,
+        data: Mapping[str, Any],
+        need_prev: bool,
+        need_reference: bool,
+    ) -> "LossInputs":
+        """Slice NeMo-RL's ``[B, S]`` data dict to the ``[B, S-1]`` next-token positions.
+
+        Every per-token field must be ``[B, S]``, like NeMo-RL's: a ``[B]`` ``advantages`` is
+        an error, as in NeMo-RL's ``ClippedPGLossFn`` (which slices ``[:, 1:]`` too), not
+        broadcast.
+        """
+        lp_shape = tuple(getattr(next_token_logprobs, "shape", ()))
+        want = f"({lp_shape[0]}, {lp_shape[1] + 1})" if len(lp_shape) == 2 else "[B, S]"
+
+        def col(key: str) -> torch.Tensor:
+            t = _required(data, key)
+            if t.dim() != 2:
+                hint = ""
+                if key == "advantages" and t.dim() == 1:
+                    hint = (
+                        "; one advantage per token, as NeMo-RL's GRPO stores them: broadcast a "
+                        "per-sequence advantage with advantages.unsqueeze(-1).expand(-1, S)"
+                    )
+                raise ValueError(
+                    f"data[{key!r}]: got shape {tuple(t.shape)}; expected [B, S] = {want}, "
+                    f"position 0 dropped to align with next_token_logprobs {lp_shape}{hint}"
+                )
+            return t[:, 1:]
+
+        unfiltered = data.get("curr_logprobs_unfiltered") if need_reference else None
+        return cls(
+            curr=next_token_logprobs,
+            prev=col("prev_logprobs") if need_prev else None,
+            generation=col("generation_logprobs"),
+            reference=col("reference_policy_logprobs") if need_reference else None,
+            advantages=col("advantages"),
+            token_mask=col("token_mask"),
+            sample_mask=_required(data, "sample_mask"),
+            rewards=data.get("rewards"),
+            curr_unfiltered=unfiltered,
+        )
+
+    def compute_dtype(self) -> torch.dtype:
+        """float32, or float64 when any float input is float64: the dtype the loss runs in.
+
+        bf16 and fp16 cannot hold the sensitive steps: an fp16 ``exp`` overflows from a
+        log-ratio of 11.1 (the +-20 clamp allows exp(20) = 4.9e8), and a bf16 count of
+        global tokens rounds to 8 significant bits.
+        """
+        inputs = (
+            self.curr,
+            self.prev,
+            self.generation,
+            self.reference,
+            self.advantages,
+            self.token_mask,
+            self.curr_unfiltered,
+        )
+        # Python-side dtype logic: torch.promote_types would dispatch an operator per input.
+        wide = any(t is not None and t.dtype == torch.float64 for t in inputs)
+        return torch.float64 if wide else torch.float32
+
+    def to_dtype(self, dtype: torch.dtype) -> "LossInputs":
+        """Float tensors cast to ``dtype`` (differentiably; a no-op for those already in it).
+
+        Integer and boolean masks stay as they are; ``rewards`` is only compared with 0.
+        """
+
+        def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if t is None or not t.is_floating_point() or t.dtype == dtype:
+                return t
+            return t.to(dtype)
+
+        return LossInputs(
+            curr=cast(self.curr),
+            prev=cast(self.prev),
+            generation=cast(self.generation),
+            reference=cast(self.reference),
+            advantages=cast(self.advantages),
+            token_mask=cast(self.token_mask),
+            sample_mask=cast(self.sample_mask),
+            rewards=self.rewards,
+            curr_unfiltered=cast(self.curr_unfiltered),
+        )
+
+    def validate(self) -> None:
+        """Raise a clear error on shape or dtype mismatches (mixed float dtypes are fine)."""
+        for name, t in (("next_token_logprobs", self.curr), ("sample_mask", self.sample_mask)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: got {type(t).__name__}; expected a torch.Tensor")
+        if self.curr.dim() != 2:
+            raise ValueError(f"next_token_logprobs: expected [B, T], got shape {tuple(self.curr.shape)}")
+        if not self.curr.is_floating_point():
+            raise TypeError(f"next_token_logprobs: expected a float tensor, got {self.curr.dtype}")
+        shape = self.curr.shape
+        named = {
+            "prev_logprobs": self.prev,
+            "generation_logprobs": self.generation,
+            "reference_policy_logprobs": self.reference,
+            "advantages": self.advantages,
+            "token_mask": self.token_mask,
+            "curr_logprobs_unfiltered": self.curr_unfiltered,
+        }
+        for name, t in named.items():
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: got {type(t).__name__}; expected a torch.Tensor")
+            if t.shape != shape:
+                sliced = "" if name == "curr_logprobs_unfiltered" else " (after dropping position 0)"
+                raise ValueError(
+                    f"{name}: shape {tuple(t.shape)}{sliced} does not match next_token_logprobs {tuple(shape)}"
+                )
+            if name != "token_mask" and not t.is_floating_point():
+                raise TypeError(f"{name}: expected a float tensor, got {t.dtype}")
+        if self.sample_mask.shape != shape[:1]:
+            raise ValueError(f"sample_mask: shape {tuple(self.sample_mask.shape)} does not match batch size {shape[0]}")
+        if self.rewards is not None and self.rewards.shape[:1] != shape[:1]:
+            raise ValueError(f"rewards: shape {tuple(self.rewards.shape)} does not match batch size {shape[0]}")
+
+
+def _required(data: Mapping[str, Any], key: str) -> torch.Tensor:
+    if key not in data:
+        raise KeyError(f"data[{key!r}] is missing; the rs_clipped_pg loss needs it")
+    t = data[key]
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"data[{key!r}]: got {type(t).__name__}; expected a torch.Tensor")
+    return t
+
+
+@dataclass
+class SanitizedInputs:
+    """The inputs with NaN and +-inf replaced by 0, and where they were not finite.
+
+    Non-finite log-probs are replaced by 0 *before* any arithmetic, so that a token that is
+    masked or rejected receives an exact zero gradient, never 0 * NaN.
+    """
+
+    curr: torch.Tensor  # [B, T] differentiable
+    prev: torch.Tensor  # [B, T] detached (curr's value under a forced on-policy ratio)
+    prev_raw: torch.Tensor  # [B, T] as given
+    gen: torch.Tensor
+    reference: Optional[torch.Tensor]  # None without the KL term
+    curr_unfiltered: Optional[torch.Tensor]  # the KL's curr (curr unless the caller passed one)
+    advantages: torch.Tensor
+    d: torch.Tensor  # [B, T] prev - gen, 0 where not finite
+    masks: TokenMasks
+    nonfinite: Any  # [K, B, T] (or K [B, T]) 0/1 non-finite entries of each input, rows named by
+    input_names: tuple  # the K input names (keys of _NONFINITE_COUNTS)
+
+
+def sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool, batched: bool) -> SanitizedInputs:
+    """One pass over every input: sanitised copies, non-finite masks, the token masks.
+
+    The detached inputs are stacked, so replacing and detecting non-finite entries costs two
+    kernels whatever their number; ``curr`` is sanitised on its own (it carries the gradient).
+    """
+    curr = sanitize(x.curr)
+    prev_raw = x.curr.detach() if force_on_policy else x.prev
+    # The first rows are the log-prob inputs a token's loss reads (any non-finite one makes
+    # the token unusable); the others are sanitised and counted only. Each row's name is the
+    # metric counting its non-finite valid tokens (hidden when another metric covers it).
+    rows = {"curr": x.curr, "d": prev_raw - x.generation}
+    if with_reference:
+        rows["reference"] = x.reference
+        if x.curr_unfiltered is not None:
+            rows["curr_unfiltered"] = x.curr_unfiltered
+    n_logprob = len(rows)
+    rows.update(prev=prev_raw, gen=x.generation, advantages=x.advantages)
+    if batched:  # two kernels for all inputs (batched_evaluation: the GPU form)
+        stacked = torch.stack([t.detach() for t in rows.values()])  # [K, B, T]
+        clean = dict(zip(rows, sanitize(stacked)))
+        bad = nonfinite(stacked)  # [K, B, T] 0/1
+        any_bad = bad[:n_logprob].amax(0)
+        checked = tuple(rows)
+    else:  # per input, no copy into a stack, and only what is read
+        # curr and curr_unfiltered are sanitised on their own (they carry the gradient); prev
+        # and gen reach the loss, and its checks, through d.
+        clean = {name: sanitize(t.detach()) for name, t in rows.items() if name not in ("curr", "curr_unfiltered")}
+        checked = tuple(name for name in rows if name not in ("prev", "gen"))
+        bad = [nonfinite(rows[name]) for name in checked]
+        any_bad = functools.reduce(torch.maximum, bad[:n_logprob])
+    d_finite = 1.0 - bad[1]
+    inputs_finite = 1.0 - any_bad
+    unfiltered = None
+    if with_reference:
+        unfiltered = sanitize(x.curr_unfiltered) if x.curr_unfiltered is not None else curr
+    return SanitizedInputs(
+        curr=curr,
+        prev=curr.detach() if force_on_policy else clean["prev"],
+        prev_raw=prev_raw,
+        gen=clean["gen"],
+        reference=clean.get("reference"),
+        curr_unfiltered=unfiltered,
+        advantages=clean["advantages"],
+        d=clean["d"],
+        masks=TokenMasks.build(x.token_mask, x.sample_mask, d_finite, inputs_finite),
+        nonfinite=bad,
+        input_names=checked,
+    )
+
+
+# Input row of sanitize_inputs -> the metric counting its non-finite valid tokens ("_": hidden,
+# covered by another count: prev and gen through the log-ratio).
+_NONFINITE_COUNTS = {
+    "curr": "nonfinite_curr_logprobs_count",
+    "d": "nonfinite_log_ratio_count",
+    "reference": "nonfinite_reference_logprobs_count",
+    "curr_unfiltered": "_nonfinite_curr_unfiltered_count",
+    "prev": "_nonfinite_prev_logprobs_count",
+    "gen": "_nonfinite_generation_logprobs_count",
+    "advantages": "nonfinite_advantages_count",
+}
+
+
+def nonfinite_metrics(metrics: MetricSet, masks: TokenMasks, nonfinite: Any, inputs: tuple) -> None:
+    """Valid tokens with a non-finite input, one count per input kind (summed over CP ranks).
+
+    All counts are one matrix-vector product of the stacked non-finite masks. With a separate
+    unfiltered ``curr`` (for the KL), ``nonfinite_curr_logprobs_count`` counts tokens where
+    either is non-finite. See: docs/guide.md#non-finite-inputs
+    """
+    names = [_NONFINITE_COUNTS[row] for row in inputs]
+    if "curr_unfiltered" in inputs:
+        names[0] = "_nonfinite_curr_filtered_count"
+        either = torch.maximum(nonfinite[0], nonfinite[inputs.index("curr_unfiltered")])
+        metrics.add_masked_total(_NONFINITE_COUNTS["curr"], either, masks.valid_bin, "none", "sum")
+    metrics.add_masked_totals(names, nonfinite, masks.valid_bin, "none", "sum")
+    if "reference" not in inputs:
+        metrics.derive(_NONFINITE_COUNTS["reference"], "none", lambda out: 0.0)
+
+
+def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A global count as a 0-dim ``dtype`` tensor on ``device``; a clear error if it is none."""
+    try:
+        count = torch.as_tensor(value, dtype=dtype, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"{name}: got {type(value).__name__} {value!r}; expected a number or a 0-dim tensor "
+            "(the global count NeMo-RL passes)"
+        ) from None
+    if count.numel() != 1:
+        raise ValueError(
+            f"{name}: got a tensor of shape {tuple(count.shape)}; expected one count (a number or a 0-dim tensor)"
+        )
+    return count.reshape(())
+
+
+def check_global_counts(metrics: MetricSet, counts: GlobalCounts, masks: TokenMasks) -> None:
+    """Register the global-count checks of ``CorrectedPGLoss.compute`` (decided on the host).
+
+    A count is wrong when it is negative or not finite, or 0 while this microbatch has a
+    unit it counts: the loss would divide by ``0 + 1e-8``. The counts and the microbatch's
+    own (summed over the ranks that split its tokens) ride on the one host transfer.
+    """
+    metrics.add("_global_valid_toks", counts.tokens, "none", "replicated")
+    metrics.add("_global_valid_seqs", counts.sequences, "none", "replicated")
+    metrics.add("_local_valid_toks", masks.valid.sum(), "none", "sum")
+    metrics.add("_local_valid_seqs", masks.sample_mask.sum(), "none", "replicated")
+    for name, local, unit in (
+        ("global_valid_toks", "_local_valid_toks", "valid tokens (token_mask * sample_mask)"),
+        ("global_valid_seqs", "_local_valid_seqs", "valid sequences (sample_mask)"),
+    ):
+
+        def failed(out: dict, name: str = name, local: str = local) -> bool:
+            count = out[f"_{name}"]
+            return not math.isfinite(count) or count < 0 or (count == 0 and out[local] > 0)
+
+        def error(out: dict, name: str = name, local: str = local, unit: str = unit) -> ValueError:
+            return ValueError(
+                f"{name}: got {out[f'_{name}']:g} while this microbatch has "
+                f"{out[local]:g} {unit}; expected the count of {unit} over the whole "
+                "global batch (all microbatches and data-parallel ranks): a finite number, "
+                "> 0 whenever a microbatch has one (0 only for a fully masked global batch)"
+            )
+
+        metrics.check(failed, error)
+
+
+def global_counts(
+    global_valid_seqs: Any, global_valid_toks: Any, dtype: torch.dtype, device: torch.device
+) -> GlobalCounts:
+    """NeMo-RL's two global counts as 0-dim ``dtype`` tensors on ``device`` (see :func:`check_global_counts`)."""
+    return GlobalCounts(
+        tokens=_global_count("global_valid_toks", global_valid_toks, dtype, device),
+        sequences=_global_count("global_valid_seqs", global_valid_seqs, dtype, device),
+    )
