@@ -23,6 +23,8 @@ from nemo_rs_plugin.tools.recipe_loading import HOW_TO_CHECK, flatten, load_reci
 __all__ = ["CheckReport", "check_recipe", "load_recipe"]
 
 LONG_RESPONSE_TOKENS = 2048
+#: Sections of NeMo-RL's other algorithms' configs (examples/configs/{sft,dpo,rm,distillation}*.yaml).
+OTHER_ALGORITHMS = ("sft", "dpo", "rm", "distillation")
 REJECT_WARN_FRACTION = 0.5
 
 
@@ -154,6 +156,10 @@ def _check(
     cfg = load_recipe(path, overrides, nemo_rl_path, report)
     if cfg is None:
         return
+    not_grpo = _not_grpo_problem(path, cfg)
+    if not_grpo is not None:
+        report.errors.append(not_grpo)
+        return
     loss = cfg.get("loss_fn")
     if loss is None:
         report.errors.append(
@@ -194,6 +200,28 @@ def _check(
     report.config = config
     report.pipeline = _describe(config)
     _warn(report, cfg, config, mismatch, response_tokens)
+
+
+def _not_grpo_problem(path: str, cfg: dict) -> Optional[str]:
+    """The one line for another algorithm's config (SFT, DPO, ...), whose ``loss_fn`` is not GRPO's.
+
+    Only on positive evidence, an other algorithm's section and no ``grpo`` section: a partial
+    recipe (or one whose ``defaults`` were not found) is checked as before, and so is one whose
+    ``loss_fn`` names a loss, which is checked as that loss.
+    """
+    if "grpo" in cfg:
+        return None
+    loss = cfg.get("loss_fn")
+    name = loss if isinstance(loss, str) else loss.get("name") if isinstance(loss, dict) else None
+    if name not in (None, "clipped_pg"):
+        return None
+    found = [s for s in OTHER_ALGORITHMS if s in cfg]
+    if not found:
+        return None
+    return (
+        f"{path}: not a GRPO recipe: got {', '.join(f'{s}:' for s in found)} and no grpo: section; the plugin's "
+        "loss replaces GRPO's clipped PG loss (loss_fn.name: rs_clipped_pg): check a GRPO recipe"
+    )
 
 
 def _describe(config: RSClippedPGLossConfig) -> list[str]:

@@ -110,16 +110,19 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     print(source)
     rows = sim.run(configs, batches, progress=ProgressBar())
     print(sim.format_table(rows))
-    try:
-        if args.csv:
-            sim.write_csv(rows, args.csv)
-        if args.json:
-            sim.write_json(rows, source, args.json)
-        if args.plot:
-            sim.write_plot(rows, args.plot)
-    except OSError as exc:
-        print(f"error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_INVALID
+    writers = (
+        ("--csv", args.csv, lambda path: sim.write_csv(rows, path)),
+        ("--json", args.json, lambda path: sim.write_json(rows, source, path)),
+        ("--plot", args.plot, lambda path: sim.write_plot(rows, path)),
+    )
+    for flag, path, write in writers:
+        if not path:
+            continue
+        try:
+            write(path)
+        except OSError as exc:  # checked before the run; the disk can still fill up
+            print(f"error: {flag} {path}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_INVALID
     return 0
 
 
@@ -160,10 +163,27 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_recipes(args: argparse.Namespace) -> int:
-    from nemo_rs_plugin.tools.recipes import export_recipes, list_recipes
+    from nemo_rs_plugin.tools.recipes import export_problems, export_recipes, list_recipes
 
+    if args.nemo_rl and not args.out:
+        print(
+            f"error: --nemo-rl: got {args.nemo_rl} without --out; it rewrites exported recipes: "
+            "add --out DIR (or drop --nemo-rl to list the recipes)",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
     if args.out:
-        for path in export_recipes(args.out, args.nemo_rl):
+        problems = export_problems(args.out, args.nemo_rl, args.force)
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        if problems:
+            return EXIT_INVALID
+        try:
+            paths = export_recipes(args.out, args.nemo_rl)
+        except OSError as exc:  # checked above; what remains is e.g. a full disk
+            print(f"error: --out: {exc.filename or args.out}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_INVALID
+        for path in paths:
             print(path)
         return 0
     for path in list_recipes():
@@ -179,7 +199,10 @@ def _cmd_reference(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import nemo_rs_plugin  # the package itself, not a layer: its __init__ imports nothing
+
     parser = argparse.ArgumentParser(prog="nemo-rs", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"nemo-rs-plugin {nemo_rs_plugin.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("simulate", help="run corrections through the real loss on a mismatch")
@@ -219,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("recipes", help="list the shipped recipes, or export them")
     r.add_argument("--out", metavar="DIR", help="copy the recipes into DIR")
-    r.add_argument("--nemo-rl", metavar="PATH", help="rewrite their defaults to this NeMo-RL checkout")
+    r.add_argument("--nemo-rl", metavar="PATH", help="rewrite their defaults to this NeMo-RL checkout (with --out)")
+    r.add_argument("--force", action="store_true", help="overwrite exported recipes that differ (e.g. edited) in DIR")
     r.set_defaults(func=_cmd_recipes)
 
     f = sub.add_parser("reference", help="print the configuration reference (Markdown)")

@@ -17,6 +17,10 @@ nemo_rs_plugin.tools.doctor my-recipe.yaml``). In this interpreter, the driver, 
   (``$NEMO_RL_VENV_DIR``, else ``venvs/`` in the checkout) unpickles that loss, started with
   the environment the driver hands its Ray workers.
 
+RECIPE is read first, before NeMo-RL is imported: a missing file, or ``defaults`` that do not
+resolve (relative to the file naming them, as NeMo-RL resolves them), is one failed check
+naming the file, and no other check runs.
+
 One line per check; exit status 0 when none fails, 1 otherwise.
 """
 
@@ -35,6 +39,7 @@ import warnings
 from typing import Any, Optional, Sequence, TextIO
 
 from nemo_rs_plugin.nemo_rl import workers as worker_links  # standard library only
+from nemo_rs_plugin.nemo_rl.recipe_defaults import parent_paths  # standard library only
 
 __all__ = ["HELP", "add_arguments", "main", "run", "run_checks"]
 
@@ -74,6 +79,40 @@ class _Report:
         self.line("FAIL", check, detail)
         if stop:
             raise _Stop
+
+
+def _recipe(report: _Report, recipe: str) -> None:
+    """RECIPE and every file its ``defaults`` chain names exist and read as YAML mappings.
+
+    Checked before NeMo-RL is imported, so that a typo in a path is one failed check, not a
+    traceback from NeMo-RL's ``load_config`` (PyYAML, a plugin dependency, is imported here,
+    not at the module's import).
+    """
+    import yaml
+
+    seen: set[str] = set()
+    todo = [(recipe, None)]  # (file, the file naming it in defaults)
+    while todo:
+        path, named_by = todo.pop(0)
+        where = "" if named_by is None else f" (named in defaults of {named_by})"
+        if os.path.isdir(path):
+            report.fail("recipe", f"{path}: is a directory{where}; name a recipe file", stop=True)
+        if not os.path.isfile(path):
+            report.fail("recipe", f"{path}: no such file{where}", stop=True)
+        real = os.path.realpath(path)
+        if real in seen:
+            continue  # NeMo-RL would merge it again; a cycle is not this check's business
+        seen.add(real)
+        try:
+            with open(path) as fh:
+                raw = yaml.safe_load(fh)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            detail = " ".join(str(exc).split())
+            report.fail("recipe", f"{path}: cannot be read as YAML{where}: {type(exc).__name__}: {detail}", stop=True)
+        if raw is not None and not isinstance(raw, dict):
+            report.fail("recipe", f"{path}: top level is a {type(raw).__name__}{where}; expected a mapping", stop=True)
+        todo += [(parent, path) for parent in parent_paths(path, raw)]
+    report.ok("recipe", f"{recipe} and the files its defaults name exist and read as YAML")
 
 
 def _hook(report: _Report) -> Any:
@@ -319,7 +358,12 @@ def run_checks(
     Returns the number of failed checks.
     """
     report = _Report(out if out is not None else sys.stdout)
+    recipe_loads = True
     try:
+        if recipe:
+            recipe_loads = False
+            _recipe(report, recipe)
+            recipe_loads = True
         hook = _hook(report)
         nemo_rl = _nemo_rl(report)
         grpo = _selectors(report, hook)
@@ -329,7 +373,10 @@ def run_checks(
             _workers(report, nemo_rl, loss, venvs)
     except _Stop:
         pass
-    if report.failures:
+    if not recipe_loads:
+        # Nothing about the plugin was checked: say so rather than that it is inactive.
+        print(f"{report.failures} check(s) failed: the recipe does not load; fix it and run the doctor again", file=out)
+    elif report.failures:
         print(
             f"{report.failures} check(s) failed: a recipe naming {PLUGIN_NAME} will not train "
             "with the plugin's loss here",

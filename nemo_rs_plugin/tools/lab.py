@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -40,11 +41,38 @@ from typing import Optional, Sequence
 
 import torch
 
-from nemo_rs_plugin.tools.lab_experiment import BASE_LOSS, CONFIGS, QUICK, STEP_METRICS, LabSettings, run_all, run_one
+from nemo_rs_plugin.tools.lab_experiment import (
+    _DTYPES,
+    BASE_LOSS,
+    CONFIGS,
+    QUICK,
+    STEP_METRICS,
+    LabSettings,
+    run_all,
+    run_one,
+)
 from nemo_rs_plugin.tools.lab_report import format_table, summarize, write_csv, write_plot, write_summary_csv
 from nemo_rs_plugin.tools.report import ProgressBar
 
-__all__ = ["LabSettings", "CONFIGS", "run_one", "run_all", "summarize", "main"]
+__all__ = ["LabSettings", "CONFIGS", "run_one", "run_all", "summarize", "main", "settings_problems"]
+
+EXIT_INVALID = 2  # bad flags: one ``error:`` line each, as ``nemo-rs``'s other subcommands
+
+# Smallest value of each count (below it a worker fails, or the run means nothing): a group
+# of one response has no GRPO advantage (the std of one reward is NaN).
+_MINIMUM = {
+    "length": 1,
+    "vocab": 1,
+    "prompts": 1,
+    "group": 2,
+    "steps": 1,
+    "minibatches": 1,
+    "microbatches": 1,
+    "layers": 1,
+    "experts": 1,
+    "top_k": 1,
+    "lag": 0,
+}
 
 # The names this module had before the experiment moved out (tests/tools/test_lab.py reads them).
 _BASE_LOSS, _METRICS = BASE_LOSS, STEP_METRICS
@@ -84,21 +112,53 @@ def settings_from(args: argparse.Namespace) -> LabSettings:
         v = getattr(args, f.name, None)
         if v is not None:
             setattr(s, f.name, list(v) if isinstance(v, list) else v)
+    return s
+
+
+def settings_problems(s: LabSettings, args: argparse.Namespace) -> list[str]:
+    """Every problem with the settings and flags, found before a worker starts (one line each)."""
+    problems = []
     unknown = [c for c in s.configs if c not in CONFIGS]
     if unknown:
-        raise SystemExit(f"error: unknown configuration(s) {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
-    return s
+        problems.append(f"--configs: unknown configuration(s) {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
+    if s.sampler_dtype not in _DTYPES:
+        problems.append(f"--sampler-dtype: got {s.sampler_dtype!r}; allowed: {', '.join(_DTYPES)}")
+    for name, minimum in _MINIMUM.items():
+        if getattr(s, name) < minimum:
+            problems.append(f"--{name.replace('_', '-')}: got {getattr(s, name)}; must be at least {minimum}")
+    if s.experts >= 1 and s.top_k > s.experts:
+        problems.append(f"--top-k: got {s.top_k}; must be at most --experts ({s.experts})")
+    # head_dim = hidden / 4 must be even (rotary embedding), and a half-precision sampler's
+    # expert kernels need rows of a multiple of 16 bytes.
+    if s.hidden < 8 or s.hidden % 8:
+        problems.append(f"--hidden: got {s.hidden}; allowed: a positive multiple of 8")
+    for name in ("lr", "max_grad_norm"):
+        v = getattr(s, name)
+        if not math.isfinite(v) or v < 0:
+            problems.append(f"--{name.replace('_', '-')}: got {v}; allowed: a finite number >= 0")
+    if not math.isfinite(s.threshold):
+        problems.append(f"--threshold: got {s.threshold}; allowed: a finite number (a reward in [0, 1])")
+    if args.workers < 1:
+        problems.append(f"--workers: got {args.workers}; must be at least 1")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        problems.append(f"--out: got {args.out}; it is a file: name a directory (it is created if missing)")
+    return problems
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the experiment; write the CSVs, the table and the figure under ``--out``."""
     args = build_parser().parse_args(argv)
     s = settings_from(args)
+    problems = settings_problems(s, args)
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    if problems:
+        return EXIT_INVALID
     try:
         import transformers  # noqa: F401
     except ImportError:
         print("error: nemo-rs lab needs transformers: pip install 'transformers>=5.5,<5.9'", file=sys.stderr)
-        return 2
+        return EXIT_INVALID
     os.makedirs(args.out, exist_ok=True)
     print(
         f"nemo-rs lab: {len(s.configs)} configs x {len(s.seeds)} seeds x {s.steps} steps, "

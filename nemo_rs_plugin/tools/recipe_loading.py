@@ -254,6 +254,9 @@ def load_recipe(path: str, overrides: list[str], nemo_rl_path: Optional[str], re
     Sets ``report.nemo_rl`` and adds to ``report.unchecked`` what could not be loaded the way
     NeMo-RL loads it. Temporary files (a shipped recipe placed in a checkout) are removed.
     """
+    if os.path.isdir(path):
+        report.errors.append(f"{path}: is a directory; name a recipe file (a .yaml in it)")
+        return None
     if not os.path.isfile(path):
         report.errors.append(f"{path}: no such file")
         return None

@@ -84,7 +84,11 @@ def write_strict_json(data: dict[str, Any], rows_key: str, path: str) -> None:
 
 
 def output_problems(flag: str, path: str) -> list[str]:
-    """Why ``path`` cannot be written (``[]`` if it can), checked before a run."""
+    """Why ``path`` cannot be written (``[]`` if it can), checked before a run.
+
+    The path is probed, not judged by its permission bits: for root ``os.access`` says yes to
+    ``/proc/version`` or a read-only file, and the write would fail only after the run.
+    """
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         return [f"{flag} {path}: is a directory"]
@@ -92,7 +96,37 @@ def output_problems(flag: str, path: str) -> list[str]:
         return [f"{flag} {path}: directory {parent} does not exist"]
     if not os.access(parent, os.W_OK):
         return [f"{flag} {path}: directory {parent} is not writable"]
+    why = _write_probe(path)
+    if why is not None:
+        return [f"{flag} {path}: cannot be written ({why}); name a file you can write"]
     return []
+
+
+def _write_probe(path: str) -> Optional[str]:
+    """``None`` if ``path`` takes a write, else why not; leaves an existing file as it was.
+
+    An existing file is opened for appending (nothing truncated; non-blocking, so a FIFO
+    without a reader fails instead of hanging) and written zero bytes, which pseudo-files
+    such as ``/proc/version`` refuse. A new file is created and removed again.
+    """
+    exists = os.path.exists(path)
+    flags = os.O_WRONLY | (os.O_APPEND | os.O_NONBLOCK if exists else os.O_CREAT | os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    try:
+        os.write(fd, b"")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        os.close(fd)
+        if not exists:
+            try:
+                os.remove(path)
+            except OSError:
+                pass  # the run writes it anyway
+    return None
 
 
 def pyplot(missing: str = "matplotlib is not installed") -> Any:
