@@ -26,7 +26,9 @@ import torch
 from nemo_rs_plugin.core.compiled import core_fn
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction import CorrectionResult, PolicyLogProbs, apply_correction, plan_correction
+from nemo_rs_plugin.core.correction.filters import DROPPED_SEQUENCES, VALID_SEQUENCES
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
+from nemo_rs_plugin.core.health import RejectionMonitor
 from nemo_rs_plugin.core.inputs import (
     LossInputs,
     SanitizedInputs,
@@ -82,6 +84,8 @@ class CorrectedPGLoss:
             on_policy_approximation=cfg.use_on_policy_kl_approximation,
         )
         self._normalizations: Optional[dict[str, str]] = None
+        # Warns (rate-limited, from the metrics already on the host) when filters eat the batch.
+        self.rejection_monitor = RejectionMonitor() if cfg.rejection_sampling else None
 
     # ------------------------------------------------------------------ public API
     def __call__(
@@ -166,7 +170,10 @@ class CorrectedPGLoss:
         # The evaluation form is decided here, eagerly: a compiled core specialises on the bool.
         batched = batched_evaluation(x.curr.device)
         loss, metrics = core_fn(self, groups)(self, x, global_valid_seqs, global_valid_toks, groups, batched)
-        return loss, metrics.finalize(groups)
+        reported = metrics.finalize(groups)
+        if self.rejection_monitor is not None and DROPPED_SEQUENCES in metrics.private:
+            self.rejection_monitor.observe(metrics.private[DROPPED_SEQUENCES], metrics.private[VALID_SEQUENCES])
+        return loss, reported
 
     def _tensors(
         self,

@@ -98,6 +98,7 @@ class MetricSet:
         self._derived: list[tuple[str, str, Callable[[dict[str, float]], float]]] = []
         self._checks: list[tuple[Callable[[dict[str, float]], bool], Callable[[dict[str, float]], Exception]]] = []
         self._stacked: Optional[tuple[list[str], torch.Tensor]] = None
+        self.private: dict[str, float] = {}  # the ``_``-prefixed entries, set by finalize()
 
     # ------------------------------------------------------------------ declaring
     def _declare(self, name: str, normalization: str, reduction: str) -> None:
@@ -249,6 +250,9 @@ class MetricSet:
                 out[name] = float("-inf")
         for name, _, fn in self._derived:
             out[name] = fn(out)
+        # Private entries (``_name``) ride on the same transfer for the loss's own bookkeeping
+        # (the run-time rejection warning); NeMo-RL never sees them.
+        self.private = {n: out[n] for n in self._declared if n.startswith("_")}
         return {n: out[n] for n in self._declared if not n.startswith("_")}
 
 

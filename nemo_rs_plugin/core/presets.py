@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["GEO_RS", "OUTLIER_VETO", "TOKEN_MIS", "TIS_CAP", "IS_ON", "tis", "is_level"]
+__all__ = ["FILTERS", "GEO_RS", "OUTLIER_VETO", "TOKEN_MIS", "TIS_CAP", "IS_ON", "tis", "is_level"]
 
 GEO_RS: dict[str, Any] = {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.99, "upper": 1.01}
 OUTLIER_VETO: dict[str, Any] = {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4}
 TOKEN_MIS: dict[str, Any] = {"level": "token", "metric": "ratio", "lower": 0.5, "upper": 2.0}
 TIS_CAP = 2.0
+#: The filter presets by the names the tools accept (``nemo-rs calibrate --filters``).
+FILTERS: dict[str, dict[str, Any]] = {"geo-rs": GEO_RS, "token-mis": TOKEN_MIS, "outlier-veto": OUTLIER_VETO}
 #: Importance sampling switched on (the level decides what the weight is).
 IS_ON: dict[str, Any] = {"use_importance_sampling_correction": True}
 

@@ -31,10 +31,18 @@ __all__ = [
     "PolicyLogProbs",
     "RejectionOutcome",
     "apply_filters",
+    "filter_bounds",
     "filter_log_ratio",
+    "filter_statistic",
     "plan_filters",
+    "plan_sequence_filter",
+    "plan_token_filter",
+    "sequence_filter_statistic",
     "token_filter_statistic",
 ]
+
+# Private metrics (never reported): sequences dropped and sequences with a valid token, raw counts.
+DROPPED_SEQUENCES, VALID_SEQUENCES = "_rs_seq_dropped", "_rs_seq_valid"
 
 # Probability-space statistics clamp the sampled token's probabilities to [1e-6, 1 - 1e-6]
 # (OpenRLHF's clamp), which keeps both logs of the binary KL finite.
@@ -128,7 +136,7 @@ def _log_bound(v: Optional[float]) -> Optional[float]:
     return -math.inf if v == 0 else math.log(v)
 
 
-def _filter_bounds(f: RejectionFilter) -> tuple[Optional[float], Optional[float]]:
+def filter_bounds(f: RejectionFilter) -> tuple[Optional[float], Optional[float]]:
     """Bounds in the space the statistic lives in (log space for ratios)."""
     if f.metric == "ratio":
         return _log_bound(f.lower), _log_bound(f.upper)
@@ -152,16 +160,16 @@ def plan_filters(
     stages = []
     alive = masks.valid_bin  # [B, T] valid tokens kept by the token filters so far
     for f in filters:
-        stat, f_finite = _filter_statistic(f, d, masks, log_probs)
+        stat, f_finite = filter_statistic(f, d, masks, log_probs)
         if f.level == "token":
-            stage, alive = _plan_token_filter(f, stat, f_finite, alive, negative)
+            stage, alive = plan_token_filter(f, stat, f_finite, alive, negative)
         else:
-            stage = _plan_sequence_filter(f, stat, f_finite, alive, negative, torch.finfo(d.dtype).max)
+            stage = plan_sequence_filter(f, stat, f_finite, alive, negative, torch.finfo(d.dtype).max)
         stages.append(stage)
     return tuple(stages), alive
 
 
-def _filter_statistic(
+def filter_statistic(
     f: RejectionFilter, d: torch.Tensor, masks: TokenMasks, log_probs: Optional[PolicyLogProbs]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, T]`` the filter's statistic (finite) and the 0/1 mask of where its log-ratio was finite."""
@@ -175,7 +183,7 @@ def _filter_statistic(
     return stat, f_finite
 
 
-def _plan_token_filter(
+def plan_token_filter(
     f: RejectionFilter,
     stat: torch.Tensor,  # [B, T]
     f_finite: torch.Tensor,  # [B, T] 0/1
@@ -183,7 +191,7 @@ def _plan_token_filter(
     negative: Optional[torch.Tensor],  # [B, T] 0/1
 ) -> tuple[TokenStageStatistics, torch.Tensor]:
     """The token filter's per-row statistics and the tokens still alive after it."""
-    lo, hi = _filter_bounds(f)
+    lo, hi = filter_bounds(f)
     # Tokens this filter may reject: all, or only those with a negative advantage.
     eligible = negative if f.negative_advantages_only else None  # [B, T] or None
     in_band = f_finite.masked_fill(out_of_bounds(stat, lo, hi), 0.0)  # non-finite d: out of band
@@ -197,7 +205,7 @@ def _plan_token_filter(
     return stage, kept
 
 
-def _plan_sequence_filter(
+def plan_sequence_filter(
     f: RejectionFilter,
     stat: torch.Tensor,  # [B, T]
     f_finite: torch.Tensor,  # [B, T] 0/1
@@ -233,23 +241,36 @@ def _row_max(x: torch.Tensor, empty: float) -> torch.Tensor:
 # ------------------------------------------------------------------ decisions (reduced statistics)
 def _sequence_rejects(f: RejectionFilter, s: SequenceStageStatistics) -> torch.Tensor:
     """``[B]`` bool: the sequence filter rejects the row, decided on reduced statistics."""
-    lo, hi = _filter_bounds(f)
-    count = s.count
-    agg = f.aggregation
-    if agg == "mean":
-        reject = out_of_bounds(s.total / (count + EPS), lo, hi)
-    elif agg == "sum":
-        reject = out_of_bounds(s.total, lo, hi)
-    elif agg == "max":
-        reject = out_of_bounds(s.maximum, lo, hi)
-    elif agg == "min":
-        reject = out_of_bounds(-s.negated_minimum, lo, hi)
+    lo, hi = filter_bounds(f)
+    low, high = sequence_filter_statistic(f, s)
+    if low is high:
+        reject = out_of_bounds(low, lo, hi)
     else:  # any: some valid token outside the bounds
-        above = out_of_bounds(s.maximum, None, hi)
-        reject = above | out_of_bounds(-s.negated_minimum, lo, None)
+        reject = out_of_bounds(high, None, hi) | out_of_bounds(low, lo, None)
     reject = reject | (s.nonfinite > 0)
     # A sequence with no token left at this stage is never rejected (and never NaN).
-    return reject & (count > 0)
+    return reject & (s.count > 0)
+
+
+def sequence_filter_statistic(f: RejectionFilter, s: SequenceStageStatistics) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B]`` (statistic compared with ``lower``, statistic compared with ``upper``), reduced rows.
+
+    The aggregation of the filter over the stage's tokens, in the bounds' space (log space
+    for ``ratio``): ``mean`` = total / count, ``sum`` = total, ``max``, ``min``; the same
+    tensor on both sides, except ``any`` = (row minimum, row maximum).
+    """
+    agg = f.aggregation
+    if agg == "mean":
+        stat = s.total / (s.count + EPS)
+    elif agg == "sum":
+        stat = s.total
+    elif agg == "max":
+        stat = s.maximum
+    elif agg == "min":
+        stat = -s.negated_minimum
+    else:  # any
+        return -s.negated_minimum, s.maximum
+    return stat, stat
 
 
 @dataclass
@@ -311,6 +332,9 @@ def apply_filters(
     metrics.add_total("rs_token_rejected_frac", stats.valid.sum() - outcome.kept_tokens.sum(), "tokens", "replicated")
     dropped = torch.maximum(1.0 - seq_kept, conditional_touched)
     metrics.add_total("rs_seq_rejected_frac", dropped @ sample_mask, "sequences", "replicated")
+    # This microbatch's own counts (not normalised), for the run-time warning of core/health.py.
+    metrics.add_total(DROPPED_SEQUENCES, dropped @ sample_mask, "none", "replicated")
+    metrics.add_total(VALID_SEQUENCES, torch.sign(stats.valid) @ sample_mask, "none", "replicated")
     return outcome
 
 
