@@ -25,7 +25,8 @@ __all__ = ["CheckReport", "check_recipe", "load_recipe"]
 LONG_RESPONSE_TOKENS = 2048
 #: Sections of NeMo-RL's other algorithms' configs (examples/configs/{sft,dpo,rm,distillation}*.yaml).
 OTHER_ALGORITHMS = ("sft", "dpo", "rm", "distillation")
-REJECT_WARN_FRACTION = 0.5
+# Sequences in the simulated batch of the rejection estimate (fewer at long lengths: same cost).
+_ESTIMATE_RESPONSES, _ESTIMATE_TOKENS = 64, 8192 * 64
 
 
 @dataclass
@@ -259,12 +260,25 @@ def _warn(
         )
     if config.rejection_sampling or config.truncated_importance_sampling_type == "seq-mask-tis":
         _warn_rejection(report, config, mismatch, tokens if isinstance(tokens, int) else 4096)
+    if _get(cfg, "grpo.async_grpo.enabled", False) and any(
+        f.level == "sequence" and f.metric == "ratio" for f in config.rejection_sampling
+    ):
+        report.notes.append(
+            "async GRPO with a sequence ratio band: staleness shifts whole sequences by far more than "
+            "precision mismatch (0.1-0.7 nats per token in docs/lab.md, where Geo-RS [0.99, 1.01] "
+            "rejected most of the batch and learned at chance); set the band from your own run's "
+            "log-probs: nemo-rs calibrate --from <dump> --recipe <this recipe>"
+        )
 
 
 def _warn_rejection(report: CheckReport, config: RSClippedPGLossConfig, mismatch: float, tokens: int) -> None:
+    """Estimate the rejection at the recipe's response length; warn above the unhealthy share."""
+    from nemo_rs_plugin.core.health import UNHEALTHY_SEQ_REJECTION
     from nemo_rs_plugin.tools.simulate import MismatchModel, loss_metrics, synthetic_batch
 
-    model = MismatchModel(responses=64, length=max(16, min(tokens, 4096)), mismatch=mismatch, seed=1)
+    length = max(16, tokens)
+    responses = max(16, min(_ESTIMATE_RESPONSES, _ESTIMATE_TOKENS // length))
+    model = MismatchModel(responses=responses, length=length, mismatch=mismatch, seed=1)
     fields = config.model_dump()
     fields.update(name=None, reference_policy_kl_penalty=0.0, sharded_logits_input=False)
     metrics, _ = loss_metrics(fields, synthetic_batch(model))
@@ -276,14 +290,19 @@ def _warn_rejection(report: CheckReport, config: RSClippedPGLossConfig, mismatch
     if config.truncated_importance_sampling_type == "seq-mask-tis":
         stages.append(("seq-mask-tis", metrics.get("is_oob_ratio", 0.0)))
     total = metrics.get("rs_seq_rejected_frac", 0.0)
+    limit = UNHEALTHY_SEQ_REJECTION
+    advice = (
+        f"more than {limit:.0%} is unhealthy (docs/guide.md, 'When rejection eats the batch'): widen the "
+        "bounds, set them from your run with nemo-rs calibrate, or state your mismatch with --mismatch"
+    )
     for label, frac in stages:
-        if frac > REJECT_WARN_FRACTION:
+        if frac > limit:
             report.warnings.append(
                 f"{label} would reject ~{frac:.0%} of sequences at {mismatch:g} per-token "
-                f"mismatch over {model.length}-token responses: the bounds are likely too tight "
-                "(widen them, or state your mismatch with --mismatch)"
+                f"mismatch over responses of up to {model.length} tokens; {advice}"
             )
-    if total > REJECT_WARN_FRACTION and not any(frac > REJECT_WARN_FRACTION for _, frac in stages):
+    if total > limit and not any(frac > limit for _, frac in stages):
         report.warnings.append(
-            f"the filters together would reject ~{total:.0%} of sequences at {mismatch:g} per-token mismatch"
+            f"the filters together would reject ~{total:.0%} of sequences at {mismatch:g} per-token mismatch "
+            f"over responses of up to {model.length} tokens; {advice}"
         )

@@ -10,6 +10,8 @@ Subcommands:
   when no error was found but something could not be checked (``not checked:`` lines).
 * ``nemo-rs recipes``: list the shipped recipes, or copy them next to a NeMo-RL checkout.
 * ``nemo-rs reference``: print the configuration reference (docs/configuration-reference.md).
+* ``nemo-rs calibrate --from FILE``: rejection bounds from a run's log-probs for a target
+  rejection rate (docs/guide.md, "Setting the band from your mismatch").
 """
 
 from __future__ import annotations
@@ -256,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help=doctor.HELP)
     doctor.add_arguments(d)
     d.set_defaults(func=doctor.run)
+
+    from nemo_rs_plugin.tools import calibrate  # light at import; torch is imported in run()
+
+    k = sub.add_parser("calibrate", help=calibrate.HELP)
+    calibrate.add_arguments(k)
+    k.set_defaults(func=calibrate.run)
     return parser
 
 

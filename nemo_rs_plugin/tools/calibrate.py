@@ -1,0 +1,158 @@
+"""``nemo-rs calibrate``: rejection bounds from your own run's log-probs, for a target rejection rate.
+
+Reads per-token ``prev_logprobs`` and ``generation_logprobs`` saved from a run (the formats
+of ``nemo-rs simulate --from``: JSONL or a torch file in NeMo-RL's ``train_data`` layout),
+takes filter templates (presets by name, or a recipe's ``loss_fn.rejection_sampling``), and
+prints for each stage: the statistic's distribution on the data, what the template's bounds
+reject there, the calibrated bounds (those rejecting ``--target`` of the stage's units), and
+a ``rejection_sampling`` section to paste. The rule and its trade-off are in
+:mod:`nemo_rs_plugin.core.correction.calibration` and docs/guide.md ("Setting the band from
+your mismatch").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Optional
+
+HELP = "set rejection bounds from a run's log-probs for a target rejection rate"
+EXIT_INVALID = 2
+DEFAULT_TARGET = 0.05  # docs/guide.md: a few percent; the lab's calibrated arm uses it
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``nemo-rs calibrate``'s flags."""
+    from nemo_rs_plugin.core.presets import FILTERS
+
+    p.add_argument("--from", dest="from_file", metavar="FILE", required=True, help="log-probs from a run (docs/cli.md)")
+    p.add_argument(
+        "--target",
+        type=float,
+        default=DEFAULT_TARGET,
+        help=f"share of each stage's units (sequences or tokens) to reject on the data (default {DEFAULT_TARGET})",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--filters", nargs="+", metavar="NAME", help=f"presets, in stage order: {', '.join(FILTERS)}")
+    src.add_argument("--recipe", metavar="YAML", help="calibrate this recipe's loss_fn.rejection_sampling stages")
+    p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+
+
+def _templates(args: argparse.Namespace, problems: list[str]) -> list[dict]:
+    from nemo_rs_plugin.core.presets import FILTERS
+
+    if args.recipe:
+        from nemo_rs_plugin.tools.check import CheckReport
+        from nemo_rs_plugin.tools.recipe_loading import load_recipe
+
+        report = CheckReport()
+        cfg = load_recipe(args.recipe, [], None, report)
+        if cfg is None:
+            problems.extend(f"--recipe: {e}" for e in report.errors or [f"{args.recipe}: could not be read"])
+            return []
+        stages = ((cfg.get("loss_fn") or {}).get("rejection_sampling")) or []
+        if not stages:
+            problems.append(f"--recipe: {args.recipe} has no loss_fn.rejection_sampling to calibrate")
+        bad = [i for i, f in enumerate(stages) if not isinstance(f, dict)]
+        if bad:
+            problems.append(f"--recipe: rejection_sampling stage(s) {bad} are not mappings")
+            return []
+        return [dict(f) for f in stages]
+    names = args.filters or ["geo-rs"]
+    unknown = [n for n in names if n not in FILTERS]
+    if unknown:
+        problems.append(f"--filters: unknown {', '.join(unknown)}; allowed: {', '.join(FILTERS)}")
+        return []
+    return [dict(FILTERS[n]) for n in names]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Calibrate, print the table and the section; 2 with one ``error:`` line per problem."""
+    problems: list[str] = []
+    if not (math.isfinite(args.target) and 0.0 <= args.target < 1.0):
+        problems.append(f"--target: got {args.target}; allowed: 0 <= target < 1 (a share, e.g. 0.05)")
+    templates = _templates(args, problems)
+    filters, batch = [], None
+    if not problems:
+        from pydantic import ValidationError
+
+        from nemo_rs_plugin.core.config import RejectionFilter
+        from nemo_rs_plugin.tools.batch_formats import BatchFormatError, load_batch
+
+        for i, t in enumerate(templates):
+            try:
+                filters.append(RejectionFilter(**t))
+            except ValidationError as e:
+                problems.append(f"stage {i}: {'; '.join(err['msg'] for err in e.errors())}")
+        try:
+            batch = load_batch(args.from_file)
+        except BatchFormatError as e:
+            problems.append(f"--from: {e}")
+    if problems:
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        return EXIT_INVALID
+    from nemo_rs_plugin.core.correction.calibration import calibrate_filters, rejected_fractions
+
+    prev, gen = batch["prev_logprobs"][:, 1:], batch["generation_logprobs"][:, 1:]
+    mask = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
+    try:
+        stages = calibrate_filters(filters, prev, gen, mask, args.target)
+        as_written = rejected_fractions(filters, prev, gen, mask)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    _print(args, filters, stages, as_written, batch)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(_as_json(args, filters, stages, as_written), fh, indent=2)
+    return 0
+
+
+def _fmt(v: Optional[float]) -> str:
+    return "open" if v is None else f"{v:.6g}"
+
+
+def _print(args, filters, stages, as_written, batch) -> None:
+    n_seq = int((batch["sample_mask"] > 0).sum())
+    print(f"{args.from_file}: {n_seq} sequences; target rejection {args.target:g} per stage")
+    for i, (f, st, written) in enumerate(zip(filters, stages, as_written)):
+        unit = "tokens" if f.level == "token" else "sequences"
+        q = st.quantiles
+        print(f"stage {i} ({f.label}, {st.units} {unit}):")
+        print(f"  statistic on the data: p1 {q['p1']:.6g}, median {q['p50']:.6g}, p99 {q['p99']:.6g}")
+        print(f"  as written [{_fmt(f.lower)}, {_fmt(f.upper)}]: rejects {written:.1%} of the {unit}")
+        print(
+            f"  calibrated [{_fmt(st.filter.lower)}, {_fmt(st.filter.upper)}]: rejects {st.rejected_frac:.1%} "
+            f"of the {unit}"
+        )
+    print("loss_fn:\n  rejection_sampling:")
+    for st in stages:
+        print(f"    - {_flow(st.filter)}")
+
+
+def _flow(f) -> str:
+    fields = f.model_dump(exclude_none=True, exclude_defaults=True)
+    fields = {"level": f.level, **fields}
+    parts = [f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}" for k, v in fields.items()]
+    return "{" + ", ".join(parts) + "}"
+
+
+def _as_json(args, filters, stages, as_written) -> dict:
+    return {
+        "from": args.from_file,
+        "target": args.target,
+        "stages": [
+            {
+                "template": f.model_dump(exclude_none=True),
+                "calibrated": st.filter.model_dump(exclude_none=True),
+                "units": st.units,
+                "rejected_frac_as_written": written,
+                "rejected_frac_calibrated": st.rejected_frac,
+                "quantiles": st.quantiles,
+            }
+            for f, st, written in zip(filters, stages, as_written)
+        ],
+    }
