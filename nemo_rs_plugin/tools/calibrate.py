@@ -4,8 +4,9 @@ Reads per-token ``prev_logprobs`` and ``generation_logprobs`` saved from a run (
 of ``nemo-rs simulate --from``: JSONL or a torch file in NeMo-RL's ``train_data`` layout),
 takes filter templates (presets by name, or a recipe's ``loss_fn.rejection_sampling``), and
 prints for each stage: the statistic's distribution on the data, what the template's bounds
-reject there, the calibrated bounds (those rejecting ``--target`` of the stage's units), and
-a ``rejection_sampling`` section to paste. The rule and its trade-off are in
+reject there, the calibrated bounds (those rejecting ``--target`` of the stage's units, never
+narrower than the template's unless ``--allow-tighter``), and a ``rejection_sampling`` section
+to paste. The rule and its trade-off are in
 :mod:`nemo_rs_plugin.core.correction.calibration` and docs/guide.md ("Setting the band from
 your mismatch").
 """
@@ -37,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--filters", nargs="+", metavar="NAME", help=f"presets, in stage order: {', '.join(FILTERS)}")
     src.add_argument("--recipe", metavar="YAML", help="calibrate this recipe's loss_fn.rejection_sampling stages")
+    p.add_argument(
+        "--allow-tighter",
+        action="store_true",
+        help="let the band come out narrower than the template's (default: calibration only widens it)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
 
 
@@ -99,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     prev, gen = batch["prev_logprobs"][:, 1:], batch["generation_logprobs"][:, 1:]
     mask = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
     try:
-        stages = calibrate_filters(filters, prev, gen, mask, args.target)
+        stages = calibrate_filters(filters, prev, gen, mask, args.target, widen_only=not args.allow_tighter)
         as_written = rejected_fractions(filters, prev, gen, mask)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -69,7 +69,8 @@ def test_any_aggregation_ranges_over_row_extremes():
     prev = gen.clone()
     prev[:, 0] += torch.linspace(-1, 0, B, dtype=torch.float64)  # row minimum
     prev[:, 1] += torch.linspace(0, 1, B, dtype=torch.float64)  # row maximum
-    (stage,) = calibrate_filters([RejectionFilter(**presets.OUTLIER_VETO)], prev, gen, torch.ones(B, T), 0.2)
+    veto = RejectionFilter(**presets.OUTLIER_VETO)  # [1e-4, 1e4]: far outside; allow the quantile band
+    (stage,) = calibrate_filters([veto], prev, gen, torch.ones(B, T), 0.2, widen_only=False)
     assert stage.rejected_frac == pytest.approx(0.20, abs=0.011)
     assert stage.filter.lower < 1.0 < stage.filter.upper
 
@@ -123,3 +124,16 @@ def test_refusals():
         calibrate_filters([opsm], prev, gen, mask, 0.05)
     with pytest.raises(ValueError, match="no unit"):
         calibrate_filters([RejectionFilter(**presets.GEO_RS)], prev, gen, torch.zeros_like(mask), 0.05)
+
+
+def test_calibration_only_widens_the_template_unless_asked():
+    """On a mismatch far below the template's band, the band stays as written (never tighter)."""
+    means = [(i - 49.5) / 1e5 for i in range(100)]  # |log ratio| < 5e-4: well inside [0.99, 1.01]
+    prev, gen, mask = _sequences_with_mean_log_ratio(means)
+    geo = RejectionFilter(**presets.GEO_RS)
+    (stage,) = calibrate_filters([geo], prev, gen, mask, 0.1)
+    assert (stage.filter.lower, stage.filter.upper) == (0.99, 1.01)
+    assert stage.rejected_frac == 0.0
+    (tight,) = calibrate_filters([geo], prev, gen, mask, 0.1, widen_only=False)
+    assert 0.999 < tight.filter.lower < 1.0 < tight.filter.upper < 1.001
+    assert tight.rejected_frac == pytest.approx(0.10)

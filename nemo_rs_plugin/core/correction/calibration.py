@@ -7,7 +7,7 @@ log-probs of the user's own run (``prev`` from the trainer, ``gen`` from the sam
 computes each filter's statistic exactly as the loss does (same functions, same stage
 order: a filter sees the tokens the token filters listed before it kept), and returns the
 bounds under which each stage rejects ``target`` of its units (sequences or valid tokens)
-on that data:
+on that data, never narrower than the template's own bounds (``widen_only``):
 
 * ``ratio`` (log space, ``x = log r`` or the aggregated log statistic), both sides:
   ``lower = exp(Q_low(target / 2))``, ``upper = exp(Q_high(1 - target / 2))``, then widened to
@@ -131,6 +131,7 @@ def calibrate_filters(
     gen: torch.Tensor,
     mask: torch.Tensor,
     target: float,
+    widen_only: bool = True,
 ) -> list[CalibratedStage]:
     """Each stage's bounds for ``target`` rejection of its units on ``[B, T]`` log-probs.
 
@@ -140,6 +141,12 @@ def calibrate_filters(
         gen: the sampler's (``generation_logprobs``).
         mask: ``[B, T]`` valid response tokens (``token_mask * sample_mask``).
         target: the fraction of each stage's units to reject on this data, ``[0, 1)``.
+        widen_only: keep the template's bounds as the innermost band: calibration only
+            widens a band that rejects more than ``target`` (the default). Without it the
+            band is the quantile band, however narrow: on a near-zero mismatch it is then
+            narrower than any mismatch that matters, and rejects ``target`` of data that
+            needs no correction (in the lab, at precision-only mismatch, a 5% band set on
+            the first steps rejected a quarter of the batch once the policy sharpened).
 
     A later stage is calibrated on the tokens the calibrated earlier token stages keep, as
     the loss evaluates it.
@@ -147,6 +154,9 @@ def calibrate_filters(
 
     def calibrate(f: RejectionFilter, low: torch.Tensor, high: torch.Tensor) -> RejectionFilter:
         lower, upper = band_for_rejection(low, high, target, _sides(f), f.metric == "ratio")
+        if widen_only:
+            lower = lower if lower is None or f.lower is None else min(lower, f.lower)
+            upper = upper if upper is None or f.upper is None else max(upper, f.upper)
         update = {"lower": f.lower if lower is None else lower, "upper": f.upper if upper is None else upper}
         return RejectionFilter.model_validate({**f.model_dump(exclude_none=True), **update})
 
