@@ -1,31 +1,33 @@
 """A small GRPO experiment with a real training/inference mismatch: does the correction help?
 
-``python -m nemo_rs_plugin.tools.lab`` (``--quick`` for the < 2 minute smoke run). Every
-configuration trains the same tiny mixture-of-experts decoder (transformers' Qwen3-MoE,
-random initialisation from a tiny config, nothing downloaded) on the same task with GRPO,
-and only the loss's off-policy correction differs. The loss is the plugin's public API,
-called as NeMo-RL calls it: ``loss_fn(next_token_logprobs, data, global_valid_seqs,
-global_valid_toks)`` with NeMo-RL's data dict, ``prev_logprobs`` recomputed by the trainer
-(float32) before the update, ``generation_logprobs`` from the sampler.
+``python -m nemo_rs_plugin.tools.lab`` or ``nemo-rs lab`` (``--quick`` for the smoke run CI
+uses). Every arm trains the same tiny mixture-of-experts decoder (transformers' Qwen3-MoE,
+random initialisation from a tiny config, nothing downloaded) on the same task with GRPO;
+only the loss's off-policy correction differs, except the ``on-policy`` reference, whose
+sampler has no mismatch. The loss is the plugin's public API, called as NeMo-RL calls it:
+``loss_fn(next_token_logprobs, data, global_valid_seqs, global_valid_toks)`` with NeMo-RL's
+data dict, ``prev_logprobs`` recomputed by the trainer (float32) before the update,
+``generation_logprobs`` from the sampler.
 
 The mismatch is real, not injected: the sampler is a copy of the trainer's weights run in
 another precision (``--sampler-dtype``, default bfloat16, so MoE routing decisions flip for
-real) and, optionally, ``--lag`` optimizer steps behind the trainer (asynchronous GRPO). Per
-rollout step the run records the mean and max per-token ``|prev - gen|`` and the fraction of
-response tokens whose expert routing (top-k set, in any layer) differs between the sampler's
-decode and the trainer's forward.
+real) and ``--lag`` optimizer steps behind the trainer (asynchronous GRPO; default 8, with
+lr 1e-2: the regime where the uncorrected loss spikes and collapses, docs/lab.md).
 
 The task ("count"): the prompt is ``[BOS, s]`` with ``s`` a random token of ``--vocab``; the
 response has exactly ``--length`` tokens and should count on, ``s+1, s+2, ...`` mod vocab.
 The verifiable reward is the fraction of response tokens equal to their predecessor + 1
 (so a random policy scores ``1/vocab``, a perfect one 1.0, at every length).
 
-Outputs under ``--out``: ``lab_steps.csv`` (one row per configuration, seed and step),
-``lab_summary.csv`` and ``lab_summary.md`` (the table), ``lab.png`` (learning curves, mean
-over seeds with a min-max band). See docs/lab.md for the published run.
+Outputs under ``--out``: ``lab_steps.csv`` (one row per arm, seed and step),
+``lab_seeds.csv`` (the outcomes of every run), ``lab_summary.csv`` / ``lab_summary.md`` (per
+arm, and whether the seeds separate the compared pairs), ``lab_comparisons.csv``,
+``lab.png`` (curves: mean over seeds, min-max band, log-scale gradient norm and KL) and
+``lab_seeds.png`` (every seed's curve, per arm). See docs/lab.md for the published run.
 
-This module is the command line; the experiment is in :mod:`~nemo_rs_plugin.tools.lab_experiment`,
-the table and the figure in :mod:`~nemo_rs_plugin.tools.lab_report`.
+This module is the command line; the experiment is in :mod:`~nemo_rs_plugin.tools.lab_experiment`
+(the model and sampler in :mod:`~nemo_rs_plugin.tools.lab_model`), the tables and figures in
+:mod:`~nemo_rs_plugin.tools.lab_report`.
 """
 
 from __future__ import annotations
@@ -41,17 +43,20 @@ from typing import Optional, Sequence
 
 import torch
 
-from nemo_rs_plugin.tools.lab_experiment import (
-    _DTYPES,
-    BASE_LOSS,
-    CONFIGS,
-    QUICK,
-    STEP_METRICS,
-    LabSettings,
-    run_all,
-    run_one,
+from nemo_rs_plugin.tools.lab_experiment import CONFIGS, QUICK, LabSettings, run_all, run_one
+from nemo_rs_plugin.tools.lab_model import DTYPES
+from nemo_rs_plugin.tools.lab_report import (
+    compare,
+    default_pairs,
+    format_comparisons,
+    format_table,
+    seed_outcomes,
+    summarize,
+    write_csv,
+    write_plot,
+    write_seed_plot,
+    write_summary_csv,
 )
-from nemo_rs_plugin.tools.lab_report import format_table, summarize, write_csv, write_plot, write_summary_csv
 from nemo_rs_plugin.tools.report import ProgressBar
 
 __all__ = ["LabSettings", "CONFIGS", "run_one", "run_all", "summarize", "main", "settings_problems"]
@@ -72,10 +77,9 @@ _MINIMUM = {
     "experts": 1,
     "top_k": 1,
     "lag": 0,
+    "eval_every": 1,
+    "calibration_steps": 1,
 }
-
-# The names this module had before the experiment moved out (tests/tools/test_lab.py reads them).
-_BASE_LOSS, _METRICS = BASE_LOSS, STEP_METRICS
 
 
 # ---------------------------------------------------------------------------- command line
@@ -83,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Arguments of ``python -m nemo_rs_plugin.tools.lab`` / ``nemo-rs lab``."""
     d = LabSettings()
     p = argparse.ArgumentParser(prog="nemo-rs lab", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke run (< 2 min): 2 configs x 2 seeds, tiny sizes")
+    p.add_argument("--quick", action="store_true", help="smoke run (well under a minute): 2 arms x 2 seeds, tiny sizes")
     p.add_argument("--out", default="lab-out", help="output folder (default lab-out)")
     p.add_argument("--configs", nargs="+", metavar="NAME", help=f"subset of: {', '.join(CONFIGS)}")
     p.add_argument("--seeds", nargs="+", type=int, help=f"seeds (default {' '.join(map(str, d.seeds))})")
@@ -121,8 +125,8 @@ def settings_problems(s: LabSettings, args: argparse.Namespace) -> list[str]:
     unknown = [c for c in s.configs if c not in CONFIGS]
     if unknown:
         problems.append(f"--configs: unknown configuration(s) {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
-    if s.sampler_dtype not in _DTYPES:
-        problems.append(f"--sampler-dtype: got {s.sampler_dtype!r}; allowed: {', '.join(_DTYPES)}")
+    if s.sampler_dtype not in DTYPES:
+        problems.append(f"--sampler-dtype: got {s.sampler_dtype!r}; allowed: {', '.join(DTYPES)}")
     for name, minimum in _MINIMUM.items():
         if getattr(s, name) < minimum:
             problems.append(f"--{name.replace('_', '-')}: got {getattr(s, name)}; must be at least {minimum}")
@@ -136,6 +140,16 @@ def settings_problems(s: LabSettings, args: argparse.Namespace) -> list[str]:
         v = getattr(s, name)
         if not math.isfinite(v) or v < 0:
             problems.append(f"--{name.replace('_', '-')}: got {v}; allowed: a finite number >= 0")
+    if not (0.0 <= s.calibration_target < 1.0):
+        problems.append(f"--calibration-target: got {s.calibration_target}; allowed: 0 <= target < 1")
+    calibrated = [c for c in s.configs if c in CONFIGS and CONFIGS[c].calibrated]
+    if calibrated and s.steps >= 1 and s.calibration_steps >= s.steps:  # (--steps 0 is its own error)
+        problems.append(
+            f"--calibration-steps: got {s.calibration_steps}; must be below --steps ({s.steps}) for "
+            f"{', '.join(calibrated)} (the band is set after those steps)"
+        )
+    if not (math.isfinite(s.spike) and s.spike > 0):
+        problems.append(f"--spike: got {s.spike}; allowed: a finite number > 0")
     if not math.isfinite(s.threshold):
         problems.append(f"--threshold: got {s.threshold}; allowed: a finite number (a reward in [0, 1])")
     if args.workers < 1:
@@ -169,10 +183,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t0 = time.perf_counter()
     rows = run_all(s, workers=args.workers, progress=ProgressBar(eta=True))
     total = time.perf_counter() - t0
-    summary = summarize(rows, s)
+    outcomes = seed_outcomes(rows, s)
+    summary = summarize(outcomes, s)
+    comparisons = compare(outcomes, default_pairs(s.configs))
     table = format_table(summary, s)
+    if comparisons:
+        table += "\n\n" + format_comparisons(comparisons)
     write_csv(rows, os.path.join(args.out, "lab_steps.csv"))
+    write_summary_csv(outcomes, os.path.join(args.out, "lab_seeds.csv"))
     write_summary_csv(summary, os.path.join(args.out, "lab_summary.csv"))
+    if comparisons:
+        write_summary_csv(comparisons, os.path.join(args.out, "lab_comparisons.csv"))
     with open(os.path.join(args.out, "lab_summary.md"), "w") as fh:
         fh.write(table + "\n")
     with open(os.path.join(args.out, "lab_settings.json"), "w") as fh:
@@ -194,9 +215,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             os.path.join(args.out, "lab.png"),
             title=(
                 f"GRPO, tiny Qwen3-MoE, count task, {s.length}-token responses, sampler "
-                f"{s.sampler_dtype} lag {s.lag}; mean of {len(s.seeds)} seeds, band min-max"
+                f"{s.sampler_dtype} lag {s.lag}, lr {s.lr:g}; mean of {len(s.seeds)} seeds, band min-max"
             ),
         )
+        write_seed_plot(rows, s, os.path.join(args.out, "lab_seeds.png"))
     except ImportError:
         print("note: no matplotlib, no figure (pip install 'nemo-rs-plugin[plot]')", file=sys.stderr)
     print(table)

@@ -1,13 +1,15 @@
-"""The lab's experiment: a tiny MoE decoder, its sampler, and the GRPO training loop.
+"""The lab's experiment: the compared arms, the settings, and the GRPO training loop.
 
-:func:`run_one` trains one configuration with one seed and returns one row of metrics per
-rollout step (:data:`STEP_METRICS`); :func:`run_all` runs every configuration and seed, in
-worker processes if asked. The task, the mismatch and what is measured are described in
-:mod:`nemo_rs_plugin.tools.lab` and docs/lab.md.
+:func:`run_one` trains one arm with one seed and returns one row of metrics per rollout step
+(:data:`STEP_METRICS`); :func:`run_all` runs every arm and seed, in worker processes if
+asked. The model, task and sampler are in :mod:`~nemo_rs_plugin.tools.lab_model`; what is
+measured and why is in :mod:`nemo_rs_plugin.tools.lab` and docs/lab.md.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -15,34 +17,63 @@ from typing import Callable, Optional
 import torch
 
 from nemo_rs_plugin.core import presets
+from nemo_rs_plugin.core.config import RejectionFilter
+from nemo_rs_plugin.core.correction.calibration import calibrate_filters
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
+from nemo_rs_plugin.core.policy_loss import kl_estimate
+from nemo_rs_plugin.tools.lab_model import (
+    DTYPES,
+    RoutingRecorder,
+    build_model,
+    reward_of,
+    routing_diff,
+    sample,
+    token_logprobs,
+)
 
 __all__ = [
+    "Arm",
     "BASE_LOSS",
     "CONFIGS",
     "QUICK",
     "STEP_METRICS",
     "LabSettings",
-    "RoutingRecorder",
-    "build_model",
-    "reward_of",
     "run_all",
     "run_one",
-    "sample",
-    "token_logprobs",
 ]
 
-#: The compared corrections (the loss sections; the common fields are in ``BASE_LOSS``).
-CONFIGS: dict[str, dict] = {
-    "none": {},
-    "token-tis": presets.tis("token"),
-    "sequence": presets.is_level("sequence"),
-    "sequence_mean": presets.is_level("sequence_mean"),
-    "seqmean+geo-rs+veto": {
-        **presets.is_level("sequence_mean"),
-        "rejection_sampling": [presets.GEO_RS, presets.OUTLIER_VETO],
-    },
-    "geo-rs+token-mis": {**presets.is_level("token"), "rejection_sampling": [presets.GEO_RS, presets.TOKEN_MIS]},
+
+@dataclass(frozen=True)
+class Arm:
+    """One compared configuration: its loss section, and how its sampler or band is set."""
+
+    loss: dict
+    """The ``loss_fn`` fragment (the common fields are in :data:`BASE_LOSS`)."""
+    on_policy: bool = False
+    """Sampler in float32 with no lag: the reference without mismatch (no correction)."""
+    calibrated: tuple = ()
+    """Filter templates whose bounds are set from this run's own first ``calibration_steps``
+    steps (:func:`~nemo_rs_plugin.core.correction.calibration.calibrate_filters`, the function
+    behind ``nemo-rs calibrate``); they run before the ``loss``'s own filters."""
+    role: str = ""
+    """``reference`` or ``control`` (a known failure kept as a check on the lab), else empty."""
+
+
+#: The compared arms, in table order. The presets are core/presets.py's.
+CONFIGS: dict[str, Arm] = {
+    "on-policy": Arm({}, on_policy=True, role="reference"),
+    "none": Arm({}),
+    "token-tis": Arm(presets.tis("token")),
+    "sequence_mean": Arm(presets.is_level("sequence_mean")),
+    "sequence": Arm(presets.is_level("sequence"), role="control"),
+    "seqmean+geo-rs+veto": Arm(
+        {**presets.is_level("sequence_mean"), "rejection_sampling": [presets.GEO_RS, presets.OUTLIER_VETO]}
+    ),
+    "geo-rs+token-mis": Arm({**presets.is_level("token"), "rejection_sampling": [presets.GEO_RS, presets.TOKEN_MIS]}),
+    "seqmean+calibrated-geo-rs+veto": Arm(
+        {**presets.is_level("sequence_mean"), "rejection_sampling": [presets.OUTLIER_VETO]},
+        calibrated=(presets.GEO_RS,),
+    ),
 }
 
 # GRPO as NeMo-RL's grpo_math_1B: PPO clip 0.2 both sides, token-level loss, no KL penalty.
@@ -53,30 +84,28 @@ BASE_LOSS = {
     "token_level_loss": True,
 }
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 @dataclass
 class LabSettings:
     """Everything a run depends on (the defaults are the published run, docs/lab.md)."""
 
-    length: int = 128
+    length: int = 64
     """Response tokens (fixed length; the task's reward is length-independent)."""
     vocab: int = 16
     prompts: int = 4
     """Prompts per rollout step."""
     group: int = 4
     """Responses per prompt (GRPO group)."""
-    steps: int = 40
+    steps: int = 60
     """Rollout steps."""
     minibatches: int = 2
     """Optimizer steps per rollout batch."""
     microbatches: int = 2
     """Microbatches per optimizer step (gradient accumulation, global counts)."""
-    lr: float = 3e-3
+    lr: float = 1e-2
     max_grad_norm: float = 1.0
     sampler_dtype: str = "bf16"
-    lag: int = 2
+    lag: int = 8
     """The sampler's weights are this many optimizer steps older than the trainer's."""
     hidden: int = 64
     layers: int = 2
@@ -84,110 +113,59 @@ class LabSettings:
     top_k: int = 2
     threshold: float = 0.3
     """Reward for the 'steps to threshold' column."""
-    seeds: list = field(default_factory=lambda: [0, 1, 2])
+    spike: float = 5.0
+    """A gradient norm (before clipping) above this is a spike."""
+    eval_every: int = 5
+    """Evaluate the trainer's own policy every this many rollout steps (and at the last)."""
+    calibration_steps: int = 10
+    """Calibrated arms: rollout steps without those filters whose data sets the band."""
+    calibration_target: float = 0.05
+    """Calibrated arms: the share of sequences the band rejects on the calibration data."""
+    seeds: list = field(default_factory=lambda: list(range(12)))
     configs: list = field(default_factory=lambda: list(CONFIGS))
 
 
 QUICK = dict(
-    length=16, prompts=2, group=4, steps=4, hidden=32, experts=4, seeds=[0, 1], configs=["none", "seqmean+geo-rs+veto"]
+    length=16,
+    prompts=2,
+    group=4,
+    steps=4,
+    hidden=32,
+    experts=4,
+    calibration_steps=2,
+    eval_every=2,
+    seeds=[0, 1],
+    configs=["none", "seqmean+calibrated-geo-rs+veto"],
 )
 
-
-# ---------------------------------------------------------------------------- model and task
-def build_model(s: LabSettings, dtype: torch.dtype = torch.float32):
-    """A tiny Qwen3-MoE decoder, randomly initialised from the global RNG."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    cfg = Qwen3MoeConfig(
-        vocab_size=s.vocab + 1,
-        hidden_size=s.hidden,
-        intermediate_size=2 * s.hidden,
-        moe_intermediate_size=s.hidden,
-        num_hidden_layers=s.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=s.hidden // 4,
-        num_experts=s.experts,
-        num_experts_per_tok=s.top_k,
-        decoder_sparse_step=1,
-        norm_topk_prob=True,
-        max_position_embeddings=s.length + 8,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    return Qwen3MoeForCausalLM(cfg).to(dtype).eval()
-
-
-class RoutingRecorder:
-    """Records each MoE router's top-k expert indices, per call, via forward hooks."""
-
-    def __init__(self, model):
-        self.calls: list[list[torch.Tensor]] = []
-        self._hooks = []
-        routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-        if not routers:
-            raise RuntimeError("no MoE router found in the model")
-        for m in routers:
-            self._hooks.append(m.register_forward_hook(self._hook))
-        self.n_layers = len(routers)
-        self._current: list[torch.Tensor] = []
-
-    def _hook(self, module, args, out):
-        self._current.append(out[2].detach().sort(-1).values)
-        if len(self._current) == self.n_layers:
-            self.calls.append(self._current)
-            self._current = []
-
-    def clear(self):
-        self.calls, self._current = [], []
-
-
-def reward_of(responses: torch.Tensor, start: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Fraction of response tokens equal to their predecessor + 1 (mod vocab); BOS is wrong."""
-    prev = torch.cat([start[:, None], responses[:, :-1]], dim=1)
-    ok = (responses == (prev + 1) % vocab) & (responses < vocab) & (prev < vocab)
-    return ok.float().mean(-1)
-
-
-@torch.no_grad()
-def sample(model, prompts: torch.Tensor, length: int, gen: torch.Generator):
-    """Autoregressive sampling at temperature 1 with a KV cache; the sampler's own log-probs."""
-    out = model(input_ids=prompts, use_cache=True)
-    tokens, logps = [], []
-    for t in range(length):
-        logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-        tok = torch.multinomial(logp.exp(), 1, generator=gen)
-        tokens.append(tok)
-        logps.append(logp.gather(-1, tok))
-        if t + 1 < length:
-            out = model(input_ids=tok, past_key_values=out.past_key_values, use_cache=True)
-    return torch.cat(tokens, 1), torch.cat(logps, 1)
-
-
-def token_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
-    """``[B, S-1]`` log-prob of each next token (NeMo-RL's ``next_token_logprobs``)."""
-    logits = model(input_ids=ids).logits[:, :-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-
+_PROMPT_TOKENS = 2  # [BOS, start]
+_EVAL_SEED = 777  # the same prompts' random numbers at every evaluation, in every arm
 
 #: The per-step metrics of :func:`run_one` (after ``config``, ``seed``, ``step``).
 STEP_METRICS = (
     "reward",
+    "eval_reward",
     "mismatch_mean",
     "mismatch_max",
+    "kl_gen_prev",
     "routing_diff_frac",
     "is_weight_mean",
     "is_ess",
     "seq_rejected_frac",
     "token_rejected_frac",
     "grad_norm",
+    "grad_norm_max",
+    "grad_spikes",
+    "band_lower",
+    "band_upper",
+    "rejection_warnings",
     "loss",
     "wall_s",
 )
 
 
 def run_one(name: str, seed: int, s: LabSettings, tick: Optional[Callable[[], None]] = None) -> list[dict]:
-    """Train one configuration with one seed; one dict of metrics per rollout step.
+    """Train one arm with one seed; one dict of metrics per rollout step.
 
     Deterministic given (name, seed, settings): one thread, every random draw seeded.
     """
@@ -199,34 +177,42 @@ def run_one(name: str, seed: int, s: LabSettings, tick: Optional[Callable[[], No
         torch.set_num_threads(threads)
 
 
-_PROMPT_TOKENS = 2  # [BOS, start]
-
-
 @dataclass
 class _Rollout:
     """One rollout step's batch in NeMo-RL's layout, and what it measured before the update."""
 
     data: dict[str, torch.Tensor]
     rewards: torch.Tensor  # [B]
-    mismatch: torch.Tensor  # [B, L] |prev - gen| per response token
+    d: torch.Tensor  # [B, L] prev - gen per response token
     routing_diff: float
 
 
 class _Run:
-    """One configuration and seed in training: the policy, its lagging sampler, the optimizer."""
+    """One arm and seed in training: the policy, its lagging sampler, the optimizer, the band."""
 
     def __init__(self, name: str, seed: int, s: LabSettings) -> None:
         # The order of these steps is the order of the random draws: keep it (determinism).
         torch.manual_seed(seed)
-        self.name, self.seed, self.s = name, seed, s
-        self.loss_fn = CorrectedPGLoss({**BASE_LOSS, **CONFIGS[name]})
-        self.applies_is = bool(CONFIGS[name].get("use_importance_sampling_correction", False))
+        self.name, self.seed, self.s, self.arm = name, seed, s, CONFIGS[name]
+        self.lag = 0 if self.arm.on_policy else s.lag
+        self.loss_fn = self._loss({})
+        self.applies_is = bool(self.arm.loss.get("use_importance_sampling_correction", False))
         self.policy = build_model(s).train()
-        self.sampler = build_model(s, _DTYPES[s.sampler_dtype])
+        self.sampler = build_model(s, DTYPES["fp32" if self.arm.on_policy else s.sampler_dtype])
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=s.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.history = [self._weights()]  # the policy's versions, the newest last
         self.gen = torch.Generator().manual_seed(10_000 + seed)
         self.rec_sampler, self.rec_trainer = RoutingRecorder(self.sampler), RoutingRecorder(self.policy)
+        self.pilot: list[_Rollout] = []  # calibration data (calibrated arms, first steps)
+        self.band = (math.nan, math.nan)
+        self.earlier_warnings = 0  # run-time rejection warnings of the losses replaced so far
+
+    def _loss(self, calibrated: dict) -> CorrectedPGLoss:
+        """The arm's loss; calibrated filters (once set) run before the section's own."""
+        section = {**BASE_LOSS, **self.arm.loss}
+        if calibrated:
+            section["rejection_sampling"] = [*calibrated["filters"], *self.arm.loss.get("rejection_sampling", [])]
+        return CorrectedPGLoss(section)
 
     def _weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
@@ -235,7 +221,7 @@ class _Run:
         """Sample with the weights of ``lag`` optimizer steps ago; recompute ``prev`` (float32)."""
         s, P, L = self.s, _PROMPT_TOKENS, self.s.length
         B = s.prompts * s.group
-        self.sampler.load_state_dict(self.history[max(0, len(self.history) - 1 - s.lag)])
+        self.sampler.load_state_dict(self.history[max(0, len(self.history) - 1 - self.lag)])
         start = torch.randint(0, s.vocab, (s.prompts,), generator=self.gen).repeat_interleave(s.group)
         prompts = torch.stack([torch.full_like(start, s.vocab), start], dim=1)
         self.rec_sampler.clear()
@@ -253,9 +239,32 @@ class _Run:
         return _Rollout(
             data=_nemo_rl_data(ids, adv, prev, gen_lp, P),
             rewards=rewards,
-            mismatch=(prev[:, P - 1 :] - gen_lp).abs(),
-            routing_diff=_routing_diff(self.rec_sampler.calls, self.rec_trainer.calls, B, P, L),
+            d=prev[:, P - 1 :] - gen_lp,
+            routing_diff=routing_diff(self.rec_sampler.calls, self.rec_trainer.calls, B, P, L),
         )
+
+    def calibrate_if_due(self, step: int, rollout: _Rollout) -> None:
+        """Calibrated arms: pool the first ``calibration_steps`` batches, then set the band once."""
+        if not self.arm.calibrated or step >= self.s.calibration_steps:
+            return
+        self.pilot.append(rollout)
+        if step + 1 < self.s.calibration_steps:
+            return
+        P = _PROMPT_TOKENS
+        prev = torch.cat([r.data["prev_logprobs"][:, P:] for r in self.pilot])
+        gen = torch.cat([r.data["generation_logprobs"][:, P:] for r in self.pilot])
+        stages = calibrate_filters(
+            [RejectionFilter(**f) for f in self.arm.calibrated],
+            prev,
+            gen,
+            torch.ones_like(prev),
+            self.s.calibration_target,
+        )
+        filters = [st.filter.model_dump(exclude_none=True) for st in stages]
+        self.band = (stages[0].filter.lower or math.nan, stages[0].filter.upper or math.nan)
+        self.earlier_warnings = self.warnings()
+        self.loss_fn = self._loss({"filters": filters})
+        self.pilot = []
 
     def update(self, data_all: dict[str, torch.Tensor]) -> tuple[list[dict[str, float]], list[float]]:
         """GRPO: several optimizer steps per rollout batch, microbatches inside.
@@ -283,9 +292,25 @@ class _Run:
             norms.append(float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), s.max_grad_norm)))
             self.opt.step()
             self.history.append(self._weights())
-            self.history = self.history[-(s.lag + 1) :]
+            self.history = self.history[-(self.lag + 1) :]
             summed.append(acc)
         return summed, norms
+
+    def warnings(self) -> int:
+        """Unhealthy windows the loss's run-time rejection monitor has counted (core/health.py)."""
+        monitor = self.loss_fn.rejection_monitor
+        return self.earlier_warnings + (monitor.unhealthy_windows if monitor is not None else 0)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """The trainer's own policy (float32, current weights) on every start token, sampled."""
+        s = self.s
+        start = torch.arange(s.vocab)
+        prompts = torch.stack([torch.full_like(start, s.vocab), start], dim=1)
+        self.policy.eval()
+        responses, _ = sample(self.policy, prompts, s.length, torch.Generator().manual_seed(_EVAL_SEED))
+        self.policy.train()
+        return float(reward_of(responses, start, s.vocab).mean())
 
     def step_row(self, step: int, rollout: _Rollout, summed: list[dict[str, float]], norms: list[float]) -> dict:
         """The row of :data:`STEP_METRICS` for one rollout step (``wall_s`` is set by the caller)."""
@@ -294,13 +319,18 @@ class _Run:
             return sum(a.get(key, default) for a in summed) / len(summed)
 
         w_mean, w_sq = avg("is_weight_mean"), avg("is_weight_sq_mean")
+        last = step + 1 == self.s.steps
+        due = (step + 1) % self.s.eval_every == 0 or last
         return {
             "config": self.name,
             "seed": self.seed,
             "step": step + 1,
             "reward": float(rollout.rewards.mean()),
-            "mismatch_mean": float(rollout.mismatch.mean()),
-            "mismatch_max": float(rollout.mismatch.max()),
+            "eval_reward": self.evaluate() if due else math.nan,
+            "mismatch_mean": float(rollout.d.abs().mean()),
+            "mismatch_max": float(rollout.d.abs().max()),
+            # KL(gen || prev) per token: the k3 estimator under the sampler's own samples.
+            "kl_gen_prev": float(kl_estimate(rollout.d, "k3").mean()),
             "routing_diff_frac": rollout.routing_diff,
             # Without IS correction the loss applies weight 1 (its metric reports the would-be weight).
             "is_weight_mean": w_mean if self.applies_is else 1.0,
@@ -308,6 +338,11 @@ class _Run:
             "seq_rejected_frac": avg("rs_seq_rejected_frac"),
             "token_rejected_frac": avg("rs_token_rejected_frac"),
             "grad_norm": sum(norms) / len(norms),
+            "grad_norm_max": max(norms),
+            "grad_spikes": sum(n > self.s.spike for n in norms),
+            "band_lower": self.band[0],
+            "band_upper": self.band[1],
+            "rejection_warnings": self.warnings(),
             "loss": avg("loss"),
         }
 
@@ -332,6 +367,8 @@ def _nemo_rl_data(
 
 
 def _run_one(name: str, seed: int, s: LabSettings, tick: Optional[Callable[[], None]]) -> list[dict]:
+    # The run-time rejection warning is counted per step (``rejection_warnings``), not printed.
+    logging.getLogger("nemo_rs_plugin").setLevel(logging.ERROR)
     run = _Run(name, seed, s)
     rows = []
     t_start = time.perf_counter()
@@ -339,27 +376,10 @@ def _run_one(name: str, seed: int, s: LabSettings, tick: Optional[Callable[[], N
         rollout = run.rollout()
         summed, norms = run.update(rollout.data)
         rows.append({**run.step_row(step, rollout, summed, norms), "wall_s": time.perf_counter() - t_start})
+        run.calibrate_if_due(step, rollout)
         if tick is not None:
             tick()
     return rows
-
-
-def _routing_diff(sampler_calls, trainer_calls, B: int, P: int, L: int) -> float:
-    """Fraction of response tokens whose top-k expert set differs (any layer), sampler vs trainer.
-
-    A response token is routed when it is fed back as input: the sampler's decode steps
-    1..L-1 route responses 0..L-2, the trainer's forward routes positions P..S-2 (the same
-    tokens); the last response token is never an input and is not counted.
-    """
-    if L < 2 or not trainer_calls or len(sampler_calls) < L:
-        return float("nan")
-    trainer = trainer_calls[0]
-    differs = torch.zeros(B, L - 1, dtype=torch.bool)
-    for layer in range(len(trainer)):
-        tr = trainer[layer].view(B, P + L, -1)[:, P : P + L - 1]
-        sa = torch.stack([sampler_calls[1 + t][layer].view(B, -1) for t in range(L - 1)], dim=1)
-        differs |= (tr != sa).any(-1)
-    return float(differs.float().mean())
 
 
 # ---------------------------------------------------------------------------- many runs
@@ -370,7 +390,7 @@ def _worker(args):
 
 
 def run_all(s: LabSettings, workers: int = 1, progress: Optional[Callable[[int, int], None]] = None) -> list[dict]:
-    """Every configuration x seed; rows sorted by (configuration order, seed, step)."""
+    """Every arm x seed; rows sorted by (arm order, seed, step)."""
     jobs = [(c, seed) for c in s.configs for seed in s.seeds]
     total, done = len(jobs) * s.steps, 0
     rows: list[dict] = []
