@@ -261,7 +261,8 @@ def _warn(
     if config.rejection_sampling or config.truncated_importance_sampling_type == "seq-mask-tis":
         _warn_rejection(report, config, mismatch, tokens if isinstance(tokens, int) else 4096)
     if _get(cfg, "grpo.async_grpo.enabled", False) and any(
-        f.level == "sequence" and f.metric == "ratio" for f in config.rejection_sampling
+        f.level == "sequence" and f.metric == "ratio" and f.aggregation in ("mean", "sum")
+        for f in config.rejection_sampling
     ):
         report.notes.append(
             "async GRPO with a sequence ratio band: staleness shifts whole sequences by far more than "

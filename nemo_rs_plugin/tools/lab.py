@@ -43,9 +43,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from nemo_rs_plugin.tools.lab_experiment import CONFIGS, QUICK, LabSettings, run_all, run_one
+from nemo_rs_plugin.tools.lab_experiment import CONFIGS, DEFAULT_ARMS, QUICK, LabSettings, run_all, run_one
 from nemo_rs_plugin.tools.lab_model import DTYPES
 from nemo_rs_plugin.tools.lab_report import (
+    as_written,
     compare,
     default_pairs,
     format_comparisons,
@@ -89,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nemo-rs lab", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run (well under a minute): 2 arms x 2 seeds, tiny sizes")
     p.add_argument("--out", default="lab-out", help="output folder (default lab-out)")
-    p.add_argument("--configs", nargs="+", metavar="NAME", help=f"subset of: {', '.join(CONFIGS)}")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        metavar="NAME",
+        help=f"arms to run (default: {' '.join(DEFAULT_ARMS)}); known: {', '.join(CONFIGS)}",
+    )
     p.add_argument("--seeds", nargs="+", type=int, help=f"seeds (default {' '.join(map(str, d.seeds))})")
     for f in dataclasses.fields(LabSettings):
         if f.name in ("seeds", "configs"):
@@ -181,7 +187,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         file=sys.stderr,
     )
     t0 = time.perf_counter()
-    rows = run_all(s, workers=args.workers, progress=ProgressBar(eta=True))
+    # The tables are computed from the rows as the CSV holds them: rerunning the report on
+    # lab_steps.csv (tests/tools/test_lab_docs.py does, for docs/lab.md) prints the same table.
+    rows = as_written(run_all(s, workers=args.workers, progress=ProgressBar(eta=True)))
     total = time.perf_counter() - t0
     outcomes = seed_outcomes(rows, s)
     summary = summarize(outcomes, s)

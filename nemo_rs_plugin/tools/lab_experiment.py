@@ -35,6 +35,7 @@ __all__ = [
     "Arm",
     "BASE_LOSS",
     "CONFIGS",
+    "DEFAULT_ARMS",
     "QUICK",
     "STEP_METRICS",
     "LabSettings",
@@ -55,6 +56,9 @@ class Arm:
     """Filter templates whose bounds are set from this run's own first ``calibration_steps``
     steps (:func:`~nemo_rs_plugin.core.correction.calibration.calibrate_filters`, the function
     behind ``nemo-rs calibrate``); they run before the ``loss``'s own filters."""
+    widen_only: bool = True
+    """Calibrated arms: the band only widens the template's (``nemo-rs calibrate``'s default);
+    ``False`` takes the quantile band however narrow (``--allow-tighter``)."""
     role: str = ""
     """``reference`` or ``control`` (a known failure kept as a check on the lab), else empty."""
 
@@ -74,7 +78,15 @@ CONFIGS: dict[str, Arm] = {
         {**presets.is_level("sequence_mean"), "rejection_sampling": [presets.OUTLIER_VETO]},
         calibrated=(presets.GEO_RS,),
     ),
+    # Not in the default run: the quantile band without the template as its floor (docs/lab.md, lag 0).
+    "seqmean+quantile-geo-rs+veto": Arm(
+        {**presets.is_level("sequence_mean"), "rejection_sampling": [presets.OUTLIER_VETO]},
+        calibrated=(presets.GEO_RS,),
+        widen_only=False,
+    ),
 }
+#: The arms of the default run (docs/lab.md).
+DEFAULT_ARMS = [name for name in CONFIGS if name != "seqmean+quantile-geo-rs+veto"]
 
 # GRPO as NeMo-RL's grpo_math_1B: PPO clip 0.2 both sides, token-level loss, no KL penalty.
 BASE_LOSS = {
@@ -122,7 +134,7 @@ class LabSettings:
     calibration_target: float = 0.05
     """Calibrated arms: the share of sequences the band rejects on the calibration data."""
     seeds: list = field(default_factory=lambda: list(range(12)))
-    configs: list = field(default_factory=lambda: list(CONFIGS))
+    configs: list = field(default_factory=lambda: list(DEFAULT_ARMS))
 
 
 QUICK = dict(
@@ -259,6 +271,7 @@ class _Run:
             gen,
             torch.ones_like(prev),
             self.s.calibration_target,
+            widen_only=self.arm.widen_only,
         )
         filters = [st.filter.model_dump(exclude_none=True) for st in stages]
         self.band = (stages[0].filter.lower or math.nan, stages[0].filter.upper or math.nan)

@@ -21,6 +21,7 @@ from nemo_rs_plugin.tools.lab_experiment import CONFIGS, STEP_METRICS, LabSettin
 from nemo_rs_plugin.tools.lab_stats import SIGNIFICANCE, fisher_exact, permutation_p
 
 __all__ = [
+    "as_written",
     "compare",
     "format_comparisons",
     "format_table",
@@ -32,6 +33,7 @@ __all__ = [
     "write_summary_csv",
 ]
 
+STEP_DIGITS = 6  # significant digits of the per-step CSV
 _TAIL = 5  # the last rollout steps the final training reward averages; the collapse window
 # Per-seed yes/no outcomes compared by Fisher's test. The run-time rejection warning ("warned")
 # is reported per arm, not compared: only filtered arms can warn.
@@ -237,10 +239,19 @@ def format_comparisons(comparisons: list[dict]) -> str:
     return report.markdown_table(header, rows)
 
 
+def as_written(rows: list[dict]) -> list[dict]:
+    """``rows`` with every float as :func:`write_csv` writes it.
+
+    The tables computed from the rows in memory and from the CSV are then the same, to the
+    last digit.
+    """
+    return [{k: float(f"{v:.{STEP_DIGITS}g}") if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+
+
 def write_csv(rows: list[dict], path: str) -> None:
-    """One row per arm, seed and step (floats to 6 significant digits)."""
+    """One row per arm, seed and step (floats to ``STEP_DIGITS`` significant digits)."""
     fields = ["config", "seed", "step", *STEP_METRICS]
-    report.write_csv([{k: r[k] for k in fields} for r in rows], path, fields, float_digits=6)
+    report.write_csv([{k: r[k] for k in fields} for r in rows], path, fields, float_digits=STEP_DIGITS)
 
 
 def write_summary_csv(records: list[dict], path: str) -> None:

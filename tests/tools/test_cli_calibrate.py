@@ -50,10 +50,10 @@ def test_calibrate_proposes_a_band_rejecting_the_target(dump, tmp_path, capsys):
 
 
 def test_calibrate_reads_a_recipes_stages(dump, capsys):
-    recipe = "recipes/grpo-qwen3-30ba3b-4n8g-megatron-async-geors-tokenmis.yaml"
+    recipe = "recipes/grpo-qwen3-30ba3b-4n8g-megatron-tp4ep8-32k-rs.yaml"
     assert main(["calibrate", "--from", str(dump), "--recipe", recipe]) == 0
     out = capsys.readouterr().out
-    assert "stage 0 (sequence_ratio_mean" in out and "stage 1 (token_ratio" in out
+    assert "stage 0 (sequence_ratio_mean" in out and "stage 1 (sequence_ratio_any" in out
 
 
 @pytest.mark.parametrize(
@@ -119,3 +119,14 @@ def test_check_estimates_at_the_recipes_own_length(tmp_path):
     report = check_recipe(_recipe(tmp_path, (0.5, 2.0), 30720, agg="sum"))
     (warning,) = [w for w in report.warnings if "would reject" in w]
     assert "up to 30720 tokens" in warning  # not capped at 4096
+
+
+def test_check_notes_an_async_sequence_band_but_not_a_veto(tmp_path):
+    path = _recipe(tmp_path, (0.99, 1.01), 1000)
+    cfg = yaml.safe_load(open(path))
+    cfg["grpo"] = {"async_grpo": {"enabled": True}}
+    open(path, "w").write(yaml.safe_dump(cfg))
+    assert [n for n in check_recipe(path).notes if "nemo-rs calibrate" in n]
+    cfg["loss_fn"]["rejection_sampling"][0]["agg"] = "any"
+    open(path, "w").write(yaml.safe_dump(cfg))
+    assert not [n for n in check_recipe(path).notes if "nemo-rs calibrate" in n]
