@@ -1,4 +1,4 @@
-"""SPEC section 1: the IS correction level, decoupled from GSPO's policy ratio.
+"""The IS correction level (docs/guide.md#is-correction-level), decoupled from GSPO's policy ratio.
 
 Batch (aligned positions; d = prev - gen):
   row 0: d = [0.1, -0.2, 0.3], all valid      sum 0.2, mean 0.2/3

@@ -1,4 +1,4 @@
-"""The peer modes issue 9 made expressible: each as plugin configuration, checked two ways.
+"""The peers' modes (docs/guide.md#mapping-from-other-frameworks), each as plugin configuration, checked two ways.
 
 1. Hand-computed cases, written from each peer's formula as its released code states it
    (the arithmetic is in the comments).

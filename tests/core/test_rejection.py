@@ -1,4 +1,4 @@
-"""SPEC section 2: rejection sampling, stage order, denominators, and every peer mode.
+"""Rejection sampling (docs/guide.md#rejection-sampling): stage order, denominators, and every peer mode.
 
 Most tests call the pure correction function and compare the effective per-token weight
 (IS weight x rejection mask) with values computed by hand from the formula.

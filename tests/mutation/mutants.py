@@ -390,7 +390,7 @@ MUTANTS: list[Mutant] = [
         'return "token"',
         "unset is_correction_level ignores the GSPO flag (NeMo-RL's sequence weight)",
     ),
-    # ---- issue 9: peer statistics, log-ratio choice, advantage condition, batch normalisation
+    # ---- the peer modes: peer statistics, log-ratio choice, advantage condition, batch normalisation
     Mutant(
         CF,
         "return torch.exp(d.abs())",

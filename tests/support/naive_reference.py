@@ -1,7 +1,7 @@
 """Naive reference of the ``rs_clipped_pg`` correction layer: plain Python, one sequence and
 one token at a time, float64 (Python floats).
 
-Written from the formulas of docs/guide.md and the project SPEC (and, for the objective,
+Written from the formulas of docs/guide.md and the config docstrings (and, for the objective,
 NeMo-RL's ``ClippedPGLossFn``), as VERL checks its rollout correction: no tensor code and
 nothing from ``nemo_rs_plugin``, so a vectorisation, masking or reduction slip in the package
 cannot be repeated here. The gradient with respect to the current log-probs is derived by
