@@ -25,9 +25,9 @@ from typing import Any, Mapping, Optional
 import yaml
 
 import _nemo_rs_plugin_hook as hook
-from nemo_rs_plugin.core.config import ConfigError, own_loss_problems
+from nemo_rs_plugin.core.config import ConfigError, as_plain_dict, own_loss_problems
 from nemo_rs_plugin.nemo_rl import workers
-from nemo_rs_plugin.nemo_rl.host import SUPPORTED_NEMO_RL, host_accepts_fused_flag, host_version
+from nemo_rs_plugin.nemo_rl.host import SUPPORTED_NEMO_RL, host_accepts_fused_flag, host_version, missing_field_problems
 from nemo_rs_plugin.nemo_rl.recipe_defaults import parent_paths
 from nemo_rs_plugin.nemo_rl.registry import get_loss_class
 
@@ -74,11 +74,19 @@ def _keys_of(cfg: Any) -> list[str]:
 
 
 def check_host_loss_config(cfg: Any, name: Optional[str] = None) -> None:
-    """Refuse plugin fields (or near-misspellings) under NeMo-RL's own loss.
+    """Refuse what NeMo-RL's own loss would ignore.
 
-    The rule is :func:`~nemo_rs_plugin.core.config.own_loss_problems`, shared with ``nemo-rs check``.
+    Plugin fields (or near-misspellings), and NeMo-RL fields this NeMo-RL does not have
+    (``use_cispo: true`` on v0.6.0 trains plain PPO). The rules are
+    :func:`~nemo_rs_plugin.core.config.own_loss_problems` and
+    :func:`~nemo_rs_plugin.nemo_rl.host.missing_field_problems`, shared with ``nemo-rs check``.
     """
     problems = own_loss_problems(_keys_of(cfg), name)
+    try:
+        raw = dict(as_plain_dict(cfg))
+    except (TypeError, ValueError):  # not a mapping: own_loss_problems has said what it could
+        raw = {}
+    problems += missing_field_problems(raw)
     if problems:
         raise ConfigError(problems)
 

@@ -6,8 +6,9 @@ these rules where NeMo-RL is absent and ask the host only when one is found.
 * :func:`host_api`: ``"pydantic"`` (v0.7.0, main) or ``"typeddict"`` (v0.6.0) config API;
   :class:`UnsupportedHostError` for any other NeMo-RL.
 * :func:`v06_semantics`: a v0.6.0 loss section read the way v0.6.0 reads it.
-* :func:`host_only_fields` and :func:`host_config`: the host's own fields (passed through at their
-  default, refused when set) and the config handed to NeMo-RL's ``__init__``.
+* :func:`host_field_problems` and :func:`host_config`: the host's own fields (passed through at their
+  default, refused when set), NeMo-RL's fields this host lacks (refused when set), and the config
+  handed to NeMo-RL's ``__init__``.
 * :func:`fused_sharded_problem` and :func:`training_time_filtering_problem`: the two
   combinations the sharded input path cannot honour, with one wording for the run and ``check``.
 """
@@ -18,7 +19,7 @@ import inspect
 import numbers
 from typing import Any, Mapping, Optional
 
-from nemo_rs_plugin.core.config import UPSTREAM_FIELDS, ConfigError, RSClippedPGLossConfig
+from nemo_rs_plugin.core.config import UPSTREAM_FIELDS, RSClippedPGLossConfig
 
 __all__ = [
     "SUPPORTED_NEMO_RL",
@@ -27,7 +28,8 @@ __all__ = [
     "host_version",
     "host_accepts_fused_flag",
     "host_config_fields",
-    "host_only_fields",
+    "host_field_problems",
+    "missing_host_fields",
     "host_config",
     "v06_semantics",
     "fused_sharded_problem",
@@ -126,15 +128,39 @@ def v06_semantics(cfg: Any) -> Any:
     return cfg
 
 
-def host_only_fields(raw: dict) -> dict[str, Any]:
-    """Remove and return the fields the host has and the plugin does not implement.
+def missing_host_fields(raw: Mapping) -> list[str]:
+    """NeMo-RL loss fields set away from their default that the running NeMo-RL does not have.
 
-    Left at the host's default they pass through to NeMo-RL's own ``__init__``; set to
-    anything else they are refused, naming the field and the NeMo-RL version, since the
-    plugin's loss would silently ignore them.
+    Read from the host's own ``ClippedPGLossConfig`` (pydantic fields, or a TypedDict's
+    annotations), never listed here: ``use_cispo`` and ``positive_example_nll_weight`` on
+    v0.6.0. A config class that declares no field tells nothing: then none is missing.
     """
     host_fields = host_config_fields()
-    own = set(RSClippedPGLossConfig.model_fields)
+    if not host_fields:
+        return []
+    own = RSClippedPGLossConfig.model_fields
+    return [k for k in UPSTREAM_FIELDS if k in raw and k not in host_fields and raw[k] != own[k].default]
+
+
+def host_field_problems(raw: dict, own_loss: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """The loss section against the running NeMo-RL's own fields: one rule for the run and ``check``.
+
+    * A field the host has and the plugin does not implement is removed from ``raw`` and
+      returned (at the host's default it passes through to NeMo-RL's own ``__init__``); set,
+      it is refused: the plugin's loss would silently ignore it.
+    * With ``own_loss`` (the section builds NeMo-RL's own ``ClippedPGLossFn``), a NeMo-RL field
+      this host does not have (:func:`missing_host_fields`) set is refused: NeMo-RL's loss there
+      ignores it and would train something else than the recipe says (``use_cispo: true`` on
+      v0.6.0 trains plain PPO). The plugin's loss computes those fields itself on every host
+      (on v0.6.0, the loss of v0.7.0: README.md), so for it they are no problem.
+
+    Each problem names the field, the value and the NeMo-RL version (without ``loss_fn.``).
+
+    Returns:
+        ``(passthrough, problems)``: the host-only fields to hand to NeMo-RL, one line per problem.
+    """
+    host_fields = host_config_fields()
+    own = RSClippedPGLossConfig.model_fields
     passthrough, problems = {}, []
     for key in [k for k in raw if k in host_fields and k not in own]:
         value = raw.pop(key)
@@ -147,9 +173,31 @@ def host_only_fields(raw: dict) -> dict[str, Any]:
                 f"does not implement it: leave it at NeMo-RL's default ({default!r}) or use "
                 "NeMo-RL's own loss (no loss_fn.name)"
             )
-    if problems:
-        raise ConfigError(problems)
-    return passthrough
+    if own_loss:
+        problems += missing_field_problems(raw)
+    return passthrough, problems
+
+
+def missing_field_problems(raw: Mapping) -> list[str]:
+    """One line per NeMo-RL field set in ``raw`` that this NeMo-RL's own loss does not have.
+
+    The run refuses them when the section builds NeMo-RL's own loss (``nemo_rl/activation.py``),
+    ``nemo-rs check`` through :func:`host_field_problems`.
+    """
+    own = RSClippedPGLossConfig.model_fields
+    return [
+        f"{key}: got {_shown(raw[key])}; NeMo-RL {host_version()} has no {key} (its ClippedPGLossConfig "
+        f"does not declare it), so its own loss would ignore it and train without it; allowed on this "
+        f"NeMo-RL: {_shown(own[key].default)} (the default), or name: rs_clipped_pg (the plugin computes "
+        "it), or a NeMo-RL that has it"
+        for key in missing_host_fields(raw)
+    ]
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else repr(value)
 
 
 def host_config(config: RSClippedPGLossConfig, api: str, host_only: Optional[dict] = None) -> Any:

@@ -36,7 +36,7 @@ from nemo_rs_plugin.nemo_rl.host import (
     host_accepts_fused_flag,
     host_api,
     host_config,
-    host_only_fields,
+    host_field_problems,
     training_time_filtering_problem,
     v06_semantics,
 )
@@ -66,8 +66,16 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         if api == "typeddict":
             cfg = v06_semantics(cfg)
         raw = as_plain_dict(cfg)
-        host_only = host_only_fields(raw)
-        config = RSClippedPGLossConfig.from_any(raw)
+        # Every problem at once: the host's fields (nemo_rs_plugin.nemo_rl.host, the rule
+        # `nemo-rs check` reads too) and the plugin's validation.
+        host_only, problems = host_field_problems(raw)
+        problems = [f"loss_fn.{p}" for p in problems]
+        try:
+            config = RSClippedPGLossConfig.from_any(raw)
+        except ConfigError as exc:
+            raise ConfigError(problems + exc.problems, prefix="") from None
+        if problems:
+            raise ConfigError(problems, prefix="")
         host_cfg = host_config(config, api, host_only)
         if host_accepts_fused_flag():
             super().__init__(host_cfg, use_fused_linear_logprobs=use_fused_linear_logprobs)
@@ -103,6 +111,11 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         (NeMo-RL's Megatron worker initialises it) and returns this rank's loss share; see
         :mod:`nemo_rs_plugin.parallel.sharded` for why NeMo-RL's ``/ cp`` post-processing then gives the
         gathered path's gradients.
+
+        Raises ``ValueError`` for a ``token_mask`` other than 0/1 and for a global count below the
+        microbatch's own other than the split API's placeholder 1 (decided on the one host transfer
+        of the metrics: no extra sync); a count at least the microbatch's own but below the true
+        global batch's cannot be detected here (docs/troubleshooting.md#input-errors).
         """
         if data is None:
             raise TypeError("rs_clipped_pg: the data dict is required")

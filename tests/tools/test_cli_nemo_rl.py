@@ -108,6 +108,9 @@ def test_check_validates_fully_in_nemo_rl_s_environment(host, tmp_path):
     base = root / "examples" / "configs" / "grpo_math_1B.yaml"
     shorthand = tmp_path / "shorthand.yaml"
     shorthand.write_text(yaml.safe_dump({"defaults": str(base), "loss_fn": "rs_clipped_pg"}))
+    # The plugin's loss on NeMo-RL's base as it is: v0.6.0's grpo_math_1B.yaml sets `tis` with a null ratio.
+    inherits = tmp_path / "inherits.yaml"
+    inherits.write_text(yaml.safe_dump({"defaults": str(base), "loss_fn": {"name": "rs_clipped_pg"}}))
     nemo_rl = ["--nemo-rl", str(root)]
     shipped = [str(p) for p in list_recipes()]
     data, results = run_checks(
@@ -117,6 +120,7 @@ def test_check_validates_fully_in_nemo_rl_s_environment(host, tmp_path):
         [
             *[["check", p, *nemo_rl] for p in shipped],
             ["check", str(base), *nemo_rl],
+            ["check", str(inherits), *nemo_rl],
             ["check", shipped[0], *nemo_rl, "loss_fn.rejection_sampling.7.upper=1"],
             ["check", str(shorthand), *nemo_rl],
             ["check", str(base), *nemo_rl, "grpo.num_prompts_per_step=many"],
@@ -127,14 +131,15 @@ def test_check_validates_fully_in_nemo_rl_s_environment(host, tmp_path):
         skip_or_fail(
             f"NeMo-RL at {host or 'this environment'} does not import with this Python: {results[0]['err'][-300:]}"
         )
-    *recipes, own_base, bad_override, bad_shorthand, bad_master = results
+    *recipes, own_base, inherited, bad_override, bad_shorthand, bad_master = results
     # Every shipped recipe and NeMo-RL's own base config are fully valid at every version,
     # v0.6.0 included (its grpo_math_1B.yaml sets `tis` with a null ratio).
     for path, r in zip(shipped, recipes):
         assert r["code"] == 0 and not not_checked(r) and not errors(r), (path, r)
     assert own_base["code"] == 0, own_base
+    assert inherited["code"] == 0 and not errors(inherited), inherited
     if api == "typeddict":
-        assert any("NeMo-RL v0.6.0 semantics" in r["out"] for r in recipes)
+        assert "NeMo-RL v0.6.0 semantics" in inherited["out"], inherited
     assert bad_override["code"] == 2 and len(errors(bad_override)) == 1
     assert "override 'loss_fn.rejection_sampling.7.upper=1'" in errors(bad_override)[0]
     assert bad_shorthand["code"] == 2 and len(errors(bad_shorthand)) == 1
