@@ -92,6 +92,17 @@ def _host_loss_section(loss: dict, report: CheckReport) -> dict:
             f"({one_line(exc)}); " + HOW_TO_CHECK
         )
         return loss
+    # The run's own rule: fields this NeMo-RL does not have, or has and the plugin does not implement.
+    loss = dict(loss)
+    own_loss = loss.get("name") in (None, "clipped_pg")
+    _, problems = host.host_field_problems(loss, own_loss=own_loss)
+    report.errors.extend(f"loss_fn.{p}" for p in problems)
+    if not own_loss:
+        for key in host.missing_host_fields(loss):
+            report.notes.append(
+                f"loss_fn.{key}: NeMo-RL {host.host_version()} has no such option; rs_clipped_pg computes it "
+                "itself (NeMo-RL's own loss there would ignore it)"
+            )
     if api != "typeddict":
         return loss
     read = host.v06_semantics(loss)
@@ -194,6 +205,8 @@ def _check(
         config = RSClippedPGLossConfig.from_any({k: v for k, v in loss.items() if not (own and k in PLUGIN_FIELDS)})
     except ConfigError as exc:
         report.errors.extend(exc.problems)
+        if report.nemo_rl:  # every problem at once: the rest of the recipe too (loss_fn is reported above)
+            report.errors.extend(p for p in _master_config_problems(cfg, report) if not p.startswith("loss_fn"))
         return
     report.errors.extend(_parallelism_problems(cfg, config, report))
     if report.nemo_rl:

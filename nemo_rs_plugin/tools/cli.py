@@ -140,7 +140,19 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"error: {line}", file=sys.stderr)
     if problems:
         return EXIT_INVALID
-    report = check_recipe(args.recipe, args.overrides, args.nemo_rl, args.mismatch, args.response_tokens)
+    import warnings
+
+    from nemo_rs_plugin.core.config import ConfigWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigWarning)
+        report = check_recipe(args.recipe, args.overrides, args.nemo_rl, args.mismatch, args.response_tokens)
+    # The config's own warnings (settings that do nothing), once each, before check's.
+    said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    report.warnings[:0] = [line for i, line in enumerate(said) if line not in said[:i]]
+    for w in caught:  # anything else is shown as Python would have
+        if not issubclass(w.category, ConfigWarning):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     for line in report.errors:
         print(f"error: {line}", file=sys.stderr)
     for line in report.unchecked:
@@ -165,7 +177,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_recipes(args: argparse.Namespace) -> int:
-    from nemo_rs_plugin.tools.recipes import export_problems, export_recipes, list_recipes
+    from nemo_rs_plugin.tools.recipes import export_problems, export_recipes, list_recipes, recipe_description
 
     if args.nemo_rl and not args.out:
         print(
@@ -188,8 +200,9 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
         for path in paths:
             print(path)
         return 0
-    for path in list_recipes():
-        print(path)
+    for path in list_recipes():  # the path, then the recipe's own first line (a shell comment)
+        description = recipe_description(path)
+        print(f"{path}  # {description}" if description else path)
     return 0
 
 

@@ -241,3 +241,174 @@ def test_check_a_grpo_or_plugin_recipe_is_unaffected(tmp_path, capsys):
     recipe.write_text(yaml.safe_dump({"grpo": {"num_prompts_per_step": 8}, "sft": {"x": 1}}))
     code, _, err = run(capsys, "check", str(recipe))
     assert code == EXIT_INVALID and "loss_fn: missing" in err and "not a GRPO recipe" not in err
+
+
+# --------------------------------------------------------------------------- 8. check: all at once, warnings
+FIVE_MISTAKES = {
+    **LOSS,
+    "ratio_clip_c": 0.5,
+    "reference_policy_kl_type": "k9",
+    "ratio_clip_max": "0.28",
+    "is_corection_level": "token",
+    "rejection_sampling": [{"level": "sequence", "agg": "median", "lower": 2.0, "upper": 1.0}],
+}
+
+
+def test_check_reports_every_mistake_of_a_recipe_at_once(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"grpo": {"num_prompts_per_step": 8}, "loss_fn": FIVE_MISTAKES}))
+    code, out, err = run(capsys, "check", str(recipe))
+    assert code == EXIT_INVALID
+    lines = error_lines(err)
+    for start in (
+        "error: loss_fn.is_corection_level: unknown field",
+        "error: loss_fn.reference_policy_kl_type: got 'k9'",
+        "error: loss_fn.ratio_clip_max: got '0.28' (a string)",
+        "error: loss_fn.ratio_clip_c: got 0.5",
+        "error: loss_fn.rejection_sampling.0.agg: got 'median'",
+        "error: loss_fn.rejection_sampling.0: lower > upper",
+    ):
+        assert sum(line.startswith(start) for line in lines) == 1, (start, lines)
+    assert len(lines) == 6, lines
+
+
+def test_check_prints_the_config_s_warnings_once_each(tmp_path, capsys):
+    loss = {
+        "name": "rs_clipped_pg",
+        "is_correction_level": "sequence_mean",
+        "rejection_sampling": [{"level": "token", "metric": "total_variation", "upper": 5}],
+    }
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"grpo": {"num_prompts_per_step": 8}, "loss_fn": loss}))
+    code, out, err = run(capsys, "check", str(recipe))
+    assert code == 3 and not error_lines(err), err
+    warned = [line for line in out.splitlines() if line.startswith("warning: loss_fn.")]
+    assert len(warned) == 2, out
+    assert warned[0].startswith("warning: loss_fn.is_correction_level: got 'sequence_mean'")
+    assert warned[1].startswith("warning: loss_fn.rejection_sampling.0.upper: got 5.0 with metric 'total_variation'")
+
+
+# --------------------------------------------------------------------------- 9. simulate --from bad data
+def _pt(path, **tensors):
+    import torch
+
+    torch.save(tensors, path)
+    return path
+
+
+def _bad_batches(tmp_path):
+    import pickle
+
+    import numpy as np
+    import torch
+
+    nan = float("nan")
+    ok = -torch.rand(2, 4) - 0.1
+    text = tmp_path / "text.pt"
+    text.write_text("prev_logprobs: -1.0\n")
+    rand = tmp_path / "random.pt"
+    rand.write_bytes(bytes(range(256)) * 8)
+    numpy_pickle = tmp_path / "numpy.pt"
+    numpy_pickle.write_bytes(pickle.dumps({"prev_logprobs": np.zeros((2, 4)), "generation_logprobs": np.zeros((2, 4))}))
+    npy = tmp_path / "array.pt"
+    with open(npy, "wb") as fh:
+        np.save(fh, np.zeros((2, 4)))
+    return {
+        "jsonl all null": (
+            _jsonl(tmp_path / "null.jsonl", {"prev_logprobs": [None, None], "generation_logprobs": [-1.0, -1.0]}),
+            "field 'prev_logprobs' has no finite value on any valid token",
+        ),
+        "pt all nan": (
+            _pt(tmp_path / "nan.pt", prev_logprobs=ok, generation_logprobs=torch.full((2, 4), nan)),
+            "field 'generation_logprobs' has no finite value on any valid token",
+        ),
+        "jsonl positive": (
+            _jsonl(tmp_path / "pos.jsonl", {"prev_logprobs": [-0.5, 0.7], "generation_logprobs": [-0.5, -0.6]}),
+            "field 'prev_logprobs' value 1 is 0.7; log-probs are <= 0",
+        ),
+        "pt positive": (
+            _pt(tmp_path / "pos.pt", prev_logprobs=-ok, generation_logprobs=ok),
+            "field 'prev_logprobs' is positive there",
+        ),
+        "pt nan advantage": (
+            _pt(tmp_path / "adv.pt", prev_logprobs=ok, generation_logprobs=ok, advantages=torch.tensor([nan, 1.0])),
+            "field 'advantages' is nan at sequence 0; expected a finite number",
+        ),
+        "jsonl nan advantage": (
+            _jsonl_text(
+                tmp_path / "adv.jsonl", '{"prev_logprobs": [-1], "generation_logprobs": [-1], "advantage": NaN}'
+            ),
+            "field 'advantage' is NaN; expected a finite number",
+        ),
+        "pt int log-probs": (
+            _pt(tmp_path / "int.pt", prev_logprobs=-torch.ones(2, 4, dtype=torch.long), generation_logprobs=ok),
+            "field 'prev_logprobs' must hold floating-point log-probs, got dtype torch.int64",
+        ),
+        "numpy pickle": (numpy_pickle, "NumPy"),
+        "numpy npy": (npy, "a NumPy .npy file, not a torch file"),
+        "random bytes": (rand, "not a torch file"),
+        "text": (text, "a text file, not a torch file"),
+    }
+
+
+def _jsonl(path, *records):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _jsonl_text(path, line):
+    path.write_text(line + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "jsonl all null",
+        "pt all nan",
+        "jsonl positive",
+        "pt positive",
+        "pt nan advantage",
+        "jsonl nan advantage",
+        "pt int log-probs",
+        "numpy pickle",
+        "numpy npy",
+        "random bytes",
+        "text",
+    ],
+)
+def test_simulate_from_bad_data_is_one_clear_line(tmp_path, capsys, case):
+    path, needle = _bad_batches(tmp_path)[case]
+    code, out, err = run(capsys, "simulate", "--from", str(path), "--configs", "token")
+    assert code == EXIT_INVALID and out == "", out
+    [line] = error_lines(err)
+    assert line.startswith(f"error: {path}") and needle in line, line
+    assert "\x1b" not in err and len(err.splitlines()) == 1, err
+
+
+def test_simulate_token_row_with_a_null_log_prob_is_consistent(tmp_path, capsys):
+    path = _jsonl(tmp_path / "one-null.jsonl", {"prev_logprobs": [None, -1.0], "generation_logprobs": [-1.0, -1.0]})
+    code, out, err = run(
+        capsys, "simulate", "--from", str(path), "--configs", "token", "--json", str(tmp_path / "t.json")
+    )
+    assert code == 0, err
+    import json
+
+    [row] = json.loads((tmp_path / "t.json").read_text())["rows"]
+    # The null token leaves the loss: the weights the loss applies are those of the other token.
+    assert row["is_weight_min"] <= row["is_weight_mean"], row
+    assert row["is_weight_mean"] == pytest.approx(1.0) and row["is_weight_min"] == pytest.approx(1.0)
+
+
+# --------------------------------------------------------------------------- 10. recipes: descriptions
+def test_recipes_listing_describes_each_recipe_from_its_own_first_line(capsys):
+    code, out, err = run(capsys, "recipes")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == len(list_recipes()), out
+    for line, path in zip(lines, list_recipes()):
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# "), (path, first)
+        assert line.startswith(str(path)) and line.endswith(first[2:].strip()), line

@@ -1,0 +1,207 @@
+"""A setting that silently does nothing (or the wrong thing) is an error
+naming the field, the value and what is allowed, or a warning where it is harmless; strings are
+never coerced; every problem of a section is reported at once, in one ``ConfigError``."""
+
+import warnings
+
+import pytest
+
+from nemo_rs_plugin import ConfigError, CorrectedPGLoss, RSClippedPGLossConfig
+from nemo_rs_plugin.core.config import ConfigWarning
+
+IS_ON = {"use_importance_sampling_correction": True}
+
+
+def problems_of(cfg) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        RSClippedPGLossConfig.from_any(cfg)
+    return info.value.problems
+
+
+def warnings_of(cfg) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        RSClippedPGLossConfig.from_any(cfg)
+    return [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+
+
+# --------------------------------------------------------------------------- item 5: errors
+@pytest.mark.parametrize(
+    "cfg, line",
+    [
+        ({"ratio_clip_min": -0.1}, "loss_fn.ratio_clip_min: got -0.1; allowed: a number >= 0"),
+        ({"ratio_clip_max": -0.1}, "loss_fn.ratio_clip_max: got -0.1; allowed: a number >= 0"),
+        (
+            {"reference_policy_kl_penalty": -0.01},
+            "loss_fn.reference_policy_kl_penalty: got -0.01; allowed: a finite number >= 0",
+        ),
+        (
+            {"positive_example_nll_weight": -1},
+            "loss_fn.positive_example_nll_weight: got -1.0; allowed: a finite number >= 0",
+        ),
+        ({"kl_input_clamp_value": -5}, "loss_fn.kl_input_clamp_value: got -5.0; allowed: a number > 0, or null"),
+        ({"kl_output_clamp_value": 0}, "loss_fn.kl_output_clamp_value: got 0.0; allowed: a number > 0, or null"),
+    ],
+)
+def test_out_of_range_numbers_are_errors(cfg, line):
+    problems = problems_of(cfg)
+    assert any(p.startswith(line) for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "cfg, start, needles",
+    [
+        ({"negative_advantages_only": "no"}, "loss_fn.rejection_sampling.0.negative_advantages_only: got 'no'", []),
+        ({"lower": "0.99"}, "loss_fn.rejection_sampling.0.lower: got '0.99'", ["a number"]),
+    ],
+)
+def test_strings_in_a_filter_are_not_coerced(cfg, start, needles):
+    flt = {"level": "sequence", "upper": 1.01, **cfg}
+    problems = problems_of({"rejection_sampling": [flt]})
+    [line] = [p for p in problems if p.startswith(start)]
+    assert "string" in line and all(n in line for n in needles), line
+
+
+@pytest.mark.parametrize(
+    "cfg, start, allowed",
+    [
+        ({"ratio_clip_max": "0.28"}, "loss_fn.ratio_clip_max: got '0.28'", "a number"),
+        (
+            {"use_importance_sampling_correction": "true"},
+            "loss_fn.use_importance_sampling_correction: got 'true'",
+            "true or false",
+        ),
+        ({"token_level_loss": "no"}, "loss_fn.token_level_loss: got 'no'", "true or false"),
+        ({"ratio_clip_c": "3"}, "loss_fn.ratio_clip_c: got '3'", "a number"),
+        ({"ratio_clip_max": True}, "loss_fn.ratio_clip_max: got true", "a number"),
+    ],
+)
+def test_strings_and_booleans_are_not_coerced(cfg, start, allowed):
+    [line] = problems_of(cfg)
+    assert line.startswith(start) and allowed in line, line
+
+
+def test_a_yaml_float_without_a_dot_gets_a_hint():
+    # PyYAML reads 1e-4 as a string: the error says how to write it.
+    [line] = problems_of({"ratio_clip_min": "1e-4"})
+    assert line.startswith("loss_fn.ratio_clip_min: got '1e-4'") and "1.0e-4" in line, line
+
+
+def test_curr_prev_filter_with_a_forced_on_policy_ratio_is_an_error():
+    flt = {"level": "sequence", "upper": 1.01, "log_ratio": "curr-prev"}
+    problems = problems_of({"force_on_policy_ratio": True, "rejection_sampling": [flt]})
+    [line] = [p for p in problems if "curr-prev" in p]
+    assert line.startswith("loss_fn.rejection_sampling.0.log_ratio: got 'curr-prev' with force_on_policy_ratio: true")
+    assert "prev-gen" in line, line
+
+
+# --------------------------------------------------------------------------- item 5: warnings
+@pytest.mark.parametrize(
+    "flt, start",
+    [
+        ({"level": "token", "metric": "total_variation", "upper": -0.1}, "upper: got -0.1"),
+        ({"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "upper": 0.9}, "upper: got 0.9"),
+        ({"level": "token", "metric": "total_variation", "lower": 1.5}, "lower: got 1.5"),
+    ],
+)
+def test_a_bound_that_rejects_everything_warns(flt, start):
+    # Legal (the loss is 0, its metrics finite: tests/core/test_properties.py draws such bounds),
+    # but the run would train on nothing.
+    [w] = warnings_of({"rejection_sampling": [flt]})
+    assert w.startswith(f"loss_fn.rejection_sampling.0: {start}") and "rejects every unit" in w, w
+
+
+def test_ratio_clip_min_above_one_warns():
+    [w] = warnings_of({"ratio_clip_min": 1.5})
+    assert w.startswith("loss_fn.ratio_clip_min: got 1.5;") and "no lower clipping" in w, w
+
+
+def test_is_correction_level_without_correction_warns():
+    [w] = warnings_of({"is_correction_level": "sequence_mean"})
+    assert w.startswith(
+        "loss_fn.is_correction_level: got 'sequence_mean' with use_importance_sampling_correction: false"
+    )
+    assert not warnings_of({**IS_ON, "is_correction_level": "sequence_mean"})
+
+
+def test_total_variation_upper_above_its_maximum_warns():
+    [w] = warnings_of({"rejection_sampling": [{"level": "token", "metric": "total_variation", "upper": 5}]})
+    assert (
+        w.startswith("loss_fn.rejection_sampling.0.upper: got 5.0 with metric 'total_variation'") and "at most 1" in w
+    )
+    # summed over a sequence the statistic has no upper limit: nothing to say
+    assert not warnings_of(
+        {"rejection_sampling": [{"level": "sequence", "metric": "total_variation", "agg": "sum", "upper": 5}]}
+    )
+
+
+def test_kept_denominator_without_rejection_warns():
+    [w] = warnings_of({"rejection_denominator": "kept"})
+    assert w.startswith("loss_fn.rejection_denominator: got 'kept'") and "rejection_sampling" in w
+    assert not warnings_of({"rejection_denominator": "kept", "rejection_sampling": [{"level": "token", "upper": 2}]})
+    seq_mask = {
+        **IS_ON,
+        "truncated_importance_sampling_type": "seq-mask-tis",
+        "truncated_importance_sampling_ratio": 1.01,
+        "truncated_importance_sampling_ratio_min": 0.99,
+    }
+    assert not warnings_of({**seq_mask, "rejection_denominator": "kept"})
+
+
+def test_the_loss_warns_at_construction():
+    with pytest.warns(ConfigWarning, match="is_correction_level"):
+        CorrectedPGLoss({"is_correction_level": "token"})
+
+
+def test_valid_configurations_do_not_warn():
+    for cfg in (
+        {},
+        {**IS_ON, "is_correction_level": "sequence_mean"},
+        {"rejection_sampling": [{"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.0, "upper": 1.01}]},
+        {"rejection_sampling": [{"level": "token", "metric": "total_variation", "upper": 0.3}]},
+    ):
+        assert warnings_of(cfg) == [], cfg
+
+
+# --------------------------------------------------------------------------- item 9: all at once
+def test_five_mistakes_are_five_lines_at_once():
+    problems = problems_of(
+        {
+            "ratio_clip_c": 0.5,
+            "reference_policy_kl_type": "k9",
+            "ratio_clip_max": "0.28",
+            "is_corection_level": "token",
+            "rejection_sampling": [{"level": "sequence", "agg": "median", "lower": 2.0, "upper": 1.0}],
+        }
+    )
+    for start in (
+        "loss_fn.is_corection_level: unknown field; did you mean 'is_correction_level'?",
+        "loss_fn.reference_policy_kl_type: got 'k9'",
+        "loss_fn.ratio_clip_max: got '0.28'",
+        "loss_fn.ratio_clip_c: got 0.5; allowed: a number > 1, or null",
+        "loss_fn.rejection_sampling.0.agg: got 'median'",
+    ):
+        assert sum(p.startswith(start) for p in problems) == 1, (start, problems)
+    assert any("lower > upper" in p for p in problems), problems
+
+
+def test_combination_checks_skip_fields_that_failed_on_their_own():
+    # A bad type is one line; no second line blaming the ratio for the type it could not read.
+    problems = problems_of(
+        {**IS_ON, "truncated_importance_sampling_type": "clip", "truncated_importance_sampling_ratio": 2.0}
+    )
+    assert len(problems) == 1 and problems[0].startswith("loss_fn.truncated_importance_sampling_type: got 'clip'")
+
+
+def test_a_failing_filter_does_not_hide_another_filter_s_problem():
+    problems = problems_of(
+        {
+            "force_on_policy_ratio": True,
+            "rejection_sampling": [
+                {"level": "sequence", "agg": "median", "upper": 1.1},
+                {"level": "sequence", "upper": 1.1, "log_ratio": "curr-prev"},
+            ],
+        }
+    )
+    assert any(p.startswith("loss_fn.rejection_sampling.0.agg: got 'median'") for p in problems), problems
+    assert any(p.startswith("loss_fn.rejection_sampling.1.log_ratio: got 'curr-prev'") for p in problems), problems
