@@ -298,17 +298,34 @@ def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.devic
     return count.reshape(())
 
 
-def check_global_counts(metrics: MetricSet, counts: GlobalCounts, masks: TokenMasks) -> None:
-    """Register the global-count checks of ``CorrectedPGLoss.compute`` (decided on the host).
+#: Relative slack of "global count >= the microbatch's own" (sums of fractional sample masks round).
+_COUNT_SLACK = 1e-5
+#: The global count NeMo-RL's split API passes (raw sums, rescaled by the caller at the end).
+SPLIT_API_PLACEHOLDER = 1.0
 
-    A count is wrong when it is negative or not finite, or 0 while this microbatch has a
-    unit it counts: the loss would divide by ``0 + 1e-8``. The counts and the microbatch's
-    own (summed over the ranks that split its tokens) ride on the one host transfer.
+
+def check_global_counts(metrics: MetricSet, counts: GlobalCounts, masks: TokenMasks) -> None:
+    """Register the input checks of ``CorrectedPGLoss.compute`` decided on the host: the counts, the token mask.
+
+    A global count is wrong when it is negative or not finite, or below the microbatch's own
+    count of the units it counts (0 included while this microbatch has one), unless it is
+    exactly 1: the global count covers every microbatch and data-parallel rank, so it is never
+    smaller, and a smaller one scales the loss up without a word (3 for 32 valid tokens: a loss
+    about 10x too large). 1 is the placeholder of NeMo-RL's split API (its Megatron worker
+    passes 1 and rescales the summed fragments by the true count at the end), so it passes.
+    ``token_mask`` must hold 0 and 1 only (a 2 counts a token twice; weight samples with
+    ``sample_mask``). The counts, the microbatch's own (summed over the ranks that split its
+    tokens) and the mask's non-0/1 entries ride on the one host transfer of the metrics, so
+    there is no extra sync, whether the counts are Python numbers or device tensors, and the
+    error comes at the end of the call. What stays undetected: a global count at least the
+    microbatch's own but smaller than the true global batch's (e.g. one data-parallel rank's
+    count passed as the global one); only the caller knows the global batch (docs/troubleshooting.md).
     """
     metrics.add("_global_valid_toks", counts.tokens, "none", "replicated")
     metrics.add("_global_valid_seqs", counts.sequences, "none", "replicated")
     metrics.add("_local_valid_toks", masks.valid.sum(), "none", "sum")
     metrics.add("_local_valid_seqs", masks.sample_mask.sum(), "none", "replicated")
+    _check_token_mask(metrics, masks.token_mask, masks.valid.dtype)
     for name, local, unit in (
         ("global_valid_toks", "_local_valid_toks", "valid tokens (token_mask * sample_mask)"),
         ("global_valid_seqs", "_local_valid_seqs", "valid sequences (sample_mask)"),
@@ -316,17 +333,42 @@ def check_global_counts(metrics: MetricSet, counts: GlobalCounts, masks: TokenMa
 
         def failed(out: dict, name: str = name, local: str = local) -> bool:
             count = out[f"_{name}"]
-            return not math.isfinite(count) or count < 0 or (count == 0 and out[local] > 0)
+            own = out[local]
+            below_own = own > 0 and count < own * (1 - _COUNT_SLACK) and count != SPLIT_API_PLACEHOLDER
+            return not math.isfinite(count) or count < 0 or below_own
 
         def error(out: dict, name: str = name, local: str = local, unit: str = unit) -> ValueError:
             return ValueError(
                 f"{name}: got {out[f'_{name}']:g} while this microbatch has "
                 f"{out[local]:g} {unit}; expected the count of {unit} over the whole "
-                "global batch (all microbatches and data-parallel ranks): a finite number, "
-                "> 0 whenever a microbatch has one (0 only for a fully masked global batch)"
+                "global batch (all microbatches and data-parallel ranks): a finite number, at least "
+                "the microbatch's own (0 only for a fully masked global batch; 1 as the split API's "
+                "placeholder)"
             )
 
         metrics.check(failed, error)
+
+
+def _check_token_mask(metrics: MetricSet, token_mask: torch.Tensor, dtype: torch.dtype) -> None:
+    """``token_mask`` entries other than 0 and 1: counted on the device, refused on the host."""
+    mask = token_mask if token_mask.dtype == dtype else token_mask.to(dtype)
+    other = (mask != 0) & (mask != 1)
+    metrics.add("_token_mask_other", other.sum(), "none", "sum")
+    if mask.numel():  # the smallest and largest of those entries, for the message
+        metrics.add("_token_mask_other_min", torch.where(other, mask, math.inf).amin(), "none", "min")
+        metrics.add("_token_mask_other_max", torch.where(other, mask, -math.inf).amax(), "none", "max")
+
+    def error(out: dict) -> ValueError:
+        n = int(out["_token_mask_other"])
+        lo, hi = out["_token_mask_other_min"], out["_token_mask_other_max"]
+        values = f"{lo:g}" if lo == hi else f"from {lo:g} to {hi:g}"
+        return ValueError(
+            f"token_mask: got {n} {'entry' if n == 1 else 'entries'} other than 0 and 1 ({values}); allowed: 0 "
+            "and 1 only (1: a response token the loss trains on); another value scales that token's loss but "
+            "counts it as one token: weight whole sequences with sample_mask"
+        )
+
+    metrics.check(lambda out: out["_token_mask_other"] > 0, error)
 
 
 def global_counts(

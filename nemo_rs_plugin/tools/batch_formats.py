@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -57,13 +59,60 @@ def load_batch(path: str) -> dict[str, torch.Tensor]:
     if not p.is_file():
         raise BatchFormatError(f"{path}: no such file")
     if p.suffix in TORCH_SUFFIXES:
-        batch = _load_torch(p)
+        batch, lines = _load_torch(p), None
     else:
-        batch = _load_jsonl(p)
+        batch, lines = _load_jsonl(p)
     valid = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
     if not bool((valid != 0).any()):
         raise BatchFormatError(f"{p}: no valid token in any sequence (every one is empty or masked)")
+    _check_values(p, batch, valid != 0, lines)
     return batch
+
+
+#: Log-probs above this are not log-probs (rounding of a fused kernel stays far below it).
+POSITIVE_LOGPROB_SLACK = 1e-3
+
+
+def _check_values(p: Path, batch: dict, valid: torch.Tensor, lines: Optional[list[int]]) -> None:
+    """Values on valid tokens that would make the simulation meaningless: one line, the first found.
+
+    A log-prob field with no finite value (all null or NaN) gives NaN results; a positive
+    log-prob is no log-prob (probabilities, or a sign flipped) and gives weights like e^T; a
+    non-finite advantage is refused, as in JSONL. ``lines``: the JSONL line of each sequence
+    (None for a torch file).
+    """
+
+    def at(key: str, i: int, t: int, value: float) -> str:
+        if lines is not None:
+            return f"{p}:{lines[i]}: field {key!r} value {t} is {value:.6g}"
+        return f"{p}: field {key!r} is {value:.6g} at sequence {i}, token {t + 1}"
+
+    finite_both = torch.ones_like(valid)
+    for key in _REQUIRED:
+        values = batch[key][:, 1:]
+        finite = torch.isfinite(values) & valid
+        finite_both &= finite
+        if not bool(finite.any()):
+            raise BatchFormatError(
+                f"{p}: field {key!r} has no finite value on any valid token (every one is null, NaN or "
+                "infinite); nothing to simulate"
+            )
+        positive = finite & (values > POSITIVE_LOGPROB_SLACK)
+        if bool(positive.any()):
+            i, t = (int(x) for x in positive.nonzero()[0])
+            raise BatchFormatError(
+                f"{at(key, i, t, values[i, t].item())}; log-probs are <= 0 (field {key!r} is positive there: "
+                "were probabilities or negated log-probs saved?)"
+            )
+    if not bool(finite_both.any()):
+        raise BatchFormatError(
+            f"{p}: no valid token has both prev_logprobs and generation_logprobs finite; nothing to simulate"
+        )
+    bad = valid & ~torch.isfinite(batch["advantages"][:, 1:])
+    if bool(bad.any()):
+        i, t = (int(x) for x in bad.nonzero()[0])
+        value = batch["advantages"][i, t + 1].item()
+        raise BatchFormatError(f"{p}: field 'advantages' is {value} at sequence {i}; expected a finite number")
 
 
 def _real_tensor(p: Path, raw: dict, key: str, shapes: tuple[tuple[int, ...], ...]) -> torch.Tensor:
@@ -85,11 +134,53 @@ def _zero_one(p: Path, key: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _load_torch(p: Path) -> dict[str, torch.Tensor]:
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_SAVE_HINT = "save a dict of torch tensors: torch.save({k: torch.as_tensor(v) for k, v in batch.items()}, path)"
+
+
+def _not_torch(p: Path) -> str:
+    """What a file that is not a torch file is, from its first bytes, or "" when it may be one."""
+    with open(p, "rb") as fh:
+        head = fh.read(512)
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"\x80"):  # torch's zip format, a pickle
+        return ""
+    if head.startswith(b"\x93NUMPY"):
+        return f"a NumPy .npy file, not a torch file; {_SAVE_HINT}"
     try:
-        raw = torch.load(p, map_location="cpu", weights_only=True)
+        head.decode("utf-8")
+        text = bool(head) and all(ch.isprintable() or ch in "\t\r\n" for ch in head.decode("utf-8"))
+    except UnicodeDecodeError:
+        text = False
+    if text:
+        return (
+            "a text file, not a torch file (torch's files are binary); a JSONL batch needs a suffix other "
+            f"than {', '.join(TORCH_SUFFIXES)}"
+        )
+    return f"not a torch file (neither torch's zip format nor a pickle); {_SAVE_HINT}"
+
+
+def _load_torch(p: Path) -> dict[str, torch.Tensor]:
+    what = _not_torch(p)
+    if what:
+        raise BatchFormatError(f"{p}: {what}")
+    try:
+        with warnings.catch_warnings():  # e.g. torch's note on the pickle protocol: the error says it all
+            warnings.simplefilter("ignore")
+            raw = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is a format error
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = _ANSI.sub("", str(exc))
+        with open(p, "rb") as fh:
+            names_numpy = b"numpy" in fh.read(1 << 16)  # a pickle names the modules of its classes
+        if names_numpy or "numpy" in message.lower():
+            raise BatchFormatError(
+                f"{p}: holds NumPy arrays, which torch.load(weights_only=True) refuses; {_SAVE_HINT}"
+            ) from None
+        if "weights only load failed" in message.lower() or "weights_only" in message:
+            raise BatchFormatError(
+                f"{p}: holds Python objects other than tensors, which torch.load(weights_only=True) "
+                f"refuses; {_SAVE_HINT}"
+            ) from None
+        first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
         raise BatchFormatError(f"{p}: not a readable torch file ({first})") from None
     if not isinstance(raw, dict):
         raise BatchFormatError(f"{p}: expected a dict of tensors, got {type(raw).__name__}")
@@ -107,7 +198,12 @@ def _load_torch(p: Path) -> dict[str, torch.Tensor]:
             f"{p}: field 'prev_logprobs' has S = {S}; position 0 is dropped as in NeMo-RL's "
             "loss, so S must be at least 2"
         )
-    out = {k: _real_tensor(p, raw, k, ((B, S),)).float() for k in _REQUIRED}
+    out = {}
+    for key in _REQUIRED:
+        t = _real_tensor(p, raw, key, ((B, S),))
+        if not t.is_floating_point():
+            raise BatchFormatError(f"{p}: field {key!r} must hold floating-point log-probs, got dtype {t.dtype}")
+        out[key] = t.float()
     mask = _real_tensor(p, raw, "token_mask", ((B, S),)) if "token_mask" in raw else torch.ones(B, S)
     out["token_mask"] = _zero_one(p, "token_mask", mask).long()
     if "advantages" in raw:
@@ -162,13 +258,15 @@ def _jsonl_record(p: Path, lineno: int, line: str) -> tuple[dict, int, float]:
     return rec, n or 0, float(adv)
 
 
-def _load_jsonl(p: Path) -> dict[str, torch.Tensor]:
-    records = []
+def _load_jsonl(p: Path) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The batch, and each sequence's line number."""
+    records, lines = [], []
     try:
         with open(p, encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, 1):
                 if line.strip():
                     records.append(_jsonl_record(p, lineno, line))
+                    lines.append(lineno)
     except UnicodeDecodeError:
         raise BatchFormatError(
             f"{p}: not a UTF-8 JSONL file (a torch file needs the suffix {', '.join(TORCH_SUFFIXES)})"
@@ -190,10 +288,11 @@ def _load_jsonl(p: Path) -> dict[str, torch.Tensor]:
         if n:
             mask[i, 1 : n + 1] = torch.tensor(rec["token_mask"], dtype=torch.long) if "token_mask" in rec else 1
     adv = torch.tensor([a for _, _, a in records]).reshape(B, 1).expand(B, S).contiguous()
-    return {
+    batch = {
         "prev_logprobs": column("prev_logprobs"),
         "generation_logprobs": column("generation_logprobs"),
         "token_mask": mask,
         "sample_mask": torch.ones(B),
         "advantages": adv,
     }
+    return batch, lines

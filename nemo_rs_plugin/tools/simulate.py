@@ -153,7 +153,9 @@ def _applied_weights(cfg: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     masks = TokenMasks.build(tm, sm, d_finite, d_finite, valid=valid)
     out = compute_correction(c, d, masks, GlobalCounts(tokens=valid.sum(), sequences=sm.sum()))
     if c.effective_is_level == "token":
-        units = valid != 0
+        # A token with a non-finite log-ratio leaves the loss (docs/guide.md#non-finite-inputs):
+        # no weight is applied to it, so it is no unit here (a 0 would pull the mean below the min).
+        units = (valid != 0) & (d_finite != 0)
         return (out.is_weight * out.keep)[units].double()
     kept_rows = (out.keep * valid).sum(-1) > 0
     units = (sm != 0) & (valid.sum(-1) > 0)

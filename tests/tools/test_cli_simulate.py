@@ -266,7 +266,7 @@ def test_from_unreadable_torch_file_is_one_line(tmp_path, capsys):
     code, _, err = run_simulate(capsys, "--from", str(path))
     assert code == EXIT_INVALID
     [line] = error_lines(err)
-    assert line.startswith(f"error: {path}: not a readable torch file (")
+    assert line.startswith(f"error: {path}: a text file, not a torch file")
 
 
 # --------------------------------------------------------------------------- outputs
