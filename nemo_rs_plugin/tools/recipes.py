@@ -16,6 +16,7 @@ from typing import Optional
 __all__ = [
     "recipe_dir",
     "list_recipes",
+    "recipe_description",
     "export_recipe",
     "export_recipes",
     "export_problems",
@@ -39,6 +40,16 @@ def recipe_dir() -> Path:
 def list_recipes() -> list[Path]:
     """The shipped recipe files, sorted by name."""
     return sorted(recipe_dir().glob("*.yaml"))
+
+
+def recipe_description(path: Path) -> str:
+    """A recipe's one-line description: its own first line, a YAML comment (``# ...``); "" without one."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            first = fh.readline().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    return first.lstrip("#").strip() if first.startswith("#") else ""
 
 
 def exported_text(src: Path, nemo_rl_root: Optional[str] = None) -> str:
