@@ -20,15 +20,25 @@ from __future__ import annotations
 
 import difflib
 import math
-import numbers
-import re
-import typing
 import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from nemo_rs_plugin.core.config_problems import (
+    blames,
+    duplicate_label_problems,
+    failed_locations,
+    filter_bound_extremes,
+    filter_bound_warnings,
+    filter_problems,
+    format_validation_error,
+    left_out,
+    valid_filters,
+    without_coercions,
+    without_locations,
+)
 from nemo_rs_plugin.core.rejection_filter import RejectionFilter
 
 __all__ = [
@@ -65,186 +75,6 @@ class ConfigWarning(UserWarning):
     Issued once per construction, one line naming the field, the value and why it has no effect;
     ``nemo-rs check`` prints it as a ``warning:`` line.
     """
-
-
-def _shown(value: Any) -> str:
-    """A value as the recipe's YAML spells it: true/false, null, quoted strings, numbers as given."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    return repr(value)
-
-
-_YAML_EXPONENT = re.compile(r"^[+-]?[0-9]+[eE][+-]?[0-9]+$")
-
-
-def _scalar_kind(annotation: Any) -> Optional[str]:
-    """``"bool"`` or ``"number"`` for a (possibly Optional) bool or float field, else None."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-    if args == [bool]:
-        return "bool"
-    if args == [float]:
-        return "number"
-    return None
-
-
-def _coercion_problem(loc: str, value: Any, annotation: Any) -> Optional[str]:
-    """What pydantic would coerce silently into a bool or float field: a string, or a bool for a number."""
-    kind = _scalar_kind(annotation)
-    if kind is None or value is None:
-        return None
-    if isinstance(value, str):
-        if kind == "bool":
-            return f"{loc}: got {value!r} (a string); allowed: true or false, unquoted"
-        hint = ", unquoted"
-        if _YAML_EXPONENT.match(value.strip()):
-            mantissa, exponent = re.split("[eE]", value.strip())
-            hint = f": YAML 1.1 reads {value.strip()} as a string, write {mantissa}.0e{exponent}"
-        return f"{loc}: got {value!r} (a string); allowed: a number{hint}"
-    if kind == "number" and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-        what = "a boolean" if isinstance(value, bool) else type(value).__name__
-        return f"{loc}: got {_shown(value)} ({what}); allowed: a number"
-    return None
-
-
-def _without_coercions(raw: dict) -> tuple[dict, list[str], set[tuple]]:
-    """``raw`` without the values pydantic would coerce, the problem lines, and their locations.
-
-    Top-level fields and the fields of each ``rejection_sampling`` entry.
-    """
-    problems: list[str] = []
-    bad: set[tuple] = set()
-    clean = {}
-    fields = RSClippedPGLossConfig.model_fields
-    for key, value in raw.items():
-        problem = _coercion_problem(key, value, fields[key].annotation) if key in fields else None
-        if problem:
-            problems.append(problem)
-            bad.add((key,))
-            continue
-        if key == "rejection_sampling" and isinstance(value, (list, tuple)):
-            entries = []
-            for i, entry in enumerate(value):
-                if isinstance(entry, Mapping):
-                    kept = {}
-                    for k, v in entry.items():
-                        f = RejectionFilter.model_fields.get(str(k))
-                        p = _coercion_problem(f"{key}.{i}.{k}", v, f.annotation) if f is not None else None
-                        if p:
-                            problems.append(p)
-                            bad.add((key, i, str(k)))
-                        else:
-                            kept[k] = v
-                    entry = kept
-                entries.append(entry)
-            value = entries
-        clean[key] = value
-    return clean, problems, bad
-
-
-# The range of each filter statistic over one token (probabilities clamped to [1e-6, 1 - 1e-6]),
-# and so of its mean, max and min over a sequence's tokens: (lowest, highest).
-_STATISTIC_RANGE = {
-    "ratio": (0.0, math.inf),
-    "kl_k1": (-math.inf, math.inf),
-    "kl_k2": (0.0, math.inf),
-    "kl_k3": (0.0, math.inf),
-    "mult_prob_error": (1.0, math.inf),
-    "binary_kl": (0.0, math.inf),
-    "total_variation": (0.0, 1.0),
-}
-
-
-def _statistic_range(f: RejectionFilter) -> tuple[float, float]:
-    """Where ``f``'s statistic can lie.
-
-    A sum over tokens has no upper limit, and its lower one only where the token's is >= 0 (the
-    ratio's ``sum`` is the product: the ratio's range).
-    """
-    lo, hi = _STATISTIC_RANGE[f.metric]
-    if f.aggregation == "sum" and f.metric != "ratio":
-        return (lo if lo >= 0 else -math.inf), math.inf
-    return lo, hi
-
-
-def _filter_bound_extremes(i: int, f: RejectionFilter) -> list[str]:
-    """A bound outside the statistic's range that makes the filter reject every unit.
-
-    A warning, not an error: legal (the loss is then 0, its metrics finite), but the run trains on
-    nothing.
-    """
-    lo, hi = _statistic_range(f)
-    what = f"{f.metric}" + (f" ({f.aggregation} over a sequence)" if f.aggregation else " (per token)")
-    p = []
-    if f.upper is not None and f.upper < lo:
-        p.append(
-            f"rejection_sampling.{i}: upper: got {f.upper} with metric {f.metric!r}, but {what} is never "
-            f"below {lo:g}: the filter rejects every unit and the loss trains on nothing; set an upper bound >= {lo:g}"
-        )
-    if f.lower is not None and (f.lower > hi or (f.metric == "total_variation" and f.lower >= hi)):
-        p.append(
-            f"rejection_sampling.{i}: lower: got {f.lower} with metric {f.metric!r}, but {what} is below "
-            f"{hi:g}: the filter rejects every unit and the loss trains on nothing; set a lower bound < {hi:g}"
-        )
-    return p
-
-
-def _filter_bound_warnings(i: int, f: RejectionFilter) -> list[str]:
-    """A bound that can never reject: harmless, but not what was meant."""
-    lo, hi = _statistic_range(f)
-    what = "a token's" if f.level == "token" else f"a sequence's {f.aggregation}"
-    w = []
-    if f.upper is not None and f.upper >= hi:
-        w.append(
-            f"rejection_sampling.{i}.upper: got {f.upper} with metric {f.metric!r}, which is at most {hi:g} "
-            f"({what}; below {hi:g} with the probabilities clamped): this bound never rejects; set an upper "
-            f"bound below {hi:g}, or remove it"
-        )
-    if f.lower is not None and f.lower < lo and f.metric != "ratio":
-        w.append(
-            f"rejection_sampling.{i}.lower: got {f.lower} with metric {f.metric!r}, which is never below "
-            f"{lo:g}: this bound never rejects; set a lower bound above {lo:g}, or remove it"
-        )
-    return w
-
-
-def _filter_problems(filters: Any, force_on_policy_ratio: bool) -> list[str]:
-    """``(position, filter)`` pairs that cannot work with ``force_on_policy_ratio``."""
-    p: list[str] = []
-    for i, f in filters:
-        if f.log_ratio == "curr-prev" and force_on_policy_ratio is True:
-            p.append(
-                f"rejection_sampling.{i}.log_ratio: got 'curr-prev' with force_on_policy_ratio: true, which "
-                "sets prev to curr: the log-ratio is 0 everywhere, so the filter rejects nothing or "
-                "everything; allowed here: prev-gen, gen-prev or curr-gen"
-            )
-    return p
-
-
-def _valid_filters(entries: Any) -> list[tuple[int, RejectionFilter]]:
-    """The entries of ``rejection_sampling`` that are valid filters on their own, with their positions."""
-    valid = []
-    for i, entry in enumerate(entries if isinstance(entries, (list, tuple)) else ()):
-        try:
-            valid.append((i, RejectionFilter.model_validate(entry)))
-        except ValidationError:
-            continue
-    return valid
-
-
-def _duplicate_label_problems(filters: tuple[RejectionFilter, ...]) -> list[str]:
-    """Filters sharing a label would overwrite each other's ``rs/<label>/*`` metrics."""
-    positions: dict[str, list[int]] = {}
-    for i, f in enumerate(filters):
-        positions.setdefault(f.label, []).append(i)
-    return [
-        f"rejection_sampling: filters {', '.join(map(str, where))} share the label {label!r}, "
-        f"so their rs/{label}/* metrics would overwrite each other; allowed: unique labels, "
-        "give each a distinct `name`"
-        for label, where in positions.items()
-        if len(where) > 1
-    ]
 
 
 # Fields of NeMo-RL's ClippedPGLossConfig (v0.7.0 / main), with NeMo-RL's defaults.
@@ -380,7 +210,7 @@ class RSClippedPGLossConfig(BaseModel):
     def _refuse_coercions(cls, data: Any) -> Any:
         """Strings (and booleans for numbers) are refused, not coerced (``"0.28"``, ``"no"``)."""
         if isinstance(data, Mapping):
-            _, problems, _ = _without_coercions(dict(data))
+            _, problems, _ = without_coercions(dict(data), cls.model_fields)
             if problems:
                 raise ValueError("\n".join(problems))
         return data
@@ -402,7 +232,7 @@ class RSClippedPGLossConfig(BaseModel):
             *self._truncation_problems(),
             *self._batch_normalization_problems(),
             *self._filter_problems(),
-            *_duplicate_label_problems(self.rejection_sampling),
+            *duplicate_label_problems(self.rejection_sampling),
         ]
 
     @property
@@ -423,7 +253,7 @@ class RSClippedPGLossConfig(BaseModel):
                 "remove rejection_denominator"
             )
         for i, f in enumerate(self.rejection_sampling):
-            w += _filter_bound_extremes(i, f) + _filter_bound_warnings(i, f)
+            w += filter_bound_extremes(i, f) + filter_bound_warnings(i, f)
         if self.ratio_clip_min > 1:
             w.append(
                 f"ratio_clip_min: got {self.ratio_clip_min}; the ratio is clipped below at 1 - ratio_clip_min = "
@@ -458,7 +288,7 @@ class RSClippedPGLossConfig(BaseModel):
 
     def _filter_problems(self) -> list[str]:
         """Filters that cannot work with the rest of the configuration."""
-        return _filter_problems(enumerate(self.rejection_sampling), self.force_on_policy_ratio)
+        return filter_problems(enumerate(self.rejection_sampling), self.force_on_policy_ratio)
 
     def _loss_type_problems(self) -> list[str]:
         """The GSPO ratio, the dual clip and CISPO against the loss type."""
@@ -570,7 +400,7 @@ class RSClippedPGLossConfig(BaseModel):
         # Every problem at once: unknown fields, refused coercions, then the fields that fail on
         # their own, and the combinations of the fields that did not (validated again without
         # the failed ones, which pydantic's combination checks would otherwise wait for).
-        raw, coercions, failed = _without_coercions({k: v for k, v in raw.items() if k in known})
+        raw, coercions, failed = without_coercions({k: v for k, v in raw.items() if k in known}, cls.model_fields)
         problems += coercions
         as_filters = {k: raw[k] for k in ("rejection_sampling",) if k in raw}
         config = None
@@ -582,22 +412,20 @@ class RSClippedPGLossConfig(BaseModel):
                     config = cls(**raw)
                 break
             except ValidationError as exc:
-                newly = _failed_locations(exc) - failed
-                for line in _format_validation_error(exc):
-                    if line not in problems and not _blames(line, failed):
+                newly = failed_locations(exc) - failed
+                for line in format_validation_error(exc):
+                    if line not in problems and not blames(line, failed):
                         problems.append(line)
                 if not newly:
                     break
                 failed |= newly
-                raw = _without_locations(raw, newly)
-        if "rejection_sampling" in _left_out(failed) and "rejection_sampling" in as_filters:
+                raw = without_locations(raw, newly)
+        if "rejection_sampling" in left_out(failed) and "rejection_sampling" in as_filters:
             # A failing filter kept the section's checks from running: run the filter checks on
             # the filters that are valid on their own.
             force = raw.get("force_on_policy_ratio") is True
             problems += [
-                p
-                for p in _filter_problems(_valid_filters(as_filters["rejection_sampling"]), force)
-                if p not in problems
+                p for p in filter_problems(valid_filters(as_filters["rejection_sampling"]), force) if p not in problems
             ]
         if problems or config is None:
             raise ConfigError(problems, prefix)
@@ -666,70 +494,3 @@ def _to_builtin(value: Any) -> Any:
     if hasattr(value, "items") and hasattr(value, "keys"):  # DictConfig-like
         return {str(k): _to_builtin(value[k]) for k in value.keys()}
     return value
-
-
-def _failed_locations(exc: ValidationError) -> set[tuple]:
-    """What failed below the top level.
-
-    A field on its own (type, literal, required), or a whole filter (its own combinations), which
-    keeps the section's combination checks from running.
-    """
-    return {tuple(err["loc"]) for err in exc.errors() if err["loc"]}
-
-
-def _left_out(failed: set[tuple]) -> set[str]:
-    """The top-level fields that were left out whole (a filter failing leaves out its section)."""
-    return {str(loc[0]) for loc in failed if len(loc) <= 2}
-
-
-def _without_locations(raw: dict, locations: set[tuple]) -> dict:
-    """``raw`` without the failed fields (a filter's own field, or a whole top-level field)."""
-    raw = dict(raw)
-    filters = list(raw.get("rejection_sampling") or []) if isinstance(raw.get("rejection_sampling"), list) else None
-    for loc in locations:
-        if len(loc) == 3 and loc[0] == "rejection_sampling" and filters is not None and isinstance(loc[1], int):
-            entry = filters[loc[1]] if loc[1] < len(filters) else None
-            if isinstance(entry, dict):
-                filters[loc[1]] = {k: v for k, v in entry.items() if k != loc[2]}
-                continue
-        raw.pop(loc[0], None)
-        if loc[0] == "rejection_sampling":
-            filters = None
-    if filters is not None and "rejection_sampling" in raw:
-        raw["rejection_sampling"] = filters
-    return raw
-
-
-def _blames(line: str, failed: set[tuple]) -> bool:
-    """Whether a line is about a field that was already reported (and left out) on its own.
-
-    A top-level field: any line naming it. A filter's field: its own line, or a line about that
-    filter's combinations that names it (a bound left out is no missing bound).
-    """
-    for loc in failed:
-        path = ".".join(str(x) for x in loc)
-        if line.startswith(path + ":"):
-            return True
-        named = re.search(rf"\b{re.escape(str(loc[-1]))}\b", line)
-        if len(loc) == 1 and named:
-            return True
-        if len(loc) == 3 and named and line.startswith(".".join(str(x) for x in loc[:-1]) + ":"):
-            return True
-    return False
-
-
-def _format_validation_error(exc: ValidationError) -> list[str]:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"]
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, ") :]
-        if err["type"] == "value_error" or not loc:
-            # Our own validators already name the fields; keep their lines, prefixed with
-            # the list position for rejection filters.
-            for line in msg.split("\n"):
-                lines.append(f"{loc}: {line}" if loc and not line.startswith(loc) else line)
-        else:
-            lines.append(f"{loc}: got {err.get('input')!r}; {msg}")
-    return lines

@@ -20,6 +20,7 @@ import numbers
 from typing import Any, Mapping, Optional
 
 from nemo_rs_plugin.core.config import UPSTREAM_FIELDS, RSClippedPGLossConfig
+from nemo_rs_plugin.core.config_problems import shown
 
 __all__ = [
     "SUPPORTED_NEMO_RL",
@@ -186,18 +187,12 @@ def missing_field_problems(raw: Mapping) -> list[str]:
     """
     own = RSClippedPGLossConfig.model_fields
     return [
-        f"{key}: got {_shown(raw[key])}; NeMo-RL {host_version()} has no {key} (its ClippedPGLossConfig "
+        f"{key}: got {shown(raw[key])}; NeMo-RL {host_version()} has no {key} (its ClippedPGLossConfig "
         f"does not declare it), so its own loss would ignore it and train without it; allowed on this "
-        f"NeMo-RL: {_shown(own[key].default)} (the default), or name: rs_clipped_pg (the plugin computes "
+        f"NeMo-RL: {shown(own[key].default)} (the default), or name: rs_clipped_pg (the plugin computes "
         "it), or a NeMo-RL that has it"
         for key in missing_host_fields(raw)
     ]
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return "null" if value is None else repr(value)
 
 
 def host_config(config: RSClippedPGLossConfig, api: str, host_only: Optional[dict] = None) -> Any:
