@@ -71,14 +71,14 @@ def finite_exp(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(torch.exp(x), nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def log_ratio(prev: torch.Tensor, gen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(d_raw, d, d_finite)`` for ``d = prev - gen``, detached.
+def log_ratio(prev: torch.Tensor, gen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d, d_finite)`` for ``d = prev - gen``, detached.
 
     ``d`` has non-finite entries replaced by 0 and ``d_finite`` is the 0/1 float mask of the
-    entries that were finite; ``d_raw`` is kept for finiteness checks of other inputs.
+    entries that were finite.
     """
     d_raw = (prev - gen).detach()
-    return d_raw, sanitize(d_raw), 1.0 - nonfinite(d_raw)
+    return sanitize(d_raw), 1.0 - nonfinite(d_raw)
 
 
 def sanitize(x: torch.Tensor) -> torch.Tensor:

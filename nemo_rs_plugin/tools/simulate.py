@@ -146,7 +146,7 @@ def _applied_weights(cfg: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
     c = RSClippedPGLossConfig.from_any(cfg)
     dtype = batch["prev_logprobs"].dtype
-    _, d, d_finite = log_ratio(batch["prev_logprobs"][:, 1:], batch["generation_logprobs"][:, 1:])
+    d, d_finite = log_ratio(batch["prev_logprobs"][:, 1:], batch["generation_logprobs"][:, 1:])
     tm = batch["token_mask"][:, 1:].to(dtype)
     sm = batch["sample_mask"].to(dtype)
     valid = tm * sm[:, None]

@@ -179,7 +179,7 @@ def _stages(filters, prev, gen, mask, choose) -> list[CalibratedStage]:
             f"gen does not have; allowed: {', '.join(CALIBRATABLE_LOG_RATIOS)}"
         )
     prev, gen = prev.detach().double(), gen.detach().double()
-    _, d, d_finite = log_ratio(prev, gen)
+    d, d_finite = log_ratio(prev, gen)
     valid = mask.to(d.dtype)
     masks = TokenMasks.build(valid, torch.ones(valid.shape[0], dtype=d.dtype), d_finite, d_finite, valid=valid)
     log_probs = PolicyLogProbs(curr=prev, prev=prev, gen=gen)
