@@ -77,42 +77,11 @@ class ConfigWarning(UserWarning):
     """
 
 
-# Fields of NeMo-RL's ClippedPGLossConfig (v0.7.0 / main), with NeMo-RL's defaults.
-UPSTREAM_FIELDS = (
-    "disable_ppo_ratio",
-    "token_level_loss",
-    "sequence_level_importance_ratios",
-    "ratio_clip_min",
-    "ratio_clip_max",
-    "ratio_clip_c",
-    "reference_policy_kl_penalty",
-    "reference_policy_kl_type",
-    "kl_input_clamp_value",
-    "kl_output_clamp_value",
-    "use_kl_in_reward",
-    "use_importance_sampling_correction",
-    "truncated_importance_sampling_type",
-    "truncated_importance_sampling_ratio",
-    "truncated_importance_sampling_ratio_min",
-    "use_on_policy_kl_approximation",
-    "force_on_policy_ratio",
-    "use_cispo",
-    "positive_example_nll_weight",
-)
-PLUGIN_FIELDS = (
-    "is_correction_level",
-    "is_batch_normalization",
-    "rejection_sampling",
-    "rejection_denominator",
-    "sharded_logits_input",
-)
+class NeMoRLLossFields(BaseModel):
+    """The fields of NeMo-RL's ``ClippedPGLossConfig`` (v0.7.0 / main), with NeMo-RL's defaults.
 
-
-class RSClippedPGLossConfig(BaseModel):
-    """Validated configuration of ``rs_clipped_pg``.
-
-    With every plugin field at its default the loss is NeMo-RL's ``ClippedPGLossFn``: same
-    loss, gradient and metrics (see ``docs/configuration-reference.md``).
+    The fields declared here are :data:`UPSTREAM_FIELDS`; those :class:`RSClippedPGLossConfig`
+    adds are :data:`PLUGIN_FIELDS`: both lists are read off the classes, never written out.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -169,6 +138,17 @@ class RSClippedPGLossConfig(BaseModel):
     """CISPO: ``-A * sg(clip(r)) * log pi``."""
     positive_example_nll_weight: float = 0.0
     """VAPO: weight of an NLL term on samples with reward > 0."""
+
+
+
+class RSClippedPGLossConfig(NeMoRLLossFields):
+    """Validated configuration of ``rs_clipped_pg``: NeMo-RL's fields and the plugin's.
+
+    With every plugin field at its default the loss is NeMo-RL's ``ClippedPGLossFn``: same
+    loss, gradient and metrics (see ``docs/configuration-reference.md``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     # --- Plugin: decoupled IS level ---
     is_correction_level: Optional[ISCorrectionLevel] = None
@@ -437,6 +417,12 @@ class RSClippedPGLossConfig(BaseModel):
         if self.is_correction_level is not None:
             return self.is_correction_level
         return "sequence" if self.sequence_level_importance_ratios else "token"
+
+
+#: NeMo-RL's loss fields (``name`` aside), in declaration order.
+UPSTREAM_FIELDS = tuple(n for n in NeMoRLLossFields.model_fields if n != "name")
+#: The fields the plugin adds.
+PLUGIN_FIELDS = tuple(n for n in RSClippedPGLossConfig.model_fields if n not in NeMoRLLossFields.model_fields)
 
 
 def own_loss_problems(keys: Any, name: Optional[str] = None) -> list[str]:
