@@ -4,7 +4,7 @@ Candidates, each forward + backward + the metrics' host transfer, on the inputs 
 ``bench_loss.py`` (ragged responses, 2% log-prob mismatch):
 
   upstream-equivalent           NeMo-RL's defaults + IS correction + token TIS (no plugin field)
-  upstream-equivalent compiled  the same with NEMO_RS_COMPILE=1 (dynamic shapes: one graph
+  upstream-equivalent compiled  the same with compile: true (dynamic shapes: one graph
                                 for every size)
   rs-pipeline-3 [compiled]      Geo-RS + outlier veto + token kl_k3 filter, sequence_mean weights
   NeMo-RL ClippedPGLossFn       NeMo-RL's own loss on the upstream-equivalent config, when a
@@ -18,7 +18,7 @@ first call) is printed once.
 
 Usage:
   python benchmarks/bench_gpu.py [--device cuda] [--sizes 8x32768,4x65536] [--repeats 20]
-                                 [--nemo-rl .nemo-rl/nemo-rl-main] [--no-compile] [--json PATH]
+                                 [--nemo-rl .nemo-rl/nemo-rl-main] [--no-compile] [--compile-backend B] [--json PATH]
   python benchmarks/bench_gpu.py --device cpu --sizes 2x1024 --repeats 2   # dry run, any machine
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -41,7 +40,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_loss import CONFIGS, UPSTREAM, make_batch  # noqa: E402
 
 from nemo_rs_plugin import CorrectedPGLoss  # noqa: E402
-from nemo_rs_plugin.core.compiled import COMPILE_ENV  # noqa: E402
 
 BASE = "upstream-equivalent"
 HOST = "NeMo-RL ClippedPGLossFn"
@@ -67,26 +65,6 @@ def nemo_rl_loss(checkout: Path | None):
         return fn(lp, BatchedDataDict(data), gvs, gvt)
 
     return call, None
-
-
-def with_compile(fn, on: bool):
-    """``fn`` run with NEMO_RS_COMPILE set to 1 (or unset) for the duration of each call."""
-
-    def call(*args):
-        old = os.environ.get(COMPILE_ENV)
-        if on:
-            os.environ[COMPILE_ENV] = "1"
-        else:
-            os.environ.pop(COMPILE_ENV, None)
-        try:
-            return fn(*args)
-        finally:
-            if old is None:
-                os.environ.pop(COMPILE_ENV, None)
-            else:
-                os.environ[COMPILE_ENV] = old
-
-    return call
 
 
 def to_device(batch, device, dtype):
@@ -145,6 +123,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--nemo-rl", type=Path, default=DEFAULT_NEMO_RL, help="NeMo-RL checkout (holds nemo_rl/)")
     ap.add_argument("--no-compile", action="store_true", help="eager rows only")
+    ap.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of the compiled rows (aot_eager: the same graph, no kernels; for dry runs)",
+    )
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -159,10 +142,11 @@ def main(argv=None) -> int:
     candidates = {}
     compile_s = {}
     for name in (BASE, "rs-pipeline-3"):
-        loss = CorrectedPGLoss(CONFIGS[name])
-        candidates[name] = with_compile(loss, False)
+        candidates[name] = CorrectedPGLoss(CONFIGS[name])
         if not args.no_compile:
-            candidates[f"{name} compiled"] = with_compile(loss, True)
+            candidates[f"{name} compiled"] = CorrectedPGLoss(
+                {**CONFIGS[name], "compile": True}, compile_backend=args.compile_backend
+            )
     host, why = nemo_rl_loss(args.nemo_rl)
     if host is not None:
         candidates[HOST] = host
@@ -187,9 +171,8 @@ def main(argv=None) -> int:
                 one_call(fn, batch, device)
                 compile_s[name] = time.perf_counter() - t0
                 kernels = inductor_metrics.generated_kernel_count - kernels
-                backend = os.environ.get("NEMO_RS_COMPILE_BACKEND") or "inductor"
                 print(
-                    f"compile {name}: {compile_s[name]:.1f} s (first call, {size}, {backend}), "
+                    f"compile {name}: {compile_s[name]:.1f} s (first call, {size}, {args.compile_backend}), "
                     f"{kernels} generated kernels forward + backward"
                 )
         results = measure(candidates, batch, device, args.repeats)

@@ -13,7 +13,7 @@ than NeMo-RL's loss on the same config; the five-stage pipeline at most 1.5x NeM
 
 The plugin evaluates its metrics and input checks stacked on accelerators and row by row on
 the CPU (``nemo_rs_plugin.core.metrics.batched_evaluation``); the counts here are those of the GPU
-form (``NEMO_RS_BATCHED_METRICS=1``), ``--cpu-form`` counts what a CPU run dispatches.
+form (``CorrectedPGLoss(batched_metrics=True)``), ``--cpu-form`` counts what a CPU run dispatches.
 
 Usage: PYTHONPATH=<NeMo-RL checkout> python benchmarks/bench_ops.py [--top 8] [--size 4x256]
 Without NeMo-RL importable the plugin's counts are printed alone.
@@ -33,7 +33,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nemo_rs_plugin import CorrectedPGLoss  # noqa: E402
-from nemo_rs_plugin.core.metrics import BATCHED_ENV  # noqa: E402
 
 TIS = {
     "use_importance_sampling_correction": True,
@@ -144,7 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=8, help="most frequent operators to list per config")
     parser.add_argument("--cpu-form", action="store_true", help="count the CPU form (metrics row by row)")
     args = parser.parse_args(argv)
-    os.environ[BATCHED_ENV] = "0" if args.cpu_form else "1"
+    batched = not args.cpu_form
     B, S = (int(v) for v in args.size.lower().split("x"))
 
     rows = []
@@ -157,11 +156,17 @@ def main(argv=None) -> int:
         rows.append(
             (
                 f"upstream-equivalent/{name}",
-                count(CorrectedPGLoss({"reference_policy_kl_penalty": 0.01, **cfg}), B, S),
+                count(CorrectedPGLoss({"reference_policy_kl_penalty": 0.01, **cfg}, batched_metrics=batched), B, S),  # noqa: E501
                 nemo,
             )
         )
-    rows.append(("sequence_mean+tis+geo-rs+veto+token-mis", count(CorrectedPGLoss(PIPELINE), B, S), None))
+    rows.append(
+        (
+            "sequence_mean+tis+geo-rs+veto+token-mis",
+            count(CorrectedPGLoss(PIPELINE, batched_metrics=batched), B, S),
+            None,
+        )
+    )
 
     form = "CPU form: rows one by one" if args.cpu_form else "GPU form: rows stacked"
     print(f"aten operators per loss call (forward + backward, non-view), B x S = {B} x {S}; {form}")

@@ -64,8 +64,8 @@ if [[ $DRY -eq 1 ]]; then
   # Everything but CUDA: the GPU tests import and collect; the benchmark runs on CPU, the
   # compiled rows with the aot_eager backend (same graph, no kernel generation: seconds).
   step "collect the GPU tests" 120 "${PYTEST[@]}" --collect-only "${TESTS[@]}"
-  step "bench_gpu on CPU (dry run)" 180 env NEMO_RS_COMPILE_BACKEND=aot_eager \
-    $PY benchmarks/bench_gpu.py --device cpu --sizes 2x1024 --repeats 2 --nemo-rl "$NEMO_RL" \
+  step "bench_gpu on CPU (dry run)" 180 \
+    $PY benchmarks/bench_gpu.py --device cpu --sizes 2x1024 --repeats 2 --nemo-rl "$NEMO_RL" --compile-backend aot_eager \
     --json "$OUT/bench_gpu.json"
 else
   # CUDA tests: sync count (fp32/bf16, eager/compiled), 120 parity fixtures on CUDA, and the

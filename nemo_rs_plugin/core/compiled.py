@@ -1,59 +1,49 @@
-"""Opt-in ``torch.compile`` of the loss's pure-tensor core (``NEMO_RS_COMPILE=1``).
+"""Opt-in ``torch.compile`` of the loss's pure-tensor core (the recipe field ``loss_fn.compile``).
 
 :meth:`CorrectedPGLoss.compute <nemo_rs_plugin.core.loss.CorrectedPGLoss.compute>` runs in three
 parts: input validation (Python, eager), the tensor math (``CorrectedPGLoss._tensors``: the
 loss and the metrics evaluated into one ``[M]`` vector by ``MetricSet.stack``, no host
 transfer; only that vector leaves the graph) and
 :meth:`MetricSet.finalize <nemo_rs_plugin.core.metrics.MetricSet.finalize>` (the one ``tolist()``,
-eager). With ``NEMO_RS_COMPILE=1`` in the environment the middle part is
+eager). With ``compile: true`` in the loss section the middle part is
 ``torch.compile(..., dynamic=True)``: sequence length and batch size are symbolic from the
 first call, so microbatches of other sizes reuse the same graph instead of recompiling.
-Each distinct configuration (its flags are guarded constants) compiles once.
+Each distinct configuration (its flags are guarded constants) compiles once; the compiled
+function is built once per process and backend (``CorrectedPGLoss(compile_backend=...)``,
+default ``inductor``; ``aot_eager`` traces the same graph without generating kernels).
 
-Left eager, whatever the variable says:
+Left eager, whatever the field says:
 
 * the sharded TP/CP path (``groups`` active): its collectives stay outside the graph;
 * any call while ``torch.compiler.is_compiling()`` (the caller compiles the loss itself).
 
-The variable is read at every call, so it can be switched in a running process; the
-compiled function is built once per process, with the backend named by
-``NEMO_RS_COMPILE_BACKEND`` at that moment (default ``inductor``; ``aot_eager`` traces the
-same graph without generating kernels, for debugging). See docs/performance.md#torchcompile.
+See docs/performance.md#torchcompile.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["BACKEND_ENV", "COMPILE_ENV", "compile_enabled", "core_fn"]
+__all__ = ["core_fn"]
 
-COMPILE_ENV = "NEMO_RS_COMPILE"
-BACKEND_ENV = "NEMO_RS_COMPILE_BACKEND"  # default "inductor"; "aot_eager" compiles in seconds
-
-_COMPILED: dict[Callable, Callable] = {}
-
-
-def compile_enabled() -> bool:
-    """Whether ``NEMO_RS_COMPILE`` asks for the compiled core (``1``/``true``/``yes``/``on``)."""
-    return os.environ.get(COMPILE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+_COMPILED: dict[tuple[Callable, str], Callable] = {}
 
 
 def core_fn(loss: Any, groups: Any) -> Callable:
     """The function computing ``(loss, MetricSet)`` for ``loss`` (called with ``loss`` first).
 
-    The plain ``type(loss)._tensors`` unless compilation is enabled and applicable, then its
-    compiled twin (built on first use and shared by every instance).
+    The plain ``type(loss)._tensors`` unless ``loss.cfg.compile`` is on and applicable, then its
+    compiled twin for ``loss.compile_backend`` (built on first use and shared by every instance).
     """
     fn = type(loss)._tensors
-    if not compile_enabled() or getattr(groups, "active", False) or torch.compiler.is_compiling():
+    if not loss.cfg.compile or getattr(groups, "active", False) or torch.compiler.is_compiling():
         return fn
-    compiled = _COMPILED.get(fn)
+    backend = loss.compile_backend
+    compiled = _COMPILED.get((fn, backend))
     if compiled is None:
-        backend = os.environ.get(BACKEND_ENV, "").strip() or "inductor"
-        compiled = _COMPILED[fn] = _without_duck_sizing(torch.compile(fn, dynamic=True, backend=backend))
+        compiled = _COMPILED[(fn, backend)] = _without_duck_sizing(torch.compile(fn, dynamic=True, backend=backend))
     return compiled
 
 

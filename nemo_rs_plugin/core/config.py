@@ -140,7 +140,6 @@ class NeMoRLLossFields(BaseModel):
     """VAPO: weight of an NLL term on samples with reward > 0."""
 
 
-
 class RSClippedPGLossConfig(NeMoRLLossFields):
     """Validated configuration of ``rs_clipped_pg``: NeMo-RL's fields and the plugin's.
 
@@ -184,6 +183,11 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
     ``LossInputType.LOGIT``) instead of all-gathered log-probs; log-probs come from a
     vocab-parallel log-softmax and only O(batch) per-sequence statistics are all-reduced
     over the CP group. See docs/parallelism.md."""
+
+    # --- Plugin: execution ---
+    compile: bool = False
+    """``torch.compile`` the loss's tensor math (dynamic shapes: one graph for every microbatch
+    size; the sharded TP/CP path stays eager). Opt-in: see docs/performance.md#torchcompile."""
 
     @model_validator(mode="before")
     @classmethod
@@ -234,6 +238,12 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
             )
         for i, f in enumerate(self.rejection_sampling):
             w += filter_bound_extremes(i, f) + filter_bound_warnings(i, f)
+        if self.compile and self.sharded_logits_input:
+            w.append(
+                "compile: got true with sharded_logits_input: true; the sharded TP/CP path stays eager (its "
+                "collectives stay outside the graph), so nothing is compiled there: remove compile, or "
+                "compile where the loss gets all-gathered log-probs"
+            )
         if self.ratio_clip_min > 1:
             w.append(
                 f"ratio_clip_min: got {self.ratio_clip_min}; the ratio is clipped below at 1 - ratio_clip_min = "

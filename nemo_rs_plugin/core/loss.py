@@ -62,10 +62,16 @@ class CorrectedPGLoss:
 
     Args:
         cfg: anything :meth:`RSClippedPGLossConfig.from_any` accepts; validated here, once.
+        batched_metrics: evaluate the metrics stacked (``True``, the accelerator form) or row
+            by row (``False``, the CPU form); ``None`` picks by device (benchmarks and tests
+            force either).
+        compile_backend: the ``torch.compile`` backend when ``cfg.compile`` is on
+            (``aot_eager`` traces the same graph without generating kernels, for debugging).
     """
 
-    def __init__(self, cfg: Any = None):
+    def __init__(self, cfg: Any = None, *, batched_metrics: Optional[bool] = None, compile_backend: str = "inductor"):
         self.cfg = RSClippedPGLossConfig.from_any(cfg if cfg is not None else {})
+        self.batched_metrics, self.compile_backend = batched_metrics, compile_backend
         cfg = self.cfg
         self.token_level_loss = cfg.token_level_loss
         # use_kl_in_reward moves the KL into the reward: the loss has no KL term then.
@@ -168,7 +174,7 @@ class CorrectedPGLoss:
         # The tensor math (optionally torch.compile'd, see nemo_rs_plugin/core/compiled.py) never
         # leaves the device; the one host transfer stays here, eager.
         # The evaluation form is decided here, eagerly: a compiled core specialises on the bool.
-        batched = batched_evaluation(x.curr.device)
+        batched = batched_evaluation(x.curr.device, self.batched_metrics)
         loss, metrics = core_fn(self, groups)(self, x, global_valid_seqs, global_valid_toks, groups, batched)
         reported = metrics.finalize(groups)
         if self.rejection_monitor is not None and DROPPED_SEQUENCES in metrics.private:

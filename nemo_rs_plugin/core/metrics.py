@@ -24,7 +24,6 @@ Each metric carries:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
 
@@ -33,23 +32,19 @@ import torch
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
 from nemo_rs_plugin.core.masking import EPS
 
-__all__ = ["BATCHED_ENV", "GlobalCounts", "MetricSet", "Normalization", "Reduction", "batched_evaluation"]
-
-BATCHED_ENV = "NEMO_RS_BATCHED_METRICS"  # 1/0 overrides the per-device choice (benchmarks, tests)
+__all__ = ["GlobalCounts", "MetricSet", "Normalization", "Reduction", "batched_evaluation"]
 
 
-def batched_evaluation(device: torch.device) -> bool:
+def batched_evaluation(device: torch.device, forced: Optional[bool] = None) -> bool:
     """Whether per-token rows are stacked and reduced together (few kernels) or one by one (no copies).
 
     Stacked on accelerators, where a kernel launch costs more than a copy of a ``[B, T]`` row;
-    row by row on the CPU, where it is the other way round. ``NEMO_RS_BATCHED_METRICS=1``/``0``
-    forces either (``benchmarks/bench_ops.py`` counts both; the tests compare them).
+    row by row on the CPU, where it is the other way round. ``forced`` (``CorrectedPGLoss``'s
+    ``batched_metrics``) picks either (``benchmarks/bench_ops.py`` counts both; the tests
+    compare them).
     """
-    forced = os.environ.get(BATCHED_ENV, "").strip().lower()
-    if forced in ("1", "true", "yes", "on"):
-        return True
-    if forced in ("0", "false", "no", "off"):
-        return False
+    if forced is not None:
+        return forced
     return device.type != "cpu"
 
 

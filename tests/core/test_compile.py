@@ -1,4 +1,4 @@
-"""The opt-in compiled core (``NEMO_RS_COMPILE=1``): equal to eager, one graph, no recompiles.
+"""The opt-in compiled core (``compile: true``): equal to eager, one graph, no recompiles.
 
 The ``aot_eager`` backend traces exactly what inductor would compile (dynamo's graph, its
 guards and graph breaks, AOTAutograd's joint forward/backward) in seconds; the ``inductor``
@@ -30,10 +30,8 @@ BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
 
 
 @pytest.fixture
-def compile_on(monkeypatch, request):
-    """``NEMO_RS_COMPILE=1`` with the requested backend, from a clean dynamo cache."""
-    monkeypatch.setenv(compiled.COMPILE_ENV, "1")
-    monkeypatch.setenv(compiled.BACKEND_ENV, request.param)
+def compile_on(request):
+    """The requested backend, from a clean dynamo cache."""
     torch._dynamo.reset()
     compiled._COMPILED.clear()
     counters.clear()
@@ -42,19 +40,16 @@ def compile_on(monkeypatch, request):
     compiled._COMPILED.clear()
 
 
-def run_eager(loss_fn, case, monkeypatch):
-    with monkeypatch.context() as m:
-        m.delenv(compiled.COMPILE_ENV, raising=False)
-        return run_case(loss_fn, case)
+def compiled_loss(cfg, backend):
+    return CorrectedPGLoss({**cfg, "compile": True}, compile_backend=backend)
 
 
 @pytest.mark.parametrize("compile_on", BACKENDS, indirect=True)
-def test_compiled_equals_eager_on_parity_cases(compile_on, monkeypatch):
+def test_compiled_equals_eager_on_parity_cases(compile_on):
     for name in SAMPLE:
         case = BY_NAME[name]
-        loss_fn = CorrectedPGLoss(case["config"])
-        loss_c, metrics_c, grad_c = run_case(loss_fn, case)
-        loss_e, metrics_e, grad_e = run_eager(loss_fn, case, monkeypatch)
+        loss_c, metrics_c, grad_c = run_case(compiled_loss(case["config"], compile_on), case)
+        loss_e, metrics_e, grad_e = run_case(CorrectedPGLoss(case["config"]), case)
         torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(grad_c, grad_e, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
         assert metrics_c.keys() == metrics_e.keys()
@@ -69,7 +64,7 @@ def test_compiled_equals_eager_on_parity_cases(compile_on, monkeypatch):
 @pytest.mark.parametrize("compile_on", BACKENDS, indirect=True)
 @pytest.mark.parametrize("cfg", [{}, FULL], ids=["plain", "full"])
 def test_other_microbatch_sizes_do_not_recompile(compile_on, cfg):
-    loss_fn = CorrectedPGLoss(cfg)
+    loss_fn = compiled_loss(cfg, compile_on)
 
     def call(B, T):
         lp, data, gvs, gvt = batch(B, T)
@@ -90,16 +85,22 @@ def test_other_microbatch_sizes_do_not_recompile(compile_on, cfg):
 
 
 def test_compile_is_opt_in(monkeypatch):
-    loss_fn = CorrectedPGLoss({})
-    monkeypatch.delenv(compiled.COMPILE_ENV, raising=False)
-    assert compiled.core_fn(loss_fn, NO_GROUPS) is CorrectedPGLoss._tensors
-    monkeypatch.setenv(compiled.COMPILE_ENV, "0")
-    assert compiled.core_fn(loss_fn, NO_GROUPS) is CorrectedPGLoss._tensors
-    monkeypatch.setenv(compiled.COMPILE_ENV, "1")
+    assert compiled.core_fn(CorrectedPGLoss({}), NO_GROUPS) is CorrectedPGLoss._tensors
+    assert compiled.core_fn(CorrectedPGLoss({"compile": False}), NO_GROUPS) is CorrectedPGLoss._tensors
     monkeypatch.setattr(compiled, "_COMPILED", {})
+    loss_fn = CorrectedPGLoss({"compile": True}, compile_backend="aot_eager")
     assert compiled.core_fn(loss_fn, NO_GROUPS) is not CorrectedPGLoss._tensors
+    assert list(compiled._COMPILED) == [(CorrectedPGLoss._tensors, "aot_eager")]
 
     class Sharded:
         active = True
 
     assert compiled.core_fn(loss_fn, Sharded()) is CorrectedPGLoss._tensors  # collectives stay eager
+
+
+def test_compile_on_the_sharded_path_is_warned_about():
+    """The sharded path stays eager: ``compile: true`` there would do nothing, silently."""
+    from nemo_rs_plugin.core.config import ConfigWarning
+
+    with pytest.warns(ConfigWarning, match="compile: got true with sharded_logits_input: true"):
+        CorrectedPGLoss({"compile": True, "sharded_logits_input": True})

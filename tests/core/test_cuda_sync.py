@@ -1,6 +1,6 @@
 """GPU lane: on CUDA the loss makes no host sync beyond its one metric transfer.
 
-fp32 and bf16 log-probs, eager and with the compiled core (``NEMO_RS_COMPILE=1``).
+fp32 and bf16 log-probs, eager and with the compiled core (``compile: true``).
 
 Skipped without a GPU (CI has none); run it where one is available.
 """
@@ -58,7 +58,7 @@ def cuda_batch(dtype):
 
 
 def syncs_of_one_call(loss_fn, lp, data, gvs, gvt):
-    loss_fn(lp, data, gvs, gvt)  # warm-up (and, with NEMO_RS_COMPILE=1, compilation)
+    loss_fn(lp, data, gvs, gvt)  # warm-up (and, with compile: true, compilation)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -77,8 +77,7 @@ def syncs_of_one_call(loss_fn, lp, data, gvs, gvt):
 @pytest.mark.parametrize(
     "cfg", [{}, FULL, PEER_MODES, PEER_MODES_SEQUENCE], ids=["plain", "full", "peer-modes", "peer-modes-sequence"]
 )
-def test_single_host_sync_on_cuda(cfg, dtype, monkeypatch):
-    monkeypatch.delenv("NEMO_RS_COMPILE", raising=False)
+def test_single_host_sync_on_cuda(cfg, dtype):
     syncs, metrics = syncs_of_one_call(CorrectedPGLoss(cfg), *cuda_batch(dtype))
     assert len(syncs) == 1, syncs
     if dtype == torch.bfloat16:  # computed in float32: same metrics as from float32 inputs
@@ -95,10 +94,7 @@ def cuda_batch_from_bf16():
     return lp, data, gvs, gvt
 
 
-def test_single_host_sync_on_cuda_compiled(monkeypatch):
-    """The compiled core (NEMO_RS_COMPILE=1) keeps the one transfer, outside the graph."""
-    from nemo_rs_plugin.core import compiled
-
-    monkeypatch.setenv(compiled.COMPILE_ENV, "1")
-    syncs, _ = syncs_of_one_call(CorrectedPGLoss(FULL), *cuda_batch(torch.float32))
+def test_single_host_sync_on_cuda_compiled():
+    """The compiled core (``compile: true``) keeps the one transfer, outside the graph."""
+    syncs, _ = syncs_of_one_call(CorrectedPGLoss({**FULL, "compile": True}), *cuda_batch(torch.float32))
     assert len(syncs) == 1, syncs
