@@ -11,7 +11,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-__all__ = ["RejectionFilter"]
+__all__ = ["AGGS_FOR_METRIC", "RejectionFilter"]
 
 FilterLevel = Literal["token", "sequence"]
 FilterMetric = Literal["ratio", "kl_k1", "kl_k2", "kl_k3", "mult_prob_error", "binary_kl", "total_variation"]
@@ -22,7 +22,7 @@ FilterLogRatio = Literal["prev-gen", "gen-prev", "curr-gen", "curr-prev"]
 # well defined; every other statistic aggregates arithmetically (mean, sum, max), as in
 # VERL/AReaL/OpenRLHF/NeMo-RL.
 _ARITHMETIC_AGGS = ("mean", "sum", "max")
-_AGGS_FOR_METRIC: dict[str, tuple[str, ...]] = {
+AGGS_FOR_METRIC: dict[str, tuple[str, ...]] = {
     "ratio": ("mean", "sum", "max", "min", "any"),
     "kl_k1": _ARITHMETIC_AGGS,
     "kl_k2": _ARITHMETIC_AGGS,
@@ -140,7 +140,7 @@ def _filter_problems(f: RejectionFilter) -> list[str]:
     if f.level == "token" and f.agg is not None:
         problems.append(f"agg: got {f.agg!r} on a token filter; agg is only allowed with level: sequence")
     if f.level == "sequence" and f.agg is not None:
-        allowed = _AGGS_FOR_METRIC[f.metric]
+        allowed = AGGS_FOR_METRIC[f.metric]
         if f.agg not in allowed:
             problems.append(f"agg: got {f.agg!r} with metric {f.metric!r}; allowed: {', '.join(allowed)}")
     return problems

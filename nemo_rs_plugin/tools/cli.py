@@ -207,9 +207,9 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def _cmd_reference(args: argparse.Namespace) -> int:
-    from nemo_rs_plugin.tools.reference import render_reference
+    from nemo_rs_plugin.tools.reference import render_metrics_table, render_reference
 
-    sys.stdout.write(render_reference())
+    sys.stdout.write(render_metrics_table() + "\n" if args.metrics else render_reference())
     return 0
 
 
@@ -262,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_cmd_recipes)
 
     f = sub.add_parser("reference", help="print the configuration reference (Markdown)")
+    f.add_argument("--metrics", action="store_true", help="print the guide's table of the metrics the plugin adds")
     f.set_defaults(func=_cmd_reference)
 
     sub.add_parser("lab", help="GRPO on a tiny MoE with a real sampler/trainer mismatch (docs/lab.md)", add_help=False)
