@@ -56,29 +56,29 @@ MUTANTS: list[Mutant] = [
     # ---- sequence aggregations
     Mutant(
         CF,
-        "reject = out_of_bounds(s.total / (count + EPS), lo, hi)",
-        "reject = out_of_bounds(s.total / (count + 1.0), lo, hi)",
+        "stat = s.total / (s.count + EPS)",
+        "stat = s.total / (s.count + 1.0)",
         "agg mean (Geo-RS) divides the log-ratio sum by n + 1",
     ),
     Mutant(
         CF,
-        "reject = out_of_bounds(s.maximum, lo, hi)",
-        "reject = out_of_bounds(s.maximum, None, hi)",
-        "agg max ignores its lower bound",
+        "        stat = s.maximum",
+        "        stat = s.total",
+        "agg max compares the sum of the tokens' statistics",
     ),
     Mutant(
         CF,
-        "reject = out_of_bounds(-s.negated_minimum, lo, hi)",
-        "reject = out_of_bounds(s.negated_minimum, lo, hi)",
+        "stat = -s.negated_minimum",
+        "stat = s.negated_minimum",
         "agg min compares the negated minimum",
     ),
     Mutant(
         CF,
-        "reject = above | out_of_bounds(-s.negated_minimum, lo, None)",
-        "reject = above",
+        "reject = out_of_bounds(high, None, hi) | out_of_bounds(low, lo, None)",
+        "reject = out_of_bounds(high, None, hi)",
         "agg any checks only the largest token (a low-side outlier passes)",
     ),
-    Mutant(CF, "return reject & (count > 0)", "return reject", "a sequence with no token left can be rejected"),
+    Mutant(CF, "return reject & (s.count > 0)", "return reject", "a sequence with no token left can be rejected"),
     Mutant(
         CF,
         "reject = reject | (s.nonfinite > 0)",
@@ -266,9 +266,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         IN,
-        "return not math.isfinite(count) or count < 0 or (count == 0 and out[local] > 0)",
+        "return not math.isfinite(count) or count < 0 or below_own",
         "return not math.isfinite(count) or count < 0",
-        "a zero global count while the microbatch has valid units is accepted (loss ~1e9)",
+        "a global count below the microbatch's own, 0 included, is accepted (loss ~1e9 at 0)",
     ),
     # ---- the metric set: masked totals, normalisation, extrema
     Mutant(
@@ -465,7 +465,7 @@ MUTANTS: list[Mutant] = [
         "batch totals never reduced over the data-parallel group",
     ),
     Mutant(
-        "nemo_rs_plugin/core/config.py",
+        "nemo_rs_plugin/core/config_problems.py",
         "        if len(where) > 1",
         "        if len(where) > 2",
         "two filters with one label are accepted (their metrics overwrite each other)",
@@ -475,6 +475,31 @@ MUTANTS: list[Mutant] = [
         "ratio_mask = masks.token_mask * masks.inputs_finite * (1.0 - masks.valid_bin + alive)",
         "ratio_mask = masks.token_mask * masks.inputs_finite",
         "GSPO ratio keeps the tokens a token filter rejected",
+    ),
+    # ---- bands from measured log-probs, and the warning when rejection eats the batch
+    Mutant(
+        "nemo_rs_plugin/core/correction/calibration.py",
+        "k = math.floor(per_side * low_values.numel() + 1e-9)",
+        "k = math.floor(per_side * low_values.numel() + 1e-9) + 1",
+        "the calibrated band rejects one unit more than the target on each side",
+    ),
+    Mutant(
+        "nemo_rs_plugin/core/correction/calibration.py",
+        "        if widen_only:",
+        "        if False:",
+        "calibration narrows a band below the template's (a near-zero mismatch gives [1.000, 1.000])",
+    ),
+    Mutant(
+        "nemo_rs_plugin/core/health.py",
+        "        if share <= self.threshold:",
+        "        if share < 2 * self.threshold:",
+        "the run-time warning waits for twice the unhealthy share",
+    ),
+    Mutant(
+        "nemo_rs_plugin/core/correction/filters.py",
+        'metrics.add_total(DROPPED_SEQUENCES, dropped @ sample_mask, "none", "replicated")',
+        'metrics.add_total(DROPPED_SEQUENCES, 0 * dropped @ sample_mask, "none", "replicated")',
+        "the run-time monitor never sees a dropped sequence",
     ),
     # ---- equivalent
     Mutant(
