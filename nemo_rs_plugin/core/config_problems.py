@@ -261,6 +261,11 @@ def format_validation_error(exc: ValidationError) -> list[str]:
             # the list position for rejection filters.
             for line in msg.split("\n"):
                 lines.append(f"{loc}: {line}" if loc and not line.startswith(loc) else line)
+        elif err["loc"] == ("rejection_sampling",) and err["type"] in ("tuple_type", "list_type"):
+            lines.append(
+                f"{loc}: got {err.get('input')!r}; allowed: a list of stages (in YAML, start each stage "
+                "with '- ', e.g. '- {level: sequence, agg: mean, lower: 0.99, upper: 1.01}')"
+            )
         else:
             lines.append(f"{loc}: got {err.get('input')!r}; {msg}")
     return lines

@@ -61,6 +61,11 @@ class LossInputs:
         an error, as in NeMo-RL's ``ClippedPGLossFn`` (which slices ``[:, 1:]`` too), not
         broadcast.
         """
+        if not (hasattr(data, "keys") and hasattr(data, "__getitem__")):
+            raise TypeError(
+                f"data: got {type(data).__name__}; expected NeMo-RL's data dict (a mapping of [B, S] tensors: "
+                "advantages, prev_logprobs, generation_logprobs, token_mask, sample_mask, ...)"
+            )
         lp_shape = tuple(getattr(next_token_logprobs, "shape", ()))
         want = f"({lp_shape[0]}, {lp_shape[1] + 1})" if len(lp_shape) == 2 else "[B, S]"
 

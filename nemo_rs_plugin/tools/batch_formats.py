@@ -56,6 +56,8 @@ def load_batch(path: str) -> dict[str, torch.Tensor]:
         BatchFormatError: one line naming the file, the record (line) and the field.
     """
     p = Path(path)
+    if p.is_dir():
+        raise BatchFormatError(f"{path}: is a directory; name a JSONL or torch file")
     if not p.is_file():
         raise BatchFormatError(f"{path}: no such file")
     if p.suffix in TORCH_SUFFIXES:

@@ -79,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
     problems: list[str] = []
     if not (math.isfinite(args.target) and 0.0 <= args.target < 1.0):
         problems.append(f"--target: got {args.target}; allowed: 0 <= target < 1 (a share, e.g. 0.05)")
+    if args.json:
+        from nemo_rs_plugin.tools.report import output_problems
+
+        problems += output_problems("--json", args.json)
     templates = _templates(args, problems)
     filters, batch = [], None
     if not problems:

@@ -288,10 +288,16 @@ def _warn(
 def _warn_rejection(report: CheckReport, config: RSClippedPGLossConfig, mismatch: float, tokens: int) -> None:
     """Estimate the rejection at the recipe's response length; warn above the unhealthy share."""
     from nemo_rs_plugin.core.health import UNHEALTHY_SEQ_REJECTION
-    from nemo_rs_plugin.tools.simulate import MismatchModel, loss_metrics, synthetic_batch
+    from nemo_rs_plugin.tools.simulate import MAX_SYNTHETIC_TOKENS, MismatchModel, loss_metrics, synthetic_batch
 
     length = max(16, tokens)
     responses = max(16, min(_ESTIMATE_RESPONSES, _ESTIMATE_TOKENS // length))
+    if responses * length > MAX_SYNTHETIC_TOKENS:
+        report.warnings.append(
+            f"rejection not estimated: responses of up to {length} tokens are too long to simulate here "
+            f"(at most {MAX_SYNTHETIC_TOKENS // 16}); pass --response-tokens with a typical length"
+        )
+        return
     model = MismatchModel(responses=responses, length=length, mismatch=mismatch, seed=1)
     fields = config.model_dump()
     fields.update(name=None, reference_policy_kl_penalty=0.0, sharded_logits_input=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -63,9 +64,25 @@ def _simulate_problems(args: argparse.Namespace) -> list[str]:
             if not math.isfinite(v) or v < 0 or (upper is not None and v > upper):
                 allowed = f"a number in [0, {upper:g}]" if upper is not None else "a finite number >= 0"
                 problems.append(f"{SYNTHETIC_OPTIONS[dest][0]}: got {v}; allowed: {allowed}")
-    for flag, path in (("--csv", args.csv), ("--json", args.json), ("--plot", args.plot)):
-        if path:
-            problems += output_problems(flag, path)
+        tokens = args.responses * args.length
+        if args.length > sim.MAX_SYNTHETIC_TOKENS or tokens > sim.MAX_SYNTHETIC_TOKENS:
+            problems.append(
+                f"--responses x --length: got {args.responses} x {args.length} = {tokens} tokens; allowed: at most "
+                f"{sim.MAX_SYNTHETIC_TOKENS} (the batch lives in memory, several float32 copies of it)"
+            )
+    outputs = [
+        (flag, path) for flag, path in (("--csv", args.csv), ("--json", args.json), ("--plot", args.plot)) if path
+    ]
+    for flag, path in outputs:
+        problems += output_problems(flag, path)
+        if args.from_file and os.path.abspath(path) == os.path.abspath(args.from_file):
+            problems.append(f"{flag} {path}: is the --from file; writing it would destroy your log-probs")
+    for i, (flag, path) in enumerate(outputs):
+        problems += [
+            f"{flag} and {other}: both name {path}; one would overwrite the other"
+            for other, p in outputs[i + 1 :]
+            if os.path.abspath(p) == os.path.abspath(path)
+        ]
     if args.plot:
         problems += sim.plot_problems(args.plot)
     return problems
@@ -129,13 +146,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from nemo_rs_plugin.tools import simulate as sim
     from nemo_rs_plugin.tools.check import check_recipe
 
     problems = []
     if not math.isfinite(args.mismatch) or args.mismatch < 0:
         problems.append(f"--mismatch: got {args.mismatch}; allowed: a finite number >= 0")
-    if args.response_tokens is not None and args.response_tokens < 1:
-        problems.append(f"--response-tokens: got {args.response_tokens}; must be at least 1")
+    if args.response_tokens is not None and not 1 <= args.response_tokens <= sim.MAX_SYNTHETIC_TOKENS // 16:
+        problems.append(
+            f"--response-tokens: got {args.response_tokens}; allowed: 1 to {sim.MAX_SYNTHETIC_TOKENS // 16} "
+            "(the rejection estimate simulates 16 responses of that length)"
+        )
     for line in problems:
         print(f"error: {line}", file=sys.stderr)
     if problems:
@@ -179,6 +200,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_recipes(args: argparse.Namespace) -> int:
     from nemo_rs_plugin.tools.recipes import export_problems, export_recipes, list_recipes, recipe_description
 
+    if args.out == "":
+        print("error: --out: got an empty path; name a directory", file=sys.stderr)
+        return EXIT_INVALID
+    if args.force and not args.out:
+        print("error: --force: without --out it has nothing to overwrite; add --out DIR", file=sys.stderr)
+        return EXIT_INVALID
     if args.nemo_rl and not args.out:
         print(
             f"error: --nemo-rl: got {args.nemo_rl} without --out; it rewrites exported recipes: "

@@ -162,6 +162,23 @@ def settings_problems(s: LabSettings, args: argparse.Namespace) -> list[str]:
         problems.append(f"--workers: got {args.workers}; must be at least 1")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         problems.append(f"--out: got {args.out}; it is a file: name a directory (it is created if missing)")
+    else:
+        existing = os.path.abspath(args.out)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+            problems.append(f"--out: got {args.out}; {existing} is not a writable directory, so it cannot be created")
+    responses = s.prompts * s.group
+    counts_valid = s.prompts >= 1 and s.group >= 2 and s.minibatches >= 1  # else reported above
+    if counts_valid and s.minibatches > responses:
+        problems.append(
+            f"--minibatches: got {s.minibatches}; at most the {responses} responses of a step (--prompts x --group)"
+        )
+    elif counts_valid and s.microbatches > responses // s.minibatches:
+        problems.append(
+            f"--microbatches: got {s.microbatches}; at most the {responses // s.minibatches} responses of a "
+            "minibatch (--prompts x --group / --minibatches)"
+        )
     return problems
 
 

@@ -68,6 +68,11 @@ DEFAULT_CONFIGS: dict[str, dict] = {
 }
 
 
+#: The synthetic batch's size limit in tokens: 64M is ~256 MiB per float32 copy, and the loss holds
+#: several copies at once (``simulate`` and ``check``'s estimate refuse more, before allocating).
+MAX_SYNTHETIC_TOKENS = 1 << 26
+
+
 @dataclass
 class MismatchModel:
     """Parameters of the synthetic mismatch (defaults: NeMo-RL PR #2269's situation)."""

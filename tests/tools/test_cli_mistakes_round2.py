@@ -1,0 +1,73 @@
+"""Guards the fixes of a second round of user mistakes (tracebacks and silent results).
+
+Each case was a traceback or a silently wrong result before: sizes too large to allocate,
+outputs that cannot be written or that would overwrite the input or each other, a directory
+given as a file, flags that did nothing, lab counts beyond the batch, the Python API's data
+given as a list, and pydantic's "valid tuple" wording for a mapping where stages go.
+"""
+
+import json
+
+import pytest
+import torch
+
+from nemo_rs_plugin import CorrectedPGLoss
+from nemo_rs_plugin.core.config import ConfigError
+from nemo_rs_plugin.tools.cli import main
+
+RECIPE = "recipes/grpo-qwen3-30ba3b-4n8g-megatron-tp4ep8-32k-rs.yaml"
+
+
+@pytest.fixture
+def dump(tmp_path):
+    path = tmp_path / "dump.jsonl"
+    path.write_text(json.dumps({"prev_logprobs": [-1.0, -0.5], "generation_logprobs": [-1.1, -0.4]}) + "\n")
+    return str(path)
+
+
+def one_error(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+
+
+def test_sizes_too_large_to_simulate_are_refused_before_allocating(capsys):
+    one_error(capsys, ["simulate", "--length", "1000000000"], "--responses x --length: got 16 x 1000000000")
+    one_error(capsys, ["check", RECIPE, "--response-tokens", "1000000000"], "--response-tokens: got 1000000000")
+
+
+def test_outputs_that_would_destroy_the_input_or_each_other(capsys, dump, tmp_path):
+    one_error(capsys, ["simulate", "--from", dump, "--csv", dump], "is the --from file")
+    out = str(tmp_path / "o.csv")
+    one_error(capsys, ["simulate", "--from", dump, "--csv", out, "--json", out], "both name")
+
+
+def test_calibrate_json_is_checked_before_the_work(capsys, dump, tmp_path):
+    one_error(capsys, ["calibrate", "--from", dump, "--json", str(tmp_path)], "is a directory")
+    one_error(capsys, ["calibrate", "--from", dump, "--json", str(tmp_path / "no" / "b.json")], "does not exist")
+
+
+def test_a_directory_given_as_the_dump(capsys, tmp_path):
+    one_error(capsys, ["simulate", "--from", str(tmp_path)], "is a directory; name a JSONL or torch file")
+
+
+def test_recipes_flags_that_did_nothing(capsys):
+    one_error(capsys, ["recipes", "--force"], "--force: without --out")
+    one_error(capsys, ["recipes", "--out", ""], "--out: got an empty path")
+
+
+def test_lab_out_that_cannot_be_created_and_counts_beyond_the_batch(capsys, tmp_path):
+    afile = tmp_path / "f.txt"
+    afile.write_text("x")
+    one_error(capsys, ["lab", "--quick", "--out", str(afile / "sub")], "cannot be created")
+    out = str(tmp_path / "o")
+    one_error(capsys, ["lab", "--quick", "--out", out, "--minibatches", "100"], "--minibatches: got 100")
+    one_error(capsys, ["lab", "--quick", "--out", out, "--microbatches", "9"], "--microbatches: got 9")
+
+
+def test_api_data_as_a_list_and_stages_as_a_mapping():
+    with pytest.raises(TypeError, match="data: got list; expected NeMo-RL's data dict"):
+        CorrectedPGLoss({})(torch.zeros(2, 3), [{}], 1, 1)
+    with pytest.raises(ConfigError, match="allowed: a list of stages"):
+        CorrectedPGLoss({"rejection_sampling": {"level": "sequence", "upper": 1.01}})
