@@ -8,6 +8,7 @@ and a torch file in NeMo-RL's ``train_data`` layout. Every malformed input is on
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
@@ -27,6 +28,8 @@ class BatchFormatError(ValueError):
 _REQUIRED = ("prev_logprobs", "generation_logprobs")
 _JSONL_FIELDS = ("prev_logprobs", "generation_logprobs", "token_mask", "advantage")
 TORCH_SUFFIXES = (".pt", ".pth", ".torch")
+# The fields a torch file's dict is read for (NeMo-RL's train_data names).
+_TORCH_FIELDS = ("prev_logprobs", "generation_logprobs", "token_mask", "advantages", "sample_mask")
 
 
 def load_batch(path: str) -> dict[str, torch.Tensor]:
@@ -186,6 +189,10 @@ def _load_torch(p: Path) -> dict[str, torch.Tensor]:
         raise BatchFormatError(f"{p}: not a readable torch file ({first})") from None
     if not isinstance(raw, dict):
         raise BatchFormatError(f"{p}: expected a dict of tensors, got {type(raw).__name__}")
+    for key in raw:  # other keys are ignored (train_data holds many), but not a misspelt one we read
+        close = difflib.get_close_matches(str(key), _TORCH_FIELDS, n=1, cutoff=0.85)
+        if close and key not in _TORCH_FIELDS:
+            raise BatchFormatError(f"{p}: field {key!r} is not read; did you mean {close[0]!r}?")
     for key in _REQUIRED:
         if key not in raw:
             raise BatchFormatError(f"{p}: field {key!r} is missing")

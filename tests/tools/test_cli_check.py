@@ -360,7 +360,11 @@ def test_shorthand_without_defaults_is_fine(tmp_path, capsys, no_nemo_rl):
     [
         (["--mismatch", "-0.01"], "--mismatch: got -0.01; allowed: a finite number >= 0"),
         (["--mismatch", "nan"], "--mismatch: got nan; allowed: a finite number >= 0"),
-        (["--response-tokens", "0"], "--response-tokens: got 0; allowed: 1 to 4194304"),
+        (
+            ["--response-tokens", "0"],
+            "--response-tokens: got 0; allowed: 1 to 4194304 (the rejection estimate simulates 16 responses of "
+            "that length)",
+        ),
     ],
 )
 def test_bad_check_option_is_one_line(tmp_path, capsys, no_nemo_rl, args, needle):

@@ -71,3 +71,20 @@ def test_api_data_as_a_list_and_stages_as_a_mapping():
         CorrectedPGLoss({})(torch.zeros(2, 3), [{}], 1, 1)
     with pytest.raises(ConfigError, match="allowed: a list of stages"):
         CorrectedPGLoss({"rejection_sampling": {"level": "sequence", "upper": 1.01}})
+
+
+def test_a_duplicate_key_in_a_recipe_is_refused(capsys, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "loss_fn:\n  name: rs_clipped_pg\n  is_correction_level: sequence\n  is_correction_level: sequence_mean\n"
+    )
+    one_error(capsys, ["check", str(recipe)], "duplicate key 'is_correction_level'")
+
+
+def test_a_misspelt_field_of_a_torch_dump_is_refused(capsys, tmp_path):
+    path = tmp_path / "s.pt"
+    torch.save(
+        {"prev_logprobs": -torch.rand(2, 5), "generation_logprobs": -torch.rand(2, 5), "token_masks": torch.ones(2, 5)},
+        path,
+    )
+    one_error(capsys, ["simulate", "--from", str(path)], "field 'token_masks' is not read; did you mean 'token_mask'?")
