@@ -88,3 +88,14 @@ def test_a_misspelt_field_of_a_torch_dump_is_refused(capsys, tmp_path):
         path,
     )
     one_error(capsys, ["simulate", "--from", str(path)], "field 'token_masks' is not read; did you mean 'token_mask'?")
+
+
+def test_a_merge_key_may_override_what_it_merges(capsys, tmp_path):
+    """``<<: *anchor`` then an explicit key is YAML's override, not a duplicate (NeMo-RL's configs use it)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "base: &base {ratio_clip_min: 0.2, ratio_clip_max: 0.2}\n"
+        "loss_fn:\n  <<: *base\n  name: rs_clipped_pg\n  ratio_clip_max: 0.28\n"
+    )
+    main(["check", str(recipe)])
+    assert "duplicate key" not in capsys.readouterr().err
