@@ -117,7 +117,6 @@ _METRIC_PROBES = (
         "rejection_sampling": [{"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.9, "upper": 1.1}],
     },
 )
-_NORMALIZATION_WORDS = {"tokens": "tokens", "sequences": "sequences", "none": "none"}
 
 
 def declared_metrics() -> list[dict[str, str]]:
@@ -141,7 +140,7 @@ def _normalization_text(names: tuple[str, ...], declared: list[dict[str, str]]) 
         if len(set(per_probe)) > 1:
             text = "per unit"
         elif per_probe:
-            text = _NORMALIZATION_WORDS[per_probe[0]]
+            text = per_probe[0]
         else:
             raise KeyError(f"metric {name!r}: no probe configuration declares it")
         if text not in seen:

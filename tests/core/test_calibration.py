@@ -83,7 +83,6 @@ def test_a_later_stage_sees_only_tokens_the_calibrated_token_stage_kept():
     stages = calibrate_filters(
         [RejectionFilter(**presets.TOKEN_MIS), RejectionFilter(**presets.GEO_RS)], prev, gen, torch.ones(B, T), 0.1
     )
-    kept = (prev - gen).abs() <= 0  # placeholder shape
     lo, hi = math.log(stages[0].filter.lower), math.log(stages[0].filter.upper)
     d = prev - gen
     kept = (d >= lo) & (d <= hi)
