@@ -4,13 +4,15 @@ Everything here runs before the loss math: slicing NeMo-RL's ``[B, S]`` data dic
 next-token positions and checking shapes and dtypes (:class:`LossInputs`); replacing
 non-finite entries by 0 and building the token masks (:func:`sanitize_inputs`); the global
 counts and their checks, decided on the host with the one transfer of the metrics
-(:func:`global_counts`, :func:`check_global_counts`). See: docs/guide.md#non-finite-inputs
+(:func:`global_counts`, :func:`check_global_counts`, :func:`check_logprob_signs`).
+See: docs/guide.md#non-finite-inputs
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -22,7 +24,9 @@ from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
 __all__ = [
     "LossInputs",
     "SanitizedInputs",
+    "POSITIVE_LOGPROB_SLACK",
     "check_global_counts",
+    "check_logprob_signs",
     "global_counts",
     "nonfinite_metrics",
     "sanitize_inputs",
@@ -285,6 +289,54 @@ def nonfinite_metrics(metrics: MetricSet, masks: TokenMasks, nonfinite: Any, inp
     metrics.add_masked_totals(names, nonfinite, masks.valid_bin, "none", "sum")
     if "reference" not in inputs:
         metrics.derive(_NONFINITE_COUNTS["reference"], "none", lambda out: 0.0)
+
+
+#: Log-probs above this are not log-probs (rounding of a fused log-softmax stays far below it).
+POSITIVE_LOGPROB_SLACK = 1e-3
+# SanitizedInputs field -> the data-dict key (or argument) it came from, for the warning.
+_LOGPROB_SOURCES = (
+    ("curr", "next_token_logprobs"),
+    ("prev", "prev_logprobs"),
+    ("gen", "generation_logprobs"),
+    ("reference", "reference_policy_logprobs"),
+)
+
+
+class InputWarning(UserWarning):
+    """Inputs the loss accepts (NeMo-RL's loss does too) that are almost surely a caller's mistake."""
+
+
+def check_logprob_signs(metrics: MetricSet, clean: SanitizedInputs, force_on_policy: bool) -> None:
+    """Warn when a log-prob input is positive on a valid token (beyond ``POSITIVE_LOGPROB_SLACK``).
+
+    ``log p <= 0``: a positive value is a probability passed as a log-prob, or a flipped sign,
+    and the weights ``exp(d)`` it feeds are then meaningless without any error. Counted on the
+    device (one masked total per input), decided on the host with the one metrics transfer.
+    A warning, not an error: NeMo-RL's loss accepts any real number (its own tests feed
+    ``randn`` log-probs), and this loss stays a drop-in for it. Shown once per input and place
+    (Python's default warning filter; the text names the input, not the count).
+    """
+    skip = ("prev",) if force_on_policy else ()  # prev is curr then: one warning, for the input given
+    present = [
+        (key, t) for field, key in _LOGPROB_SOURCES if field not in skip and (t := getattr(clean, field)) is not None
+    ]
+    names = [f"_positive_{key}_count" for key, _ in present]
+    rows = [(t.detach() > POSITIVE_LOGPROB_SLACK).to(clean.masks.valid_bin.dtype) for _, t in present]
+    metrics.add_masked_totals(names, rows, clean.masks.valid_bin, "none", "sum")
+
+    def warn_if_positive(out: dict) -> bool:  # a check that never fails: it only warns
+        for (key, _), name in zip(present, names):
+            if out[name] > 0:
+                warnings.warn(
+                    f"{key}: log-probs above 0 on valid tokens; log-probs are <= 0 (were probabilities "
+                    "or negated log-probs passed?): the importance weights and ratios built from them "
+                    "are meaningless",
+                    InputWarning,
+                    stacklevel=4,
+                )
+        return False
+
+    metrics.check(warn_if_positive, lambda out: AssertionError("unreachable"))
 
 
 def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -33,6 +33,7 @@ from nemo_rs_plugin.core.inputs import (
     LossInputs,
     SanitizedInputs,
     check_global_counts,
+    check_logprob_signs,
     global_counts,
     nonfinite_metrics,
     sanitize_inputs,
@@ -210,6 +211,7 @@ class CorrectedPGLoss:
 
         terms = self._loss_terms(clean, corr, self._aggregation(counts, corr, masks, groups), x.rewards)
         check_global_counts(metrics, counts, masks)
+        check_logprob_signs(metrics, clean, cfg.force_on_policy_ratio)
         # Metrics average over valid tokens whose inputs are all finite; without filters these
         # are exactly the tokens that reach the loss.
         loss_tokens = corr.loss_tokens

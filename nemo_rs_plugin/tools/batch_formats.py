@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import torch
 
+from nemo_rs_plugin.core.inputs import POSITIVE_LOGPROB_SLACK
+
 __all__ = ["BatchFormatError", "TORCH_SUFFIXES", "load_batch"]
 
 
@@ -72,10 +74,6 @@ def load_batch(path: str) -> dict[str, torch.Tensor]:
         raise BatchFormatError(f"{p}: no valid token in any sequence (every one is empty or masked)")
     _check_values(p, batch, valid != 0, lines)
     return batch
-
-
-#: Log-probs above this are not log-probs (rounding of a fused kernel stays far below it).
-POSITIVE_LOGPROB_SLACK = 1e-3
 
 
 def _check_values(p: Path, batch: dict, valid: torch.Tensor, lines: Optional[list[int]]) -> None:

@@ -1,11 +1,15 @@
 """A ``token_mask`` that is not 0/1, and a ``global_valid_toks`` smaller than the
-microbatch's own valid tokens, are errors naming the input and the value, decided on the one host
-transfer of the metrics (no extra sync: tests/core/test_cuda_sync.py counts them on a GPU)."""
+microbatch's own valid tokens, are errors naming the input and the value; positive log-probs
+(probabilities passed as log-probs) are a warning naming the input. All are decided on the one
+host transfer of the metrics (no extra sync: tests/core/test_cuda_sync.py counts them on a GPU)."""
+
+import warnings
 
 import pytest
 import torch
 
 from nemo_rs_plugin import CorrectedPGLoss
+from nemo_rs_plugin.core.inputs import InputWarning
 from tests.conftest import make_batch
 from tests.core.test_inputs import FULL
 
@@ -68,3 +72,58 @@ def test_the_split_api_placeholder_one_passes():
     loss_one, _ = CorrectedPGLoss({})(lp, data, torch.tensor(1.0), torch.tensor(1.0))
     loss_own, _ = CorrectedPGLoss({})(lp, data, gvs, gvt)
     assert loss_one.item() == pytest.approx(loss_own.item() * gvt.item(), rel=1e-5)
+
+
+def logprob_batch(B=4, T=8):
+    """Log-probs well below 0 (at most -0.5 before noise): none positive by chance."""
+    torch.manual_seed(0)
+    prev = -0.5 - torch.rand(B, T)
+    token_mask = torch.ones(B, T)
+    token_mask[2, 5:] = 0
+    return make_batch(
+        prev + 0.05 * torch.randn(B, T),
+        prev,
+        prev + 0.1 * torch.randn(B, T),
+        advantages=torch.randn(B, T),
+        token_mask=token_mask,
+    )
+
+
+def positive_logprob_warnings(cfg, **replace):
+    lp, data, gvs, gvt = logprob_batch()
+    for key, value in replace.items():
+        if key == "next_token_logprobs":
+            lp = value(lp)
+        else:
+            data[key] = value(data[key])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
+    return [str(w.message) for w in caught if issubclass(w.category, InputWarning)]
+
+
+@pytest.mark.parametrize(
+    "key", ["next_token_logprobs", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs"]
+)
+def test_probabilities_passed_as_logprobs_warn_naming_the_input(key):
+    messages = positive_logprob_warnings(FULL, **{key: torch.exp})  # p = exp(log p) in (0, 1]
+    assert len(messages) == 1 and messages[0].startswith(f"{key}: log-probs above 0 on valid tokens"), messages
+
+
+def test_logprobs_at_most_zero_or_positive_only_where_masked_do_not_warn():
+    lp, data, gvs, gvt = logprob_batch()
+    assert positive_logprob_warnings(FULL) == []
+    masked = data["token_mask"] == 0
+    assert masked.any()
+
+    def positive_where_masked(t):
+        return torch.where(masked, torch.ones_like(t), t)
+
+    assert positive_logprob_warnings(FULL, generation_logprobs=positive_where_masked) == []
+    # rounding of a fused log-softmax (log p = +1e-6 for p = 1) is not a mistake
+    assert positive_logprob_warnings(FULL, prev_logprobs=lambda t: torch.full_like(t, 1e-6)) == []
+
+
+def test_forced_on_policy_warns_once_for_the_current_logprobs():
+    messages = positive_logprob_warnings({"force_on_policy_ratio": True}, next_token_logprobs=torch.exp)
+    assert [m.split(":")[0] for m in messages] == ["next_token_logprobs"], messages
