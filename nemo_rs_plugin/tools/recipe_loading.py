@@ -4,8 +4,10 @@ With NeMo-RL importable (``--nemo-rl PATH`` puts a checkout on the path) the rec
 through NeMo-RL's own ``load_config`` (``defaults`` inheritance) and ``parse_hydra_overrides``.
 Without it, the plugin reads the YAML, resolves ``defaults`` relative to each file where the
 files exist, and applies Hydra-style overrides (``a.b=v``, ``+a.b=v``, ``++a.b=v``, ``~a.b``)
-itself. Problems are one line each in ``report.errors``; what could not be loaded the way
-NeMo-RL loads it is in ``report.unchecked``; nothing raises.
+itself, and resolves ``${...}`` interpolations with OmegaConf where it is importable (an
+interpolation it cannot resolve, e.g. one of NeMo-RL's own resolvers, leaves that field
+unchecked rather than refused). Problems are one line each in ``report.errors``; what could not
+be loaded the way NeMo-RL loads it is in ``report.unchecked``; nothing raises.
 """
 
 from __future__ import annotations
@@ -374,4 +376,58 @@ def _load_without_nemo_rl(load_path: str, path: str, overrides: list[str], repor
             _apply_override(cfg, o)
         except OverrideError as exc:
             report.errors.append(str(exc))
-    return None if report.errors else cfg
+    if report.errors:
+        return None
+    _resolve_interpolations(cfg, report)
+    return cfg
+
+
+def _interpolated_leaves(node: Any, path: tuple = ()) -> list[tuple]:
+    """Paths (tuples of keys / indices) of the string leaves holding a ``${...}`` interpolation."""
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _interpolated_leaves(v, path + (k,))]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _interpolated_leaves(v, path + (i,))]
+    return [path] if isinstance(node, str) and "${" in node else []
+
+
+def _resolve_interpolations(cfg: dict, report: LoadReport) -> None:
+    """Replace each ``${...}`` leaf of ``cfg`` by its value, in place, as NeMo-RL's OmegaConf would.
+
+    Without OmegaConf, or for an interpolation it cannot resolve here (a resolver NeMo-RL
+    registers, a key only NeMo-RL's loading adds), the leaf is removed and listed as not
+    checked: refusing ``ratio_clip_max: ${loss_fn.ratio_clip_min}`` as "a string" would be wrong.
+    """
+    leaves = _interpolated_leaves(cfg)
+    if not leaves:
+        return
+    try:
+        from omegaconf import OmegaConf
+
+        container = OmegaConf.create(cfg)
+    except Exception:  # noqa: BLE001 - no OmegaConf (or it refuses the data): leave them unchecked
+        container = None
+    resolved: dict[tuple, Any] = {}
+    for path in leaves:
+        try:
+            node = container
+            for key in path:
+                node = node[key]  # reading a node resolves its interpolation
+            if isinstance(node, str) and "${" in node:
+                raise ValueError("unresolved")
+            resolved[path] = node
+        except Exception:  # noqa: BLE001 - any failure: this leaf is not checked
+            resolved[path] = None
+    for path, value in resolved.items():
+        parent = cfg
+        for key in path[:-1]:
+            parent = parent[key]
+        dotted = ".".join(str(k) for k in path)
+        if value is None:
+            report.unchecked.append(
+                f"{dotted}: the interpolation {parent[path[-1]]} does not resolve without NeMo-RL "
+                f"(its resolvers and loading); {HOW_TO_CHECK}"
+            )
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = value

@@ -99,3 +99,35 @@ def test_a_merge_key_may_override_what_it_merges(capsys, tmp_path):
     )
     main(["check", str(recipe)])
     assert "duplicate key" not in capsys.readouterr().err
+
+
+def test_an_interpolation_is_resolved_or_left_unchecked_never_refused(capsys, tmp_path, monkeypatch):
+    """``${...}`` is OmegaConf's (NeMo-RL loads recipes with it); without NeMo-RL, check must not call it a string."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "loss_fn:\n  name: rs_clipped_pg\n  ratio_clip_min: 0.2\n  ratio_clip_max: ${loss_fn.ratio_clip_min}\n"
+        "  ratio_clip_c: ${mul:2,3}\n"
+    )
+    monkeypatch.setattr("nemo_rs_plugin.tools.recipe_loading._find_nemo_rl", lambda path, report: (False, None))
+    assert main(["check", str(recipe)]) == 3  # no error; not fully checked
+    err = capsys.readouterr().err
+    assert "error:" not in err and "a string" not in err, err
+    # NeMo-RL's own resolvers (mul) are not registered here: that field is named as not checked
+    assert "not checked: loss_fn.ratio_clip_c: the interpolation ${mul:2,3} does not resolve" in err, err
+    omegaconf = pytest.importorskip("omegaconf", reason="without OmegaConf every interpolation stays unchecked")
+    assert omegaconf and "loss_fn.ratio_clip_max" not in err, err  # resolved to 0.2 by OmegaConf
+
+
+def test_doctor_names_a_venvs_directory_that_does_not_exist(tmp_path):
+    """Named even where NeMo-RL is absent (the worker check that reads --venvs never runs then)."""
+    import io
+
+    from nemo_rs_plugin.tools.doctor import run_checks
+
+    out = io.StringIO()
+    missing = tmp_path / "no-venvs"
+    assert run_checks(venvs=str(missing), out=out) >= 1
+    assert f"FAIL workers: --venvs {missing}: no such directory" in out.getvalue(), out.getvalue()
+    out = io.StringIO()
+    run_checks(venvs=str(tmp_path), out=out)  # an existing directory: no such line
+    assert "no such directory" not in out.getvalue()
