@@ -83,6 +83,15 @@ def test_wheel_from_the_sdist_has_the_hook_recipes_and_license(dists):
 
 
 @pytest.mark.slow
+def test_wheel_requires_numpy_so_that_import_torch_is_quiet(dists):
+    """torch's CPU wheels leave numpy out; without it every ``import torch`` (each nemo-rs
+    command) warns "Failed to initialize NumPy" on a fresh venv."""
+    with zipfile.ZipFile(dists["wheel"]) as wheel:
+        metadata = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+        requires = [line for line in wheel.read(metadata).decode().splitlines() if line.startswith("Requires-Dist:")]
+    assert any(line.split(":", 1)[1].strip().split(";")[0].strip() == "numpy" for line in requires), requires
+
+
 def test_wheel_installs_into_a_fresh_venv_and_activates(dists, tmp_path):
     python = _make_venv(tmp_path / "venv")
     proc = subprocess.run(
