@@ -13,7 +13,8 @@ Candidates, each forward + backward + the metrics' host transfer, on the inputs 
 Every row prints the median time over --repeats calls, measured round-robin (CUDA events on a
 GPU, wall clock on CPU), the peak memory one call allocates beyond its inputs
 (``torch.cuda.max_memory_allocated``; "n/a" on CPU), and both as ratios to the eager
-upstream-equivalent row of the same size. The compile time of each compiled configuration (its
+upstream-equivalent row of the same size, and the GPU kernels one call launches (the
+profiler's kernel events; "n/a" on CPU). The compile time of each compiled configuration (its
 first call) is printed once.
 
 Usage:
@@ -96,6 +97,23 @@ def one_call(fn, batch, device):
     return time.perf_counter() - t0, None
 
 
+def kernels_launched(fn, batch, device) -> int | None:
+    """GPU kernels one call launches (forward + backward + metrics transfer), from the profiler.
+
+    Counted as the profiler's kernel events on the device (memcpy/memset activities are not
+    kernels and are left out); ``None`` on CPU.
+    """
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    one_call(fn, batch, device)  # warm: no lazy initialisation in the count
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        one_call(fn, batch, device)
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(1 for e in gpu if "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+
+
 def measure(candidates: dict, batch, device, repeats: int) -> dict:
     """Median time and max peak memory per candidate, round-robin after two warm-up rounds."""
     times: dict = {name: [] for name in candidates}
@@ -176,14 +194,18 @@ def main(argv=None) -> int:
                     f"{kernels} generated kernels forward + backward"
                 )
         results = measure(candidates, batch, device, args.repeats)
+        launched = {name: kernels_launched(fn, batch, device) for name, fn in candidates.items()}
         base_t, base_m = results[BASE]
-        header = f"{'B x S':>9} | {'candidate':<28} | {'ms':>8} | {'time/base':>9} | {'peak MiB':>9} | mem/base"
+        header = (
+            f"{'B x S':>9} | {'candidate':<28} | {'ms':>8} | {'time/base':>9} | {'peak MiB':>9} | mem/base | kernels"
+        )
         print(header)
         print("-" * len(header))
         for name, (t, m) in results.items():
             mem = f"{m / 2**20:9.1f}" if m is not None else f"{'n/a':>9}"
             mem_ratio = f"{m / base_m:7.2f}x" if m is not None and base_m else "    n/a"
-            print(f"{size:>9} | {name:<28} | {t * 1e3:8.2f} | {t / base_t:8.2f}x | {mem} | {mem_ratio}")
+            k = launched[name] if launched[name] is not None else "n/a"
+            print(f"{size:>9} | {name:<28} | {t * 1e3:8.2f} | {t / base_t:8.2f}x | {mem} | {mem_ratio} | {k:>7}")
             rows.append(
                 {
                     "size": size,
@@ -192,6 +214,7 @@ def main(argv=None) -> int:
                     "time_ratio": t / base_t,
                     "peak_bytes": m,
                     "mem_ratio": (m / base_m) if m is not None and base_m else None,
+                    "kernels_launched": launched[name],
                 }
             )
         if HOST in results:

@@ -52,8 +52,9 @@ CONFIGS = {
 def make_batch(B: int, S: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     prev = -torch.rand(B, S, generator=g) * 2
-    gen = prev + 0.02 * torch.randn(B, S, generator=g)
-    curr = prev + 0.01 * torch.randn(B, S, generator=g)
+    # log-probs stay <= 0 (a positive one would be a caller's mistake the loss warns about)
+    gen = (prev + 0.02 * torch.randn(B, S, generator=g)).clamp(max=0)
+    curr = (prev + 0.01 * torch.randn(B, S, generator=g)).clamp(max=0)
     token_mask = torch.ones(B, S, dtype=torch.long)
     token_mask[:, : S // 16] = 0  # prompt
     for i in range(B):  # ragged response lengths
@@ -63,7 +64,7 @@ def make_batch(B: int, S: int, seed: int = 0):
         "advantages": torch.randn(B, 1, generator=g).expand(B, S).contiguous(),
         "prev_logprobs": prev,
         "generation_logprobs": gen * token_mask,
-        "reference_policy_logprobs": prev + 0.05 * torch.randn(B, S, generator=g),
+        "reference_policy_logprobs": (prev + 0.05 * torch.randn(B, S, generator=g)).clamp(max=0),
         "token_mask": token_mask,
         "sample_mask": torch.ones(B),
     }

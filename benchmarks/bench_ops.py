@@ -102,12 +102,12 @@ def make_inputs(B: int, S: int):
         "input_ids": torch.zeros(B, S, dtype=torch.long),
         "advantages": torch.randn(B, 1, generator=g).expand(B, S).contiguous(),
         "prev_logprobs": prev * token_mask,
-        "generation_logprobs": (prev + 0.01 * torch.randn(B, S, generator=g)) * token_mask,
+        "generation_logprobs": (prev + 0.01 * torch.randn(B, S, generator=g)).clamp(max=0) * token_mask,
         "reference_policy_logprobs": prev * token_mask,
         "token_mask": token_mask,
         "sample_mask": torch.ones(B),
     }
-    curr = prev[:, 1:] + 0.01 * torch.randn(B, S - 1, generator=g)
+    curr = (prev[:, 1:] + 0.01 * torch.randn(B, S - 1, generator=g)).clamp(max=0)  # log-probs <= 0
     return curr, data, torch.tensor(float(B)), token_mask[:, 1:].sum().float()
 
 

@@ -36,18 +36,17 @@ step() {  # step NAME TIMEOUT_S CMD...: run, report rc and seconds, remember fai
 }
 
 echo "gpu_check: $(date -u +%FT%TZ), dry-run=$DRY, out=$OUT"
-# --- dependencies: the plugin's (pydantic, pyyaml) and the tests' (pytest, hypothesis)
-if $PY -c "import pydantic, yaml, pytest, hypothesis" 2>/dev/null; then
-  echo "deps: already importable, no install"
-else
-  if ! ls .whl/*.whl >/dev/null 2>&1; then
-    echo "deps: missing and no wheels in .whl/ (run benchmarks/gpu_wheels.sh where pip works)"; exit 2
-  fi
-  $PY -m pip install -q --no-index --no-deps --find-links .whl --target /tmp/site \
-    pydantic pydantic-core annotated-types typing-inspection typing_extensions pyyaml \
-    pytest pluggy iniconfig packaging pygments hypothesis sortedcontainers || exit 2
+# --- dependencies: every wheel in .whl/ (the plugin's and the tests' packages, and what NeMo-RL's
+# loss module needs beyond the image: pyzmq, a transformers below NeMo-RL's 5.12 cap with its
+# tokenizers), installed into /tmp/site ahead of the image's own packages
+if [[ $DRY -eq 0 ]] && ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  echo "deps: installed from .whl/ into /tmp/site"
+  echo "deps: installed $(ls .whl/*.whl | wc -l) wheels from .whl/ into /tmp/site"
+elif $PY -c "import pydantic, yaml, pytest, hypothesis" 2>/dev/null; then
+  echo "deps: importable, nothing installed"
+else
+  echo "deps: missing and no wheels in .whl/ (run benchmarks/gpu_wheels.sh where pip works)"; exit 2
 fi
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 $PY - <<'PY'

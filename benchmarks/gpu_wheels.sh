@@ -20,6 +20,9 @@ PINS=(
   typing_extensions==4.16.0 pyyaml==6.0.4
   pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pygments==2.21.0
   hypothesis==6.170.17 sortedcontainers==2.4.0
+  # NeMo-RL's loss module (the comparison): pyzmq, which the image lacks, and a transformers
+  # below the 5.12 that NeMo-RL asserts (the image has 5.17) with the tokenizers it accepts.
+  pyzmq==27.3.0 transformers==5.8.1 tokenizers==0.22.2
 )
 mkdir -p "$DEST"
 for py in $PY_VERSIONS; do
@@ -29,11 +32,13 @@ for py in $PY_VERSIONS; do
 done
 # Every dependency that applies on Linux CPython >= 3.11 must be among the wheels (attrs is
 # not: hypothesis 6.170 dropped it; colorama is Windows-only).
+# Packages the GPU image already has (transformers' other needs) count as present.
 python3 - "$DEST" <<'PY'
 import pathlib, re, sys, zipfile
 dest = pathlib.Path(sys.argv[1])
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
-have = {norm(w.name.split("-")[0]) for w in dest.glob("*.whl")}
+IMAGE = {"huggingface-hub", "numpy", "regex", "typer", "safetensors", "tqdm"}
+have = {norm(w.name.split("-")[0]) for w in dest.glob("*.whl")} | IMAGE
 missing = set()
 for w in dest.glob("*.whl"):
     with zipfile.ZipFile(w) as z:

@@ -21,8 +21,7 @@ Entry points:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,8 +46,7 @@ def group_is_active(group: Any) -> bool:
     return dist.get_world_size(group) > 1
 
 
-@dataclass(frozen=True)
-class SequenceGroups:
+class SequenceGroups(NamedTuple):
     """Process groups over which a sequence's tokens are split, and the batch's other ranks.
 
     Attributes:
@@ -60,9 +58,13 @@ class SequenceGroups:
             batch (Megatron's ``get_data_parallel_group()``, without CP). Only batch-wide
             totals (``is_batch_normalization: data_parallel``) are reduced over it; no
             per-sequence statistic ever is. ``None`` when there is none.
+
+    A ``NamedTuple`` rather than a dataclass: torch.compile (dynamo, torch 2.11) cannot wrap a
+    dataclass instance it meets without a source (a method default of an object built inside
+    the compiled core), which broke the core into 13 graphs; a tuple it wraps.
     """
 
-    groups: tuple[Any, ...] = field(default_factory=tuple)
+    groups: tuple[Any, ...] = ()
     data_parallel: Any = None
 
     @classmethod

@@ -104,3 +104,14 @@ def test_compile_on_the_sharded_path_is_warned_about():
 
     with pytest.warns(ConfigWarning, match="compile: got true with sharded_logits_input: true"):
         CorrectedPGLoss({"compile": True, "sharded_logits_input": True})
+
+
+def test_sequence_groups_is_a_tuple_so_dynamo_wraps_it_without_a_source():
+    """torch 2.11's dynamo cannot wrap a dataclass it meets without a source (the default
+    ``groups`` of a method of an object built inside the compiled core): the core broke into 13
+    graphs on the H100 (docs/performance.md). A ``NamedTuple`` it wraps; torch 2.13 wraps both, so
+    the graph-count tests above pass here either way and only this guards the shape."""
+    from nemo_rs_plugin.core.distributed import SequenceGroups
+
+    assert isinstance(NO_GROUPS, tuple) and isinstance(SequenceGroups.of(None), tuple)
+    assert NO_GROUPS == SequenceGroups() and not NO_GROUPS.active

@@ -14,6 +14,9 @@ that the CPU test machine lacks (see ``../shared/nemo-rl/README.md``):
   placed *last* on ``sys.meta_path`` (so it is asked only after the real import failed) gives
   empty stand-in modules for those names; none of them is used on the loss path, and
   :func:`stand_ins` lists which were needed, so a test can say so.
+* ``uvicorn``, ``fastapi``, ``mlflow``, ``swanlab``, ``wandb``, ``hydra``: imported by NeMo-RL
+  main's loss module chain (servers, loggers) and never called on the loss path; the lent GPU
+  machine lacks them, so its comparison with NeMo-RL's loss stands them in the same way.
 * ``ray``: NeMo-RL's loss module reaches it at import time (``@ray.remote`` classes of the
   cluster code), never on the loss path. On a machine without ray (the lent GPU machine has no
   network and no room for its wheel) a permissive stand-in answers those import-time uses:
@@ -32,6 +35,9 @@ import sys
 import types
 
 _STAND_IN_PREFIXES = ("megatron.bridge", "megatron.training", "megatron.core.", "modelopt")
+# Top-level packages NeMo-RL main's loss module reaches only at import time (its servers, loggers
+# and config CLI), missing on the lent GPU machine: stood in only when the real import failed.
+_IMPORT_TIME_ONLY = {"modelopt", "uvicorn", "fastapi", "mlflow", "swanlab", "wandb", "hydra"}
 
 
 class _StandInModule(types.ModuleType):
@@ -81,7 +87,8 @@ class _RayStandInModule(types.ModuleType):
 
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
-        if fullname.startswith(_STAND_IN_PREFIXES) or fullname in {"modelopt", "ray"} or fullname.startswith("ray."):
+        top = fullname.split(".")[0]
+        if fullname.startswith(_STAND_IN_PREFIXES) or top in _IMPORT_TIME_ONLY or top == "ray":
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
