@@ -240,14 +240,8 @@ def _cmd_reference(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    import nemo_rs_plugin  # the package itself, not a layer: its __init__ imports nothing
-
-    parser = argparse.ArgumentParser(prog="nemo-rs", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=f"nemo-rs-plugin {nemo_rs_plugin.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    s = sub.add_parser("simulate", help="run corrections through the real loss on a mismatch")
+def _add_simulate_arguments(s: argparse.ArgumentParser) -> None:
+    """``nemo-rs simulate``'s options (its defaults are applied in ``tools/simulate.py``)."""
     s.add_argument(
         "--from",
         dest="from_file",
@@ -267,6 +261,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", metavar="FILE", help="write the table as strict JSON (non-finite values as the strings NaN, Infinity)"
     )
     s.add_argument("--plot", metavar="FILE.png", help="bar charts; the suffix names the format (needs matplotlib)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import nemo_rs_plugin  # the package itself, not a layer: its __init__ imports nothing
+
+    parser = argparse.ArgumentParser(prog="nemo-rs", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"nemo-rs-plugin {nemo_rs_plugin.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("simulate", help="run corrections through the real loss on a mismatch")
+    _add_simulate_arguments(s)
     s.set_defaults(func=_cmd_simulate)
 
     c = sub.add_parser("check", help="validate a recipe's loss_fn and explain it")

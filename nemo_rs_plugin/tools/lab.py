@@ -182,6 +182,54 @@ def settings_problems(s: LabSettings, args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def write_outputs(rows: list, s: LabSettings, out: str, run_facts: dict) -> str:
+    """Write the step, seed, summary and comparison CSVs, the table, the settings and the figures.
+
+    ``run_facts`` (workers, wall time) go into ``lab_settings.json`` beside the settings and the
+    versions. Returns the table (summary, then the pairwise comparisons).
+    """
+    import transformers
+
+    outcomes = seed_outcomes(rows, s)
+    summary = summarize(outcomes, s)
+    comparisons = compare(outcomes, default_pairs(s.configs))
+    table = format_table(summary, s)
+    if comparisons:
+        table += "\n\n" + format_comparisons(comparisons)
+    write_csv(rows, os.path.join(out, "lab_steps.csv"))
+    write_summary_csv(outcomes, os.path.join(out, "lab_seeds.csv"))
+    write_summary_csv(summary, os.path.join(out, "lab_summary.csv"))
+    if comparisons:
+        write_summary_csv(comparisons, os.path.join(out, "lab_comparisons.csv"))
+    with open(os.path.join(out, "lab_summary.md"), "w") as fh:
+        fh.write(table + "\n")
+    with open(os.path.join(out, "lab_settings.json"), "w") as fh:
+        json.dump(
+            {
+                **dataclasses.asdict(s),
+                **run_facts,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+            },
+            fh,
+            indent=2,
+        )
+    try:
+        write_plot(
+            rows,
+            s,
+            os.path.join(out, "lab.png"),
+            title=(
+                f"GRPO, tiny Qwen3-MoE, count task, {s.length}-token responses, sampler "
+                f"{s.sampler_dtype} lag {s.lag}, lr {s.lr:g}; mean of {len(s.seeds)} seeds, band min-max"
+            ),
+        )
+        write_seed_plot(rows, s, os.path.join(out, "lab_seeds.png"))
+    except ImportError:
+        print("note: no matplotlib, no figure (pip install 'nemo-rs-plugin[plot]')", file=sys.stderr)
+    return table
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the experiment; write the CSVs, the table and the figure under ``--out``."""
     args = build_parser().parse_args(argv)
@@ -208,44 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # lab_steps.csv (tests/tools/test_lab_docs.py does, for docs/lab.md) prints the same table.
     rows = as_written(run_all(s, workers=args.workers, progress=ProgressBar(eta=True)))
     total = time.perf_counter() - t0
-    outcomes = seed_outcomes(rows, s)
-    summary = summarize(outcomes, s)
-    comparisons = compare(outcomes, default_pairs(s.configs))
-    table = format_table(summary, s)
-    if comparisons:
-        table += "\n\n" + format_comparisons(comparisons)
-    write_csv(rows, os.path.join(args.out, "lab_steps.csv"))
-    write_summary_csv(outcomes, os.path.join(args.out, "lab_seeds.csv"))
-    write_summary_csv(summary, os.path.join(args.out, "lab_summary.csv"))
-    if comparisons:
-        write_summary_csv(comparisons, os.path.join(args.out, "lab_comparisons.csv"))
-    with open(os.path.join(args.out, "lab_summary.md"), "w") as fh:
-        fh.write(table + "\n")
-    with open(os.path.join(args.out, "lab_settings.json"), "w") as fh:
-        json.dump(
-            {
-                **dataclasses.asdict(s),
-                "workers": args.workers,
-                "total_wall_s": round(total, 1),
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-            },
-            fh,
-            indent=2,
-        )
-    try:
-        write_plot(
-            rows,
-            s,
-            os.path.join(args.out, "lab.png"),
-            title=(
-                f"GRPO, tiny Qwen3-MoE, count task, {s.length}-token responses, sampler "
-                f"{s.sampler_dtype} lag {s.lag}, lr {s.lr:g}; mean of {len(s.seeds)} seeds, band min-max"
-            ),
-        )
-        write_seed_plot(rows, s, os.path.join(args.out, "lab_seeds.png"))
-    except ImportError:
-        print("note: no matplotlib, no figure (pip install 'nemo-rs-plugin[plot]')", file=sys.stderr)
+    table = write_outputs(rows, s, args.out, {"workers": args.workers, "total_wall_s": round(total, 1)})
     print(table)
     print(f"total wall time {total:.0f}s; outputs in {args.out}/")
     return 0
