@@ -31,6 +31,12 @@ def test_window_threshold_and_rate_limit():
     assert "100 such window(s)" in reported[-1]
 
 
+def test_just_above_the_threshold_is_unhealthy():
+    """21% of a window is more than 20%: it warns (not only at some larger share)."""
+    assert RejectionMonitor(threshold=0.2, window=100).observe(21, 100) is not None
+    assert RejectionMonitor(threshold=0.2, window=100).observe(20, 100) is None
+
+
 def test_default_threshold_is_the_documented_one():
     assert RejectionMonitor().threshold == UNHEALTHY_SEQ_REJECTION == 0.2
 
