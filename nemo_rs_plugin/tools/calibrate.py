@@ -71,6 +71,10 @@ def _templates(args: argparse.Namespace, problems: list[str]) -> list[dict]:
     if unknown:
         problems.append(f"--filters: unknown {', '.join(unknown)}; allowed: {', '.join(FILTERS)}")
         return []
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:  # two stages with one label: the section printed would hold one of them
+        problems.append(f"--filters: {', '.join(repeated)} given more than once; name each preset once")
+        return []
     return [dict(FILTERS[n]) for n in names]
 
 
@@ -115,10 +119,36 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INVALID
     _print(args, filters, stages, as_written, batch)
+    for line in _warnings(args.target, filters, stages):
+        print(f"warning: {line}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(_as_json(args, filters, stages, as_written), fh, indent=2)
     return 0
+
+
+#: Fewer units than this in a stage and its quantiles are not a calibration (a band from 1 sequence).
+MIN_UNITS = 20
+
+
+def _warnings(target: float, filters: list, stages: list) -> list[str]:
+    """A target the loss itself calls unhealthy, and stages with too few units to set a band from."""
+    from nemo_rs_plugin.core.health import UNHEALTHY_SEQ_REJECTION
+
+    lines = []
+    if target > UNHEALTHY_SEQ_REJECTION and any(f.level == "sequence" for f in filters):
+        lines.append(
+            f"--target {target:g} rejects more than the {UNHEALTHY_SEQ_REJECTION:.0%} of sequences the loss warns "
+            "about at run time (docs/guide.md, 'When rejection eats the batch'); a few % is the usual target"
+        )
+    need = max(MIN_UNITS, math.ceil(2 / target)) if target > 0 else MIN_UNITS
+    for i, st in enumerate(stages):
+        if st.units < need:
+            lines.append(
+                f"stage {i}: only {st.units} units in --from; at least {need} are needed to place the target's "
+                "quantiles, so this band is not calibrated: dump more of the run"
+            )
+    return lines
 
 
 def _fmt(v: Optional[float]) -> str:

@@ -64,6 +64,8 @@ def _simulate_problems(args: argparse.Namespace) -> list[str]:
             if not math.isfinite(v) or v < 0 or (upper is not None and v > upper):
                 allowed = f"a number in [0, {upper:g}]" if upper is not None else "a finite number >= 0"
                 problems.append(f"{SYNTHETIC_OPTIONS[dest][0]}: got {v}; allowed: {allowed}")
+        if abs(args.seed) > sim.MAX_SEED:
+            problems.append(f"--seed: got {args.seed}; allowed: an integer from -{sim.MAX_SEED} to {sim.MAX_SEED}")
         tokens = args.responses * args.length
         if args.length > sim.MAX_SYNTHETIC_TOKENS or tokens > sim.MAX_SYNTHETIC_TOKENS:
             problems.append(
@@ -97,7 +99,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.configs:
         unknown = [c for c in args.configs if c not in configs]
         if unknown:
-            problems.append(f"--configs: unknown configuration(s) {', '.join(unknown)}; known: {', '.join(configs)}")
+            problems.append(
+                f"--configs: unknown configuration(s) {', '.join(map(repr, unknown))}; known: {', '.join(configs)}"
+            )
         configs = {c: configs[c] for c in args.configs if c in configs}
     problems += _simulate_problems(args)
     if not problems and args.from_file:
@@ -189,9 +193,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"{args.recipe}: valid")
     for note in report.notes:
         print(f"note: {note}")
-    print("correction pipeline:")
-    for line in report.pipeline:
-        print(f"  {line}")
+    if report.pipeline:  # none when the loss section itself could not be read (not checked)
+        print("correction pipeline:")
+        for line in report.pipeline:
+            print(f"  {line}")
     for warning in report.warnings:
         print(f"warning: {warning}")
     return EXIT_UNCHECKED if report.unchecked else 0
@@ -323,13 +328,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Hydra-style overrides may come after options (check RECIPE --nemo-rl X a.b=1).
-    overrides = [a for a in extra if "=" in a or a.startswith("~")]
+    # An option spelt with '=' (--loss_fn.x=1, --foo=bar) is not an override: refused, not ignored.
+    overrides = [a for a in extra if ("=" in a or a.startswith("~")) and not a.startswith("-")]
     unknown = [a for a in extra if a not in overrides]
+    if any(a.startswith("-") and "=" in a for a in unknown):
+        parser.error(
+            f"unrecognized arguments: {' '.join(unknown)} (Hydra-style overrides are written without dashes: "
+            "loss_fn.ratio_clip_max=0.28)"
+        )
     if unknown or (overrides and args.command != "check"):
         parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
     if overrides:
         args.overrides = list(args.overrides) + overrides
-    return int(args.func(args) or 0)
+    try:
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a full disk or a closed pipe shows here, not as a traceback at exit
+    except OSError as exc:  # the commands report their own files; this is the output stream
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"error: cannot write the output{where}: {exc.strerror or exc}", file=sys.stderr)
+        sys.stdout = open(os.devnull, "w")  # nothing more to flush at exit
+        return 1
+    return status
 
 
 if __name__ == "__main__":

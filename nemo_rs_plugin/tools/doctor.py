@@ -358,7 +358,9 @@ def run_checks(
     Returns the number of failed checks.
     """
     report = _Report(out if out is not None else sys.stdout)
-    if venvs is not None and not os.path.isdir(venvs):
+    if venvs is not None and not workers:
+        report.warn("workers", f"--venvs {venvs} does nothing with --no-workers (the worker check is skipped)")
+    elif venvs is not None and not os.path.isdir(venvs):
         # Named up front: the worker check that reads it runs only once NeMo-RL is found.
         report.fail("workers", f"--venvs {venvs}: no such directory (NeMo-RL's worker venvs, e.g. <NeMo-RL>/venvs)")
     recipe_loads = True

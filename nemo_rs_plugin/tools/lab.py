@@ -130,7 +130,9 @@ def settings_problems(s: LabSettings, args: argparse.Namespace) -> list[str]:
     problems = []
     unknown = [c for c in s.configs if c not in CONFIGS]
     if unknown:
-        problems.append(f"--configs: unknown configuration(s) {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
+        problems.append(
+            f"--configs: unknown configuration(s) {', '.join(map(repr, unknown))}; known: {', '.join(CONFIGS)}"
+        )
     if s.sampler_dtype not in DTYPES:
         problems.append(f"--sampler-dtype: got {s.sampler_dtype!r}; allowed: {', '.join(DTYPES)}")
     for name, minimum in _MINIMUM.items():
@@ -160,6 +162,10 @@ def settings_problems(s: LabSettings, args: argparse.Namespace) -> list[str]:
         problems.append(f"--threshold: got {s.threshold}; allowed: a finite number (a reward in [0, 1])")
     if args.workers < 1:
         problems.append(f"--workers: got {args.workers}; must be at least 1")
+    for flag, values in (("--seeds", s.seeds), ("--configs", s.configs)):
+        repeated = sorted({str(v) for v in values if list(values).count(v) > 1})
+        if repeated:  # a repeated seed would count twice in the seed tests (Fisher, permutation)
+            problems.append(f"{flag}: {', '.join(repeated)} given more than once; name each once")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         problems.append(f"--out: got {args.out}; it is a file: name a directory (it is created if missing)")
     else:
@@ -244,7 +250,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ImportError:
         print("error: nemo-rs lab needs transformers: pip install 'transformers>=5.5,<5.9'", file=sys.stderr)
         return EXIT_INVALID
-    os.makedirs(args.out, exist_ok=True)
+    try:  # permission bits lie for root (/proc says writable): the creation itself decides
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        print(f"error: --out: got {args.out}; it cannot be created ({exc.strerror or exc})", file=sys.stderr)
+        return EXIT_INVALID
     print(
         f"nemo-rs lab: {len(s.configs)} configs x {len(s.seeds)} seeds x {s.steps} steps, "
         f"{s.prompts}x{s.group} responses of {s.length} tokens, sampler {s.sampler_dtype} lag {s.lag}, "

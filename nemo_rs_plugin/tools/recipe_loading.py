@@ -82,7 +82,10 @@ def _find_nemo_rl(nemo_rl_path: Optional[str], report: LoadReport) -> tuple[bool
     if nemo_rl_path:
         root = os.path.abspath(os.path.expanduser(nemo_rl_path))
         if not os.path.isfile(os.path.join(root, "nemo_rl", "__init__.py")):
-            what = "no such directory" if not os.path.isdir(root) else "no nemo_rl/__init__.py in it"
+            if os.path.isfile(root):
+                what = "it is a file (an archive?): extract it and name the folder"
+            else:
+                what = "no such directory" if not os.path.isdir(root) else "no nemo_rl/__init__.py in it"
             report.errors.append(f"--nemo-rl {nemo_rl_path}: not a NeMo-RL checkout ({what})")
             return False, None
         if root not in sys.path:
@@ -146,11 +149,19 @@ def _override_key(override: str) -> tuple[str, str, Optional[str]]:
     return kind, key, value
 
 
-def _child(node: Any, key: str, where: str, override: str, create: bool) -> Any:
+def _child(node: Any, key: str, where: str, override: str, create: bool, indexes_next: bool) -> Any:
     if isinstance(node, dict):
         if key not in node:
+            here = f"{where}.{key}" if where else key
+            if indexes_next:  # a.b.0.c with no list at a.b: nothing to index
+                raise OverrideError(
+                    f"override {override!r}: there is no list at {here} to index; add it whole (+{here}=[...])"
+                )
             if not create:
-                raise OverrideError(f"override {override!r}: {where or 'the recipe'} has no key {key!r}")
+                raise OverrideError(
+                    f"override {override!r}: {where or 'the recipe'} has no key {key!r}; to add {here}, "
+                    f"write +{override.lstrip('+')}"
+                )
             node[key] = {}
         return node[key]
     if isinstance(node, list):
@@ -170,18 +181,39 @@ def _index(node: list, key: str, where: str, override: str) -> int:
     return i
 
 
-def _apply_override(cfg: dict, override: str) -> None:
-    """``a.b.c=value`` / ``+a.b=value`` (value parsed as YAML) / ``~a.b`` (delete), in place.
+def _apply_override(cfg: dict, override: str, complete: bool = True) -> None:
+    """``a.b.c=value`` / ``+a.b=value`` / ``++a.b=value`` (value parsed as YAML) / ``~a.b`` (delete), in place.
+
+    Hydra's rules, as NeMo-RL applies them: ``key=value`` changes a key that exists, ``+key=value``
+    adds one that does not, ``++`` does either. ``complete`` says the recipe is whole (every file of
+    its ``defaults`` found): only then is a missing key known to be missing; otherwise it may
+    come from an unresolved parent and ``key=value`` adds it.
 
     Raises:
         OverrideError: one line naming the override and what does not fit.
     """
     kind, key, value = _override_key(override)
+    if kind != "~":  # the value is parsed first, as Hydra parses the whole override first
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise OverrideError(f"override {override!r}: the value is not valid YAML ({one_line(exc)})") from None
     parts = key.split(".")
     node: Any = cfg
+    create = kind in ("+", "++") or (kind == "" and not complete)
     for depth, k in enumerate(parts[:-1]):
-        node = _child(node, k, ".".join(parts[:depth]), override, create=kind != "~")
+        node = _child(node, k, ".".join(parts[:depth]), override, create, parts[depth + 1].isdigit())
     where, last = ".".join(parts[:-1]), parts[-1]
+    if isinstance(node, dict) and kind == "" and complete and last not in node:
+        raise OverrideError(
+            f"override {override!r}: {key} is not in the recipe; to add it, write +{override} "
+            "(Hydra refuses to change a key that does not exist)"
+        )
+    if isinstance(node, dict) and kind == "+" and last in node:
+        raise OverrideError(
+            f"override {override!r}: {key} is already in the recipe; to change it, write "
+            f"{override[1:]} (or ++{override[1:]} to add or change)"
+        )
     if kind == "~":
         if isinstance(node, dict) and last in node:
             del node[last]
@@ -190,10 +222,6 @@ def _apply_override(cfg: dict, override: str) -> None:
         else:
             raise OverrideError(f"override {override!r}: nothing to delete at {key}")
         return
-    try:
-        parsed = yaml.safe_load(value)
-    except yaml.YAMLError as exc:
-        raise OverrideError(f"override {override!r}: the value is not valid YAML ({one_line(exc)})") from None
     if isinstance(node, dict):
         node[last] = parsed
     elif isinstance(node, list):
@@ -373,7 +401,7 @@ def _load_without_nemo_rl(load_path: str, path: str, overrides: list[str], repor
         )
     for o in overrides:
         try:
-            _apply_override(cfg, o)
+            _apply_override(cfg, o, complete=not missing)
         except OverrideError as exc:
             report.errors.append(str(exc))
     if report.errors:

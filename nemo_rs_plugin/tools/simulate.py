@@ -86,6 +86,10 @@ class MismatchModel:
     seed: int = 0
 
 
+#: Seeds whose generator seed ``seed * 100003 + step`` fits torch's 64-bit seed (steps < 2**20).
+MAX_SEED = (2**63 - 2**20) // 100003
+
+
 def synthetic_batch(m: MismatchModel, step: int = 0) -> dict[str, torch.Tensor]:
     """A NeMo-RL-shaped batch (``[B, S]`` tensors, position 0 a dummy prompt token)."""
     g = torch.Generator().manual_seed(m.seed * 100003 + step)
@@ -99,6 +103,9 @@ def synthetic_batch(m: MismatchModel, step: int = 0) -> dict[str, torch.Tensor]:
     if m.staleness > 0:
         d = d + m.staleness * torch.randn(B, 1, generator=g)
     prev = -torch.rand(B, S, generator=g) * 2 - 0.05
+    # gen = prev - d is a log-prob too (<= 0): where d would push it above 0, lower prev to d.
+    # The log-ratio d, so every weight and ratio statistic, stays as drawn.
+    prev = torch.minimum(prev, d)
     mask = token_mask.long()
     return {
         "prev_logprobs": prev * mask,

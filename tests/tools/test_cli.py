@@ -220,14 +220,14 @@ def test_check_applies_overrides(tmp_path, capsys, no_nemo_rl):
             [
                 "check",
                 str(recipe),
-                "loss_fn.is_correction_level=sequence_mean",
-                "loss_fn.use_importance_sampling_correction=true",
+                "+loss_fn.is_correction_level=sequence_mean",  # + adds a key (Hydra's struct mode, as NeMo-RL)
+                "+loss_fn.use_importance_sampling_correction=true",
             ]
         )
         == 3
     )
     assert "sequence_mean, exp(mean_t d_t)" in capsys.readouterr().out
-    assert main(["check", str(recipe), "loss_fn.ratio_clip_c=0.5"]) == 2
+    assert main(["check", str(recipe), "+loss_fn.ratio_clip_c=0.5"]) == 2
 
 
 def test_recipes_export_rewrites_defaults(tmp_path):

@@ -53,7 +53,7 @@ def error_lines(err):
         ),
         (["--json", "{tmp}/no/t.json"], "--json {tmp}/no/t.json: directory {tmp}/no does not exist"),
         (["--json", "{tmp}"], "--json {tmp}: is a directory"),
-        (["--configs", "token", "tokn"], "--configs: unknown configuration(s) tokn; known: uncorrected"),
+        (["--configs", "token", "tokn"], "--configs: unknown configuration(s) 'tokn'; known: uncorrected"),
     ],
 )
 def test_bad_option_is_one_line_before_the_run(tmp_path, capsys, no_run, args, needle):
