@@ -174,6 +174,13 @@ class LossInputs:
                 )
             if name != "token_mask" and not t.is_floating_point():
                 raise TypeError(f"{name}: expected a float tensor, got {t.dtype}")
+        # rewards left out: read only by the NLL term, and a host may keep them elsewhere otherwise
+        for name, t in (*named.items(), ("sample_mask", self.sample_mask)):
+            if isinstance(t, torch.Tensor) and t.device != self.curr.device:  # else torch's error names no input
+                raise ValueError(
+                    f"{name}: on {t.device}, next_token_logprobs on {self.curr.device}; move the data dict to the "
+                    "log-probs' device (data.to(device))"
+                )
         if self.sample_mask.shape != shape[:1]:
             raise ValueError(f"sample_mask: shape {tuple(self.sample_mask.shape)} does not match batch size {shape[0]}")
         if self.rewards is not None and self.rewards.shape[:1] != shape[:1]:

@@ -115,6 +115,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     if args.from_file:
         source = f"{args.from_file}: {batches[0]['prev_logprobs'].shape[0]} sequences"
+        import torch  # simulate has loaded it already
+
+        b = batches[0]
+        valid = (b["token_mask"][:, 1:] * b["sample_mask"][:, None]) != 0
+        lp = torch.stack([b["prev_logprobs"][:, 1:], b["generation_logprobs"][:, 1:]])
+        nonfinite = int((~torch.isfinite(lp).all(0) & valid).sum())
+        if nonfinite:  # null or NaN in the file: the loss zeroes those tokens (docs/guide.md#non-finite-inputs)
+            source += f", {nonfinite} valid token(s) with a non-finite log-prob (null/NaN), left out of the loss"
     else:
         model = sim.MismatchModel(
             responses=args.responses,
@@ -202,6 +210,23 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return EXIT_UNCHECKED if report.unchecked else 0
 
 
+def _note_unresolved_defaults(paths: list, nemo_rl: Optional[str]) -> None:
+    """Say so when the exported recipes' ``defaults`` do not resolve where they were written."""
+    import yaml
+
+    from nemo_rs_plugin.nemo_rl.recipe_defaults import parent_paths
+
+    parents = {os.path.normpath(p) for path in paths for p in parent_paths(str(path), yaml.safe_load(open(path)))}
+    missing = sorted(p for p in parents if not os.path.isfile(p))
+    if missing:
+        hint = "" if nemo_rl else "; pass --nemo-rl PATH (your NeMo-RL checkout) to point them there"
+        print(
+            f"note: the exported recipes' defaults ({', '.join(missing)}) do not exist there{hint}, or export into "
+            "<NeMo-RL>/examples/configs/recipes/llm",
+            file=sys.stderr,
+        )
+
+
 def _cmd_recipes(args: argparse.Namespace) -> int:
     from nemo_rs_plugin.tools.recipes import export_problems, export_recipes, list_recipes, recipe_description
 
@@ -231,6 +256,7 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
             return EXIT_INVALID
         for path in paths:
             print(path)
+        _note_unresolved_defaults(paths, args.nemo_rl)
         return 0
     for path in list_recipes():  # the path, then the recipe's own first line (a shell comment)
         description = recipe_description(path)

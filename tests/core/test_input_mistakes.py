@@ -127,3 +127,10 @@ def test_logprobs_at_most_zero_or_positive_only_where_masked_do_not_warn():
 def test_forced_on_policy_warns_once_for_the_current_logprobs():
     messages = positive_logprob_warnings({"force_on_policy_ratio": True}, next_token_logprobs=torch.exp)
     assert [m.split(":")[0] for m in messages] == ["next_token_logprobs"], messages
+
+
+def test_data_on_another_device_names_the_input():
+    """torch's own error ("not on the expected device meta!") names no input."""
+    lp, data, gvs, gvt = logprob_batch()
+    with pytest.raises(ValueError, match=r"prev_logprobs: on cpu, next_token_logprobs on meta"):
+        CorrectedPGLoss({})(lp.to("meta"), data, gvs, gvt)

@@ -182,3 +182,19 @@ def test_an_archive_given_as_the_checkout_is_named(capsys, tmp_path):
     archive.write_bytes(b"\x1f\x8b")
     recipe = Path(list_recipes()[0])
     one_error(capsys, ["check", str(recipe), "--nemo-rl", str(archive)], "it is a file (an archive?)")
+
+
+def test_exported_recipes_whose_defaults_do_not_resolve_get_a_note(capsys, tmp_path):
+    assert main(["recipes", "--out", str(tmp_path / "a" / "b")]) == 0
+    err = capsys.readouterr().err
+    assert "note: the exported recipes' defaults (" in err and "pass --nemo-rl PATH" in err, err
+
+
+def test_simulate_from_says_how_many_valid_tokens_were_not_finite(capsys, tmp_path):
+    dump = tmp_path / "nan.jsonl"
+    dump.write_text(
+        '{"prev_logprobs": [-1.0, NaN, -0.5], "generation_logprobs": [-1.1, -0.4, -0.45]}\n'
+        '{"prev_logprobs": [-1.0, -0.2], "generation_logprobs": [null, -0.25]}\n'
+    )
+    assert main(["simulate", "--from", str(dump)]) == 0
+    assert "2 sequences, 2 valid token(s) with a non-finite log-prob (null/NaN)" in capsys.readouterr().out
