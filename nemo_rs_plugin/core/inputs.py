@@ -169,8 +169,11 @@ class LossInputs:
                 raise TypeError(f"{name}: got {type(t).__name__}; expected a torch.Tensor")
             if t.shape != shape:
                 sliced = "" if name == "curr_logprobs_unfiltered" else " (after dropping position 0)"
+                hint = ""
+                if sliced and t.dim() == 2 and t.shape[0] == shape[0] and t.shape[1] + 1 == shape[1]:
+                    hint = "; next_token_logprobs is [B, S - 1]: the log-probs of tokens 1..S-1 (drop position 0)"
                 raise ValueError(
-                    f"{name}: shape {tuple(t.shape)}{sliced} does not match next_token_logprobs {tuple(shape)}"
+                    f"{name}: shape {tuple(t.shape)}{sliced} does not match next_token_logprobs {tuple(shape)}{hint}"
                 )
             if name != "token_mask" and not t.is_floating_point():
                 raise TypeError(f"{name}: expected a float tensor, got {t.dtype}")

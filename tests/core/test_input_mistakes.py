@@ -134,3 +134,10 @@ def test_data_on_another_device_names_the_input():
     lp, data, gvs, gvt = logprob_batch()
     with pytest.raises(ValueError, match=r"prev_logprobs: on cpu, next_token_logprobs on meta"):
         CorrectedPGLoss({})(lp.to("meta"), data, gvs, gvt)
+
+
+def test_log_probs_with_position_zero_kept_say_what_shape_is_expected():
+    lp, data, gvs, gvt = logprob_batch()
+    full = torch.cat([lp[:, :1], lp], dim=1)  # [B, S]: position 0 not dropped
+    with pytest.raises(ValueError, match=r"next_token_logprobs is \[B, S - 1\]"):
+        CorrectedPGLoss({})(full, data, gvs, gvt)
