@@ -8,6 +8,8 @@ One pydantic model, :class:`RSClippedPGLossConfig`, holds every field of NeMo-RL
 * ``rejection_sampling``: an ordered list of filters (:class:`RejectionFilter`).
 * ``rejection_denominator``: what the loss divides by after rejection.
 * ``is_batch_normalization``: IS weights divided by their batch mean (VERL, slime).
+* ``sampler_kl_penalty``: a penalty ``tau * (log pi_curr - log pi_gen)^2`` toward the
+  sampler (prime-rl's ``kl_tau``).
 
 NeMo-RL checks most of its combinations with ``assert`` inside the loss; here every one of
 them is a :class:`ConfigError` raised at construction, with a message that names the field,
@@ -177,6 +179,16 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
     the denominators. ``kept`` (VERL decoupled): the denominators shrink by the
     microbatch's kept fraction."""
 
+    # --- Plugin: penalty toward the sampler ---
+    sampler_kl_penalty: float = 0.0
+    """Coefficient ``tau`` of a penalty toward the inference engine's policy: per token
+    ``tau * (curr - gen)^2`` (``curr``, ``gen``: log-probs of the sampled token under the
+    current and the generating policy), prime-rl's ``kl_tau`` term, with its gradient
+    ``2 tau (curr - gen)``. Not IS-weighted; averaged like the other loss terms over the
+    tokens in the loss: filters with ``applies_to: loss`` remove it, filters with
+    ``applies_to: policy_gradient`` do not. Reported (without ``tau``) as the metric
+    ``sampler_kl_penalty``. ``0`` (default) switches it off."""
+
     # --- Plugin: input path ---
     sharded_logits_input: bool = False
     """Megatron backend: take the local logits shard ``[B, S/cp, V/tp]`` (NeMo-RL's
@@ -266,7 +278,7 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
                 f"ratio_clip_max: got {self.ratio_clip_max}; allowed: a number >= 0 (the ratio is clipped "
                 "above at 1 + ratio_clip_max)"
             )
-        for name in ("reference_policy_kl_penalty", "positive_example_nll_weight"):
+        for name in ("reference_policy_kl_penalty", "positive_example_nll_weight", "sampler_kl_penalty"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 p.append(f"{name}: got {v}; allowed: a finite number >= 0 (0 switches the term off)")

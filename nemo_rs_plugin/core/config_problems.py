@@ -105,6 +105,7 @@ _STATISTIC_RANGE = {
     "mult_prob_error": (1.0, math.inf),
     "binary_kl": (0.0, math.inf),
     "total_variation": (0.0, 1.0),
+    "prob_diff": (-1.0, 1.0),
 }
 
 

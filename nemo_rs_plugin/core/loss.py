@@ -7,8 +7,10 @@ same keys) and imports neither NeMo-RL nor Megatron. The NeMo-RL subclass in
 Loss (token-level; ``m`` valid mask, ``w`` IS weight, ``k`` rejection mask, ``N`` NeMo-RL's
 ``global_valid_toks``)::
 
-    L = sum_t k_t [ w_t * pg_t + beta * kl_t ] / N  +  mu * NLL_correct
+    L = sum_t k_t [ g_t * w_t * pg_t + beta * kl_t + tau * (curr_t - gen_t)^2 ] / N  +  mu * NLL_correct
 
+(``g`` the mask of the filters with ``applies_to: policy_gradient``, ``tau``
+``sampler_kl_penalty``)
 and, with ``token_level_loss: false``, the mean over sequences (``/ global_valid_seqs``) of
 per-sequence token means. ``pg_t`` is the clipped objective of
 :func:`~nemo_rs_plugin.core.policy_loss.clipped_objective`. With no plugin field set, ``k = 1``
@@ -270,7 +272,15 @@ class CorrectedPGLoss:
         )
         weight = corr.is_weight if cfg.use_importance_sampling_correction else None
         pg_weighted = pg * weight if weight is not None else pg
+        if corr.policy_gradient_keep is not None:  # filters that remove the policy-gradient term only
+            pg_weighted = pg_weighted * corr.policy_gradient_keep
         loss = self._aggregate(pg_weighted, agg)
+
+        # ---- penalty toward the sampler (prime-rl's kl_tau term): tau * (curr - gen)^2 ----
+        sampler_kl = None
+        if cfg.sampler_kl_penalty > 0:
+            sampler_kl = self._aggregate((clean.curr - clean.gen).square(), agg)
+            loss = loss + cfg.sampler_kl_penalty * sampler_kl
 
         # ---- KL penalty ----
         kl = None
@@ -288,7 +298,7 @@ class CorrectedPGLoss:
             correct_count = corr.seq_token_count @ correct
             nll = positive_example_nll(clean.curr, corr.loss_tokens, correct, correct_count)
             loss = loss + cfg.positive_example_nll_weight * nll
-        return _LossTerms(loss, kl, nll, ratios, ratios_clamped)
+        return _LossTerms(loss, kl, nll, ratios, ratios_clamped, sampler_kl)
 
     def _aggregate(
         self,
@@ -362,6 +372,8 @@ class CorrectedPGLoss:
             if self.cfg.effective_is_level != "token":
                 self._sequence_sampling_importance_ratio(metrics, corr.is_weight, clean.masks.sample_mask)
             metrics.add("num_valid_samples", clean.masks.sample_mask.sum(), "none", "replicated")
+            if terms.sampler_kl is not None:
+                metrics.add("sampler_kl_penalty", terms.sampler_kl, grad_norm, "sum")
             if nll is not None:
                 metrics.add("positive_nll_loss", nll, "none", "sum")
             else:
@@ -421,6 +433,7 @@ class _LossTerms:
     nll: Optional[torch.Tensor]  # None without the NLL term
     ratios: torch.Tensor  # [B, T] policy ratio
     ratios_clamped: torch.Tensor  # [B, T] its clamp
+    sampler_kl: Optional[torch.Tensor] = None  # mean (curr - gen)^2 of the sampler penalty; None when off
 
 
 def metric_normalizations(cfg: Any) -> dict[str, str]:

@@ -14,9 +14,13 @@ from pydantic import BaseModel, ConfigDict, model_validator
 __all__ = ["AGGS_FOR_METRIC", "RejectionFilter"]
 
 FilterLevel = Literal["token", "sequence"]
-FilterMetric = Literal["ratio", "kl_k1", "kl_k2", "kl_k3", "mult_prob_error", "binary_kl", "total_variation"]
+FilterMetric = Literal[
+    "ratio", "kl_k1", "kl_k2", "kl_k3", "mult_prob_error", "binary_kl", "total_variation", "prob_diff"
+]
 FilterAgg = Literal["mean", "sum", "max", "min", "any"]
 FilterLogRatio = Literal["prev-gen", "gen-prev", "curr-gen", "curr-prev"]
+AdvantageSign = Literal["positive", "negative"]
+FilterScope = Literal["loss", "policy_gradient"]
 
 # Aggregations allowed per metric: ratios aggregate in log space, so min/max/any are
 # well defined; every other statistic aggregates arithmetically (mean, sum, max), as in
@@ -30,6 +34,7 @@ AGGS_FOR_METRIC: dict[str, tuple[str, ...]] = {
     "mult_prob_error": _ARITHMETIC_AGGS,
     "binary_kl": _ARITHMETIC_AGGS,
     "total_variation": _ARITHMETIC_AGGS,
+    "prob_diff": _ARITHMETIC_AGGS,
 }
 
 
@@ -58,10 +63,15 @@ class RejectionFilter(BaseModel):
     * ``binary_kl = p_b log(p_b / p_a) + (1 - p_b) log((1 - p_b) / (1 - p_a))`` and
       ``total_variation = |p_b - p_a|``: the sampled token's probabilities as a Bernoulli
       pair (OpenRLHF's ``binary_kl`` / ``tv`` gating, its clamp included).
+    * ``prob_diff = p_a - p_b``, signed and unclamped: with ``log_ratio: curr-gen`` it is
+      ``p_curr - p_gen``, prime-rl's DPPO / IPO trust-region statistic.
 
     Every statistic but ``ratio`` aggregates arithmetically by ``mean``, ``sum`` or ``max``.
-    With ``negative_advantages_only`` the filter rejects only tokens whose advantage is
-    negative (TRL's and slime's off-policy sequence masking, OPSM).
+    With ``negative_advantages_only`` (or ``advantage_sign: negative``) the filter rejects
+    only tokens whose advantage is negative (TRL's and slime's off-policy sequence masking,
+    OPSM); with ``advantage_sign: positive`` (token filters) only tokens whose advantage is
+    positive. With ``applies_to: policy_gradient`` (token filters) a rejected token loses
+    its policy-gradient term only and keeps its KL penalties (prime-rl's DPPO / IPO mask).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -70,7 +80,7 @@ class RejectionFilter(BaseModel):
     """``token`` rejects single tokens; ``sequence`` rejects whole sequences."""
     metric: FilterMetric = "ratio"
     """Statistic compared with the bounds: ``ratio``, ``kl_k1``, ``kl_k2``, ``kl_k3``,
-    ``mult_prob_error``, ``binary_kl`` or ``total_variation`` (formulas above)."""
+    ``mult_prob_error``, ``binary_kl``, ``total_variation`` or ``prob_diff`` (formulas above)."""
     agg: Optional[FilterAgg] = None
     """Sequence filters only: how token values are aggregated (default ``mean``)."""
     lower: Optional[float] = None
@@ -87,10 +97,24 @@ class RejectionFilter(BaseModel):
     negative-advantage tokens; with one advantage per sequence, as in GRPO, the whole
     sequence iff its advantage is negative). TRL ``off_policy_mask_threshold``, slime
     ``use_opsm``."""
+    advantage_sign: Optional[AdvantageSign] = None
+    """Reject only tokens whose advantage has this sign: ``negative`` (A < 0; the same as
+    ``negative_advantages_only: true``, on token and sequence filters) or ``positive``
+    (A > 0; token filters only). Tokens with A = 0 are never rejected (they carry no
+    policy gradient). Two token filters, one per sign, give prime-rl's DPPO mask, with its
+    separate ``dppo_mask_high`` / ``dppo_mask_low`` bounds. ``None``: every token."""
+    applies_to: FilterScope = "loss"
+    """What a rejection removes: ``loss`` (default) the token's whole loss (policy-gradient,
+    KL penalties and NLL terms); ``policy_gradient`` (token filters only) only its
+    policy-gradient term, so the KL penalties still see every valid token (prime-rl, whose
+    DPPO / IPO mask drops only ``-A * ratio``). Such a filter removes nothing from what the
+    later filters see and does not change ``rs_token_rejected_frac``, the denominators or
+    the tokens the GSPO ratio averages over; its own ``rs/<label>/token_rejected_frac``
+    counts the tokens whose policy-gradient term it removed."""
     name: Optional[str] = None
     """Label used in metric names; default
-    ``<level>_<metric>[_<agg>][_<log_ratio>][_negative_advantages]`` (the last two only
-    when not at their defaults). Labels must be unique within ``rejection_sampling``."""
+    ``<level>_<metric>[_<agg>][_<log_ratio>][_<sign>_advantages][_policy_gradient]`` (the
+    last three only when not at their defaults). Labels must be unique within ``rejection_sampling``."""
 
     @model_validator(mode="after")
     def _check(self) -> "RejectionFilter":
@@ -114,9 +138,18 @@ class RejectionFilter(BaseModel):
         parts = [self.level, self.metric] + ([self.aggregation] if self.aggregation else [])
         if self.log_ratio != "prev-gen":
             parts.append(self.log_ratio)
-        if self.negative_advantages_only:
-            parts.append("negative_advantages")
+        if self.advantage_condition is not None:
+            parts.append(f"{self.advantage_condition}_advantages")
+        if self.applies_to != "loss":
+            parts.append(self.applies_to)
         return "_".join(parts)
+
+    @property
+    def advantage_condition(self) -> Optional[str]:
+        """``negative``, ``positive`` or ``None``: the advantage sign of the tokens it may reject."""
+        if self.negative_advantages_only:
+            return "negative"
+        return self.advantage_sign
 
 
 def _filter_problems(f: RejectionFilter) -> list[str]:
@@ -137,6 +170,21 @@ def _filter_problems(f: RejectionFilter) -> list[str]:
                 problems.append(f"{side}: got {v}; a ratio bound must be >= 0")
         if f.upper is not None and f.upper <= 0:
             problems.append(f"upper: got {f.upper}; a ratio upper bound must be > 0")
+    if f.negative_advantages_only and f.advantage_sign == "positive":
+        problems.append(
+            "advantage_sign: got 'positive' with negative_advantages_only: true, which rejects only "
+            "negative-advantage tokens; allowed: negative or null (or negative_advantages_only: false)"
+        )
+    if f.level == "sequence" and f.advantage_sign == "positive":
+        problems.append(
+            "advantage_sign: got 'positive' on a sequence filter; allowed there: negative or null "
+            "(a positive-advantage condition works on token filters)"
+        )
+    if f.level == "sequence" and f.applies_to != "loss":
+        problems.append(
+            f"applies_to: got {f.applies_to!r} on a sequence filter; allowed there: loss "
+            "(a policy-gradient-only rejection works on token filters)"
+        )
     if f.level == "token" and f.agg is not None:
         problems.append(f"agg: got {f.agg!r} on a token filter; agg is only allowed with level: sequence")
     if f.level == "sequence" and f.agg is not None:

@@ -20,6 +20,7 @@ _STATISTIC_WORDS = {
     "mult_prob_error": "its multiplicative probability error exp(|d|)",
     "binary_kl": "the binary KL of its sampled-token probabilities",
     "total_variation": "the total variation |p_b - p_a| of its sampled-token probabilities",
+    "prob_diff": "the probability difference p_a - p_b of its sampled token (p = exp(log-prob))",
 }
 
 
@@ -33,7 +34,12 @@ def describe_filter(f: RejectionFilter) -> str:
     """One filter as a sentence, e.g. 'reject a sequence unless the geometric mean ... is in [..]'."""
     a, b = f.log_ratio.split("-")
     if f.level == "token":
-        what = f"its ratio pi_{a}/pi_{b}" if f.metric == "ratio" else _STATISTIC_WORDS[f.metric]
+        if f.metric == "ratio":
+            what = f"its ratio pi_{a}/pi_{b}"
+        elif f.metric == "prob_diff":
+            what = f"its probability difference p_{a} - p_{b} (probabilities of the sampled token)"
+        else:
+            what = _STATISTIC_WORDS[f.metric]
         unit = "a token"
     else:
         agg = f.aggregation
@@ -43,10 +49,12 @@ def describe_filter(f: RejectionFilter) -> str:
             what = f"the {agg} over its tokens of {_STATISTIC_WORDS[f.metric].replace('its ', 'the ', 1)}"
         unit = "a sequence"
     sentence = f"reject {unit} unless {what} is in {_bounds(f)}"
-    if f.log_ratio != "prev-gen" and not (f.level == "token" and f.metric == "ratio"):
+    if f.log_ratio != "prev-gen" and not (f.level == "token" and f.metric in ("ratio", "prob_diff")):
         sentence += f", with d = {a} - {b}"
-    if f.negative_advantages_only:
-        sentence += " (only its tokens with a negative advantage)"
+    if f.advantage_condition is not None:
+        sentence += f" (only its tokens with a {f.advantage_condition} advantage)"
+    if f.applies_to == "policy_gradient":
+        sentence += "; a rejected token loses only its policy-gradient term, its KL penalties stay"
     return sentence
 
 
@@ -63,6 +71,10 @@ def describe_pipeline(cfg: RSClippedPGLossConfig) -> list[str]:
     lines.append(_loss_line(cfg))
     if cfg.reference_policy_kl_penalty and not cfg.use_kl_in_reward:
         lines.append(f"KL penalty: {cfg.reference_policy_kl_penalty:g} x {cfg.reference_policy_kl_type}")
+    if cfg.sampler_kl_penalty:
+        lines.append(
+            f"penalty toward the sampler: {cfg.sampler_kl_penalty:g} x (curr - gen)^2 per token, not IS-weighted"
+        )
     if cfg.sharded_logits_input:
         lines.append("input: local logits shard (TP/CP), statistics all-reduced, no all-gather")
     return [f"{i}. {line}" for i, line in enumerate(lines, 1)]

@@ -94,6 +94,11 @@ METRIC_ROWS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("rs/<filter>/seq_rejected_frac",), "sequences a sequence filter rejected"),
     (("rs/<filter>/seq_touched_frac",), "sequences in which a token filter rejected a token"),
     (("rs_token_rejected_frac", "rs_seq_rejected_frac"), "all filters together"),
+    (
+        ("sampler_kl_penalty",),
+        "mean `(curr - gen)^2` of the penalty toward the sampler, without its coefficient (with "
+        "`sampler_kl_penalty` > 0)",
+    ),
     (("nonfinite_log_ratio_count",), "valid tokens whose `prev - gen` was NaN or infinite"),
     (
         ("nonfinite_curr_logprobs_count", "nonfinite_reference_logprobs_count", "nonfinite_advantages_count"),
@@ -109,6 +114,7 @@ _METRIC_PROBES = (
         "use_importance_sampling_correction": True,
         "is_correction_level": "token",
         "is_batch_normalization": "microbatch",
+        "sampler_kl_penalty": 0.001,
         "rejection_sampling": [{"level": "token", "metric": "ratio", "lower": 0.5, "upper": 2.0}],
     },
     {

@@ -512,4 +512,30 @@ MUTANTS: list[Mutant] = [
         "batch_normalize_weights' fresh torch.stack; reduce_sequence_statistics "
         "returns the reduced tensor either way",
     ),
+    # ---- issue 20: prime-rl's DPPO / IPO (tests/core/test_peer_modes_2026.py)
+    Mutant(
+        CP,
+        "positive = (clean_advantages > 0).to(d.dtype)",
+        "positive = (clean_advantages < 0).to(d.dtype)",
+        "advantage_sign: positive conditions on the negative-advantage tokens (DPPO's sides swapped)",
+    ),
+    Mutant(
+        L,
+        "sampler_kl = self._aggregate((clean.curr - clean.gen).square(), agg)",
+        "sampler_kl = self._aggregate((clean.curr - clean.gen).abs(), agg)",
+        "the penalty toward the sampler loses its square (|curr - gen| instead of (curr - gen)^2)",
+    ),
+    Mutant(
+        L,
+        "sampler_kl = self._aggregate((clean.curr - clean.gen).square(), agg)",
+        "sampler_kl = self._aggregate((clean.curr - clean.gen).square() * (1.0 if corr.policy_gradient_keep is None "
+        "else corr.policy_gradient_keep), agg)",
+        "policy-gradient-only filters also remove the penalty toward the sampler (prime-rl keeps it)",
+    ),
+    Mutant(
+        CF,
+        "return target.exp() - behaviour.exp()",
+        "return behaviour.exp() - target.exp()",
+        "prob_diff reads p_b - p_a (p_gen - p_curr): DPPO's trust region on the wrong side",
+    ),
 ]

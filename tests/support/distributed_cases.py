@@ -94,6 +94,32 @@ CONFIGS = {
             {"level": "sequence", "metric": "total_variation", "agg": "mean", "upper": 0.0095},
         ],
     },
+    # Issue 20: prime-rl's DPPO (advantage-signed, policy-gradient-only prob_diff filters and the
+    # penalty toward the sampler) with a sequence prob_diff statistic reduced over the CP group.
+    "token-level/dppo+sampler-kl+sequence-prob_diff": {
+        **IS,
+        "force_on_policy_ratio": True,
+        "sampler_kl_penalty": 0.05,
+        "rejection_sampling": [
+            {
+                "level": "token",
+                "metric": "prob_diff",
+                "log_ratio": "curr-gen",
+                "advantage_sign": "positive",
+                "upper": 0.01,
+                "applies_to": "policy_gradient",
+            },
+            {
+                "level": "token",
+                "metric": "prob_diff",
+                "log_ratio": "curr-gen",
+                "advantage_sign": "negative",
+                "lower": -0.01,
+                "applies_to": "policy_gradient",
+            },
+            {"level": "sequence", "metric": "prob_diff", "agg": "mean", "lower": -0.004, "upper": 0.004},
+        ],
+    },
     # VERL's decoupled denominator: the kept fraction's base is the valid tokens summed over
     # the CP group, not one rank's share (with a single rank's base the loss is off by ~cp).
     "token-level/kept-denominator": {

@@ -200,7 +200,9 @@ def _stages(filters, prev, gen, mask, choose) -> list[CalibratedStage]:
             raise ValueError(f"stage {template.label}: no unit to calibrate on (every sequence empty or masked)")
         f = choose(template, low, high)
         if f.level == "token":
-            stage, alive = plan_token_filter(f, stat, f_finite, alive, None)
+            stage, kept = plan_token_filter(f, stat, f_finite, alive, None)
+            if f.applies_to == "loss":  # a policy-gradient-only filter leaves the later stages' tokens alone
+                alive = kept
             rejected = float(stage.rejected.sum()) / low.numel()
         else:
             rejected = _sequence_rejected_frac(f, low, high)

@@ -47,7 +47,8 @@ DROPPED_SEQUENCES, VALID_SEQUENCES = "_rs_seq_dropped", "_rs_seq_valid"
 # Probability-space statistics clamp the sampled token's probabilities to [1e-6, 1 - 1e-6]
 # (OpenRLHF's clamp), which keeps both logs of the binary KL finite.
 PROBABILITY_CLAMP = 1e-6
-_PROBABILITY_METRICS = ("binary_kl", "total_variation")
+# prob_diff is a plain difference of probabilities and takes no clamp (prime-rl's statistic).
+_PROBABILITY_METRICS = ("binary_kl", "total_variation", "prob_diff")
 
 
 @dataclass
@@ -77,7 +78,8 @@ def token_filter_statistic(
     KL(behaviour || target); ``mult_prob_error = exp(|d|)``. The probability-space
     statistics read ``p_a = exp(target)`` and ``p_b = exp(behaviour)``, both clamped to
     ``[1e-6, 1 - 1e-6]``: ``binary_kl = p_b log(p_b/p_a) + (1-p_b) log((1-p_b)/(1-p_a))``,
-    ``total_variation = |p_b - p_a|``.
+    ``total_variation = |p_b - p_a|``; ``prob_diff = p_a - p_b`` reads them unclamped
+    (prime-rl's ``exp(trainer_logprobs) - exp(inference_logprobs)``).
     """
     if metric == "ratio":
         return d
@@ -85,16 +87,19 @@ def token_filter_statistic(
         return kl_estimate(d, metric[3:])
     if metric == "mult_prob_error":
         return torch.exp(d.abs())
-    if metric in ("binary_kl", "total_variation"):
+    if metric in _PROBABILITY_METRICS:
         if target is None or behaviour is None:
             raise ValueError(f"metric {metric!r} needs the target and behaviour log-probs")
+        if metric == "prob_diff":
+            return target.exp() - behaviour.exp()
         p_a = target.exp().clamp(PROBABILITY_CLAMP, 1.0 - PROBABILITY_CLAMP)
         p_b = behaviour.exp().clamp(PROBABILITY_CLAMP, 1.0 - PROBABILITY_CLAMP)
         if metric == "total_variation":
             return (p_b - p_a).abs()
         return p_b * (p_b / p_a).log() + (1.0 - p_b) * ((1.0 - p_b) / (1.0 - p_a)).log()
     raise ValueError(
-        f"metric: got {metric!r}; allowed: ratio, kl_k1, kl_k2, kl_k3, mult_prob_error, binary_kl, total_variation"
+        f"metric: got {metric!r}; allowed: ratio, kl_k1, kl_k2, kl_k3, mult_prob_error, binary_kl, "
+        "total_variation, prob_diff"
     )
 
 
@@ -150,23 +155,36 @@ def plan_filters(
     masks: TokenMasks,
     negative: Optional[torch.Tensor],  # [B, T] 0/1 negative advantage; None if no filter is conditioned
     log_probs: Optional[PolicyLogProbs],
-) -> tuple[tuple[StageStatistics, ...], torch.Tensor]:
+    positive: Optional[torch.Tensor] = None,  # [B, T] 0/1 positive advantage; None if no filter needs it
+) -> tuple[tuple[StageStatistics, ...], torch.Tensor, Optional[torch.Tensor]]:
     """Token-filter masks (local decisions) and the local statistics of sequence filters.
 
     A sequence filter reads the valid tokens that the token filters listed before it kept.
-    Returns each stage's local statistics and the ``[B, T]`` 0/1 mask of valid tokens every
-    token filter kept.
+    Returns each stage's local statistics, the ``[B, T]`` 0/1 mask of valid tokens every
+    token filter with ``applies_to: loss`` kept, and the ``[B, T]`` 0/1 mask of tokens whose
+    policy-gradient term no ``applies_to: policy_gradient`` filter removed (``None`` when
+    there is no such filter).
     """
     stages = []
     alive = masks.valid_bin  # [B, T] valid tokens kept by the token filters so far
+    policy_gradient_alive = None  # [B, T] 1 where no policy-gradient-only filter rejected the token
     for f in filters:
         stat, f_finite = filter_statistic(f, d, masks, log_probs)
-        if f.level == "token":
-            stage, alive = plan_token_filter(f, stat, f_finite, alive, negative)
+        if f.level == "token" and f.applies_to == "policy_gradient":
+            # Its candidates: tokens still in the loss whose policy-gradient term is still there
+            # (a token two such filters reject is counted by the first only).
+            candidates = alive if policy_gradient_alive is None else alive * policy_gradient_alive
+            stage, kept = plan_token_filter(f, stat, f_finite, candidates, negative, positive)
+            removed = candidates - kept
+            policy_gradient_alive = (
+                (1.0 - removed) if policy_gradient_alive is None else policy_gradient_alive - removed
+            )
+        elif f.level == "token":
+            stage, alive = plan_token_filter(f, stat, f_finite, alive, negative, positive)
         else:
             stage = plan_sequence_filter(f, stat, f_finite, alive, negative, torch.finfo(d.dtype).max)
         stages.append(stage)
-    return tuple(stages), alive
+    return tuple(stages), alive, policy_gradient_alive
 
 
 def filter_statistic(
@@ -189,11 +207,14 @@ def plan_token_filter(
     f_finite: torch.Tensor,  # [B, T] 0/1
     alive: torch.Tensor,  # [B, T] 0/1 valid tokens the earlier token filters kept
     negative: Optional[torch.Tensor],  # [B, T] 0/1
+    positive: Optional[torch.Tensor] = None,  # [B, T] 0/1
 ) -> tuple[TokenStageStatistics, torch.Tensor]:
     """The token filter's per-row statistics and the tokens still alive after it."""
     lo, hi = filter_bounds(f)
-    # Tokens this filter may reject: all, or only those with a negative advantage.
-    eligible = negative if f.negative_advantages_only else None  # [B, T] or None
+    # Tokens this filter may reject: all, or only those whose advantage has the filter's sign
+    # (None: the caller has no advantages, as in calibration; every token is eligible).
+    condition = f.advantage_condition
+    eligible = {"negative": negative, "positive": positive}.get(condition) if condition else None
     in_band = f_finite.masked_fill(out_of_bounds(stat, lo, hi), 0.0)  # non-finite d: out of band
     keep_tok = in_band if eligible is None else 1.0 - (1.0 - in_band) * eligible
     kept = alive * keep_tok
@@ -296,7 +317,7 @@ def apply_filters(
     all ranks and cost O(batch). A stage's metrics count only what it removed from the
     loss: units an earlier stage had already removed are not counted again.
     """
-    conditioned = any(f.negative_advantages_only for f in filters)
+    conditioned = any(f.advantage_condition == "negative" for f in filters)
     seq_kept = torch.ones_like(sample_mask)  # [B] 0/1 rows no sequence filter rejected so far
     conditional = torch.zeros_like(sample_mask)  # [B] rows an advantage-conditioned filter rejected
     conditional_touched = torch.zeros_like(sample_mask)  # [B] ... and that lost a token to it
@@ -316,7 +337,7 @@ def apply_filters(
         in_loss = s.count  # the tokens those rows still have at this stage
         if conditioned:
             in_loss = in_loss - conditional * s.negative
-        if f.negative_advantages_only:
+        if f.advantage_condition == "negative":  # sequence filters take no other sign
             negative_alive = s.negative  # [B]
             # Rows that lose negative-advantage tokens now (not already removed earlier).
             newly = rejected * (1.0 - conditional) * torch.sign(negative_alive)

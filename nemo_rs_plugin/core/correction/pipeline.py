@@ -55,6 +55,9 @@ class CorrectionResult:
             the GSPO ratio; with no token filter it is NeMo-RL's mask).
         ratio_token_count: ``[B]`` ``ratio_mask`` tokens per sequence over all ranks: the GSPO
             ratio's denominator.
+        policy_gradient_keep: ``[B, T]`` 0/1, the tokens whose policy-gradient term no filter
+            with ``applies_to: policy_gradient`` removed (``None`` without such a filter); the
+            loss multiplies its policy-gradient term by it, on top of ``keep``.
         metrics: the :class:`~nemo_rs_plugin.core.metrics.MetricSet` the correction declared its
             metrics in.
     """
@@ -69,6 +72,7 @@ class CorrectionResult:
     ratio_token_count: Optional[torch.Tensor]
     ratio_mask: Optional[torch.Tensor]
     metrics: MetricSet
+    policy_gradient_keep: Optional[torch.Tensor] = None
 
 
 def needs_sequence_statistics(cfg: RSClippedPGLossConfig) -> bool:
@@ -101,6 +105,8 @@ class CorrectionPlan:
     negative: Optional[torch.Tensor]  # [B, T] 0/1 negative advantage, for conditioned filters
     ratio_mask: Optional[torch.Tensor]  # [B, T] the GSPO ratio's tokens
     statistics: Optional[SequenceStatistics]  # local; None when no per-sequence statistic is needed
+    # [B, T] tokens whose policy-gradient term no policy-gradient-only filter removed (None: no such filter)
+    policy_gradient_keep: Optional[torch.Tensor] = None
 
     def reduce(self, groups: SequenceGroups = NO_GROUPS) -> Optional[SequenceStatistics]:
         """All per-sequence statistics through one SUM (and one MAX) collective; ``None`` if there are none."""
@@ -123,17 +129,22 @@ def plan_correction(
     another rank.
     """
     d = d.detach()
-    negative = None  # [B, T] 0/1 tokens with a negative advantage
-    if any(f.negative_advantages_only for f in cfg.rejection_sampling):
+    negative = positive = None  # [B, T] 0/1 tokens with a negative / positive advantage
+    conditions = {f.advantage_condition for f in cfg.rejection_sampling} - {None}
+    if conditions:
         if advantages is None:
             raise ValueError(
-                "rejection_sampling: a filter with negative_advantages_only needs the "
+                "rejection_sampling: a filter with negative_advantages_only or advantage_sign needs the "
                 "advantages (compute_correction(..., advantages=...))"
             )
-        negative = (sanitize(advantages.detach()) < 0).to(d.dtype)
+        clean_advantages = sanitize(advantages.detach())
+        if "negative" in conditions:
+            negative = (clean_advantages < 0).to(d.dtype)
+        if "positive" in conditions:
+            positive = (clean_advantages > 0).to(d.dtype)
     if not needs_sequence_statistics(cfg):
         return CorrectionPlan(d=d, masks=masks, alive=None, negative=negative, ratio_mask=None, statistics=None)
-    stages, alive = plan_filters(cfg.rejection_sampling, d, masks, negative, log_probs)
+    stages, alive, policy_gradient_keep = plan_filters(cfg.rejection_sampling, d, masks, negative, log_probs, positive)
     ratio_mask = None
     if cfg.sequence_level_importance_ratios:
         # The GSPO ratio averages over the row's token_mask tokens with finite inputs, less
@@ -151,7 +162,13 @@ def plan_correction(
         ratio_tokens=ratio_mask.sum(-1).to(d.dtype) if ratio_mask is not None else None,
     )
     return CorrectionPlan(
-        d=d, masks=masks, alive=alive, negative=negative, ratio_mask=ratio_mask, statistics=statistics
+        d=d,
+        masks=masks,
+        alive=alive,
+        negative=negative,
+        ratio_mask=ratio_mask,
+        statistics=statistics,
+        policy_gradient_keep=policy_gradient_keep,
     )
 
 
@@ -234,6 +251,7 @@ def apply_correction(
         ratio_token_count=ratio_token_count,
         ratio_mask=plan.ratio_mask,
         metrics=metrics,
+        policy_gradient_keep=plan.policy_gradient_keep,
     )
 
 
