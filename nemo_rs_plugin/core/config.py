@@ -41,11 +41,13 @@ from nemo_rs_plugin.core.config_problems import (
     without_coercions,
     without_locations,
 )
+from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
 from nemo_rs_plugin.core.rejection_filter import RejectionFilter
 
 __all__ = [
     "ConfigError",
     "ConfigWarning",
+    "IS_LEVEL_FORMULAS",
     "ISCorrectionLevel",
     "RejectionFilter",
     "RSClippedPGLossConfig",
@@ -55,6 +57,15 @@ __all__ = [
 ]
 
 ISCorrectionLevel = Literal["token", "sequence", "sequence_mean"]
+#: The IS weight of each ``is_correction_level`` (``d = prev - gen``, ``m`` the valid tokens of
+#: a sequence, ``n = sum_t m_t``): the one statement of these formulas. The docstrings that
+#: state them, ``nemo-rs check``'s wording and the guide's table are tested against it
+#: (tests/core/test_is_levels.py).
+IS_LEVEL_FORMULAS = {
+    "token": "w_t = exp(d_t)",
+    "sequence": "w = exp(sum_t m_t d_t)",
+    "sequence_mean": "w = exp(sum_t m_t d_t / n)",
+}
 TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
 BatchNormalization = Literal["microbatch", "data_parallel"]
 
@@ -154,8 +165,9 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
     # --- Plugin: decoupled IS level ---
     is_correction_level: Optional[ISCorrectionLevel] = None
     """Level of the IS weight, independent of ``sequence_level_importance_ratios``:
-    ``token`` ``exp(d_t)``, ``sequence`` ``exp(sum_t d_t)``, ``sequence_mean``
-    ``exp(mean_t d_t)``. ``None``: ``sequence`` if ``sequence_level_importance_ratios``
+    ``token``: ``w_t = exp(d_t)``; ``sequence``: ``w = exp(sum_t m_t d_t)``;
+    ``sequence_mean``: ``w = exp(sum_t m_t d_t / n)`` (``d = prev - gen``, ``m`` the valid
+    tokens of the sequence, ``n`` their count). ``None``: ``sequence`` if ``sequence_level_importance_ratios``
     else ``token`` (NeMo-RL's behaviour). For responses of thousands of tokens pick
     ``sequence_mean``."""
 
@@ -235,6 +247,13 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
     def config_warnings(self) -> list[str]:
         """Legal settings that do nothing here, one line each (issued as :class:`ConfigWarning`)."""
         w: list[str] = []
+        if self.name is not None and self.name != PLUGIN_LOSS_NAME:
+            # NeMo-RL's loss registry reads the name; NeMo-RL's glue strips it before building
+            # this config, so only a direct construction (the Python API) gets here with one.
+            w.append(
+                f"name: got {self.name!r}; this configuration is the {PLUGIN_LOSS_NAME} loss whatever the name: "
+                "a name selects a loss only in a recipe (NeMo-RL's loss_fn.name); remove it here"
+            )
         if self.is_correction_level is not None and not self.use_importance_sampling_correction:
             w.append(
                 f"is_correction_level: got {self.is_correction_level!r} with use_importance_sampling_correction: "

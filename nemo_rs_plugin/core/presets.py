@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FILTERS", "GEO_RS", "OUTLIER_VETO", "TOKEN_MIS", "TIS_CAP", "IS_ON", "tis", "is_level"]
+__all__ = ["PLUGIN_LOSS_NAME", "FILTERS", "GEO_RS", "OUTLIER_VETO", "TOKEN_MIS", "TIS_CAP", "IS_ON", "tis", "is_level"]
 
+#: The name a recipe selects this loss by (``loss_fn.name``; NeMo-RL's registry of the plugin maps it).
+PLUGIN_LOSS_NAME = "rs_clipped_pg"
 GEO_RS: dict[str, Any] = {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.99, "upper": 1.01}
 OUTLIER_VETO: dict[str, Any] = {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4}
 TOKEN_MIS: dict[str, Any] = {"level": "token", "metric": "ratio", "lower": 0.5, "upper": 2.0}

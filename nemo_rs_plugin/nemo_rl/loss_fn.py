@@ -70,8 +70,8 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         # `nemo-rs check` reads too) and the plugin's validation.
         host_only, problems = host_field_problems(raw)
         problems = [f"loss_fn.{p}" for p in problems]
-        try:
-            config = RSClippedPGLossConfig.from_any(raw)
+        try:  # the name chose this class (the registry); the config itself is nameless
+            config = RSClippedPGLossConfig.from_any({k: v for k, v in raw.items() if k != "name"})
         except ConfigError as exc:
             raise ConfigError(problems + exc.problems, prefix="") from None
         if problems:

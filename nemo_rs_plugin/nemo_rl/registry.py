@@ -17,6 +17,8 @@ import importlib
 from importlib import metadata
 from typing import Any, Callable, Union
 
+from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME  # standard library only
+
 __all__ = [
     "ENTRY_POINT_GROUP",
     "LossRegistryError",
@@ -28,7 +30,7 @@ __all__ = [
 ENTRY_POINT_GROUP = "nemo_rs_plugin.losses"
 
 _REGISTRY: dict[str, Union[str, type]] = {
-    "rs_clipped_pg": "nemo_rs_plugin.nemo_rl.loss_fn:RSClippedPGLossFn",
+    PLUGIN_LOSS_NAME: "nemo_rs_plugin.nemo_rl.loss_fn:RSClippedPGLossFn",
     "clipped_pg": "nemo_rl.algorithms.loss:ClippedPGLossFn",
 }
 _entry_points_loaded = False

@@ -16,7 +16,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from nemo_rs_plugin.core.config import PLUGIN_FIELDS, ConfigError, RSClippedPGLossConfig, own_loss_problems
+from nemo_rs_plugin.core.config import (
+    PLUGIN_FIELDS,
+    ConfigError,
+    RSClippedPGLossConfig,
+    own_loss_problems,
+)
+from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
 from nemo_rs_plugin.nemo_rl.host import fused_sharded_problem, training_time_filtering_problem
 from nemo_rs_plugin.tools.recipe_loading import HOW_TO_CHECK, flatten, load_recipe, one_line
 
@@ -196,7 +202,7 @@ def _check(
         report.notes.append(
             f"loss_fn {'has no name' if name is None else 'names clipped_pg'}: NeMo-RL's own ClippedPGLossFn is used"
         )
-    elif name != "rs_clipped_pg":
+    elif name != PLUGIN_LOSS_NAME:
         from nemo_rs_plugin.nemo_rl.registry import LossRegistryError, get_loss_class
 
         try:

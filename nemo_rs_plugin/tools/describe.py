@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nemo_rs_plugin.core.config import RejectionFilter, RSClippedPGLossConfig
+from nemo_rs_plugin.core.config import IS_LEVEL_FORMULAS, RejectionFilter, RSClippedPGLossConfig
 
 __all__ = ["describe_pipeline", "describe_filter"]
 
@@ -99,14 +99,16 @@ def _ratio_line(cfg: RSClippedPGLossConfig) -> str:
 
 def _is_weight_line(cfg: RSClippedPGLossConfig) -> str:
     level = cfg.effective_is_level
-    formula = {
-        "token": "exp(d_t) per token",
-        "sequence": "exp(sum_t d_t) per sequence (product)",
-        "sequence_mean": "exp(mean_t d_t) per sequence (geometric mean)",
-    }[level]
+    unit = {
+        "token": "per token",
+        "sequence": "per sequence (product)",
+        "sequence_mean": "per sequence (geometric mean)",
+    }
+    formula = f"{IS_LEVEL_FORMULAS[level]} {unit[level]}"
     source = "set" if cfg.is_correction_level is not None else "NeMo-RL's default for this ratio"
+    d = "curr - gen (prev is curr: force_on_policy_ratio)" if cfg.force_on_policy_ratio else "prev - gen"
     if cfg.use_importance_sampling_correction:
-        return f"IS weight ({source}): {level}, {formula}, d = prev - gen"
+        return f"IS weight ({source}): {level}, {formula}, d = {d}"
     return f"IS weight: off (use_importance_sampling_correction: false); {level} weights are only reported"
 
 

@@ -38,13 +38,13 @@ import sys
 import warnings
 from typing import Any, Optional, Sequence, TextIO
 
+from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME as PLUGIN_NAME  # standard library only
 from nemo_rs_plugin.nemo_rl import workers as worker_links  # standard library only
 from nemo_rs_plugin.nemo_rl.recipe_defaults import parent_paths  # standard library only
 
 __all__ = ["HELP", "add_arguments", "main", "run", "run_checks"]
 
 HELP = "prove the plugin is active where NeMo-RL runs (driver and worker venvs)"
-PLUGIN_NAME = "rs_clipped_pg"
 
 WORKER_PROBE = (
     "import json, pickle, sys\n"

@@ -205,3 +205,14 @@ def test_a_failing_filter_does_not_hide_another_filter_s_problem():
     )
     assert any(p.startswith("loss_fn.rejection_sampling.0.agg: got 'median'") for p in problems), problems
     assert any(p.startswith("loss_fn.rejection_sampling.1.log_ratio: got 'curr-prev'") for p in problems), problems
+
+
+def test_a_name_other_than_the_plugins_warns_in_the_python_api():
+    """The name selects a loss only in a recipe; built directly, ``name: clipped_pg`` would
+    still be this loss, so the user who expected NeMo-RL's plain loss is told."""
+    with pytest.warns(ConfigWarning, match=r"name: got 'clipped_pg'; this configuration is the rs_clipped_pg loss"):
+        CorrectedPGLoss({"name": "clipped_pg"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        CorrectedPGLoss({"name": "rs_clipped_pg"})
+        CorrectedPGLoss({})

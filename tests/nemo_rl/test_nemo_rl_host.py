@@ -97,6 +97,13 @@ def test_shipped_recipes_load_with_nemo_rl(host, tmp_path_factory):
 
 
 @pytest.mark.parametrize("host", HOSTS, ids=host_label)
+def test_a_registry_alias_of_the_plugin_builds_it_without_the_name_warning(host, tmp_path_factory):
+    """The name chose the class; the config it builds is nameless (the warning is for direct use)."""
+    out = checked(host, "registry_alias", tmp_path_factory)
+    assert out == {"type": "RSClippedPGLossFn", "config_warnings": []}, out
+
+
+@pytest.mark.parametrize("host", HOSTS, ids=host_label)
 def test_a_new_upstream_field_passes_at_its_default_and_is_refused_when_set(host, tmp_path_factory):
     out = checked(host, "new_upstream_field", tmp_path_factory)
     if out["api"] == "typeddict":  # v0.6.0: a TypedDict has no defaults; nothing to decide

@@ -214,6 +214,24 @@ def new_upstream_field():
     }
 
 
+def registry_alias():
+    """A third party's name for the plugin's class builds it without the direct-use name warning."""
+    import warnings
+
+    from nemo_rs_plugin.core.config import ConfigWarning
+    from nemo_rs_plugin.nemo_rl import registry
+    from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
+
+    registry.register_loss("third_party_rs", RSClippedPGLossFn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss_fn = registry.get_loss_class("third_party_rs")({"name": "third_party_rs"})
+    return {
+        "type": type(loss_fn).__name__,
+        "config_warnings": [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)],
+    }
+
+
 def all_checks():
     """Every check above in this one interpreter (NeMo-RL's import is the costly part).
 
@@ -228,6 +246,7 @@ def all_checks():
         ("prepare", None),
         ("parity", fixtures),
         ("recipes_load", os.path.join(tmp, "recipes")),
+        ("registry_alias", None),
         ("new_upstream_field", None),
     ]
     out = {}

@@ -226,7 +226,7 @@ def test_check_applies_overrides(tmp_path, capsys, no_nemo_rl):
         )
         == 3
     )
-    assert "sequence_mean, exp(mean_t d_t)" in capsys.readouterr().out
+    assert "sequence_mean, w = exp(sum_t m_t d_t / n)" in capsys.readouterr().out
     assert main(["check", str(recipe), "+loss_fn.ratio_clip_c=0.5"]) == 2
 
 

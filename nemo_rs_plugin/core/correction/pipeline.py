@@ -209,9 +209,9 @@ def apply_correction(
     in ``metrics``. ``groups`` is used only by ``is_batch_normalization`` (one more SUM of
     two numbers).
 
-    IS weight per level (``n_i = sum_t m_it``):
-    ``token``: ``w_it = exp(d_it)``; ``sequence``: ``w_i = exp(sum_t m_it d_it)``;
-    ``sequence_mean``: ``w_i = exp(sum_t m_it d_it / n_i)``.
+    IS weight per level (``config.IS_LEVEL_FORMULAS``; ``n = sum_t m_t`` per sequence):
+    ``token``: ``w_t = exp(d_t)``; ``sequence``: ``w = exp(sum_t m_t d_t)``;
+    ``sequence_mean``: ``w = exp(sum_t m_t d_t / n)``.
     """
     masks = plan.masks
     sample_mask = masks.sample_mask

@@ -1,7 +1,8 @@
 """IS weights at the chosen level, NeMo-RL's truncation, and the weight metrics.
 
-IS weight per level (``n_i = sum_t m_it``): ``token``: ``w_it = exp(d_it)``; ``sequence``:
-``w_i = exp(sum_t m_it d_it)``; ``sequence_mean``: ``w_i = exp(sum_t m_it d_it / n_i)``.
+IS weight per level (``config.IS_LEVEL_FORMULAS``; ``n = sum_t m_t`` per sequence):
+``token``: ``w_t = exp(d_t)``; ``sequence``: ``w = exp(sum_t m_t d_t)``;
+``sequence_mean``: ``w = exp(sum_t m_t d_t / n)``.
 See: docs/guide.md#is-correction-level.
 """
 
@@ -34,8 +35,9 @@ def is_weights(
 ) -> torch.Tensor:
     """Untruncated IS weight: ``[B, T]`` for ``token``, ``[B, 1]`` for the sequence levels.
 
-    ``token``: ``exp(d_t)``; ``sequence``: ``exp(sum_t m d)``; ``sequence_mean``:
-    ``exp(sum_t m d / n)``. A non-finite log-ratio gives weight 0 (its token, or its sequence).
+    ``token``: ``w_t = exp(d_t)``; ``sequence``: ``w = exp(sum_t m_t d_t)``;
+    ``sequence_mean``: ``w = exp(sum_t m_t d_t / n)``. A non-finite log-ratio gives weight 0
+    (its token, or its sequence).
     """
     if level == "token":
         return finite_exp(d) * d_finite  # d is 0 where it was not finite: weight 0 there
