@@ -247,6 +247,11 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
     def config_warnings(self) -> list[str]:
         """Legal settings that do nothing here, one line each (issued as :class:`ConfigWarning`)."""
         w: list[str] = []
+        if self.truncated_importance_sampling_type == "tis" and self.truncated_importance_sampling_ratio == math.inf:
+            w.append(
+                "truncated_importance_sampling_ratio: got inf with truncated_importance_sampling_type 'tis': no "
+                "weight is ever truncated; for no truncation remove truncated_importance_sampling_type and the ratio"
+            )
         if self.name is not None and self.name != PLUGIN_LOSS_NAME:
             # NeMo-RL's loss registry reads the name; NeMo-RL's glue strips it before building
             # this config, so only a direct construction (the Python API) gets here with one.

@@ -216,3 +216,14 @@ def test_a_name_other_than_the_plugins_warns_in_the_python_api():
         warnings.simplefilter("error", ConfigWarning)
         CorrectedPGLoss({"name": "rs_clipped_pg"})
         CorrectedPGLoss({})
+
+
+def test_tis_at_an_infinite_ratio_is_warned_about():
+    with pytest.warns(ConfigWarning, match="truncated_importance_sampling_ratio: got inf with"):
+        CorrectedPGLoss(
+            {
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "tis",
+                "truncated_importance_sampling_ratio": float("inf"),
+            }
+        )
