@@ -279,7 +279,10 @@ class CorrectedPGLoss:
         # ---- penalty toward the sampler (prime-rl's kl_tau term): tau * (curr - gen)^2 ----
         sampler_kl = None
         if cfg.sampler_kl_penalty > 0:
-            sampler_kl = self._aggregate((clean.curr - clean.gen).square(), agg)
+            # Masked before squaring: a masked position may hold any finite log-prob, and a huge
+            # one squared is inf, which the mask's 0 would turn into NaN.
+            diff = torch.where(agg.mask > 0, clean.curr - clean.gen, 0.0)
+            sampler_kl = self._aggregate(diff.square(), agg)
             loss = loss + cfg.sampler_kl_penalty * sampler_kl
 
         # ---- KL penalty ----

@@ -289,6 +289,19 @@ def test_the_sampler_penalty_is_not_is_weighted_and_has_its_gradient():
     torch.testing.assert_close(grad, 0.5 * 2 * d / 2, rtol=1e-8, atol=0)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"], ids=["token-mean", "sequence-mean"])
+def test_the_sampler_penalty_ignores_huge_values_at_masked_positions(level):
+    """A masked position may hold any finite log-prob: squared it would be inf, masked NaN."""
+    curr = torch.tensor([[-0.2, -1.5, torch.finfo(torch.float32).min]])
+    gen = torch.tensor([[-0.9, -0.4, torch.finfo(torch.float32).max]])
+    token_mask = torch.tensor([[1.0, 1.0, 0.0]])
+    cfg = {**DPPO, "rejection_sampling": [], "sampler_kl_penalty": 0.5, "token_level_loss": level == "token"}
+    loss, grad, _ = run_plugin(cfg, curr, gen, torch.zeros(1, 3), token_mask, torch.ones(1), dtype=torch.float32)
+    d = (curr - gen)[:, :2]
+    assert loss.item() == pytest.approx(0.5 * (d**2).mean().item(), rel=1e-6)
+    assert torch.isfinite(grad).all() and grad[0, 2] == 0
+
+
 # ============================================================ validation
 @pytest.mark.parametrize(
     ("cfg", "fragment"),
