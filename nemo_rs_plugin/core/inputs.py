@@ -218,6 +218,7 @@ class SanitizedInputs:
     masks: TokenMasks
     nonfinite: Any  # [K, B, T] (or K [B, T]) 0/1 non-finite entries of each input, rows named by
     input_names: tuple  # the K input names (keys of _NONFINITE_COUNTS)
+    stacked: Optional[torch.Tensor] = None  # [K, B, T] the sanitised inputs, rows input_names (GPU form only)
 
 
 def sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool, batched: bool) -> SanitizedInputs:
@@ -240,7 +241,8 @@ def sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool, 
     rows.update(prev=prev_raw, gen=x.generation, advantages=x.advantages)
     if batched:  # two kernels for all inputs (batched_evaluation: the GPU form)
         stacked = torch.stack([t.detach() for t in rows.values()])  # [K, B, T]
-        clean = dict(zip(rows, sanitize(stacked)))
+        sanitized = sanitize(stacked)
+        clean = dict(zip(rows, sanitized))
         bad = nonfinite(stacked)  # [K, B, T] 0/1
         any_bad = bad[:n_logprob].amax(0)
         checked = tuple(rows)
@@ -268,6 +270,7 @@ def sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool, 
         masks=TokenMasks.build(x.token_mask, x.sample_mask, d_finite, inputs_finite),
         nonfinite=bad,
         input_names=checked,
+        stacked=sanitized if batched else None,
     )
 
 
@@ -327,15 +330,23 @@ def check_logprob_signs(metrics: MetricSet, clean: SanitizedInputs, force_on_pol
     (Python's default warning filter; the text names the input, not the count).
     """
     skip = ("prev",) if force_on_policy else ()  # prev is curr then: one warning, for the input given
-    present = [
-        (key, t) for field, key in _LOGPROB_SOURCES if field not in skip and (t := getattr(clean, field)) is not None
-    ]
-    names = [f"_positive_{key}_count" for key, _ in present]
-    rows = [(t.detach() > POSITIVE_LOGPROB_SLACK).to(clean.masks.valid_bin.dtype) for _, t in present]
+    sources = {field: key for field, key in _LOGPROB_SOURCES if field not in skip}
+    dtype = clean.masks.valid_bin.dtype
+    if clean.stacked is not None:  # GPU form: one comparison over the stacked inputs, one matvec
+        present = [(sources[row], None) for row in clean.input_names if row in sources]
+        names = [
+            f"_positive_{sources[row]}_count" if row in sources else f"_positive_{row}" for row in clean.input_names
+        ]
+        rows = (clean.stacked > POSITIVE_LOGPROB_SLACK).to(dtype)  # [K, B, T]; d, advantages: unread counts
+    else:
+        present = [(key, t) for field, key in sources.items() if (t := getattr(clean, field)) is not None]
+        names = [f"_positive_{key}_count" for key, _ in present]
+        rows = [(t.detach() > POSITIVE_LOGPROB_SLACK).to(dtype) for _, t in present]
     metrics.add_masked_totals(names, rows, clean.masks.valid_bin, "none", "sum")
+    counted = [f"_positive_{key}_count" for key, _ in present]
 
     def warn_if_positive(out: dict) -> bool:  # a check that never fails: it only warns
-        for (key, _), name in zip(present, names):
+        for (key, _), name in zip(present, counted):
             if out[name] > 0:
                 warnings.warn(
                     f"{key}: log-probs above 0 on valid tokens; log-probs are <= 0 (were probabilities "

@@ -89,7 +89,7 @@ def logprob_batch(B=4, T=8):
     )
 
 
-def positive_logprob_warnings(cfg, **replace):
+def positive_logprob_warnings(cfg, batched=False, **replace):
     lp, data, gvs, gvt = logprob_batch()
     for key, value in replace.items():
         if key == "next_token_logprobs":
@@ -98,34 +98,38 @@ def positive_logprob_warnings(cfg, **replace):
             data[key] = value(data[key])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
+        CorrectedPGLoss(cfg, batched_metrics=batched)(lp, data, gvs, gvt)
     return [str(w.message) for w in caught if issubclass(w.category, InputWarning)]
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["cpu-form", "gpu-form"])
 @pytest.mark.parametrize(
     "key", ["next_token_logprobs", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs"]
 )
-def test_probabilities_passed_as_logprobs_warn_naming_the_input(key):
-    messages = positive_logprob_warnings(FULL, **{key: torch.exp})  # p = exp(log p) in (0, 1]
+def test_probabilities_passed_as_logprobs_warn_naming_the_input(key, batched):
+    messages = positive_logprob_warnings(FULL, batched, **{key: torch.exp})  # p = exp(log p) in (0, 1]
     assert len(messages) == 1 and messages[0].startswith(f"{key}: log-probs above 0 on valid tokens"), messages
 
 
-def test_logprobs_at_most_zero_or_positive_only_where_masked_do_not_warn():
+@pytest.mark.parametrize("batched", [False, True], ids=["cpu-form", "gpu-form"])
+def test_logprobs_at_most_zero_or_positive_only_where_masked_do_not_warn(batched):
+    """Positive advantages and log-ratios are no mistake (the GPU form counts every stacked row)."""
     lp, data, gvs, gvt = logprob_batch()
-    assert positive_logprob_warnings(FULL) == []
+    assert positive_logprob_warnings(FULL, batched) == []
     masked = data["token_mask"] == 0
     assert masked.any()
 
     def positive_where_masked(t):
         return torch.where(masked, torch.ones_like(t), t)
 
-    assert positive_logprob_warnings(FULL, generation_logprobs=positive_where_masked) == []
+    assert positive_logprob_warnings(FULL, batched, generation_logprobs=positive_where_masked) == []
     # rounding of a fused log-softmax (log p = +1e-6 for p = 1) is not a mistake
-    assert positive_logprob_warnings(FULL, prev_logprobs=lambda t: torch.full_like(t, 1e-6)) == []
+    assert positive_logprob_warnings(FULL, batched, prev_logprobs=lambda t: torch.full_like(t, 1e-6)) == []
 
 
-def test_forced_on_policy_warns_once_for_the_current_logprobs():
-    messages = positive_logprob_warnings({"force_on_policy_ratio": True}, next_token_logprobs=torch.exp)
+@pytest.mark.parametrize("batched", [False, True], ids=["cpu-form", "gpu-form"])
+def test_forced_on_policy_warns_once_for_the_current_logprobs(batched):
+    messages = positive_logprob_warnings({"force_on_policy_ratio": True}, batched, next_token_logprobs=torch.exp)
     assert [m.split(":")[0] for m in messages] == ["next_token_logprobs"], messages
 
 
