@@ -129,16 +129,22 @@ def filter_bound_extremes(i: int, f: RejectionFilter) -> list[str]:
     """
     lo, hi = statistic_range(f)
     what = f"{f.metric}" + (f" ({f.aggregation} over a sequence)" if f.aggregation else " (per token)")
+    if f.applies_to == "policy_gradient":
+        consequence = "only the penalty terms train"
+    elif f.advantage_condition is not None:
+        consequence = f"the {f.advantage_condition}-advantage tokens train on nothing"
+    else:
+        consequence = "the loss trains on nothing"
     p = []
     if f.upper is not None and f.upper < lo:
         p.append(
             f"rejection_sampling.{i}: upper: got {f.upper} with metric {f.metric!r}, but {what} is never "
-            f"below {lo:g}: the filter rejects every unit and the loss trains on nothing; set an upper bound >= {lo:g}"
+            f"below {lo:g}: the filter rejects every unit and {consequence}; set an upper bound >= {lo:g}"
         )
     if f.lower is not None and (f.lower > hi or (f.metric == "total_variation" and f.lower >= hi)):
         p.append(
             f"rejection_sampling.{i}: lower: got {f.lower} with metric {f.metric!r}, but {what} is below "
-            f"{hi:g}: the filter rejects every unit and the loss trains on nothing; set a lower bound < {hi:g}"
+            f"{hi:g}: the filter rejects every unit and {consequence}; set a lower bound < {hi:g}"
         )
     return p
 
@@ -147,14 +153,16 @@ def filter_bound_warnings(i: int, f: RejectionFilter) -> list[str]:
     """A bound that can never reject: harmless, but not what was meant."""
     lo, hi = statistic_range(f)
     what = "a token's" if f.level == "token" else f"a sequence's {f.aggregation}"
+    clamped = f"; below {hi:g} with the probabilities clamped" if f.metric in ("total_variation", "binary_kl") else ""
     w = []
     if f.upper is not None and f.upper >= hi:
         w.append(
             f"rejection_sampling.{i}.upper: got {f.upper} with metric {f.metric!r}, which is at most {hi:g} "
-            f"({what}; below {hi:g} with the probabilities clamped): this bound never rejects; set an upper "
-            f"bound below {hi:g}, or remove it"
+            f"({what}{clamped}): this bound never rejects; set an upper bound below {hi:g}, or remove it"
         )
-    if f.lower is not None and f.lower < lo and f.metric != "ratio":
+    # prob_diff reaches -1 only at p_a = 0, p_b = 1 (exactly), so a lower bound of -1 never rejects either
+    never_below = f.lower is not None and (f.lower < lo or (f.metric == "prob_diff" and f.lower <= lo))
+    if never_below and f.metric != "ratio":
         w.append(
             f"rejection_sampling.{i}.lower: got {f.lower} with metric {f.metric!r}, which is never below "
             f"{lo:g}: this bound never rejects; set a lower bound above {lo:g}, or remove it"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -345,19 +344,15 @@ def check_logprob_signs(metrics: MetricSet, clean: SanitizedInputs, force_on_pol
     metrics.add_masked_totals(names, rows, clean.masks.valid_bin, "none", "sum")
     counted = [f"_positive_{key}_count" for key, _ in present]
 
-    def warn_if_positive(out: dict) -> bool:  # a check that never fails: it only warns
-        for (key, _), name in zip(present, counted):
-            if out[name] > 0:
-                warnings.warn(
-                    f"{key}: log-probs above 0 on valid tokens; log-probs are <= 0 (were probabilities "
-                    "or negated log-probs passed?): the importance weights and ratios built from them "
-                    "are meaningless",
-                    InputWarning,
-                    stacklevel=4,
-                )
-        return False
+    def positive_inputs(out: dict) -> list[str]:
+        return [
+            f"{key}: log-probs above 0 on valid tokens; log-probs are <= 0 (were probabilities or negated "
+            "log-probs passed?): the importance weights and ratios built from them are meaningless"
+            for (key, _), name in zip(present, counted)
+            if out[name] > 0
+        ]
 
-    metrics.check(warn_if_positive, lambda out: AssertionError("unreachable"))
+    metrics.warn(positive_inputs, InputWarning)
 
 
 def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -24,6 +24,7 @@ Each metric carries:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
 
@@ -92,6 +93,7 @@ class MetricSet:
         self._extrema: dict[tuple, list] = {}  # (rank, dtype) -> [(min name, max name, values, penalty)]
         self._derived: list[tuple[str, str, Callable[[dict[str, float]], float]]] = []
         self._checks: list[tuple[Callable[[dict[str, float]], bool], Callable[[dict[str, float]], Exception]]] = []
+        self._warnings: list[tuple[Callable[[dict[str, float]], list[str]], type[Warning]]] = []
         self._stacked: Optional[tuple[list[str], torch.Tensor]] = None
         self.private: dict[str, float] = {}  # the ``_``-prefixed entries, set by finalize()
 
@@ -175,6 +177,14 @@ class MetricSet:
         """
         self._checks.append((failed, error))
 
+    def warn(self, messages: Callable[[dict[str, float]], list[str]], category: type[Warning]) -> None:
+        """Issue ``messages(values)`` (each a warning of ``category``) from :meth:`finalize`.
+
+        The warning counterpart of :meth:`check`: decided on the host from the one transfer,
+        for inputs the loss accepts but that are almost surely a caller's mistake.
+        """
+        self._warnings.append((messages, category))
+
     def normalizations(self) -> dict[str, str]:
         """Public metric name -> the normalization declared with it (what NeMo-RL's ``MetricNormalizer`` reads)."""
         return {name: norm for name, (norm, _) in self._declared.items() if not name.startswith("_")}
@@ -235,6 +245,9 @@ class MetricSet:
         for failed, error in self._checks:
             if failed(out):
                 raise error(out)
+        for messages, category in self._warnings:
+            for text in messages(out):
+                warnings.warn(text, category, stacklevel=3)  # at the loss call's caller of finalize
         # Extremes over no unit hold +-finfo.max of their dtype; float32's half range flags
         # them whatever dtype the vector was promoted to.
         half = torch.finfo(torch.float32).max / 2

@@ -100,8 +100,8 @@ class RejectionFilter(BaseModel):
     advantage_sign: Optional[AdvantageSign] = None
     """Reject only tokens whose advantage has this sign: ``negative`` (A < 0; the same as
     ``negative_advantages_only: true``, on token and sequence filters) or ``positive``
-    (A > 0; token filters only). Tokens with A = 0 are never rejected (they carry no
-    policy gradient). Two token filters, one per sign, give prime-rl's DPPO mask, with its
+    (A > 0; token filters only). A sign-conditioned filter never rejects a token with A = 0
+    (as prime-rl's mask, which reads the sign). Two token filters, one per sign, give prime-rl's DPPO mask, with its
     separate ``dppo_mask_high`` / ``dppo_mask_low`` bounds. ``None``: every token."""
     applies_to: FilterScope = "loss"
     """What a rejection removes: ``loss`` (default) the token's whole loss (policy-gradient,

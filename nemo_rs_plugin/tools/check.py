@@ -24,7 +24,7 @@ from nemo_rs_plugin.core.config import (
 )
 from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
 from nemo_rs_plugin.nemo_rl.host import fused_sharded_problem, training_time_filtering_problem
-from nemo_rs_plugin.tools.recipe_loading import HOW_TO_CHECK, flatten, load_recipe, one_line
+from nemo_rs_plugin.tools.recipe_loading import HOW_TO_CHECK, INHERITED_NOT_FOUND, flatten, load_recipe, one_line
 
 __all__ = ["CheckReport", "check_recipe", "load_recipe"]
 
@@ -179,7 +179,7 @@ def _check(
         report.errors.append(not_grpo)
         return
     loss = cfg.get("loss_fn")
-    inherits_unread = any(line.startswith("fields inherited through defaults:") for line in report.unchecked)
+    inherits_unread = any(line.startswith(INHERITED_NOT_FOUND) for line in report.unchecked)
     if loss is None and inherits_unread and "loss_fn" not in cfg:
         # The section may come from a parent that was not found: nothing to check, not an error.
         report.unchecked.append("loss_fn: not in this file; it may come from the defaults that were not found")

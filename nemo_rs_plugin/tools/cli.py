@@ -17,6 +17,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import sys
@@ -369,9 +370,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         status = int(args.func(args) or 0)
         sys.stdout.flush()  # a full disk or a closed pipe shows here, not as a traceback at exit
-    except OSError as exc:  # the commands report their own files; this is the output stream
-        where = f" ({exc.filename})" if exc.filename else ""
-        print(f"error: cannot write the output{where}: {exc.strerror or exc}", file=sys.stderr)
+    except OSError as exc:
+        # The commands report their own files; what reaches here without a file name and with
+        # a full disk or a closed pipe is the output stream. Anything else is not ours to word.
+        if exc.filename is not None or exc.errno not in (errno.ENOSPC, errno.EPIPE):
+            raise
+        print(f"error: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
         sys.stdout = open(os.devnull, "w")  # nothing more to flush at exit
         return 1
     return status

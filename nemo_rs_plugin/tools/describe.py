@@ -45,11 +45,13 @@ def describe_filter(f: RejectionFilter) -> str:
         agg = f.aggregation
         if f.metric == "ratio":
             what = _AGG_WORDS[agg]
+        elif f.metric == "prob_diff":
+            what = f"the {agg} over its tokens of p_{a} - p_{b} (probabilities of the sampled token)"
         else:
             what = f"the {agg} over its tokens of {_STATISTIC_WORDS[f.metric].replace('its ', 'the ', 1)}"
         unit = "a sequence"
     sentence = f"reject {unit} unless {what} is in {_bounds(f)}"
-    if f.log_ratio != "prev-gen" and not (f.level == "token" and f.metric in ("ratio", "prob_diff")):
+    if f.log_ratio != "prev-gen" and not (f.metric == "prob_diff" or (f.level == "token" and f.metric == "ratio")):
         sentence += f", with d = {a} - {b}"
     if f.advantage_condition is not None:
         sentence += f" (only its tokens with a {f.advantage_condition} advantage)"

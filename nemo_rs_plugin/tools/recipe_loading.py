@@ -25,6 +25,7 @@ from nemo_rs_plugin.nemo_rl.recipe_defaults import defaults_of, parent_paths
 
 __all__ = [
     "HOW_TO_CHECK",
+    "INHERITED_NOT_FOUND",
     "LoadReport",
     "OverrideError",
     "flatten",
@@ -33,6 +34,9 @@ __all__ = [
     "with_cause",
 ]
 
+#: How an unchecked line about parents not found starts (check.py reads it to tell a missing loss_fn
+#: from one that may be inherited).
+INHERITED_NOT_FOUND = "fields inherited through defaults:"
 HOW_TO_CHECK = (
     "to check it, run nemo-rs check in NeMo-RL's own environment (where `import "
     "nemo_rl.algorithms.grpo` works, e.g. `uv run nemo-rs check ...` in the NeMo-RL checkout "
@@ -396,7 +400,7 @@ def _load_without_nemo_rl(load_path: str, path: str, overrides: list[str], repor
         return None
     for parent in dict.fromkeys(missing):
         report.unchecked.append(
-            f"fields inherited through defaults: {parent} not found next to the recipe; pass "
+            f"{INHERITED_NOT_FOUND} {parent} not found next to the recipe; pass "
             "--nemo-rl PATH (a NeMo-RL checkout), or check the recipe where it sits in one"
         )
     for o in overrides:

@@ -137,9 +137,11 @@ def test_the_is_level_formulas_are_stated_once_and_everywhere_alike():
         "configuration reference": (docs / "configuration-reference.md").read_text(),
         "guide": (docs / "guide.md").read_text(),
     }
+    guide = places.pop("guide")
     for level, formula in IS_LEVEL_FORMULAS.items():
-        for where, text in places.items():
-            assert formula in " ".join(text.split()), (level, where)
+        for where, text in places.items():  # each level next to its own formula, not just somewhere
+            assert f"``{level}``: ``{formula}``" in " ".join(text.split()), (level, where)
+        assert f"| `{level}` | `{formula}` |" in guide, level
         cfg = RSClippedPGLossConfig(use_importance_sampling_correction=True, is_correction_level=level)
         assert any(f"{level}, {formula}" in line for line in describe_pipeline(cfg)), level
     # and the math they describe: the weight of row 0 (d = [0.1, -0.2, 0.3], n = 3)

@@ -117,6 +117,17 @@ def test_an_output_stream_that_cannot_be_written_is_one_line(capsys, monkeypatch
     assert "error: cannot write the output: No space left on device" in capsys.readouterr().err
 
 
+def test_an_unrelated_os_error_is_not_worded_as_an_output_failure(monkeypatch):
+    """Only a full disk or a closed pipe on the output stream is; any other error stays itself."""
+
+    def fail(args):
+        raise FileNotFoundError(2, "No such file or directory", "/some/input")
+
+    monkeypatch.setattr("nemo_rs_plugin.tools.cli._cmd_reference", fail)
+    with pytest.raises(FileNotFoundError):
+        main(["reference"])
+
+
 def test_lab_out_that_cannot_be_created_is_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "transformers", types.ModuleType("transformers"))  # the lab checks it first
 
