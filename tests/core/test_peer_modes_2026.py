@@ -51,6 +51,7 @@ def run_plugin(cfg, curr, gen, advantages, token_mask, sample_mask, dtype=torch.
         # prev is whatever the trainer had: force_on_policy_ratio replaces it by curr.
         "prev_logprobs": pad((curr - 0.3).to(dtype)),
         "generation_logprobs": pad(gen.to(dtype)),
+        "reference_policy_logprobs": pad((gen - 0.1).to(dtype)),  # read only with a reference KL
         "token_mask": pad(token_mask.long()),
         "sample_mask": sample_mask.to(dtype),
     }
@@ -402,3 +403,53 @@ def test_single_host_sync_on_cuda(name):
     cfg = (MODES.get(name) or SWIFT[name])["plugin_config"]
     syncs, _ = syncs_of_one_call(CorrectedPGLoss(cfg), *cuda_batch(torch.float32))
     assert len(syncs) == 1, syncs
+
+
+# ============================================================ what a policy-gradient-only filter leaves alone
+def _random_batch(seed=0, B=4, T=12):
+    g = torch.Generator().manual_seed(seed)
+    gen = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2 - 0.05
+    curr = (gen + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0)
+    adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).contiguous()
+    mask = torch.ones(B, T, dtype=torch.float64)
+    mask[1, 8:] = 0
+    return curr, gen, adv, mask, torch.ones(B, dtype=torch.float64)
+
+
+REJECT_ALL_PG = {"level": "token", "metric": "prob_diff", "log_ratio": "curr-gen", "lower": 2.0,
+                 "applies_to": "policy_gradient"}  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore::nemo_rs_plugin.core.config.ConfigWarning")  # rejects every token on purpose
+def test_a_policy_gradient_only_filter_leaves_the_kl_nll_and_denominators():
+    """Rejecting every token's policy-gradient term leaves exactly the loss with A = 0: the
+    reference KL, the NLL and the sampler penalty over the same tokens and denominators."""
+    curr, gen, adv, mask, sm = _random_batch()
+    base = {"use_importance_sampling_correction": True, "reference_policy_kl_penalty": 0.05,
+            "sampler_kl_penalty": 0.1, "rejection_denominator": "kept"}  # fmt: skip
+    with_filter = {**base, "rejection_sampling": [REJECT_ALL_PG]}
+    loss, grad, metrics = run_plugin(with_filter, curr, gen, adv, mask, sm)
+    loss0, grad0, metrics0 = run_plugin(base, curr, gen, torch.zeros_like(adv), mask, sm)
+    torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(grad, grad0, rtol=1e-12, atol=1e-15)
+    assert metrics["rs_token_rejected_frac"] == 0.0  # the loss's own rejection: nothing left the loss
+    label = RSClippedPGLossConfig.from_any(with_filter).rejection_sampling[0].label
+    assert metrics[f"rs/{label}/token_rejected_frac"] == pytest.approx(1.0)
+    assert metrics["kl_penalty"] == pytest.approx(metrics0["kl_penalty"], rel=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore::nemo_rs_plugin.core.config.ConfigWarning")
+def test_later_filters_see_the_tokens_a_policy_gradient_only_filter_rejected():
+    """A sequence filter after it reads the same tokens as without it; two such filters count a
+    shared token once (the second's rejected fraction is 0)."""
+    curr, gen, adv, mask, sm = _random_batch(seed=1)
+    geo = {"level": "sequence", "metric": "ratio", "agg": "mean", "log_ratio": "curr-gen", "lower": 0.9,
+           "upper": 1.1}  # fmt: skip
+    alone = {"use_importance_sampling_correction": True, "rejection_sampling": [geo]}
+    after = {**alone, "rejection_sampling": [REJECT_ALL_PG, {**REJECT_ALL_PG, "name": "again"}, geo]}
+    _, _, m_alone = run_plugin(alone, curr, gen, adv, mask, sm)
+    _, _, m_after = run_plugin(after, curr, gen, adv, mask, sm)
+    geo_label = RSClippedPGLossConfig.from_any(alone).rejection_sampling[0].label
+    assert m_after[f"rs/{geo_label}/seq_rejected_frac"] == m_alone[f"rs/{geo_label}/seq_rejected_frac"]
+    assert 0 < m_alone[f"rs/{geo_label}/seq_rejected_frac"] < 1  # the batch makes the geo filter decide
+    assert m_after["rs/again/token_rejected_frac"] == 0.0
