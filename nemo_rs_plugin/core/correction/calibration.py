@@ -201,7 +201,11 @@ def _stages(filters, prev, gen, mask, choose) -> list[CalibratedStage]:
         f = choose(template, low, high)
         if f.level == "token":
             stage, kept = plan_token_filter(f, stat, f_finite, alive, None)
-            if f.applies_to == "loss":  # a policy-gradient-only filter leaves the later stages' tokens alone
+            # A policy-gradient-only filter leaves the later stages' tokens alone, so each such
+            # stage is calibrated on every token still in the loss; the loss's own per-stage
+            # metric counts a token only in the first of them that removes its term (two
+            # overlapping ones: the second reports less than its calibrated share).
+            if f.applies_to == "loss":
                 alive = kept
             rejected = float(stage.rejected.sum()) / low.numel()
         else:
