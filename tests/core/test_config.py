@@ -158,3 +158,22 @@ def test_loss_construction_validates():
 
 def test_name_field_is_accepted():
     assert RSClippedPGLossConfig.from_any({"name": "rs_clipped_pg"}).name == "rs_clipped_pg"
+
+
+def test_every_filter_metric_has_its_entry_in_every_table():
+    """The metric list is the ``FilterMetric`` type; each table keyed by metric covers exactly it."""
+    from typing import get_args
+
+    import torch
+
+    from nemo_rs_plugin.core.config_problems import _STATISTIC_RANGE
+    from nemo_rs_plugin.core.correction.filters import token_filter_statistic
+    from nemo_rs_plugin.core.rejection_filter import AGGS_FOR_METRIC, FilterMetric
+    from nemo_rs_plugin.tools.describe import _STATISTIC_WORDS
+
+    metrics = set(get_args(FilterMetric))
+    assert set(AGGS_FOR_METRIC) == metrics and set(_STATISTIC_RANGE) == metrics
+    assert set(_STATISTIC_WORDS) == metrics - {"ratio"}  # ratio is worded per aggregation
+    d = torch.zeros(1, 2)
+    for metric in metrics:  # every metric is computed (none falls through to the error)
+        assert token_filter_statistic(d, metric, target=d - 0.1, behaviour=d - 0.2).shape == d.shape

@@ -25,6 +25,7 @@ from nemo_rs_plugin.core.correction.statistics import (
 from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, nonfinite, out_of_bounds, sanitize
 from nemo_rs_plugin.core.metrics import MetricSet
 from nemo_rs_plugin.core.policy_loss import kl_estimate
+from nemo_rs_plugin.core.rejection_filter import AGGS_FOR_METRIC
 
 __all__ = [
     "PROBABILITY_CLAMP",
@@ -97,10 +98,7 @@ def token_filter_statistic(
         if metric == "total_variation":
             return (p_b - p_a).abs()
         return p_b * (p_b / p_a).log() + (1.0 - p_b) * ((1.0 - p_b) / (1.0 - p_a)).log()
-    raise ValueError(
-        f"metric: got {metric!r}; allowed: ratio, kl_k1, kl_k2, kl_k3, mult_prob_error, binary_kl, "
-        "total_variation, prob_diff"
-    )
+    raise ValueError(f"metric: got {metric!r}; allowed: {', '.join(AGGS_FOR_METRIC)}")
 
 
 def filter_log_ratio(
