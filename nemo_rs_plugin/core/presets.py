@@ -19,7 +19,19 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PLUGIN_LOSS_NAME", "FILTERS", "GEO_RS", "OUTLIER_VETO", "TOKEN_MIS", "TIS_CAP", "IS_ON", "tis", "is_level"]
+__all__ = [
+    "PLUGIN_LOSS_NAME",
+    "dppo",
+    "ipo",
+    "FILTERS",
+    "GEO_RS",
+    "OUTLIER_VETO",
+    "TOKEN_MIS",
+    "TIS_CAP",
+    "IS_ON",
+    "tis",
+    "is_level",
+]
 
 #: The name a recipe selects this loss by (``loss_fn.name``; NeMo-RL's registry of the plugin maps it).
 PLUGIN_LOSS_NAME = "rs_clipped_pg"
@@ -45,3 +57,41 @@ def tis(level: str, cap: float = TIS_CAP) -> dict[str, Any]:
         "truncated_importance_sampling_type": "tis",
         "truncated_importance_sampling_ratio": cap,
     }
+
+
+def _prime_rl_trust_region(filters: list, kl_tau: float) -> dict[str, Any]:
+    """prime-rl's objective around its mask (docs/guide.md#prime-rl-dppo).
+
+    ``-A exp(curr - gen)`` on kept tokens, no clip, and ``kl_tau (curr - gen)^2`` on every loss token.
+    """
+    return {
+        "force_on_policy_ratio": True,  # ratio exp(curr - sg(curr)): 1 in value, the gradient kept
+        "use_importance_sampling_correction": True,  # times sg(exp(curr - gen)) at the token level
+        "reference_policy_kl_penalty": 0.0,  # prime-rl's RL loss has no reference KL
+        "sampler_kl_penalty": kl_tau,
+        "rejection_sampling": filters,
+    }
+
+
+def _prob_diff_filter(**bounds: Any) -> dict[str, Any]:
+    return {"level": "token", "metric": "prob_diff", "log_ratio": "curr-gen", **bounds, "applies_to": "policy_gradient"}
+
+
+def dppo(mask_high: float = 0.2, mask_low: float = 0.2, kl_tau: float = 1e-3) -> dict[str, Any]:
+    """prime-rl's default loss (DPPO + the sampler KL), at its defaults.
+
+    The policy term is dropped where ``p_curr - p_gen > mask_high`` with ``A > 0`` or
+    ``< -mask_low`` with ``A < 0``.
+    """
+    return _prime_rl_trust_region(
+        [
+            _prob_diff_filter(advantage_sign="positive", upper=mask_high),
+            _prob_diff_filter(advantage_sign="negative", lower=-mask_low),
+        ],
+        kl_tau,
+    )
+
+
+def ipo(threshold: float = 0.1, kl_tau: float = 1e-3) -> dict[str, Any]:
+    """prime-rl's IPO loss: the policy term dropped where ``|p_curr - p_gen| > threshold``."""
+    return _prime_rl_trust_region([_prob_diff_filter(lower=-threshold, upper=threshold)], kl_tau)

@@ -8,6 +8,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from nemo_rs_plugin import CorrectedPGLoss, metric_normalizations
+from nemo_rs_plugin.core import presets
 from tests.conftest import make_batch
 
 FULL = {
@@ -360,19 +361,19 @@ class HostSyncCounter(TorchFunctionMode):
 # prime-rl's DPPO mapping (docs/guide.md#prime-rl-dppo) plus a sequence prob_diff filter: the
 # signed, policy-gradient-only and per-sequence statistics of issue 20 on the same one transfer.
 DPPO = {
-    "force_on_policy_ratio": True,
-    "use_importance_sampling_correction": True,
-    "reference_policy_kl_penalty": 0.0,
-    "sampler_kl_penalty": 1e-3,
+    **presets.dppo(),
     "rejection_sampling": [
-        {"level": "token", "metric": "prob_diff", "log_ratio": "curr-gen", "advantage_sign": "positive",
-         "upper": 0.2, "applies_to": "policy_gradient"},
-        {"level": "token", "metric": "prob_diff", "log_ratio": "curr-gen", "advantage_sign": "negative",
-         "lower": -0.2, "applies_to": "policy_gradient"},
-        {"level": "sequence", "metric": "prob_diff", "agg": "mean", "log_ratio": "curr-gen",
-         "lower": -0.5, "upper": 0.5},
+        *presets.dppo()["rejection_sampling"],
+        {
+            "level": "sequence",
+            "metric": "prob_diff",
+            "agg": "mean",
+            "log_ratio": "curr-gen",
+            "lower": -0.5,
+            "upper": 0.5,
+        },
     ],
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("cfg", [{}, FULL, DPPO], ids=["default", "full", "dppo"])

@@ -31,8 +31,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from nemo_rs_plugin import CorrectedPGLoss
+from nemo_rs_plugin.core import presets
 from nemo_rs_plugin.core.config import ConfigError, RSClippedPGLossConfig
 from tests.core.test_peer_modes import correction, effective_coefficients
 
@@ -182,30 +184,15 @@ def test_ms_swift_modes_are_not_trivial():
 
 
 # ============================================================ hand-computed cases
-DPPO = {
-    "force_on_policy_ratio": True,
-    "use_importance_sampling_correction": True,
-    "reference_policy_kl_penalty": 0.0,
-    "sampler_kl_penalty": 0.1,
-    "rejection_sampling": [
-        {
-            "level": "token",
-            "metric": "prob_diff",
-            "log_ratio": "curr-gen",
-            "advantage_sign": "positive",
-            "upper": 0.2,
-            "applies_to": "policy_gradient",
-        },
-        {
-            "level": "token",
-            "metric": "prob_diff",
-            "log_ratio": "curr-gen",
-            "advantage_sign": "negative",
-            "lower": -0.2,
-            "applies_to": "policy_gradient",
-        },
-    ],
-}
+DPPO = presets.dppo(kl_tau=0.1)
+
+
+def test_the_guides_dppo_block_is_the_preset():
+    """docs/guide.md#prime-rl-dppo shows prime-rl's defaults; the preset is what the tests run."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text()
+    section = guide[guide.index('<a id="prime-rl-dppo"></a>') :]
+    block = yaml.safe_load(section[section.index("```yaml") + 7 : section.index("```", section.index("```yaml") + 7)])
+    assert block["loss_fn"] == {"name": "rs_clipped_pg", **presets.dppo()}
 
 
 def test_dppo_by_hand():
@@ -231,19 +218,7 @@ def test_dppo_by_hand():
 def test_ipo_by_hand_masks_both_signs_and_the_penalty_stays():
     # IPO, threshold 0.1: |p_curr - p_gen| = (0.3, 0.3, 0.05) -> tokens 0 and 1 lose the policy term
     # whatever the sign of A; the penalty keeps all three.
-    ipo = {
-        **DPPO,
-        "rejection_sampling": [
-            {
-                "level": "token",
-                "metric": "prob_diff",
-                "log_ratio": "curr-gen",
-                "lower": -0.1,
-                "upper": 0.1,
-                "applies_to": "policy_gradient",
-            }
-        ],
-    }
+    ipo = presets.ipo(threshold=0.1, kl_tau=0.1)
     pc, pg = torch.tensor([[0.9, 0.3, 0.5]], dtype=torch.float64), torch.tensor([[0.6, 0.6, 0.45]], dtype=torch.float64)
     adv = torch.tensor([[-1.0, 1.0, 2.0]], dtype=torch.float64)
     loss, grad, _ = run_plugin(ipo, pc.log().double(), pg.log().double(), adv, torch.ones(1, 3), torch.ones(1))
