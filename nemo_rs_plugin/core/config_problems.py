@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
 from nemo_rs_plugin.core.rejection_filter import RejectionFilter
 
 
@@ -278,3 +279,101 @@ def format_validation_error(exc: ValidationError) -> list[str]:
         else:
             lines.append(f"{loc}: got {err.get('input')!r}; {msg}")
     return lines
+
+
+def setting_warnings(cfg: Any) -> list[str]:
+    """Legal settings of ``cfg`` (an ``RSClippedPGLossConfig``) that do nothing here, one line each."""
+    w: list[str] = []
+    if cfg.truncated_importance_sampling_type == "tis" and cfg.truncated_importance_sampling_ratio == math.inf:
+        w.append(
+            "truncated_importance_sampling_ratio: got inf with truncated_importance_sampling_type 'tis': no "
+            "weight is ever truncated; for no truncation remove truncated_importance_sampling_type and the ratio"
+        )
+    if cfg.name is not None and cfg.name != PLUGIN_LOSS_NAME:
+        # NeMo-RL's loss registry reads the name; NeMo-RL's glue strips it before building
+        # this config, so only a direct construction (the Python API) gets here with one.
+        w.append(
+            f"name: got {cfg.name!r}; this configuration is the {PLUGIN_LOSS_NAME} loss whatever the name: "
+            "a name selects a loss only in a recipe (NeMo-RL's loss_fn.name); remove it here"
+        )
+    if cfg.is_correction_level is not None and not cfg.use_importance_sampling_correction:
+        w.append(
+            f"is_correction_level: got {cfg.is_correction_level!r} with use_importance_sampling_correction: "
+            "false; no IS weight is applied (only the is_weight_* metrics follow the level): set "
+            "use_importance_sampling_correction: true to correct, or remove is_correction_level"
+        )
+    zeroes_sequences = cfg.truncated_importance_sampling_type in ("icepop", "seq-mask-tis")
+    if cfg.rejection_denominator == "kept" and not cfg.rejection_sampling and not zeroes_sequences:
+        w.append(
+            "rejection_denominator: got 'kept' with no rejection_sampling filter (and no icepop or "
+            "seq-mask-tis): nothing is rejected, so the denominators never shrink; add a filter, or "
+            "remove rejection_denominator"
+        )
+    for i, f in enumerate(cfg.rejection_sampling):
+        w += filter_bound_extremes(i, f) + filter_bound_warnings(i, f)
+    if cfg.compile and cfg.sharded_logits_input:
+        w.append(
+            "compile: got true with sharded_logits_input: true; the sharded TP/CP path stays eager (its "
+            "collectives stay outside the graph), so nothing is compiled there: remove compile, or "
+            "compile where the loss gets all-gathered log-probs"
+        )
+    if cfg.ratio_clip_min > 1:
+        w.append(
+            f"ratio_clip_min: got {cfg.ratio_clip_min}; the ratio is clipped below at 1 - ratio_clip_min = "
+            f"{1 - cfg.ratio_clip_min:g}, below 0, where no ratio lies: no lower clipping (1.0 says so; "
+            "0.2 is NeMo-RL's default)"
+        )
+    return w
+
+
+def truncation_problems(cfg: Any) -> list[str]:
+    """NeMo-RL's truncation in ``cfg``: its type, bounds and what it needs."""
+    p: list[str] = []
+    t = cfg.truncated_importance_sampling_type
+    hi = cfg.truncated_importance_sampling_ratio
+    lo = cfg.truncated_importance_sampling_ratio_min
+    if t is None and hi is not None:
+        p.append(
+            f"truncated_importance_sampling_ratio: got {hi} with "
+            "truncated_importance_sampling_type: null; set the type "
+            "(tis, icepop, seq-mask-tis) or remove the ratio"
+        )
+    if t is not None:
+        if not cfg.use_importance_sampling_correction:
+            p.append(
+                f"truncated_importance_sampling_type: got {t!r} with "
+                "use_importance_sampling_correction: false; truncation needs "
+                "use_importance_sampling_correction: true"
+            )
+        if hi is None or not hi > 0:
+            p.append(
+                f"truncated_importance_sampling_ratio: got {hi} with "
+                f"truncated_importance_sampling_type {t!r}; allowed: a number > 0"
+            )
+        if t in ("icepop", "seq-mask-tis") and lo is None:
+            p.append(
+                f"truncated_importance_sampling_ratio_min: got null with "
+                f"truncated_importance_sampling_type {t!r}; set a lower bound "
+                "(reference bounds: icepop 0.5, seq-mask-tis 0.999)"
+            )
+        if lo is not None and hi is not None and lo > hi:
+            p.append(
+                # NeMo-RL's own wording first: callers (and NeMo-RL's tests) match on it.
+                "truncated_importance_sampling_ratio_min must be <= "
+                f"truncated_importance_sampling_ratio: got {lo} > {hi}"
+            )
+        if lo is not None and lo < 0:
+            p.append(f"truncated_importance_sampling_ratio_min: got {lo}; allowed: >= 0")
+        if t == "seq-mask-tis" and cfg.sequence_level_importance_ratios and cfg.is_correction_level is None:
+            p.append(
+                "truncated_importance_sampling_type: got 'seq-mask-tis' with "
+                "sequence_level_importance_ratios: true, which ties the IS weight to "
+                "the sequence product; set is_correction_level (token or "
+                "sequence_mean) to combine seq-mask-tis with the GSPO ratio"
+            )
+    elif lo is not None:
+        p.append(
+            f"truncated_importance_sampling_ratio_min: got {lo} with "
+            "truncated_importance_sampling_type: null; set the type or remove it"
+        )
+    return p

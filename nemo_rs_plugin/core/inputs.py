@@ -3,15 +3,13 @@
 Everything here runs before the loss math: slicing NeMo-RL's ``[B, S]`` data dict to the
 next-token positions and checking shapes and dtypes (:class:`LossInputs`); replacing
 non-finite entries by 0 and building the token masks (:func:`sanitize_inputs`); the global
-counts and their checks, decided on the host with the one transfer of the metrics
-(:func:`global_counts`, :func:`check_global_counts`, :func:`check_logprob_signs`).
-See: docs/guide.md#non-finite-inputs
+counts (:func:`global_counts`). The checks decided on the host, with the one transfer of the
+metrics, are in :mod:`nemo_rs_plugin.core.input_checks`. See: docs/guide.md#non-finite-inputs
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -23,9 +21,6 @@ from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
 __all__ = [
     "LossInputs",
     "SanitizedInputs",
-    "POSITIVE_LOGPROB_SLACK",
-    "check_global_counts",
-    "check_logprob_signs",
     "global_counts",
     "nonfinite_metrics",
     "sanitize_inputs",
@@ -303,58 +298,6 @@ def nonfinite_metrics(metrics: MetricSet, masks: TokenMasks, nonfinite: Any, inp
         metrics.derive(_NONFINITE_COUNTS["reference"], "none", lambda out: 0.0)
 
 
-#: Log-probs above this are not log-probs (rounding of a fused log-softmax stays far below it).
-POSITIVE_LOGPROB_SLACK = 1e-3
-# SanitizedInputs field -> the data-dict key (or argument) it came from, for the warning.
-_LOGPROB_SOURCES = (
-    ("curr", "next_token_logprobs"),
-    ("prev", "prev_logprobs"),
-    ("gen", "generation_logprobs"),
-    ("reference", "reference_policy_logprobs"),
-)
-
-
-class InputWarning(UserWarning):
-    """Inputs the loss accepts (NeMo-RL's loss does too) that are almost surely a caller's mistake."""
-
-
-def check_logprob_signs(metrics: MetricSet, clean: SanitizedInputs, force_on_policy: bool) -> None:
-    """Warn when a log-prob input is positive on a valid token (beyond ``POSITIVE_LOGPROB_SLACK``).
-
-    ``log p <= 0``: a positive value is a probability passed as a log-prob, or a flipped sign,
-    and the weights ``exp(d)`` it feeds are then meaningless without any error. Counted on the
-    device (one masked total per input), decided on the host with the one metrics transfer.
-    A warning, not an error: NeMo-RL's loss accepts any real number (its own tests feed
-    ``randn`` log-probs), and this loss stays a drop-in for it. Shown once per input and place
-    (Python's default warning filter; the text names the input, not the count).
-    """
-    skip = ("prev",) if force_on_policy else ()  # prev is curr then: one warning, for the input given
-    sources = {field: key for field, key in _LOGPROB_SOURCES if field not in skip}
-    dtype = clean.masks.valid_bin.dtype
-    if clean.stacked is not None:  # GPU form: one comparison over the stacked inputs, one matvec
-        present = [(sources[row], None) for row in clean.input_names if row in sources]
-        names = [
-            f"_positive_{sources[row]}_count" if row in sources else f"_positive_{row}" for row in clean.input_names
-        ]
-        rows = (clean.stacked > POSITIVE_LOGPROB_SLACK).to(dtype)  # [K, B, T]; d, advantages: unread counts
-    else:
-        present = [(key, t) for field, key in sources.items() if (t := getattr(clean, field)) is not None]
-        names = [f"_positive_{key}_count" for key, _ in present]
-        rows = [(t.detach() > POSITIVE_LOGPROB_SLACK).to(dtype) for _, t in present]
-    metrics.add_masked_totals(names, rows, clean.masks.valid_bin, "none", "sum")
-    counted = [f"_positive_{key}_count" for key, _ in present]
-
-    def positive_inputs(out: dict) -> list[str]:
-        return [
-            f"{key}: log-probs above 0 on valid tokens; log-probs are <= 0 (were probabilities or negated "
-            "log-probs passed?): the importance weights and ratios built from them are meaningless"
-            for (key, _), name in zip(present, counted)
-            if out[name] > 0
-        ]
-
-    metrics.warn(positive_inputs, InputWarning)
-
-
 def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A global count as a 0-dim ``dtype`` tensor on ``device``; a clear error if it is none."""
     try:
@@ -369,79 +312,6 @@ def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.devic
             f"{name}: got a tensor of shape {tuple(count.shape)}; expected one count (a number or a 0-dim tensor)"
         )
     return count.reshape(())
-
-
-#: Relative slack of "global count >= the microbatch's own" (sums of fractional sample masks round).
-_COUNT_SLACK = 1e-5
-#: The global count NeMo-RL's split API passes (raw sums, rescaled by the caller at the end).
-SPLIT_API_PLACEHOLDER = 1.0
-
-
-def check_global_counts(metrics: MetricSet, counts: GlobalCounts, masks: TokenMasks) -> None:
-    """Register the input checks of ``CorrectedPGLoss.compute`` decided on the host: the counts, the token mask.
-
-    A global count is wrong when it is negative or not finite, or below the microbatch's own
-    count of the units it counts (0 included while this microbatch has one), unless it is
-    exactly 1: the global count covers every microbatch and data-parallel rank, so it is never
-    smaller, and a smaller one scales the loss up without a word (3 for 32 valid tokens: a loss
-    about 10x too large). 1 is the placeholder of NeMo-RL's split API (its Megatron worker
-    passes 1 and rescales the summed fragments by the true count at the end), so it passes.
-    ``token_mask`` must hold 0 and 1 only (a 2 counts a token twice; weight samples with
-    ``sample_mask``). The counts, the microbatch's own (summed over the ranks that split its
-    tokens) and the mask's non-0/1 entries ride on the one host transfer of the metrics, so
-    there is no extra sync, whether the counts are Python numbers or device tensors, and the
-    error comes at the end of the call. What stays undetected: a global count at least the
-    microbatch's own but smaller than the true global batch's (e.g. one data-parallel rank's
-    count passed as the global one); only the caller knows the global batch (docs/troubleshooting.md).
-    """
-    metrics.add("_global_valid_toks", counts.tokens, "none", "replicated")
-    metrics.add("_global_valid_seqs", counts.sequences, "none", "replicated")
-    metrics.add("_local_valid_toks", masks.valid.sum(), "none", "sum")
-    metrics.add("_local_valid_seqs", masks.sample_mask.sum(), "none", "replicated")
-    _check_token_mask(metrics, masks.token_mask, masks.valid.dtype)
-    for name, local, unit in (
-        ("global_valid_toks", "_local_valid_toks", "valid tokens (token_mask * sample_mask)"),
-        ("global_valid_seqs", "_local_valid_seqs", "valid sequences (sample_mask)"),
-    ):
-
-        def failed(out: dict, name: str = name, local: str = local) -> bool:
-            count = out[f"_{name}"]
-            own = out[local]
-            below_own = own > 0 and count < own * (1 - _COUNT_SLACK) and count != SPLIT_API_PLACEHOLDER
-            return not math.isfinite(count) or count < 0 or below_own
-
-        def error(out: dict, name: str = name, local: str = local, unit: str = unit) -> ValueError:
-            return ValueError(
-                f"{name}: got {out[f'_{name}']:g} while this microbatch has "
-                f"{out[local]:g} {unit}; expected the count of {unit} over the whole "
-                "global batch (all microbatches and data-parallel ranks): a finite number, at least "
-                "the microbatch's own (0 only for a fully masked global batch; 1 as the split API's "
-                "placeholder)"
-            )
-
-        metrics.check(failed, error)
-
-
-def _check_token_mask(metrics: MetricSet, token_mask: torch.Tensor, dtype: torch.dtype) -> None:
-    """``token_mask`` entries other than 0 and 1: counted on the device, refused on the host."""
-    mask = token_mask if token_mask.dtype == dtype else token_mask.to(dtype)
-    other = (mask != 0) & (mask != 1)
-    metrics.add("_token_mask_other", other.sum(), "none", "sum")
-    if mask.numel():  # the smallest and largest of those entries, for the message
-        metrics.add("_token_mask_other_min", torch.where(other, mask, math.inf).amin(), "none", "min")
-        metrics.add("_token_mask_other_max", torch.where(other, mask, -math.inf).amax(), "none", "max")
-
-    def error(out: dict) -> ValueError:
-        n = int(out["_token_mask_other"])
-        lo, hi = out["_token_mask_other_min"], out["_token_mask_other_max"]
-        values = f"{lo:g}" if lo == hi else f"from {lo:g} to {hi:g}"
-        return ValueError(
-            f"token_mask: got {n} {'entry' if n == 1 else 'entries'} other than 0 and 1 ({values}); allowed: 0 "
-            "and 1 only (1: a response token the loss trains on); another value scales that token's loss but "
-            "counts it as one token: weight whole sequences with sample_mask"
-        )
-
-    metrics.check(lambda out: out["_token_mask_other"] > 0, error)
 
 
 def global_counts(

@@ -31,11 +31,10 @@ from nemo_rs_plugin.core.correction import CorrectionResult, PolicyLogProbs, app
 from nemo_rs_plugin.core.correction.filters import DROPPED_SEQUENCES, VALID_SEQUENCES
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
 from nemo_rs_plugin.core.health import RejectionMonitor
+from nemo_rs_plugin.core.input_checks import check_global_counts, check_logprob_signs
 from nemo_rs_plugin.core.inputs import (
     LossInputs,
     SanitizedInputs,
-    check_global_counts,
-    check_logprob_signs,
     global_counts,
     nonfinite_metrics,
     sanitize_inputs,

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from nemo_rs_plugin.core.inputs import POSITIVE_LOGPROB_SLACK
+from nemo_rs_plugin.core.input_checks import POSITIVE_LOGPROB_SLACK
 
 __all__ = ["BatchFormatError", "TORCH_SUFFIXES", "load_batch"]
 

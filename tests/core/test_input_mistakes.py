@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_rs_plugin import CorrectedPGLoss
-from nemo_rs_plugin.core.inputs import InputWarning
+from nemo_rs_plugin.core.input_checks import InputWarning
 from tests.conftest import make_batch
 from tests.core.test_inputs import FULL
 

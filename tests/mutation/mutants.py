@@ -19,8 +19,9 @@ class Mutant(NamedTuple):
     equivalent: Optional[str] = None  # why no test can observe it, for equivalent mutants
 
 
-L, P, D, M, MS, IN = (
-    f"nemo_rs_plugin/core/{m}.py" for m in ("loss", "policy_loss", "distributed", "masking", "metrics", "inputs")
+L, P, D, M, MS, IN, IC = (
+    f"nemo_rs_plugin/core/{m}.py"
+    for m in ("loss", "policy_loss", "distributed", "masking", "metrics", "inputs", "input_checks")
 )
 # The correction package: filter statistics and decisions, IS weights, the statistics and their
 # reductions, the plan -> reduce -> apply pipeline.
@@ -265,7 +266,7 @@ MUTANTS: list[Mutant] = [
         "a token with a non-finite curr or reference log-prob stays in the loss",
     ),
     Mutant(
-        IN,
+        IC,
         "return not math.isfinite(count) or count < 0 or below_own",
         "return not math.isfinite(count) or count < 0",
         "a global count below the microbatch's own, 0 included, is accepted (loss ~1e9 at 0)",
@@ -418,8 +419,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         CP,
-        "negative = (sanitize(advantages.detach()) < 0).to(d.dtype)",
-        "negative = (sanitize(advantages.detach()) <= 0).to(d.dtype)",
+        "negative = (clean_advantages < 0).to(d.dtype)",
+        "negative = (clean_advantages <= 0).to(d.dtype)",
         "a zero advantage counts as negative for OPSM",
     ),
     Mutant(
@@ -521,13 +522,13 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         L,
-        "sampler_kl = self._aggregate((clean.curr - clean.gen).square(), agg)",
-        "sampler_kl = self._aggregate((clean.curr - clean.gen).abs(), agg)",
+        "sampler_kl = self._aggregate(diff.square(), agg)",
+        "sampler_kl = self._aggregate(diff.abs(), agg)",
         "the penalty toward the sampler loses its square (|curr - gen| instead of (curr - gen)^2)",
     ),
     Mutant(
         L,
-        "sampler_kl = self._aggregate((clean.curr - clean.gen).square(), agg)",
+        "sampler_kl = self._aggregate(diff.square(), agg)",
         "sampler_kl = self._aggregate((clean.curr - clean.gen).square() * (1.0 if corr.policy_gradient_keep is None "
         "else corr.policy_gradient_keep), agg)",
         "policy-gradient-only filters also remove the penalty toward the sampler (prime-rl keeps it)",

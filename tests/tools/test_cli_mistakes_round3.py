@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rs_plugin.core.inputs import InputWarning
+from nemo_rs_plugin.core.input_checks import InputWarning
 from nemo_rs_plugin.tools import lab
 from nemo_rs_plugin.tools.cli import main
 from nemo_rs_plugin.tools.recipes import list_recipes
