@@ -179,16 +179,8 @@ def _check(
         report.errors.append(not_grpo)
         return
     loss = cfg.get("loss_fn")
-    inherits_unread = any(line.startswith(INHERITED_NOT_FOUND) for line in report.unchecked)
-    if loss is None and inherits_unread and "loss_fn" not in cfg:
-        # The section may come from a parent that was not found: nothing to check, not an error.
-        report.unchecked.append("loss_fn: not in this file; it may come from the defaults that were not found")
-        return
     if loss is None:
-        report.errors.append(
-            "loss_fn: missing; add a loss_fn section, e.g. loss_fn: {name: rs_clipped_pg, "
-            "use_importance_sampling_correction: true, is_correction_level: sequence_mean}"
-        )
+        _no_loss_section(report, cfg)
         return
     if isinstance(loss, str):
         loss = {"name": loss}
@@ -225,6 +217,18 @@ def _check(
     report.config = config
     report.pipeline = _describe(config)
     _warn(report, cfg, config, mismatch, response_tokens)
+
+
+def _no_loss_section(report: CheckReport, cfg: dict) -> None:
+    """No ``loss_fn``: an error, unless it may come from ``defaults`` that were not found."""
+    inherits_unread = any(line.startswith(INHERITED_NOT_FOUND) for line in report.unchecked)
+    if inherits_unread and "loss_fn" not in cfg:
+        report.unchecked.append("loss_fn: not in this file; it may come from the defaults that were not found")
+        return
+    report.errors.append(
+        f"loss_fn: missing; add a loss_fn section, e.g. loss_fn: {{name: {PLUGIN_LOSS_NAME}, "
+        "use_importance_sampling_correction: true, is_correction_level: sequence_mean}"
+    )
 
 
 def _not_grpo_problem(path: str, cfg: dict) -> Optional[str]:

@@ -41,6 +41,19 @@ SYNTHETIC_OPTIONS = {
 }
 
 
+def _from_file_source(path: str, batch: dict) -> str:
+    """The table's header for ``--from``: the file, its sequences, and its non-finite log-probs."""
+    import torch  # simulate has loaded it already
+
+    source = f"{path}: {batch['prev_logprobs'].shape[0]} sequences"
+    valid = (batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]) != 0
+    lp = torch.stack([batch["prev_logprobs"][:, 1:], batch["generation_logprobs"][:, 1:]])
+    nonfinite = int((~torch.isfinite(lp).all(0) & valid).sum())
+    if nonfinite:  # null or NaN in the file: the loss zeroes those tokens (docs/guide.md#non-finite-inputs)
+        source += f", {nonfinite} valid token(s) with a non-finite log-prob (null/NaN), left out of the loss"
+    return source
+
+
 def _simulate_problems(args: argparse.Namespace) -> list[str]:
     """Every problem with the options, found before the (minutes long) run."""
     from nemo_rs_plugin.tools import simulate as sim
@@ -115,15 +128,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if problems:
         return EXIT_INVALID
     if args.from_file:
-        source = f"{args.from_file}: {batches[0]['prev_logprobs'].shape[0]} sequences"
-        import torch  # simulate has loaded it already
-
-        b = batches[0]
-        valid = (b["token_mask"][:, 1:] * b["sample_mask"][:, None]) != 0
-        lp = torch.stack([b["prev_logprobs"][:, 1:], b["generation_logprobs"][:, 1:]])
-        nonfinite = int((~torch.isfinite(lp).all(0) & valid).sum())
-        if nonfinite:  # null or NaN in the file: the loss zeroes those tokens (docs/guide.md#non-finite-inputs)
-            source += f", {nonfinite} valid token(s) with a non-finite log-prob (null/NaN), left out of the loss"
+        source = _from_file_source(args.from_file, batches[0])
     else:
         model = sim.MismatchModel(
             responses=args.responses,

@@ -125,6 +125,16 @@ def settings_from(args: argparse.Namespace) -> LabSettings:
     return s
 
 
+def _repeated_problems(s: LabSettings) -> list[str]:
+    """A seed or an arm named twice: it would count twice in the seed tests (Fisher, permutation)."""
+    problems = []
+    for flag, values in (("--seeds", s.seeds), ("--configs", s.configs)):
+        repeated = sorted({str(v) for v in values if list(values).count(v) > 1})
+        if repeated:
+            problems.append(f"{flag}: {', '.join(repeated)} given more than once; name each once")
+    return problems
+
+
 def settings_problems(s: LabSettings, args: argparse.Namespace) -> list[str]:
     """Every problem with the settings and flags, found before a worker starts (one line each)."""
     problems = []
@@ -162,10 +172,7 @@ def settings_problems(s: LabSettings, args: argparse.Namespace) -> list[str]:
         problems.append(f"--threshold: got {s.threshold}; allowed: a finite number (a reward in [0, 1])")
     if args.workers < 1:
         problems.append(f"--workers: got {args.workers}; must be at least 1")
-    for flag, values in (("--seeds", s.seeds), ("--configs", s.configs)):
-        repeated = sorted({str(v) for v in values if list(values).count(v) > 1})
-        if repeated:  # a repeated seed would count twice in the seed tests (Fisher, permutation)
-            problems.append(f"{flag}: {', '.join(repeated)} given more than once; name each once")
+    problems += _repeated_problems(s)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         problems.append(f"--out: got {args.out}; it is a file: name a directory (it is created if missing)")
     else:
