@@ -47,3 +47,22 @@ def no_hosts_mark():
     if not hosts and real_host_required():
         raise RuntimeError(f"{REQUIRE_ENV}=1 but no NeMo-RL host: set NEMO_RS_NEMO_RL_CHECKOUTS")
     return pytest.mark.skipif(not hosts, reason="NeMo-RL is not importable (set NEMO_RS_NEMO_RL_CHECKOUTS)")
+
+
+#: Source of ``run_cli(arg_lists)`` for scripts run in a host's interpreter: each argument list
+#: through ``nemo-rs``'s ``main`` in that process, its exit code and captured stdout and stderr.
+RUN_CLI_SOURCE = r"""
+import contextlib, io
+
+
+def run_cli(arg_lists):
+    from nemo_rs_plugin.tools.cli import main
+
+    results = []
+    for args in arg_lists:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(args)
+        results.append({"code": code, "out": out.getvalue(), "err": err.getvalue()})
+    return results
+"""

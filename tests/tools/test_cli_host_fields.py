@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import yaml
 
-from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, real_host_required, skip_or_fail
+from tests.support.nemo_rl_hosts import RUN_CLI_SOURCE, host_label, nemo_rl_hosts, real_host_required, skip_or_fail
 from tests.tools.test_cli_check import (  # noqa: F401 - `isolated` is an autouse fixture
     GRPO_TYPEDDICT,
     error_lines,
@@ -104,15 +104,11 @@ def test_a_field_at_its_default_passes(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------- the real NeMo-RL
-RUNNER = r"""
-import contextlib, io, json, sys
-from nemo_rs_plugin.tools.cli import main
-results = []
-for args in json.loads(sys.argv[1]):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(args)
-    results.append({"code": code, "out": out.getvalue(), "err": err.getvalue()})
+RUNNER = (
+    RUN_CLI_SOURCE
+    + r"""
+import json, sys
+results = run_cli(json.loads(sys.argv[1]))
 from nemo_rs_plugin.core.config import ConfigError
 from nemo_rs_plugin.nemo_rl.host import host_config_fields, host_version
 from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
@@ -124,6 +120,7 @@ except ConfigError as exc:
 print(json.dumps({"results": results, "run": run, "version": host_version(),
                   "has_cispo": "use_cispo" in host_config_fields()}))
 """
+)
 
 
 @pytest.mark.skipif(not nemo_rl_hosts() and not real_host_required(), reason="no NeMo-RL checkout")

@@ -18,23 +18,21 @@ import pytest
 import yaml
 
 from nemo_rs_plugin.tools.recipes import list_recipes
-from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
+from tests.support.nemo_rl_hosts import RUN_CLI_SOURCE, host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
 
 HOSTS = nemo_rl_hosts()
 pytestmark = no_hosts_mark()
 
-RUNNER = r"""
-import contextlib, io, json, sys
+RUNNER = (
+    r"""
+import json, sys
 if sys.argv[1] == "shim" and sys.version_info < (3, 12):
     import typing, typing_extensions
     typing.TypedDict = typing_extensions.TypedDict
-from nemo_rs_plugin.tools.cli import main
-results = []
-for args in json.loads(sys.argv[2]):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(args)
-    results.append({"code": code, "out": out.getvalue(), "err": err.getvalue()})
+"""
+    + RUN_CLI_SOURCE
+    + r"""
+results = run_cli(json.loads(sys.argv[2]))
 api = None
 try:
     from nemo_rs_plugin.nemo_rl.host import host_api
@@ -48,6 +46,7 @@ except Exception:
     master = False
 print(json.dumps({"api": api, "master_imports": master, "results": results}))
 """
+)
 
 
 def checkout_of(host):
