@@ -12,6 +12,12 @@ Each distinct configuration (its flags are guarded constants) compiles once; the
 function is built once per process and backend (``CorrectedPGLoss(compile_backend=...)``,
 default ``inductor``; ``aot_eager`` traces the same graph without generating kernels).
 
+Inductor runs with ``force_pointwise_cat`` (:data:`INDUCTOR_OPTIONS`): the core ends in one
+``[M]`` vector of a few dozen metrics, and by default each ``cat``/``stack`` input is a copy
+kernel of its own (always on CPU, past eight inputs on CUDA), which made 44 of the 53 kernels
+of the plain configuration on CPU. As one pointwise kernel the vector costs one kernel
+(``benchmarks/bench_kernels.py``).
+
 Left eager, whatever the field says:
 
 * the sharded TP/CP path (``groups`` active): its collectives stay outside the graph;
@@ -26,9 +32,23 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["core_fn"]
+from nemo_rs_plugin.core.metrics import batched_evaluation
+
+__all__ = ["INDUCTOR_OPTIONS", "core_fn", "metrics_form"]
 
 _COMPILED: dict[tuple[Callable, str], Callable] = {}
+
+# Every cat/stack of the core as one pointwise kernel instead of a copy kernel per input.
+INDUCTOR_OPTIONS = {"force_pointwise_cat": True}
+
+
+def _compile(fn: Callable, backend: str) -> Callable:
+    options = None
+    if backend == "inductor":
+        from torch._inductor import config as inductor_config
+
+        options = {k: v for k, v in INDUCTOR_OPTIONS.items() if hasattr(inductor_config, k)}
+    return torch.compile(fn, dynamic=True, backend=backend, options=options or None)
 
 
 def core_fn(loss: Any, groups: Any) -> Callable:
@@ -43,8 +63,23 @@ def core_fn(loss: Any, groups: Any) -> Callable:
     backend = loss.compile_backend
     compiled = _COMPILED.get((fn, backend))
     if compiled is None:
-        compiled = _COMPILED[(fn, backend)] = _without_duck_sizing(torch.compile(fn, dynamic=True, backend=backend))
+        compiled = _COMPILED[(fn, backend)] = _without_duck_sizing(_compile(fn, backend))
     return compiled
+
+
+def metrics_form(loss: Any, core: Callable, device: torch.device) -> bool:
+    """Whether ``core`` (what :func:`core_fn` returned) evaluates the metrics stacked (``batched``).
+
+    Eager: by device (:func:`~nemo_rs_plugin.core.metrics.batched_evaluation`). Compiled: row
+    by row on every device, unless ``loss.batched_metrics`` forces a form: inductor fuses the
+    per-row reductions into one multi-output reduction, where stacking the rows for a
+    matrix-vector product adds copies and a matmul (on CPU 17 kernels instead of 10 for the
+    plain configuration, ``benchmarks/bench_kernels.py``).
+    """
+    forced = loss.batched_metrics
+    if forced is None and core is not type(loss)._tensors:
+        forced = False
+    return batched_evaluation(device, forced)
 
 
 def _without_duck_sizing(compiled: Callable) -> Callable:

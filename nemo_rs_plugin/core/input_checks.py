@@ -65,14 +65,16 @@ def check_logprob_signs(metrics: MetricSet, clean: SanitizedInputs, force_on_pol
         names = [f"_positive_{key}_count" for key, _ in present]
         rows = [(t.detach() > POSITIVE_LOGPROB_SLACK).to(dtype) for _, t in present]
     metrics.add_masked_totals(names, rows, clean.masks.valid_bin, "none", "sum")
-    counted = [f"_positive_{key}_count" for key, _ in present]
+    # The closure below keeps the input names only: a tensor it held would outlive the call (and
+    # a compiled core would return it as a graph output, gradient and all).
+    keys = [key for key, _ in present]
 
     def positive_inputs(out: dict) -> list[str]:
         return [
             f"{key}: log-probs above 0 on valid tokens; log-probs are <= 0 (were probabilities or negated "
             "log-probs passed?): the importance weights and ratios built from them are meaningless"
-            for (key, _), name in zip(present, counted)
-            if out[name] > 0
+            for key in keys
+            if out[f"_positive_{key}_count"] > 0
         ]
 
     metrics.warn(positive_inputs, InputWarning)

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from nemo_rs_plugin.core.compiled import core_fn
+from nemo_rs_plugin.core.compiled import core_fn, metrics_form
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction import CorrectionResult, PolicyLogProbs, apply_correction, plan_correction
 from nemo_rs_plugin.core.correction.filters import DROPPED_SEQUENCES, VALID_SEQUENCES
@@ -40,7 +40,7 @@ from nemo_rs_plugin.core.inputs import (
     sanitize_inputs,
 )
 from nemo_rs_plugin.core.masking import EPS, TokenMasks, masked_sum
-from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet, batched_evaluation
+from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
 from nemo_rs_plugin.core.policy_loss import (
     KLOptions,
     RatioOptions,
@@ -176,8 +176,9 @@ class CorrectedPGLoss:
         # The tensor math (optionally torch.compile'd, see nemo_rs_plugin/core/compiled.py) never
         # leaves the device; the one host transfer stays here, eager.
         # The evaluation form is decided here, eagerly: a compiled core specialises on the bool.
-        batched = batched_evaluation(x.curr.device, self.batched_metrics)
-        loss, metrics = core_fn(self, groups)(self, x, global_valid_seqs, global_valid_toks, groups, batched)
+        core = core_fn(self, groups)
+        batched = metrics_form(self, core, x.curr.device)
+        loss, metrics = core(self, x, global_valid_seqs, global_valid_toks, groups, batched)
         reported = metrics.finalize(groups)
         if self.rejection_monitor is not None and DROPPED_SEQUENCES in metrics.private:
             self.rejection_monitor.observe(metrics.private[DROPPED_SEQUENCES], metrics.private[VALID_SEQUENCES])

@@ -92,6 +92,11 @@ class SequenceStatistics:
         Identical on every rank of a group afterwards; detached.
         """
         parts = (*self.stages, self)  # the order _rebuilt reads them back in
+        if not groups.active:
+            # No collective: the rows stay where they are (packing them into one [K, B] tensor
+            # would cost a copy, and a compiled core a kernel, for nothing).
+            stages = tuple(_detached(stage) for stage in self.stages)
+            return _detached(self, stages=stages)
         sums = [row for part in parts for row in _rows(part, False)]
         maxima = [row for part in parts for row in _rows(part, True)]
         summed, maxed = reduce_sequence_statistics(
@@ -121,6 +126,15 @@ def _rows(part: Any, maxima: bool) -> list[torch.Tensor]:
         if row is not None and is_max == maxima:
             rows.append(row)
     return rows
+
+
+def _detached(part: Any, **extra: Any) -> Any:
+    """``part`` with every set row detached (what :meth:`SequenceStatistics.reduce` returns unsharded)."""
+    values = dict(extra)
+    for name, _ in _FIELDS[type(part)]:
+        row = getattr(part, name)
+        values[name] = row.detach() if row is not None else None
+    return type(part)(**values)
 
 
 def _rebuilt(part: Any, summed: torch.Tensor, maxed: Optional[torch.Tensor], cursor: dict, **extra: Any) -> Any:
