@@ -63,7 +63,7 @@ def check_logprob_signs(metrics: MetricSet, clean: SanitizedInputs, force_on_pol
     else:
         present = [(key, t) for field, key in sources.items() if (t := getattr(clean, field)) is not None]
         names = [f"_positive_{key}_count" for key, _ in present]
-        rows = [(t.detach() > POSITIVE_LOGPROB_SLACK).to(dtype) for _, t in present]
+        rows = ((t.detach() > POSITIVE_LOGPROB_SLACK).to(dtype) for _, t in present)  # one at a time
     metrics.add_masked_totals(names, rows, clean.masks.valid_bin, "none", "sum")
     # The closure below keeps the input names only: a tensor it held would outlive the call (and
     # a compiled core would return it as a graph output, gradient and all).

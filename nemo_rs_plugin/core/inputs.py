@@ -9,7 +9,6 @@ metrics, are in :mod:`nemo_rs_plugin.core.input_checks`. See: docs/guide.md#non-
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -246,9 +245,11 @@ def sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool, 
         clean = {name: sanitize(t.detach()) for name, t in rows.items() if name not in ("curr", "curr_unfiltered")}
         checked = tuple(name for name in rows if name not in ("prev", "gen"))
         bad = [nonfinite(rows[name]) for name in checked]
-        any_bad = functools.reduce(torch.maximum, bad[:n_logprob])
+        any_bad = torch.maximum(bad[0], bad[1])  # curr and d come first: n_logprob >= 2
+        for row in bad[2:n_logprob]:
+            any_bad = torch.maximum(any_bad, row, out=any_bad)  # no new [B, T] per input
     d_finite = 1.0 - bad[1]
-    inputs_finite = 1.0 - any_bad
+    inputs_finite = any_bad.neg_().add_(1.0)  # 1 - any_bad, in place: any_bad is a fresh tensor
     unfiltered = None
     if with_reference:
         unfiltered = sanitize(x.curr_unfiltered) if x.curr_unfiltered is not None else curr
@@ -284,7 +285,8 @@ _NONFINITE_COUNTS = {
 def nonfinite_metrics(metrics: MetricSet, masks: TokenMasks, nonfinite: Any, inputs: tuple) -> None:
     """Valid tokens with a non-finite input, one count per input kind (summed over CP ranks).
 
-    All counts are one matrix-vector product of the stacked non-finite masks. With a separate
+    In the GPU form all counts are one matrix-vector product of the stacked non-finite masks
+    (in the CPU form one dot product each, right away). With a separate
     unfiltered ``curr`` (for the KL), ``nonfinite_curr_logprobs_count`` counts tokens where
     either is non-finite. See: docs/guide.md#non-finite-inputs
     """

@@ -65,8 +65,8 @@ class CorrectedPGLoss:
     Args:
         cfg: anything :meth:`RSClippedPGLossConfig.from_any` accepts; validated here, once.
         batched_metrics: evaluate the metrics stacked (``True``, the accelerator form) or row
-            by row (``False``, the CPU form); ``None`` picks by device (benchmarks and tests
-            force either).
+            by row (``False``, the CPU form); ``None`` picks by device, and a compiled core row
+            by row (:func:`~nemo_rs_plugin.core.compiled.metrics_form`).
         compile_backend: the ``torch.compile`` backend when ``cfg.compile`` is on
             (``aot_eager`` traces the same graph without generating kernels, for debugging).
     """
@@ -199,6 +199,8 @@ class CorrectedPGLoss:
         metrics = MetricSet(counts, batched)
         clean = sanitize_inputs(x, cfg.force_on_policy_ratio, self.kl_coef != 0, batched)
         masks = clean.masks
+        nonfinite_metrics(metrics, masks, clean.nonfinite, clean.input_names)
+        clean.nonfinite = None  # counted: the [B, T] masks need not live on (the CPU form reduced them)
 
         # ---- the off-policy correction: plan (local) -> reduce (one collective) -> apply ----
         plan = plan_correction(
@@ -219,7 +221,6 @@ class CorrectedPGLoss:
         loss_tokens = corr.loss_tokens
         usable = masks.valid * masks.inputs_finite if cfg.rejection_sampling else loss_tokens
         self._upstream_metrics(metrics, terms, clean, usable, corr)
-        nonfinite_metrics(metrics, masks, clean.nonfinite, clean.input_names)
         metrics.stack()  # evaluated here, inside the (optionally compiled) tensor core
         return terms.total, metrics
 
@@ -335,8 +336,7 @@ class CorrectedPGLoss:
     ) -> None:
         """Every metric NeMo-RL's ``ClippedPGLossFn`` returns, same names and meanings.
 
-        Token means are declared as masked totals over ``usable`` (one matrix-vector product
-        for all of them, see :class:`MetricSet`).
+        Token means are masked totals over ``usable`` (:class:`MetricSet` evaluates them).
         """
         cfg = self.cfg
         grad_norm = "tokens" if self.token_level_loss else "sequences"
@@ -349,23 +349,25 @@ class CorrectedPGLoss:
             # A masked position may hold any finite log-prob; exp of its log-ratio can overflow,
             # and inf * 0 in the masked sums below is NaN: no masked token reaches an exp.
             d = d * usable
-            per_token = {
-                "probs_ratio": r,
-                "probs_ratio_clamped": rc,
-                "token_mult_prob_error": torch.exp(d.abs()),
-                "gen_kl_error": kl_estimate(d, kl_type),
-                "policy_kl_error": kl_estimate(-d, kl_type),
-                # NeMo-RL's per-token JS estimate with M = (P_train + P_gen) / 2,
-                #   0.5 [k3(log M/P_train) + k3(log M/P_gen)],  k3(x) = exp(x) - 1 - x,
-                # simplifies exactly to log cosh(d / 2) = softplus(-d) + d / 2 - log 2, which is
-                # stable for any d and costs one transcendental instead of five.
-                "js_divergence_error": torch.nn.functional.softplus(-d) + 0.5 * d - math.log(2.0),
-                # E_gen[-(pi/pi_gen) log pi]
-                "approx_entropy": -torch.exp((clean.curr - clean.gen) * usable) * clean.curr,
-            }
+
+            # One row at a time: the CPU form reduces each where it is declared (one [B, T] row alive).
+            def token_mean(name: str, row: torch.Tensor) -> None:
+                metrics.add_masked_total(name, row, usable, "tokens", "sum")
+
+            token_mean("probs_ratio", r)
+            token_mean("probs_ratio_clamped", rc)
+            token_mean("token_mult_prob_error", torch.exp(d.abs()))
+            token_mean("gen_kl_error", kl_estimate(d, kl_type))
+            token_mean("policy_kl_error", kl_estimate(-d, kl_type))
+            # NeMo-RL's per-token JS estimate with M = (P_train + P_gen) / 2,
+            #   0.5 [k3(log M/P_train) + k3(log M/P_gen)],  k3(x) = exp(x) - 1 - x,
+            # simplifies exactly to log cosh(d / 2) = softplus(-d) + d / 2 - log 2, which is
+            # stable for any d and costs one transcendental instead of five.
+            token_mean("js_divergence_error", torch.nn.functional.softplus(-d) + 0.5 * d - math.log(2.0))
+            # E_gen[-(pi/pi_gen) log pi]
+            token_mean("approx_entropy", -torch.exp((clean.curr - clean.gen) * usable) * clean.curr)
             if self.cfg.effective_is_level == "token":
-                per_token["sampling_importance_ratio"] = corr.is_weight
-            metrics.add_masked_totals(list(per_token), list(per_token.values()), usable, "tokens", "sum")
+                token_mean("sampling_importance_ratio", corr.is_weight)
             metrics.add_masked_extrema("probs_ratio_min", "probs_ratio_max", r, clean.masks.usable_penalty)
             self._clamped_extremes(metrics)
             if kl is not None:

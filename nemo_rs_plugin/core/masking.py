@@ -43,12 +43,14 @@ def extrema_penalty(mask: torch.Tensor) -> torch.Tensor:
     the mask (an empty mask gives the ``+-finfo.max`` sentinels): no ``torch.where``, no
     boolean indexing, no host sync. See :meth:`~nemo_rs_plugin.core.metrics.MetricSet.add_masked_extrema`.
     """
-    return (1.0 - mask) * torch.finfo(mask.dtype).max
+    big = torch.finfo(mask.dtype).max
+    return (mask * -big).add_(big)  # (1 - m) * big for a 0/1 mask, in one [B, T] allocation
 
 
 def nonfinite(x: torch.Tensor) -> torch.Tensor:
     """0/1 float mask of NaN and +-inf entries (``x - x`` is 0 exactly where ``x`` is finite)."""
-    return torch.nan_to_num((x - x).detach(), nan=1.0, posinf=1.0, neginf=1.0)
+    x = x.detach()
+    return (x - x).nan_to_num_(nan=1.0, posinf=1.0, neginf=1.0)  # one [B, T] allocation
 
 
 def out_of_bounds(x: torch.Tensor, lower: Optional[float], upper: Optional[float]) -> torch.Tensor:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, Sequence
+from typing import Callable, Iterable, Literal, Optional
 
 import torch
 
@@ -90,6 +90,8 @@ class MetricSet:
         self._values: dict[str, torch.Tensor] = {}  # final 0-dim values
         self._totals: dict[str, list[tuple[str, torch.Tensor]]] = {}  # normalization -> totals
         self._masked: list[tuple[torch.Tensor, str, list]] = []  # (mask, normalization, [(names, rows)])
+        self._reduced: list[tuple[list[str], str, torch.Tensor]] = []  # CPU form: (names, normalization, [k] totals)
+        self._reduced_extrema: list[tuple[list[str], list[str], torch.Tensor, torch.Tensor]] = []  # CPU form
         self._extrema: dict[tuple, list] = {}  # (rank, dtype) -> [(min name, max name, values, penalty)]
         self._derived: list[tuple[str, str, Callable[[dict[str, float]], float]]] = []
         self._checks: list[tuple[Callable[[dict[str, float]], bool], Callable[[dict[str, float]], Exception]]] = []
@@ -104,6 +106,10 @@ class MetricSet:
         if self._stacked is not None:
             raise RuntimeError(f"metric {name!r} declared after MetricSet.stack()")
         self._declared[name] = (normalization, reduction)
+
+    def _declare_all(self, names: list[str], normalization: str, reduction: str) -> None:
+        for name in names:
+            self._declare(name, normalization, reduction)
 
     def add(self, name: str, value: torch.Tensor, normalization: str, reduction: str) -> None:
         """Record a final 0-dim value (never synced here).
@@ -128,20 +134,33 @@ class MetricSet:
     ) -> None:
         """Record ``sum(values * mask)`` (divided as in :meth:`add_total`); ``values`` broadcasts to ``mask``.
 
-        Metrics sharing the same ``mask`` tensor and normalization are evaluated together in
-        :meth:`stack`, one matrix-vector product for all of them.
+        In the GPU form, metrics sharing the same ``mask`` tensor and normalization are
+        evaluated together in :meth:`stack` (one ``stack`` and one matrix-vector product per run
+        of rows given one by one); in the CPU form each is reduced here, at once.
         """
         self.add_masked_totals([name], [values], mask, normalization, reduction)
 
     def add_masked_totals(
-        self, names: list[str], rows: Sequence[torch.Tensor], mask: torch.Tensor, normalization: str, reduction: str
+        self, names: list[str], rows: Iterable[torch.Tensor], mask: torch.Tensor, normalization: str, reduction: str
     ) -> None:
-        """:meth:`add_masked_total` for each row: a list of tensors, or a stacked ``[len(names), *mask.shape]`` one."""
-        count = len(rows) if isinstance(rows, (list, tuple)) else rows.shape[0]
-        if count != len(names):
-            raise ValueError(f"add_masked_totals: {len(names)} names for {count} rows")
-        for name in names:
-            self._declare(name, normalization, reduction)
+        """:meth:`add_masked_total` for each row of ``rows``.
+
+        ``rows``: a list of tensors, a stacked ``[len(names), *mask.shape]`` one, or an iterator
+        of tensors (the CPU form then builds and reduces one row at a time).
+        """
+        if not self.batched:
+            # CPU form: reduced now, so each [B, T] row can be freed as soon as its caller drops
+            # it (rows held until stack() raised the peak memory of an eager call; on the CPU a
+            # fresh [B, T] allocation costs far more than the operator on reused memory).
+            totals = _row_totals(rows.unbind(0) if isinstance(rows, torch.Tensor) else rows, mask)
+            _check_row_count(names, 0 if totals is None else totals.shape[0])
+            self._declare_all(names, normalization, reduction)
+            self._reduced.append((names, normalization, totals))
+            return
+        if not isinstance(rows, (list, tuple, torch.Tensor)):
+            rows = list(rows)
+        _check_row_count(names, len(rows) if isinstance(rows, (list, tuple)) else rows.shape[0])
+        self._declare_all(names, normalization, reduction)
         # Grouped by the mask *object* (identity, not id(): traceable by torch.compile).
         for group_mask, group_norm, entries in self._masked:
             if group_mask is mask and group_norm == normalization:
@@ -158,6 +177,10 @@ class MetricSet:
         """
         self._declare(min_name, "none", "min")
         self._declare(max_name, "none", "max")
+        if not self.batched:  # CPU form: reduced now, see add_masked_totals
+            low, high = _masked_extrema([values.detach()], [penalty], False)
+            self._reduced_extrema.append(([min_name], [max_name], low, high))
+            return
         # Same rank and dtype stack together (their shapes agree: one microbatch). Not the
         # shape itself: hashing a symbolic size would pin it in a compiled graph.
         key = (values.dim(), values.dtype)
@@ -200,9 +223,15 @@ class MetricSet:
             return self._stacked
         names: list[str] = list(self._values)
         parts: list[torch.Tensor] = [torch.stack(list(self._values.values()))] if self._values else []
-        for mask, norm, entries in self._masked:
-            totals = _masked_totals([rows for _, rows in entries], mask, self.batched)
-            names_here = [n for group, _ in entries for n in group]
+        reduced = [
+            (
+                [n for group, _ in entries for n in group],
+                norm,
+                _masked_totals([rows for _, rows in entries], mask),
+            )
+            for mask, norm, entries in self._masked
+        ]
+        for names_here, norm, totals in self._reduced + reduced:
             if norm == "none":
                 names += names_here
                 parts.append(totals)
@@ -223,6 +252,9 @@ class MetricSet:
             lows, highs = _masked_extrema(values, penalties, self.batched)
             names += [lo for lo, *_ in entries] + [hi for _, hi, *_ in entries]
             parts += [lows, highs]
+        for low_names, high_names, lows, highs in self._reduced_extrema:
+            names += low_names + high_names
+            parts += [lows, highs]
         if not parts:
             self._stacked = ([], torch.zeros(0))
         else:
@@ -232,6 +264,7 @@ class MetricSet:
         # Drop the [B, T] rows, masks and penalties: only the [M] vector outlives the tensor
         # core (a compiled core would otherwise return every one of them as a graph output).
         self._values, self._totals, self._masked, self._extrema = {}, {}, [], {}
+        self._reduced, self._reduced_extrema = [], []
         return self._stacked
 
     def finalize(self, groups: SequenceGroups = NO_GROUPS) -> dict[str, float]:
@@ -264,22 +297,57 @@ class MetricSet:
         return {n: out[n] for n in self._declared if not n.startswith("_")}
 
 
-def _masked_totals(groups: list, mask: torch.Tensor, batched: bool) -> torch.Tensor:
+def _check_row_count(names: list[str], count: int) -> None:
+    if count != len(names):
+        raise ValueError(f"add_masked_totals: {len(names)} names for {count} rows")
+
+
+def _row_totals(rows: Iterable[torch.Tensor], mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """``[k]`` totals ``sum(row * mask)``, one dot product per row (the CPU form).
+
+    Each row is read where it is and released before the next is taken from ``rows``;
+    ``None`` for no row.
+    """
+    flat_masks: dict[torch.dtype, torch.Tensor] = {}
+    totals = []
+    for row in rows:
+        row = row.detach()
+        flat = flat_masks.get(row.dtype)
+        if flat is None:
+            flat = flat_masks[row.dtype] = (mask if mask.dtype == row.dtype else mask.to(row.dtype)).reshape(-1)
+        totals.append(torch.dot((row.expand(mask.shape) if row.shape != mask.shape else row).reshape(-1), flat))
+        del row
+    if not totals:
+        return None
+    return totals[0].reshape(1) if len(totals) == 1 else torch.stack(totals)  # one row: a view, no op
+
+
+def _masked_totals(groups: list, mask: torch.Tensor) -> torch.Tensor:
     """``[k]`` totals ``sum(row * mask)`` of every row of every group (a list or a stacked tensor).
 
-    Batched: one ``cat`` (none for a single stacked group) and one matrix-vector product.
-    Otherwise one dot product per row, reading each row where it is.
+    The batched form: a group given stacked (``[k, *mask.shape]``) is one matrix-vector product
+    where it is, with no copy; each run of rows given one by one is one ``stack`` and one product.
     """
-    rows = [r.detach() for group in groups for r in (group if isinstance(group, (list, tuple)) else group.unbind(0))]
-    dtype = rows[0].dtype
-    flat_mask = (mask if mask.dtype == dtype else mask.to(dtype)).reshape(-1)
-    if batched and len(groups) == 1 and isinstance(groups[0], torch.Tensor) and groups[0].shape[1:] == mask.shape:
-        matrix = groups[0].detach()  # already one [k, *mask.shape] tensor: no copy
-        return matrix.reshape(matrix.shape[0], -1) @ flat_mask
-    rows = [r.expand(mask.shape) if r.shape != mask.shape else r for r in rows]
-    if batched and len(rows) > 1:
-        return torch.stack(rows).reshape(len(rows), -1) @ flat_mask
-    return torch.stack([torch.dot(r.reshape(-1), flat_mask) for r in rows])
+    first = groups[0] if isinstance(groups[0], torch.Tensor) else groups[0][0]
+    flat_mask = (mask if mask.dtype == first.dtype else mask.to(first.dtype)).reshape(-1)
+    parts: list[torch.Tensor] = []
+    loose: list[torch.Tensor] = []
+
+    def flush() -> None:
+        if loose:
+            rows = [r.expand(mask.shape) if r.shape != mask.shape else r for r in loose]
+            parts.append(torch.stack(rows).reshape(len(rows), -1) @ flat_mask)
+            loose.clear()
+
+    for group in groups:
+        if isinstance(group, torch.Tensor) and group.shape[1:] == mask.shape:
+            flush()  # keep the rows in declaration order
+            matrix = group.detach()  # already one [k, *mask.shape] tensor: no copy
+            parts.append(matrix.reshape(matrix.shape[0], -1) @ flat_mask)
+        else:
+            loose.extend(r.detach() for r in (group if isinstance(group, (list, tuple)) else group.unbind(0)))
+    flush()
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _masked_extrema(
@@ -293,6 +361,8 @@ def _masked_extrema(
     if not batched:
         lows = [(v + p).amin() for v, p in zip(values, penalties)]
         highs = [(v - p).amax() for v, p in zip(values, penalties)]
+        if k == 1:  # a view each, no op
+            return lows[0].reshape(1), highs[0].reshape(1)
         return torch.stack(lows), torch.stack(highs)
     v = torch.stack(values).reshape(k, -1) if k > 1 else values[0].reshape(1, -1)
     if all(p is penalties[0] for p in penalties):

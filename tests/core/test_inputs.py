@@ -401,3 +401,34 @@ def test_kl_uses_unfiltered_current_logprobs_when_given():
     del data["curr_logprobs_unfiltered"]
     _, m = CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
     assert m["kl_penalty"] == pytest.approx(0.3, rel=1e-5)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["cpu-form", "gpu-form"])
+def test_input_counts_read_valid_tokens_only_in_both_forms(batched):
+    """The non-finite counts and the positive-log-prob warning count valid tokens only: a NaN
+    or a positive value at a masked position (padding may hold anything) is neither counted nor
+    warned about; the same at a valid position is. Both evaluation forms (the GPU form reduces
+    the stacked inputs where they are, one matrix-vector product per stacked group)."""
+    import warnings
+
+    from nemo_rs_plugin.core.input_checks import InputWarning
+
+    B, T = 2, 5
+    prev = -torch.rand(B, T) - 0.1
+    token_mask = torch.ones(B, T)
+    token_mask[1, 3:] = 0
+
+    def run(position):
+        p, g, c = prev.clone(), prev.clone() - 0.01, prev.clone()
+        p[position] = float("nan")  # a non-finite prev
+        g[position] = 0.5  # a "log-prob" above 0
+        c[position] = 0.5
+        lp, data, gvs, gvt = make_batch(c, p, g, token_mask=token_mask)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, metrics = CorrectedPGLoss({}, batched_metrics=batched)(lp, data, gvs, gvt)
+        warned = sorted(str(w.message).split(":")[0] for w in caught if issubclass(w.category, InputWarning))
+        return metrics["nonfinite_log_ratio_count"], warned
+
+    assert run((1, 4)) == (0.0, [])  # masked: nothing
+    assert run((0, 2)) == (1.0, ["generation_logprobs", "next_token_logprobs"])

@@ -179,6 +179,66 @@ def test_names_must_match_rows_and_derived_names_are_declared_once():
     m = MetricSet()
     with pytest.raises(ValueError, match="2 names for 3 rows"):
         m.add_masked_totals(["a", "b"], torch.zeros(3, 4), torch.ones(4), "none", "sum")
+    for batched in (False, True):  # an empty iterator; the names stay free for a correct call
+        other = MetricSet(batched=batched)
+        with pytest.raises(ValueError, match="1 names for 0 rows"):
+            other.add_masked_totals(["a"], iter([]), torch.ones(4), "none", "sum")
+        other.add_masked_total("a", torch.ones(4), torch.ones(4), "none", "sum")
+        assert other.finalize() == {"a": 4.0}
     m.derive("d", "none", lambda out: 0.0)
     with pytest.raises(KeyError, match="declared twice"):
         m.add("d", torch.tensor(1.0), "none", "sum")
+
+
+def test_the_cpu_form_reduces_each_row_where_it_is_declared():
+    """Row by row (the CPU form), a ``[B, T]`` row is reduced when it is declared and not held: the
+    peak memory of an eager call is then one row, not every metric's (on the CPU each fresh
+    ``[B, T]`` allocation beyond the retained heap pays page faults; docs/performance.md). An
+    iterator of rows is consumed one row at a time. The GPU form holds its rows until ``stack``."""
+    import weakref
+
+    values, mask = _batch()
+    taken = []
+
+    storages = []  # data pointers of every row given: no tensor the set holds may share one
+
+    def make(i: int) -> torch.Tensor:
+        assert all(ref() is None for ref in taken), f"a row is still held when row {i} is asked for"
+        row = values[i].clone()
+        taken.append(weakref.ref(row))
+        storages.append(row.untyped_storage().data_ptr())
+        return row
+
+    def held_storages(metric_set: MetricSet) -> set:
+        found, todo = set(), list(vars(metric_set).values())
+        while todo:
+            item = todo.pop()
+            if isinstance(item, torch.Tensor):
+                found.add(item.untyped_storage().data_ptr())
+            elif isinstance(item, (list, tuple)):
+                todo += list(item)
+            elif isinstance(item, dict):
+                todo += list(item.values())
+        return found
+
+    cpu = MetricSet(batched=False)
+    cpu.add_masked_totals(["a", "b", "c"], (make(i) for i in range(3)), mask, "none", "sum")
+    extremum_row = values[3].clone()
+    held = weakref.ref(extremum_row)
+    storages.append(extremum_row.untyped_storage().data_ptr())
+    cpu.add_masked_extrema("lo", "hi", extremum_row, extrema_penalty(mask))
+    del extremum_row
+    assert held() is None and all(ref() is None for ref in taken)
+    assert not held_storages(cpu) & set(storages)  # not even a detached alias of a row
+    out = cpu.finalize()
+    for i, name in enumerate("abc"):
+        assert math.isclose(out[name], float((values[i] * mask).sum()), rel_tol=1e-6)
+    assert out["lo"] == float(values[3][mask > 0].min()) and out["hi"] == float(values[3][mask > 0].max())
+
+    gpu = MetricSet(batched=True)
+    row = values[0].clone()
+    kept = weakref.ref(row)
+    gpu.add_masked_total("a", row, mask, "none", "sum")
+    del row
+    assert kept() is not None  # stacked with the others at the end
+    assert math.isclose(gpu.finalize()["a"], float((values[0] * mask).sum()), rel_tol=1e-6)

@@ -261,7 +261,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         IN,
-        "inputs_finite = 1.0 - any_bad",
+        "inputs_finite = any_bad.neg_().add_(1.0)",
         "inputs_finite = 1.0 - bad[1]",
         "a token with a non-finite curr or reference log-prob stays in the loss",
     ),
@@ -274,20 +274,20 @@ MUTANTS: list[Mutant] = [
     # ---- the metric set: masked totals, normalisation, extrema
     Mutant(
         MS,
-        "return torch.stack([torch.dot(r.reshape(-1), flat_mask) for r in rows])",
-        "return torch.stack([r.sum() for r in rows])",
+        "totals.append(torch.dot((row.expand(mask.shape) if row.shape != mask.shape else row).reshape(-1), flat))",
+        "totals.append((row.expand(mask.shape) if row.shape != mask.shape else row).sum())",
         "masked totals ignore their mask (CPU form)",
     ),
     Mutant(
         MS,
-        "return torch.stack(rows).reshape(len(rows), -1) @ flat_mask",
-        "return torch.stack(rows).reshape(len(rows), -1).sum(-1)",
+        "parts.append(torch.stack(rows).reshape(len(rows), -1) @ flat_mask)",
+        "parts.append(torch.stack(rows).reshape(len(rows), -1).sum(-1))",
         "masked totals ignore their mask (GPU form, rows given one by one)",
     ),
     Mutant(
         MS,
-        "return matrix.reshape(matrix.shape[0], -1) @ flat_mask",
-        "return matrix.reshape(matrix.shape[0], -1).sum(-1)",
+        "parts.append(matrix.reshape(matrix.shape[0], -1) @ flat_mask)",
+        "parts.append(matrix.reshape(matrix.shape[0], -1).sum(-1))",
         "masked totals ignore their mask (GPU form, rows given stacked: the non-finite counts)",
     ),
     Mutant(
