@@ -6,6 +6,8 @@ cases add the generated kernels' numerics and take ~30 s of compilation per conf
 a 2-core CPU, so they are marked slow. ``NEMO_RS_TEST_DEVICE=cuda`` runs them on a GPU.
 """
 
+import functools
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -140,6 +142,8 @@ PIPELINE = {
 @pytest.mark.parametrize("compile_on", ["inductor"], indirect=True)
 @pytest.mark.parametrize("cfg", [{"reference_policy_kl_penalty": 0.01}, PIPELINE], ids=["plain", "pipeline"])
 def test_compiled_core_generates_about_a_dozen_kernels(compile_on, cfg):
+    if torch.device(DEVICE).type != "cpu":  # Triton counts differently: bench_kernels.py --device cuda
+        pytest.skip("the kernel budget is pinned on the CPU's C++ backend")
     from torch._inductor import metrics as inductor_metrics
 
     inductor_metrics.reset()
@@ -148,7 +152,7 @@ def test_compiled_core_generates_about_a_dozen_kernels(compile_on, cfg):
     with torch.compiler.config.patch(force_disable_caches=True):  # count, not a cache hit
         loss, _ = compiled_loss(cfg, compile_on)(lp, {k: v.to(DEVICE) for k, v in data.items()}, gvs, gvt)
         loss.backward()
-    assert inductor_metrics.generated_kernel_count <= KERNEL_BUDGET, inductor_metrics.generated_kernel_count
+    assert 0 < inductor_metrics.generated_kernel_count <= KERNEL_BUDGET, inductor_metrics.generated_kernel_count
     assert counters["stats"]["unique_graphs"] == 1
 
 
@@ -164,8 +168,12 @@ def _tensors_in(obj, seen=None) -> list:
         items = list(obj)
     elif isinstance(obj, dict):
         items = list(obj.values())
-    elif callable(obj) and getattr(obj, "__closure__", None):
-        items = [cell.cell_contents for cell in obj.__closure__]
+    elif isinstance(obj, functools.partial):
+        items = [obj.func, *obj.args, *obj.keywords.values()]
+    elif callable(obj) and hasattr(obj, "__code__"):  # a function: its cells and defaults
+        items = [cell.cell_contents for cell in obj.__closure__ or ()] + list(obj.__defaults__ or ())
+    elif hasattr(obj, "__self__") and hasattr(obj, "__func__"):  # a bound method
+        items = [obj.__self__, obj.__func__]
     else:
         return []
     return [t for item in items for t in _tensors_in(item, seen)]
@@ -185,5 +193,3 @@ def test_the_metric_set_keeps_no_tensor_but_its_vector_after_stack(batched):
     _, metrics = loss_fn._tensors(inputs, gvs, gvt, NO_GROUPS, batched)
     held = [t for attr in ("_checks", "_warnings", "_derived") for t in _tensors_in(getattr(metrics, attr))]
     assert held == [], [tuple(t.shape) for t in held]
-    held_values = _tensors_in([metrics._values, metrics._totals, metrics._masked, metrics._extrema])
-    assert held_values == []
