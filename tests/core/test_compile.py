@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from benchmarks.bench_ops import PIPELINE as BENCH_PIPELINE
 from nemo_rs_plugin import CorrectedPGLoss
 from nemo_rs_plugin.core import compiled
 from nemo_rs_plugin.core.distributed import NO_GROUPS
@@ -124,18 +125,8 @@ def test_sequence_groups_is_a_tuple_so_dynamo_wraps_it_without_a_source():
 # 10 (plain) and 12 (the five-stage pipeline); before force_pointwise_cat, the unsharded
 # statistics left unpacked and the warning's closure holding names instead of tensors, 53 and 77.
 KERNEL_BUDGET = 12
-PIPELINE = {
-    "reference_policy_kl_penalty": 0.01,
-    "use_importance_sampling_correction": True,
-    "is_correction_level": "sequence_mean",
-    "truncated_importance_sampling_type": "tis",
-    "truncated_importance_sampling_ratio": 2.0,
-    "rejection_sampling": [
-        {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.999, "upper": 1.002},
-        {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4},
-        {"level": "token", "metric": "ratio", "lower": 0.5, "upper": 2.0},
-    ],
-}
+# The five-stage pipeline of the kernel budget (benchmarks/bench_kernels.py's configuration).
+PIPELINE = {"reference_policy_kl_penalty": 0.01, **BENCH_PIPELINE}
 
 
 @pytest.mark.slow
