@@ -236,7 +236,7 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
         return [
             *self._range_problems(),
             *self._loss_type_problems(),
-            *self._truncation_problems(),
+            *truncation_problems(self),
             *self._batch_normalization_problems(),
             *self._filter_problems(),
             *duplicate_label_problems(self.rejection_sampling),
@@ -298,10 +298,6 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
             if not self.token_level_loss:
                 p.append("token_level_loss: got false with use_cispo: true; allowed: true")
         return p
-
-    def _truncation_problems(self) -> list[str]:
-        """NeMo-RL's truncation: its type, bounds and what it needs."""
-        return truncation_problems(self)
 
     def _batch_normalization_problems(self) -> list[str]:
         """Batch normalisation needs the weights it normalises applied."""

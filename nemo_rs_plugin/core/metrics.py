@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Literal, Optional
 import torch
 
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
-from nemo_rs_plugin.core.masking import EPS
+from nemo_rs_plugin.core.masking import EPS, masked_sum
 
 __all__ = ["GlobalCounts", "MetricSet", "Normalization", "Reduction", "batched_evaluation"]
 
@@ -90,8 +90,6 @@ class MetricSet:
         self._values: dict[str, torch.Tensor] = {}  # final 0-dim values
         self._totals: dict[str, list[tuple[str, torch.Tensor]]] = {}  # normalization -> totals
         self._masked: list[tuple[torch.Tensor, str, list]] = []  # (mask, normalization, [(names, rows)])
-        self._reduced: list[tuple[list[str], str, torch.Tensor]] = []  # CPU form: (names, normalization, [k] totals)
-        self._reduced_extrema: list[tuple[list[str], list[str], torch.Tensor, torch.Tensor]] = []  # CPU form
         self._extrema: dict[tuple, list] = {}  # (rank, dtype) -> [(min name, max name, values, penalty)]
         self._derived: list[tuple[str, str, Callable[[dict[str, float]], float]]] = []
         self._checks: list[tuple[Callable[[dict[str, float]], bool], Callable[[dict[str, float]], Exception]]] = []
@@ -155,7 +153,10 @@ class MetricSet:
             totals = _row_totals(rows.unbind(0) if isinstance(rows, torch.Tensor) else rows, mask)
             _check_row_count(names, 0 if totals is None else totals.shape[0])
             self._declare_all(names, normalization, reduction)
-            self._reduced.append((names, normalization, totals))
+            if normalization == "none":  # final values, as add() records them
+                self._values.update(zip(names, totals.unbind(0)))
+            else:  # sums, as add_total() records them
+                self._totals.setdefault(normalization, []).append((names, totals))
             return
         if not isinstance(rows, (list, tuple, torch.Tensor)):
             rows = list(rows)
@@ -177,9 +178,9 @@ class MetricSet:
         """
         self._declare(min_name, "none", "min")
         self._declare(max_name, "none", "max")
-        if not self.batched:  # CPU form: reduced now, see add_masked_totals
-            low, high = _masked_extrema([values.detach()], [penalty], False)
-            self._reduced_extrema.append(([min_name], [max_name], low, high))
+        if not self.batched:  # CPU form: reduced now (see add_masked_totals), final values as add() records them
+            lows, highs = _masked_extrema([values.detach()], [penalty])
+            self._values[min_name], self._values[max_name] = lows[0], highs[0]
             return
         # Same rank and dtype stack together (their shapes agree: one microbatch). Not the
         # shape itself: hashing a symbolic size would pin it in a compiled graph.
@@ -222,7 +223,8 @@ class MetricSet:
         if self._stacked is not None:
             return self._stacked
         names: list[str] = list(self._values)
-        parts: list[torch.Tensor] = [torch.stack(list(self._values.values()))] if self._values else []
+        # Views, not a stack: the one cat below builds the vector (a nested stack cost a kernel compiled).
+        parts: list[torch.Tensor] = [v.reshape(1) for v in self._values.values()]
         reduced = [
             (
                 [n for group, _ in entries for n in group],
@@ -231,7 +233,7 @@ class MetricSet:
             )
             for mask, norm, entries in self._masked
         ]
-        for names_here, norm, totals in self._reduced + reduced:
+        for names_here, norm, totals in reduced:
             if norm == "none":
                 names += names_here
                 parts.append(totals)
@@ -249,11 +251,8 @@ class MetricSet:
             parts.append((torch.cat(flat) if len(flat) > 1 else flat[0]) / (count + EPS))
         for entries in self._extrema.values():
             values, penalties = [v for *_, v, _ in entries], [p for *_, p in entries]
-            lows, highs = _masked_extrema(values, penalties, self.batched)
+            lows, highs = _masked_extrema(values, penalties)
             names += [lo for lo, *_ in entries] + [hi for _, hi, *_ in entries]
-            parts += [lows, highs]
-        for low_names, high_names, lows, highs in self._reduced_extrema:
-            names += low_names + high_names
             parts += [lows, highs]
         if not parts:
             self._stacked = ([], torch.zeros(0))
@@ -264,7 +263,6 @@ class MetricSet:
         # Drop the [B, T] rows, masks and penalties: only the [M] vector outlives the tensor
         # core (a compiled core would otherwise return every one of them as a graph output).
         self._values, self._totals, self._masked, self._extrema = {}, {}, [], {}
-        self._reduced, self._reduced_extrema = [], []
         return self._stacked
 
     def finalize(self, groups: SequenceGroups = NO_GROUPS) -> dict[str, float]:
@@ -308,14 +306,14 @@ def _row_totals(rows: Iterable[torch.Tensor], mask: torch.Tensor) -> Optional[to
     Each row is read where it is and released before the next is taken from ``rows``;
     ``None`` for no row.
     """
-    flat_masks: dict[torch.dtype, torch.Tensor] = {}
+    masks: dict[torch.dtype, torch.Tensor] = {}  # the mask in each row dtype, cast once
     totals = []
     for row in rows:
         row = row.detach()
-        flat = flat_masks.get(row.dtype)
-        if flat is None:
-            flat = flat_masks[row.dtype] = (mask if mask.dtype == row.dtype else mask.to(row.dtype)).reshape(-1)
-        totals.append(torch.dot((row.expand(mask.shape) if row.shape != mask.shape else row).reshape(-1), flat))
+        cast = masks.get(row.dtype)
+        if cast is None:
+            cast = masks[row.dtype] = mask if mask.dtype == row.dtype else mask.to(row.dtype)
+        totals.append(masked_sum(row.expand(mask.shape) if row.shape != mask.shape else row, cast))
         del row
     if not totals:
         return None
@@ -350,20 +348,15 @@ def _masked_totals(groups: list, mask: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _masked_extrema(
-    values: list[torch.Tensor], penalties: list[torch.Tensor], batched: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([k] minima, [k] maxima)`` of each ``values[i]`` where its penalty is 0 (``+-finfo.max`` if nowhere)."""
+def _masked_extrema(values: list[torch.Tensor], penalties: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([k] minima, [k] maxima)`` of each ``values[i]`` where its penalty is 0 (``+-finfo.max`` if nowhere).
+
+    One ``amin`` and one ``amax`` for all of them (the CPU form passes one row at a time).
+    """
     big = torch.finfo(values[0].dtype).max
     k = len(values)
     if values[0].numel() == 0:
         return values[0].new_full((k,), big), values[0].new_full((k,), -big)
-    if not batched:
-        lows = [(v + p).amin() for v, p in zip(values, penalties)]
-        highs = [(v - p).amax() for v, p in zip(values, penalties)]
-        if k == 1:  # a view each, no op
-            return lows[0].reshape(1), highs[0].reshape(1)
-        return torch.stack(lows), torch.stack(highs)
     v = torch.stack(values).reshape(k, -1) if k > 1 else values[0].reshape(1, -1)
     if all(p is penalties[0] for p in penalties):
         p = penalties[0].reshape(1, -1)  # one mask for all: broadcast, no stack

@@ -222,7 +222,10 @@ def _note_unresolved_defaults(paths: list, nemo_rl: Optional[str]) -> None:
 
     from nemo_rs_plugin.nemo_rl.recipe_defaults import parent_paths
 
-    parents = {os.path.normpath(p) for path in paths for p in parent_paths(str(path), yaml.safe_load(open(path)))}
+    parents = set()
+    for path in paths:
+        with open(path) as fh:
+            parents.update(os.path.normpath(p) for p in parent_paths(str(path), yaml.safe_load(fh)))
     missing = sorted(p for p in parents if not os.path.isfile(p))
     if missing:
         hint = "" if nemo_rl else "; pass --nemo-rl PATH (your NeMo-RL checkout) to point them there"

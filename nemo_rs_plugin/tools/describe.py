@@ -20,7 +20,8 @@ _STATISTIC_WORDS = {
     "mult_prob_error": "its multiplicative probability error exp(|d|)",
     "binary_kl": "the binary KL of its sampled-token probabilities",
     "total_variation": "the total variation |p_b - p_a| of its sampled-token probabilities",
-    "prob_diff": "the probability difference p_a - p_b of its sampled token (p = exp(log-prob))",
+    # {a}, {b}: the filter's two log-prob sources (format() leaves the other entries as they are)
+    "prob_diff": "its probability difference p_{a} - p_{b} (probabilities of the sampled token)",
 }
 
 
@@ -36,10 +37,8 @@ def describe_filter(f: RejectionFilter) -> str:
     if f.level == "token":
         if f.metric == "ratio":
             what = f"its ratio pi_{a}/pi_{b}"
-        elif f.metric == "prob_diff":
-            what = f"its probability difference p_{a} - p_{b} (probabilities of the sampled token)"
         else:
-            what = _STATISTIC_WORDS[f.metric]
+            what = _STATISTIC_WORDS[f.metric].format(a=a, b=b)
         unit = "a token"
     else:
         agg = f.aggregation

@@ -86,13 +86,15 @@ class MismatchModel:
     seed: int = 0
 
 
-#: Seeds whose generator seed ``seed * 100003 + step`` fits torch's 64-bit seed (steps < 2**20).
-MAX_SEED = (2**63 - 2**20) // 100003
+#: Generator seed of a step: ``seed * SEED_STRIDE + step``.
+SEED_STRIDE = 100003
+#: Seeds whose generator seed fits torch's 64-bit seed (steps < 2**20).
+MAX_SEED = (2**63 - 2**20) // SEED_STRIDE
 
 
 def synthetic_batch(m: MismatchModel, step: int = 0) -> dict[str, torch.Tensor]:
     """A NeMo-RL-shaped batch (``[B, S]`` tensors, position 0 a dummy prompt token)."""
-    g = torch.Generator().manual_seed(m.seed * 100003 + step)
+    g = torch.Generator().manual_seed(m.seed * SEED_STRIDE + step)
     B, S = m.responses, m.length + 1
     lengths = torch.randint(max(1, m.length // 2), m.length + 1, (B,), generator=g)
     token_mask = (torch.arange(S).unsqueeze(0) >= 1) & (torch.arange(S).unsqueeze(0) <= lengths.unsqueeze(1))

@@ -274,7 +274,7 @@ MUTANTS: list[Mutant] = [
     # ---- the metric set: masked totals, normalisation, extrema
     Mutant(
         MS,
-        "totals.append(torch.dot((row.expand(mask.shape) if row.shape != mask.shape else row).reshape(-1), flat))",
+        "totals.append(masked_sum(row.expand(mask.shape) if row.shape != mask.shape else row, cast))",
         "totals.append((row.expand(mask.shape) if row.shape != mask.shape else row).sum())",
         "masked totals ignore their mask (CPU form)",
     ),
