@@ -6,8 +6,6 @@ cases add the generated kernels' numerics and take ~30 s of compilation per conf
 a 2-core CPU, so they are marked slow. ``NEMO_RS_TEST_DEVICE=cuda`` runs them on a GPU.
 """
 
-import functools
-
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -18,6 +16,7 @@ from nemo_rs_plugin.core import compiled
 from nemo_rs_plugin.core.distributed import NO_GROUPS
 from tests.core.test_inputs import FULL, batch
 from tests.core.test_parity import CASES, DEVICE, assert_matches_upstream, run_case
+from tests.support.references import tensors_reachable
 
 # One case per loss level (token, seq, GSPO), covering every KL kind's path (none, k3, k1 with
 # the on-policy approximation, KL in the reward) and the NLL term; 4 configurations stay under
@@ -147,29 +146,6 @@ def test_compiled_core_generates_about_a_dozen_kernels(compile_on, cfg):
     assert counters["stats"]["unique_graphs"] == 1
 
 
-def _tensors_in(obj, seen=None) -> list:
-    """Tensors reachable from ``obj`` through containers and function closures."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple, set)):
-        items = list(obj)
-    elif isinstance(obj, dict):
-        items = list(obj.values())
-    elif isinstance(obj, functools.partial):
-        items = [obj.func, *obj.args, *obj.keywords.values()]
-    elif callable(obj) and hasattr(obj, "__code__"):  # a function: its cells and defaults
-        items = [cell.cell_contents for cell in obj.__closure__ or ()] + list(obj.__defaults__ or ())
-    elif hasattr(obj, "__self__") and hasattr(obj, "__func__"):  # a bound method
-        items = [obj.__self__, obj.__func__]
-    else:
-        return []
-    return [t for item in items for t in _tensors_in(item, seen)]
-
-
 @pytest.mark.parametrize("batched", [False, True], ids=["cpu-form", "gpu-form"])
 def test_the_metric_set_keeps_no_tensor_but_its_vector_after_stack(batched):
     """What a compiled core returns: the loss, the ``[M]`` vector and what the host-side checks
@@ -182,5 +158,6 @@ def test_the_metric_set_keeps_no_tensor_but_its_vector_after_stack(batched):
 
     inputs = LossInputs.from_nemo_rl(lp, data, need_prev=True, need_reference=loss_fn.kl_coef != 0)
     _, metrics = loss_fn._tensors(inputs, gvs, gvt, NO_GROUPS, batched)
-    held = [t for attr in ("_checks", "_warnings", "_derived") for t in _tensors_in(getattr(metrics, attr))]
+    # Through closures, dataclasses and bound methods alike: only 0-dim values and the [M] vector.
+    held = [t for t in tensors_reachable(metrics) if t.dim() > 1]
     assert held == [], [tuple(t.shape) for t in held]

@@ -9,6 +9,7 @@ import torch
 
 from nemo_rs_plugin.core.masking import EPS, extrema_penalty
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
+from tests.support.references import tensors_reachable
 
 
 def _batch(seed: int = 0):
@@ -210,16 +211,7 @@ def test_the_cpu_form_reduces_each_row_where_it_is_declared():
         return row
 
     def held_storages(metric_set: MetricSet) -> set:
-        found, todo = set(), list(vars(metric_set).values())
-        while todo:
-            item = todo.pop()
-            if isinstance(item, torch.Tensor):
-                found.add(item.untyped_storage().data_ptr())
-            elif isinstance(item, (list, tuple)):
-                todo += list(item)
-            elif isinstance(item, dict):
-                todo += list(item.values())
-        return found
+        return {t.untyped_storage().data_ptr() for t in tensors_reachable(metric_set)}
 
     cpu = MetricSet(batched=False)
     cpu.add_masked_totals(["a", "b", "c"], (make(i) for i in range(3)), mask, "none", "sum")

@@ -251,6 +251,13 @@ def test_advantage_sign_negative_is_negative_advantages_only():
     a = run_plugin(one, curr, gen, adv, mask, sample_mask)
     b = run_plugin(other, curr, gen, adv, mask, sample_mask)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]
+    # Against the batch itself: the rejected share is the valid tokens with a negative advantage
+    # whose probability fell by more than 0.02 (the positive-advantage ones stay).
+    valid = (mask * sample_mask[:, None]) > 0
+    drop = (curr.exp() - gen.exp() < -0.02) & valid
+    assert int((drop & (adv < 0)).sum()) > 0 and int((drop & (adv > 0)).sum()) > 0  # both sides present
+    want = float((drop & (adv < 0)).sum() / valid.sum())
+    assert a[2]["rs_token_rejected_frac"] == pytest.approx(want, rel=1e-7)  # the count divides by N + 1e-8
 
 
 def test_the_sampler_penalty_is_not_is_weighted_and_has_its_gradient():
@@ -286,7 +293,7 @@ def test_the_sampler_penalty_ignores_huge_values_at_masked_positions(level):
         ({"sampler_kl_penalty": float("inf")}, "sampler_kl_penalty: got inf; allowed: a finite number >= 0"),
         (
             {"rejection_sampling": [{"level": "token", "upper": 2.0, "advantage_sign": "up"}]},
-            "advantage_sign",
+            "advantage_sign: got 'up'; Input should be 'positive' or 'negative'",
         ),
         (
             {"rejection_sampling": [{"level": "sequence", "upper": 2.0, "advantage_sign": "positive"}]},
@@ -304,7 +311,10 @@ def test_the_sampler_penalty_ignores_huge_values_at_masked_positions(level):
             {"rejection_sampling": [{"level": "sequence", "upper": 2.0, "applies_to": "policy_gradient"}]},
             "applies_to: got 'policy_gradient' on a sequence filter; allowed there: loss",
         ),
-        ({"rejection_sampling": [{"level": "token", "upper": 2.0, "applies_to": "pg"}]}, "applies_to"),
+        (
+            {"rejection_sampling": [{"level": "token", "upper": 2.0, "applies_to": "pg"}]},
+            "applies_to: got 'pg'; Input should be 'loss' or 'policy_gradient'",
+        ),
         (
             {"rejection_sampling": [{"level": "sequence", "metric": "prob_diff", "agg": "min", "upper": 0.1}]},
             "agg: got 'min' with metric 'prob_diff'; allowed: mean, sum, max",
@@ -325,8 +335,10 @@ def test_every_problem_at_once():
     }
     with pytest.raises(ConfigError) as err:
         RSClippedPGLossConfig.from_any(cfg)
-    text = str(err.value)
-    assert "sampler_kl_penalty" in text and "applies_to" in text
+    problems = err.value.problems
+    assert len(problems) == 2, problems
+    assert "sampler_kl_penalty: got -1.0; allowed: a finite number >= 0" in problems[1]
+    assert "applies_to: got 'policy_gradient' on a sequence filter; allowed there: loss" in problems[0]
 
 
 def test_labels_name_the_sign_and_the_scope():

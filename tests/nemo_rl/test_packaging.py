@@ -92,6 +92,7 @@ def test_wheel_requires_numpy_so_that_import_torch_is_quiet(dists):
     assert any(line.split(":", 1)[1].strip().split(";")[0].strip() == "numpy" for line in requires), requires
 
 
+@pytest.mark.slow
 def test_wheel_installs_into_a_fresh_venv_and_activates(dists, tmp_path):
     python = _make_venv(tmp_path / "venv")
     proc = subprocess.run(

@@ -25,8 +25,9 @@ def dump(tmp_path):
     return str(path)
 
 
-def one_error(capsys, argv, needle):
-    assert main(argv) == 2
+def one_error(capsys, argv, needle, status=2):
+    """``nemo-rs ARGV`` exits with ``status`` and prints exactly one ``error:`` line holding ``needle``."""
+    assert main(argv) == status
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err

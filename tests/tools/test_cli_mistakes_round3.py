@@ -25,13 +25,7 @@ from nemo_rs_plugin.tools import lab
 from nemo_rs_plugin.tools.cli import main
 from nemo_rs_plugin.tools.recipes import list_recipes
 from nemo_rs_plugin.tools.simulate import MismatchModel, synthetic_batch
-
-
-def one_error(capsys, argv, needle, status=2):
-    assert main(argv) == status
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+from tests.tools.test_cli_mistakes_round2 import one_error
 
 
 @pytest.mark.parametrize(
