@@ -292,9 +292,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         MS,
-        "lows = [(v + p).amin() for v, p in zip(values, penalties)]",
-        "lows = [v.amin() for v, p in zip(values, penalties)]",
-        "min metrics range over masked tokens too (CPU form)",
+        "return (v + p).amin(-1), (v - p).amax(-1)",
+        "return v.amin(-1), (v - p).amax(-1)",
+        "min metrics range over masked tokens too (both forms; the maxima stay masked)",
     ),
     Mutant(
         MS,
