@@ -13,7 +13,7 @@ On the CPU most of an eager call's time is page faults of fresh [B, T] allocatio
 ratio moves with the peak memory of each loss and with the machine's allocator state: run it
 several times (docs/performance.md).
 
-Usage: python benchmarks/bench_loss.py [--repeats 5] [--sizes 8x8192,8x32768,4x65536] [--threads 1]
+Usage: python benchmarks/bench_loss.py [--repeats 8] [--block 4] [--sizes 8x8192,8x32768,4x65536] [--threads 1]
 """
 
 from __future__ import annotations
@@ -76,23 +76,28 @@ def make_batch(B: int, S: int, seed: int = 0):
     return lp, data, torch.tensor(float(B)), valid.sum()
 
 
-def time_losses(loss_fns: dict, batch, repeats: int) -> dict:
-    """Median forward+backward time per loss, measured round-robin.
+def time_losses(loss_fns: dict, batch, repeats: int, block: int = 4) -> dict:
+    """Median forward+backward time per loss, over ``repeats`` rounds of ``block`` calls each.
 
-    Interleaving the candidates within each repeat keeps slow drifts of a shared machine
-    (other processes, frequency changes) from biasing one candidate against another.
+    The candidates take turns by rounds, so slow drifts of a shared machine (other processes,
+    frequency changes) do not bias one against another. Within a round a candidate is called
+    ``block`` times in a row and the first call is not timed: a training run calls one loss
+    over and over, and on the CPU the allocator's state left by the previous call (which
+    pages it kept) moves the time of a ``[B, T]`` allocation by ~10x; strictly alternating
+    candidates (``block=1``) times each in the heap the others left behind.
     """
     lp0, data, gvs, gvt = batch
     samples: dict = {name: [] for name in loss_fns}
-    for i in range(repeats + 2):
+    for _ in range(repeats):
         for name, fn in loss_fns.items():
-            lp = lp0.clone().requires_grad_(True)
-            t0 = time.perf_counter()
-            loss, _ = fn(lp, data, gvs, gvt)
-            loss.backward()
-            dt = time.perf_counter() - t0
-            if i >= 2:  # the first calls warm up allocators and caches
-                samples[name].append(dt)
+            for call in range(max(block, 2)):
+                lp = lp0.clone().requires_grad_(True)
+                t0 = time.perf_counter()
+                loss, _ = fn(lp, data, gvs, gvt)
+                loss.backward()
+                dt = time.perf_counter() - t0
+                if call:  # the first call of a round settles the allocator after the other candidates
+                    samples[name].append(dt)
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
@@ -113,14 +118,16 @@ def nemo_rl_loss():
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=8, help="rounds; each times block - 1 calls per candidate")
+    ap.add_argument("--block", type=int, default=4, help="calls per candidate in a round (the first untimed)")
     ap.add_argument("--sizes", default="8x8192,8x32768,4x65536")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (the speed issue's goal is stated for 1)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, args.threads))
     host = nemo_rl_loss()
     losses = {name: CorrectedPGLoss(cfg) for name, cfg in CONFIGS.items()}
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, median of {args.repeats}")
+    timed = args.repeats * (max(args.block, 2) - 1)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, median of {timed} ({args.repeats} rounds)")
     header = f"{'B x S':>10} | {'config':<23} | {'ms':>8} | ratio to upstream-equivalent"
     print(header)
     print("-" * len(header))
@@ -130,7 +137,7 @@ def main() -> None:
         candidates = dict(losses)
         if host is not None:
             candidates["NeMo-RL ClippedPGLossFn"] = host
-        times = time_losses(candidates, batch, args.repeats)
+        times = time_losses(candidates, batch, args.repeats, args.block)
         base = times["upstream-equivalent"]
         for name, t in times.items():
             print(f"{size:>10} | {name:<23} | {t * 1e3:8.1f} | {t / base:5.2f}x")

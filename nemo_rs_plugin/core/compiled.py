@@ -34,7 +34,7 @@ import torch
 
 from nemo_rs_plugin.core.metrics import batched_evaluation
 
-__all__ = ["INDUCTOR_OPTIONS", "core_fn", "metrics_form"]
+__all__ = ["INDUCTOR_OPTIONS", "core_fn", "free_host_reads", "metrics_form"]
 
 _COMPILED: dict[tuple[Callable, str], Callable] = {}
 
@@ -80,6 +80,24 @@ def metrics_form(loss: Any, core: Callable, device: torch.device) -> bool:
     if forced is None and core is not type(loss)._tensors:
         forced = False
     return batched_evaluation(device, forced)
+
+
+def free_host_reads(loss: Any, core: Callable, device: torch.device, groups: Any, batched: bool) -> bool:
+    """Whether ``core`` may read tensor values on the host to skip work it can tell is not needed.
+
+    Only where a read costs no device sync and changes no graph: the eager core (not
+    compiled, not inside the caller's compile), on the CPU, in the CPU form (the GPU form on a
+    CPU stands for the accelerator and reads nothing), unsharded (every rank of a sharded
+    call must declare the same metric rows, whatever its own values). Everywhere else the
+    loss makes its one host transfer at the end of the call and nothing else.
+    """
+    return (
+        device.type == "cpu"
+        and not batched
+        and core is type(loss)._tensors
+        and not getattr(groups, "active", False)
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _without_duck_sizing(compiled: Callable) -> Callable:

@@ -63,6 +63,15 @@ def check_logprob_signs(metrics: MetricSet, clean: SanitizedInputs, force_on_pol
     else:
         present = [(key, t) for field, key in sources.items() if (t := getattr(clean, field)) is not None]
         names = [f"_positive_{key}_count" for key, _ in present]
+        if metrics.host_reads and present and clean.curr.numel():
+            # An input nowhere above the slack (its largest entry, read on the host) has no
+            # positive valid token: its count is 0 without a [B, T] comparison.
+            largest = torch.stack([t.detach().amax() for _, t in present]).tolist()
+            for name, value in zip(names, largest):
+                if value <= POSITIVE_LOGPROB_SLACK:
+                    metrics.derive(name, "none", lambda out: 0.0)
+            above = [i for i, value in enumerate(largest) if value > POSITIVE_LOGPROB_SLACK]
+            present, names = [present[i] for i in above], [names[i] for i in above]
         rows = ((t.detach() > POSITIVE_LOGPROB_SLACK).to(dtype) for _, t in present)  # one at a time
     metrics.add_masked_totals(names, rows, clean.masks.valid_bin, "none", "sum")
     # The closure below keeps the input names only: a tensor it held would outlive the call (and
@@ -132,22 +141,44 @@ def check_global_counts(metrics: MetricSet, counts: GlobalCounts, masks: TokenMa
 
 
 def _check_token_mask(metrics: MetricSet, token_mask: torch.Tensor, dtype: torch.dtype) -> None:
-    """``token_mask`` entries other than 0 and 1: counted on the device, refused on the host."""
+    """``token_mask`` entries other than 0 and 1: found on the device, refused on the host.
+
+    A bool mask holds nothing else. An integer mask holds 0 and 1 only when its smallest entry
+    is at least 0 and its largest at most 1: one ``aminmax``, no ``[B, T]`` temporary. A float
+    mask may also hold fractions in between, so its other entries are counted elementwise.
+    """
+    if token_mask.dtype == torch.bool or not token_mask.numel():
+        return
+    if not token_mask.is_floating_point():
+        lo, hi = torch.aminmax(token_mask)  # integers: MetricSet.stack promotes them
+        metrics.add("_token_mask_min", lo, "none", "min")
+        metrics.add("_token_mask_max", hi, "none", "max")
+
+        def integer_error(out: dict) -> ValueError:
+            lo, hi = out["_token_mask_min"], out["_token_mask_max"]
+            extremes = [f"smallest entry {lo:g}"] * (lo < 0) + [f"largest entry {hi:g}"] * (hi > 1)
+            return _token_mask_error(f"got entries other than 0 and 1 ({', '.join(extremes)})")
+
+        metrics.check(lambda out: out["_token_mask_min"] < 0 or out["_token_mask_max"] > 1, integer_error)
+        return
     mask = token_mask if token_mask.dtype == dtype else token_mask.to(dtype)
     other = (mask != 0) & (mask != 1)
     metrics.add("_token_mask_other", other.sum(), "none", "sum")
-    if mask.numel():  # the smallest and largest of those entries, for the message
-        metrics.add("_token_mask_other_min", torch.where(other, mask, math.inf).amin(), "none", "min")
-        metrics.add("_token_mask_other_max", torch.where(other, mask, -math.inf).amax(), "none", "max")
+    # the smallest and largest of those entries, for the message
+    metrics.add("_token_mask_other_min", torch.where(other, mask, math.inf).amin(), "none", "min")
+    metrics.add("_token_mask_other_max", torch.where(other, mask, -math.inf).amax(), "none", "max")
 
-    def error(out: dict) -> ValueError:
+    def float_error(out: dict) -> ValueError:
         n = int(out["_token_mask_other"])
         lo, hi = out["_token_mask_other_min"], out["_token_mask_other_max"]
         values = f"{lo:g}" if lo == hi else f"from {lo:g} to {hi:g}"
-        return ValueError(
-            f"token_mask: got {n} {'entry' if n == 1 else 'entries'} other than 0 and 1 ({values}); allowed: 0 "
-            "and 1 only (1: a response token the loss trains on); another value scales that token's loss but "
-            "counts it as one token: weight whole sequences with sample_mask"
-        )
+        return _token_mask_error(f"got {n} {'entry' if n == 1 else 'entries'} other than 0 and 1 ({values})")
 
-    metrics.check(lambda out: out["_token_mask_other"] > 0, error)
+    metrics.check(lambda out: out["_token_mask_other"] > 0, float_error)
+
+
+def _token_mask_error(found: str) -> ValueError:
+    return ValueError(
+        f"token_mask: {found}; allowed: 0 and 1 only (1: a response token the loss trains on); another value "
+        "scales that token's loss but counts it as one token: weight whole sequences with sample_mask"
+    )

@@ -209,18 +209,22 @@ class SanitizedInputs:
     advantages: torch.Tensor
     d: torch.Tensor  # [B, T] prev - gen, 0 where not finite
     masks: TokenMasks
-    nonfinite: Any  # [K, B, T] (or K [B, T]) 0/1 non-finite entries of each input, rows named by
+    nonfinite: Any  # [K, B, T] (or K [B, T]) 0/1 non-finite entries of each input (None: all finite), rows named by
     input_names: tuple  # the K input names (keys of _NONFINITE_COUNTS)
     stacked: Optional[torch.Tensor] = None  # [K, B, T] the sanitised inputs, rows input_names (GPU form only)
 
 
-def sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool, batched: bool) -> SanitizedInputs:
+def sanitize_inputs(
+    x: LossInputs, force_on_policy: bool, with_reference: bool, batched: bool, host_reads: bool = False
+) -> SanitizedInputs:
     """One pass over every input: sanitised copies, non-finite masks, the token masks.
 
     The detached inputs are stacked, so replacing and detecting non-finite entries costs two
     kernels whatever their number; ``curr`` is sanitised on its own (it carries the gradient).
+    With ``host_reads`` (eager CPU) and every input finite, read on the host from one sum per
+    input, nothing is copied or masked: the inputs are used as given and ``nonfinite`` is
+    ``None`` (every count 0). The values are the same either way.
     """
-    curr = sanitize(x.curr)
     prev_raw = x.curr.detach() if force_on_policy else x.prev
     # The first rows are the log-prob inputs a token's loss reads (any non-finite one makes
     # the token unusable); the others are sanitised and counted only. Each row's name is the
@@ -232,18 +236,20 @@ def sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool, 
             rows["curr_unfiltered"] = x.curr_unfiltered
     n_logprob = len(rows)
     rows.update(prev=prev_raw, gen=x.generation, advantages=x.advantages)
+    checked = tuple(rows) if batched else tuple(name for name in rows if name not in ("prev", "gen"))
+    if host_reads and _finite_on_host([rows[name] for name in checked]):
+        return _as_given(x, rows, force_on_policy, with_reference, checked)
+    curr = sanitize(x.curr)
     if batched:  # two kernels for all inputs (batched_evaluation: the GPU form)
         stacked = torch.stack([t.detach() for t in rows.values()])  # [K, B, T]
         sanitized = sanitize(stacked)
         clean = dict(zip(rows, sanitized))
         bad = nonfinite(stacked)  # [K, B, T] 0/1
         any_bad = bad[:n_logprob].amax(0)
-        checked = tuple(rows)
     else:  # per input, no copy into a stack, and only what is read
         # curr and curr_unfiltered are sanitised on their own (they carry the gradient); prev
         # and gen reach the loss, and its checks, through d.
         clean = {name: sanitize(t.detach()) for name, t in rows.items() if name not in ("curr", "curr_unfiltered")}
-        checked = tuple(name for name in rows if name not in ("prev", "gen"))
         bad = [nonfinite(rows[name]) for name in checked]
         any_bad = torch.maximum(bad[0], bad[1])  # curr and d come first: n_logprob >= 2
         for row in bad[2:n_logprob]:
@@ -269,6 +275,37 @@ def sanitize_inputs(x: LossInputs, force_on_policy: bool, with_reference: bool, 
     )
 
 
+def _finite_on_host(rows: list[torch.Tensor]) -> bool:
+    """Whether every entry of ``rows`` is finite, read on the host (one sum per row, no ``[B, T]`` temporary).
+
+    A sum is finite only if every summand is: NaN and +-inf propagate through it. A finite
+    row whose sum overflows reads as not finite and takes the general path, exact for it too.
+    ``d = prev - gen`` finite implies ``prev`` and ``gen`` finite, so they are not read.
+    """
+    totals = torch.stack([row.detach().sum() for row in rows])
+    return bool(torch.isfinite(totals).all())
+
+
+def _as_given(
+    x: LossInputs, rows: dict, force_on_policy: bool, with_reference: bool, checked: tuple
+) -> SanitizedInputs:
+    """:class:`SanitizedInputs` of inputs known to be finite: no copy, no non-finite mask, every count 0."""
+    curr = x.curr
+    return SanitizedInputs(
+        curr=curr,
+        prev=curr.detach() if force_on_policy else rows["prev"].detach(),
+        prev_raw=rows["prev"],
+        gen=x.generation.detach(),
+        reference=x.reference.detach() if with_reference else None,
+        curr_unfiltered=(x.curr_unfiltered if x.curr_unfiltered is not None else curr) if with_reference else None,
+        advantages=x.advantages.detach(),
+        d=rows["d"].detach(),
+        masks=TokenMasks.build(x.token_mask, x.sample_mask, None, None, dtype=curr.dtype),
+        nonfinite=None,
+        input_names=checked,
+    )
+
+
 # Input row of sanitize_inputs -> the metric counting its non-finite valid tokens ("_": hidden,
 # covered by another count: prev and gen through the log-ratio).
 _NONFINITE_COUNTS = {
@@ -288,16 +325,28 @@ def nonfinite_metrics(metrics: MetricSet, masks: TokenMasks, nonfinite: Any, inp
     In the GPU form all counts are one matrix-vector product of the stacked non-finite masks
     (in the CPU form one dot product each, right away). With a separate
     unfiltered ``curr`` (for the KL), ``nonfinite_curr_logprobs_count`` counts tokens where
-    either is non-finite. See: docs/guide.md#non-finite-inputs
+    either is non-finite. ``nonfinite`` is ``None`` when every input was read finite on the
+    host (:func:`sanitize_inputs`): the same metrics, each 0. See: docs/guide.md#non-finite-inputs
     """
     names = [_NONFINITE_COUNTS[row] for row in inputs]
     if "curr_unfiltered" in inputs:
         names[0] = "_nonfinite_curr_filtered_count"
-        either = torch.maximum(nonfinite[0], nonfinite[inputs.index("curr_unfiltered")])
-        metrics.add_masked_total(_NONFINITE_COUNTS["curr"], either, masks.valid_bin, "none", "sum")
-    metrics.add_masked_totals(names, nonfinite, masks.valid_bin, "none", "sum")
+        if nonfinite is None:
+            metrics.derive(_NONFINITE_COUNTS["curr"], "none", _zero)
+        else:
+            either = torch.maximum(nonfinite[0], nonfinite[inputs.index("curr_unfiltered")])
+            metrics.add_masked_total(_NONFINITE_COUNTS["curr"], either, masks.valid_bin, "none", "sum")
+    if nonfinite is None:
+        for name in names:
+            metrics.derive(name, "none", _zero)
+    else:
+        metrics.add_masked_totals(names, nonfinite, masks.valid_bin, "none", "sum")
     if "reference" not in inputs:
-        metrics.derive(_NONFINITE_COUNTS["reference"], "none", lambda out: 0.0)
+        metrics.derive(_NONFINITE_COUNTS["reference"], "none", _zero)
+
+
+def _zero(out: dict) -> float:
+    return 0.0
 
 
 def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from nemo_rs_plugin.core.compiled import core_fn, metrics_form
+from nemo_rs_plugin.core.compiled import core_fn, free_host_reads, metrics_form
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction import CorrectionResult, PolicyLogProbs, apply_correction, plan_correction
 from nemo_rs_plugin.core.correction.filters import DROPPED_SEQUENCES, VALID_SEQUENCES
@@ -178,7 +178,8 @@ class CorrectedPGLoss:
         # The evaluation form is decided here, eagerly: a compiled core specialises on the bool.
         core = core_fn(self, groups)
         batched = metrics_form(self, core, x.curr.device)
-        loss, metrics = core(self, x, global_valid_seqs, global_valid_toks, groups, batched)
+        host_reads = free_host_reads(self, core, x.curr.device, groups, batched)
+        loss, metrics = core(self, x, global_valid_seqs, global_valid_toks, groups, batched, host_reads)
         reported = metrics.finalize(groups)
         if self.rejection_monitor is not None and DROPPED_SEQUENCES in metrics.private:
             self.rejection_monitor.observe(metrics.private[DROPPED_SEQUENCES], metrics.private[VALID_SEQUENCES])
@@ -191,13 +192,14 @@ class CorrectedPGLoss:
         global_valid_toks: Any,
         groups: SequenceGroups,
         batched: bool = False,
+        host_reads: bool = False,
     ) -> tuple[torch.Tensor, MetricSet]:
         """The pure-tensor part of :meth:`compute`: the loss and the stacked, unreduced metrics."""
         x = x.to_dtype(x.compute_dtype())
         cfg = self.cfg
         counts = global_counts(global_valid_seqs, global_valid_toks, x.curr.dtype, x.curr.device)
-        metrics = MetricSet(counts, batched)
-        clean = sanitize_inputs(x, cfg.force_on_policy_ratio, self.kl_coef != 0, batched)
+        metrics = MetricSet(counts, batched, host_reads)
+        clean = sanitize_inputs(x, cfg.force_on_policy_ratio, self.kl_coef != 0, batched, host_reads)
         masks = clean.masks
         nonfinite_metrics(metrics, masks, clean.nonfinite, clean.input_names)
         clean.nonfinite = None  # counted: the [B, T] masks need not live on (the CPU form reduced them)
@@ -219,7 +221,7 @@ class CorrectedPGLoss:
         # Metrics average over valid tokens whose inputs are all finite; without filters these
         # are exactly the tokens that reach the loss.
         loss_tokens = corr.loss_tokens
-        usable = masks.valid * masks.inputs_finite if cfg.rejection_sampling else loss_tokens
+        usable = masks.where_inputs_finite(masks.valid) if cfg.rejection_sampling else loss_tokens
         self._upstream_metrics(metrics, terms, clean, usable, corr)
         metrics.stack()  # evaluated here, inside the (optionally compiled) tensor core
         return terms.total, metrics
@@ -363,9 +365,9 @@ class CorrectedPGLoss:
             #   0.5 [k3(log M/P_train) + k3(log M/P_gen)],  k3(x) = exp(x) - 1 - x,
             # simplifies exactly to log cosh(d / 2) = softplus(-d) + d / 2 - log 2, which is
             # stable for any d and costs one transcendental instead of five.
-            token_mean("js_divergence_error", torch.nn.functional.softplus(-d) + 0.5 * d - math.log(2.0))
+            token_mean("js_divergence_error", torch.nn.functional.softplus(-d).add_(d, alpha=0.5).sub_(math.log(2.0)))
             # E_gen[-(pi/pi_gen) log pi]
-            token_mean("approx_entropy", -torch.exp((clean.curr - clean.gen) * usable) * clean.curr)
+            token_mean("approx_entropy", (clean.curr - clean.gen).mul_(usable).exp_().mul_(clean.curr).neg_())
             if self.cfg.effective_is_level == "token":
                 token_mean("sampling_importance_ratio", corr.is_weight)
             metrics.add_masked_extrema("probs_ratio_min", "probs_ratio_max", r, clean.masks.usable_penalty)

@@ -105,7 +105,10 @@ class TokenMasks:
     * ``d_finite``: ``prev - gen`` was finite;
     * ``inputs_finite``: every log-prob input (``curr``, ``prev - gen``, the reference) was finite;
     * ``usable_bin``: ``valid_bin * inputs_finite``, the tokens per-token extremes range over,
-      and ``usable_penalty`` its :func:`extrema_penalty`.
+      and ``usable_penalty`` its :func:`extrema_penalty`;
+    * ``all_finite``: every input is known finite (read on the host, eager CPU only): the
+      two finite masks are one read-only ``[B, T]`` view of a single 1 and ``usable_bin`` is
+      ``valid_bin``.
     """
 
     token_mask: torch.Tensor
@@ -116,24 +119,36 @@ class TokenMasks:
     inputs_finite: torch.Tensor
     usable_bin: torch.Tensor
     usable_penalty: torch.Tensor
+    all_finite: bool = False
 
     @classmethod
     def build(
         cls,
         token_mask: torch.Tensor,
         sample_mask: torch.Tensor,
-        d_finite: torch.Tensor,
-        inputs_finite: torch.Tensor,
+        d_finite: Optional[torch.Tensor],
+        inputs_finite: Optional[torch.Tensor],
         valid: Optional[torch.Tensor] = None,
+        dtype: Optional[torch.dtype] = None,
     ) -> "TokenMasks":
-        """The masks from the caller's two (``valid``: their product, when the caller has it)."""
-        sample_mask = sample_mask.to(d_finite.dtype)
+        """The masks from the caller's two (``valid``: their product, when the caller has it).
+
+        ``d_finite = inputs_finite = None``: every input is finite; the masks are then in
+        ``dtype`` (``d_finite``'s otherwise).
+        """
+        all_finite = d_finite is None and inputs_finite is None
+        dtype = dtype if all_finite else d_finite.dtype
+        sample_mask = sample_mask.to(dtype)
         if valid is None:
             valid = token_mask * sample_mask.unsqueeze(-1)
-        if valid.dtype != d_finite.dtype:
-            valid = valid.to(d_finite.dtype)
+        if valid.dtype != dtype:
+            valid = valid.to(dtype)
         valid_bin = torch.sign(valid)
-        usable_bin = valid_bin * inputs_finite
+        if all_finite:  # ones as a broadcast view: nothing allocated, and no in-place write can hit it
+            d_finite = inputs_finite = valid_bin.new_ones(()).expand(valid_bin.shape)
+            usable_bin = valid_bin
+        else:
+            usable_bin = valid_bin * inputs_finite
         return cls(
             token_mask=token_mask,
             sample_mask=sample_mask,
@@ -143,4 +158,15 @@ class TokenMasks:
             inputs_finite=inputs_finite,
             usable_bin=usable_bin,
             usable_penalty=extrema_penalty(usable_bin),
+            all_finite=all_finite,
         )
+
+    def where_inputs_finite(self, x: torch.Tensor) -> torch.Tensor:
+        """``x * inputs_finite``: 0 where an input was not finite (``x`` itself when every input is)."""
+        return x if self.all_finite else x * self.inputs_finite
+
+    def nonfinite_d_per_sequence(self) -> torch.Tensor:
+        """``[B]``: per sequence, the valid tokens whose ``prev - gen`` was not finite."""
+        if self.all_finite:
+            return torch.zeros_like(self.sample_mask)
+        return (self.valid_bin * (1.0 - self.d_finite)).sum(-1)

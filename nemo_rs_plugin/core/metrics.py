@@ -78,14 +78,16 @@ class MetricSet:
     reduces it over the groups and transfers it once.
     """
 
-    def __init__(self, counts: Optional[GlobalCounts] = None, batched: bool = False) -> None:
+    def __init__(self, counts: Optional[GlobalCounts] = None, batched: bool = False, host_reads: bool = False) -> None:
         """``batched``: evaluate in the stacked (GPU) form, see :func:`batched_evaluation`.
 
-        The caller decides it once, outside any compiled region, so that a compiled core
-        specialises on a plain bool instead of reading the environment while tracing.
+        ``host_reads``: checks may read a value on the host to skip work (eager CPU only,
+        :func:`~nemo_rs_plugin.core.compiled.free_host_reads`). The caller decides both once,
+        outside any compiled region, so that a compiled core specialises on plain bools.
         """
         self.counts = counts
         self.batched = batched
+        self.host_reads = host_reads
         self._declared: dict[str, tuple[str, str]] = {}  # name -> (normalization, reduction)
         self._values: dict[str, torch.Tensor] = {}  # final 0-dim values
         self._totals: dict[str, list[tuple[str, torch.Tensor]]] = {}  # normalization -> totals
@@ -153,6 +155,8 @@ class MetricSet:
             totals = _row_totals(rows.unbind(0) if isinstance(rows, torch.Tensor) else rows, mask)
             _check_row_count(names, 0 if totals is None else totals.shape[0])
             self._declare_all(names, normalization, reduction)
+            if totals is None:  # no row
+                return
             if normalization == "none":  # final values, as add() records them
                 self._values.update(zip(names, totals.unbind(0)))
             else:  # sums, as add_total() records them
@@ -258,8 +262,9 @@ class MetricSet:
             self._stacked = ([], torch.zeros(0))
         else:
             dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
-            parts = [p if p.dtype == dtype else p.to(dtype) for p in parts]
-            self._stacked = (names, torch.cat(parts) if len(parts) > 1 else parts[0])
+            # cat promotes integer parts (counts, a mask's extremes) to the float dtype itself
+            vector = torch.cat(parts) if len(parts) > 1 else parts[0]
+            self._stacked = (names, vector if vector.dtype == dtype else vector.to(dtype))
         # Drop the [B, T] rows, masks and penalties: only the [M] vector outlives the tensor
         # core (a compiled core would otherwise return every one of them as a graph output).
         self._values, self._totals, self._masked, self._extrema = {}, {}, [], {}

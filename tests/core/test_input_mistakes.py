@@ -35,6 +35,25 @@ def test_token_mask_other_than_zero_one_is_an_error(cfg, value):
     assert "\n" not in msg
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["cpu-form", "gpu-form"])
+@pytest.mark.parametrize(
+    "values, found",
+    [((2,), "(largest entry 2)"), ((-1,), "(smallest entry -1)"), ((-1, 3), "(smallest entry -1, largest entry 3)")],
+)
+def test_integer_token_mask_other_than_zero_one_is_an_error(values, found, batched):
+    """An integer mask is checked by its extremes (no [B, T] temporary): the message names them."""
+    lp, data, gvs, gvt = batch()
+    for column, value in enumerate(values, start=2):
+        data["token_mask"][1, column] = value
+    with pytest.raises(ValueError) as info:
+        CorrectedPGLoss(FULL, batched_metrics=batched)(lp, data, gvs, gvt)
+    assert str(info.value) == (
+        f"token_mask: got entries other than 0 and 1 {found}; allowed: 0 and 1 only (1: a response token the loss "
+        "trains on); another value scales that token's loss but counts it as one token: weight whole sequences "
+        "with sample_mask"
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.bool, torch.long, torch.float32, torch.bfloat16])
 def test_zero_one_token_masks_of_any_dtype_pass(dtype):
     lp, data, gvs, gvt = batch()

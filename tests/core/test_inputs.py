@@ -2,6 +2,7 @@
 (names, normalizations, shapes, one host transfer) holds."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +10,8 @@ from torch.overrides import TorchFunctionMode
 
 from nemo_rs_plugin import CorrectedPGLoss, metric_normalizations
 from nemo_rs_plugin.core import presets
+from nemo_rs_plugin.core.compiled import free_host_reads
+from nemo_rs_plugin.core.distributed import NO_GROUPS
 from tests.conftest import make_batch
 
 FULL = {
@@ -378,12 +381,35 @@ DPPO = {
 
 @pytest.mark.parametrize("cfg", [{}, FULL, DPPO], ids=["default", "full", "dppo"])
 def test_one_host_transfer_per_call(cfg):
-    loss_fn = CorrectedPGLoss(cfg)
+    """The accelerator's form, run here on the CPU, reads the host once: the metrics vector
+    (test_cuda_sync.py counts the syncs on a GPU, where the form is picked by device)."""
+    loss_fn = CorrectedPGLoss(cfg, batched_metrics=True)
     args = batch()
     with HostSyncCounter() as counter:
         loss, _ = loss_fn(*args)
         loss.backward()
     assert counter.calls == ["tolist"]
+
+
+@pytest.mark.parametrize("cfg", [{}, FULL, DPPO], ids=["default", "full", "dppo"])
+def test_eager_cpu_reads_the_host_only_for_checks_that_skip_work(cfg):
+    """On the CPU a read is no device sync: the eager CPU form reads whether every input is finite
+    and each log-prob input's largest entry, then the metrics; nothing per token or per sequence."""
+    with HostSyncCounter() as counter:
+        loss, _ = CorrectedPGLoss(cfg)(*batch())
+        loss.backward()
+    assert counter.calls == ["__bool__", "tolist", "tolist"]
+
+
+def test_host_reads_only_where_free():
+    """Only the eager core, on the CPU, in the CPU form, unsharded, reads values on the host."""
+    loss_fn = CorrectedPGLoss({})
+    eager, cpu = type(loss_fn)._tensors, torch.device("cpu")
+    assert free_host_reads(loss_fn, eager, cpu, NO_GROUPS, batched=False)
+    assert not free_host_reads(loss_fn, eager, torch.device("cuda"), NO_GROUPS, batched=False)
+    assert not free_host_reads(loss_fn, eager, cpu, NO_GROUPS, batched=True)
+    assert not free_host_reads(loss_fn, lambda *a: None, cpu, NO_GROUPS, batched=False)  # a compiled core
+    assert not free_host_reads(loss_fn, eager, cpu, SimpleNamespace(active=True), batched=False)
 
 
 def test_kl_uses_unfiltered_current_logprobs_when_given():
@@ -432,3 +458,31 @@ def test_input_counts_read_valid_tokens_only_in_both_forms(batched):
 
     assert run((1, 4)) == (0.0, [])  # masked: nothing
     assert run((0, 2)) == (1.0, ["generation_logprobs", "next_token_logprobs"])
+
+
+def _loss_inputs(lp, data, with_reference=True):
+    from nemo_rs_plugin.core.loss import LossInputs
+
+    return LossInputs.from_nemo_rl(lp, data, need_prev=True, need_reference=with_reference)
+
+
+def test_finite_inputs_are_used_as_given_where_the_host_can_read():
+    """Eager CPU, every input finite: no sanitised copy, no non-finite mask; one NaN anywhere (a
+    masked position included) takes the general path; so does a finite input whose sum
+    overflows (its values are exact either way)."""
+    from nemo_rs_plugin.core.inputs import sanitize_inputs
+
+    lp, data, _, _ = batch()
+    x = _loss_inputs(lp, data)
+    clean = sanitize_inputs(x, False, True, batched=False, host_reads=True)
+    assert clean.nonfinite is None and clean.curr is x.curr and clean.masks.all_finite
+    assert sanitize_inputs(x, False, True, batched=False, host_reads=False).nonfinite is not None
+    for key, value in (("reference_policy_logprobs", math.nan), ("advantages", math.inf)):
+        broken = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+        broken["token_mask"][0, -1] = 0
+        broken[key][0, -1] = value  # a masked position
+        clean = sanitize_inputs(_loss_inputs(lp, broken), False, True, batched=False, host_reads=True)
+        assert clean.nonfinite is not None and not clean.masks.all_finite, key
+    huge = {**data, "advantages": torch.full_like(data["advantages"], 3e38)}  # finite; its sum is inf
+    clean = sanitize_inputs(_loss_inputs(lp, huge), False, True, batched=False, host_reads=True)
+    assert clean.nonfinite is not None and torch.equal(clean.advantages, huge["advantages"][:, 1:])

@@ -120,8 +120,8 @@ MUTANTS: list[Mutant] = [
     # ---- IS weights per level
     Mutant(
         CW,
-        "return finite_exp(d) * d_finite",
-        "return finite_exp(d)",
+        "return weight if d_finite is None else weight * d_finite",
+        "return weight",
         "token IS weight 1 (not 0) where the log-ratio is not finite",
     ),
     Mutant(
@@ -170,8 +170,8 @@ MUTANTS: list[Mutant] = [
     # ---- IS weight metrics
     Mutant(
         CW,
-        "[weight, weight * weight], loss_tokens,",
-        "[weight, weight], loss_tokens,",
+        'metrics.add_total("is_weight_sq_mean", masked_sum(weight, applied),',
+        'metrics.add_total("is_weight_sq_mean", applied.sum(),',
         "is_weight_sq_mean reports the mean weight (token level)",
     ),
     Mutant(
@@ -182,8 +182,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         CW,
-        "[weight, weight * weight], loss_tokens,",
-        "[weight, weight * weight], masks.valid,",
+        'metrics.add_total("is_weight_mean", applied.sum(),',
+        'metrics.add_total("is_weight_mean", masked_sum(weight, masks.valid),',
         "is_weight_mean counts rejected tokens with their weight",
     ),
     Mutant(
@@ -225,7 +225,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         L,
-        "usable = masks.valid * masks.inputs_finite if cfg.rejection_sampling else loss_tokens",
+        "usable = masks.where_inputs_finite(masks.valid) if cfg.rejection_sampling else loss_tokens",
         "usable = loss_tokens",
         "with filters, sampling_importance_ratio (and NeMo-RL's token metrics) average over kept tokens only",
     ),
@@ -473,8 +473,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         CP,
-        "ratio_mask = masks.token_mask * masks.inputs_finite * (1.0 - masks.valid_bin + alive)",
-        "ratio_mask = masks.token_mask * masks.inputs_finite",
+        "ratio_mask = masks.where_inputs_finite(masks.token_mask) * (1.0 - masks.valid_bin + alive)",
+        "ratio_mask = masks.where_inputs_finite(masks.token_mask)",
         "GSPO ratio keeps the tokens a token filter rejected",
     ),
     # ---- bands from measured log-probs, and the warning when rejection eats the batch
@@ -538,5 +538,30 @@ MUTANTS: list[Mutant] = [
         "return target.exp() - behaviour.exp()",
         "return behaviour.exp() - target.exp()",
         "prob_diff reads p_b - p_a (p_gen - p_curr): DPPO's trust region on the wrong side",
+    ),
+    # ---- the eager CPU form's host reads (finite inputs used as given), the integer token_mask check
+    Mutant(
+        IN,
+        "return bool(torch.isfinite(totals).all())",
+        "return True",
+        "every input read as finite: NaN and inf reach the loss unsanitised",
+    ),
+    Mutant(
+        IC,
+        'out["_token_mask_max"] > 1, integer_error',
+        'out["_token_mask_max"] > 2, integer_error',
+        "an integer token_mask holding 2 passes",
+    ),
+    Mutant(
+        M,
+        "return (self.valid_bin * (1.0 - self.d_finite)).sum(-1)",
+        "return torch.zeros_like(self.sample_mask)",
+        "a sequence with a non-finite log-ratio is not counted as such (sequence IS levels weight it)",
+    ),
+    Mutant(
+        M,
+        "return x if self.all_finite else x * self.inputs_finite",
+        "return x",
+        "tokens with a non-finite input stay in the loss's token set",
     ),
 ]

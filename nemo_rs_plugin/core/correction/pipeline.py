@@ -150,12 +150,12 @@ def plan_correction(
         # The GSPO ratio averages over the row's token_mask tokens with finite inputs, less
         # the valid tokens a token filter rejected (a rejected token gets no gradient; as
         # VERL, whose rejection edits the response mask its GSPO ratio reads).
-        ratio_mask = masks.token_mask * masks.inputs_finite * (1.0 - masks.valid_bin + alive)
+        ratio_mask = masks.where_inputs_finite(masks.token_mask) * (1.0 - masks.valid_bin + alive)
     statistics = SequenceStatistics(
         d_sum=(d * masks.valid).sum(-1),  # sum_t m d
         valid=masks.valid.sum(-1),  # n_i
         token_mask=masks.token_mask.sum(-1).to(d.dtype),
-        nonfinite=(masks.valid_bin * (1.0 - masks.d_finite)).sum(-1),
+        nonfinite=masks.nonfinite_d_per_sequence(),
         kept=(alive * masks.valid).sum(-1),
         stages=stages,
         kept_negative=(alive * masks.valid * negative).sum(-1) if negative is not None else None,
@@ -185,7 +185,7 @@ def _apply_rejection(
     kept_token_count = None
     if cfg.rejection_sampling:
         outcome = apply_filters(cfg.rejection_sampling, stats, masks.sample_mask, metrics)
-        keep = plan.alive * outcome.sequence_kept.unsqueeze(-1) * masks.inputs_finite
+        keep = masks.where_inputs_finite(plan.alive * outcome.sequence_kept.unsqueeze(-1))
         if outcome.conditional_rows is not None:
             keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1) * plan.negative)
         seq_in_loss = outcome.sequence_in_loss
@@ -221,7 +221,8 @@ def apply_correction(
         has_tokens = (seq_valid > 0).to(seq_valid.dtype)  # [B] 0/1
 
     keep, seq_in_loss, kept_token_count = _apply_rejection(cfg, plan, stats, metrics)
-    loss_tokens = masks.valid * keep  # [B, T] valid tokens that reach the loss
+    # [B, T] valid tokens that reach the loss (without filters keep is inputs_finite)
+    loss_tokens = masks.valid * keep if cfg.rejection_sampling else masks.where_inputs_finite(masks.valid)
     kept_seq_count = ratio_token_count = None
     if stats is not None:
         if cfg.sequence_level_importance_ratios:
@@ -230,7 +231,8 @@ def apply_correction(
 
     # ---- IS weights at the chosen level, truncation, batch normalisation ----
     level = cfg.effective_is_level
-    raw_weight = is_weights(level, plan.d, masks.d_finite, seq_d_sum, seq_valid, seq_nonfinite)
+    d_finite = None if masks.all_finite else masks.d_finite
+    raw_weight = is_weights(level, plan.d, d_finite, seq_d_sum, seq_valid, seq_nonfinite)
     weight = apply_truncation(cfg, raw_weight, seq_d_sum, seq_ntok, masks, metrics)
     if cfg.is_batch_normalization is not None:
         units = masks.valid if level == "token" else sample_mask * has_tokens

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
-from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, finite_exp, out_of_bounds
+from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, finite_exp, masked_sum, out_of_bounds
 from nemo_rs_plugin.core.metrics import MetricSet
 
 __all__ = [
@@ -28,7 +28,7 @@ __all__ = [
 def is_weights(
     level: str,
     d: torch.Tensor,  # [B, T]
-    d_finite: torch.Tensor,  # [B, T] float 0/1
+    d_finite: Optional[torch.Tensor],  # [B, T] float 0/1 (None: every entry finite)
     seq_d_sum: Optional[torch.Tensor],  # [B] sum_t m d, reduced over ranks
     seq_n: Optional[torch.Tensor],  # [B] n_i, reduced over ranks
     seq_nonfinite: Optional[torch.Tensor],  # [B] valid tokens with non-finite d, reduced over ranks
@@ -40,7 +40,8 @@ def is_weights(
     (its token, or its sequence).
     """
     if level == "token":
-        return finite_exp(d) * d_finite  # d is 0 where it was not finite: weight 0 there
+        weight = finite_exp(d)
+        return weight if d_finite is None else weight * d_finite  # d is 0 where it was not finite: weight 0 there
     seq_log_w = seq_d_sum if level == "sequence" else seq_d_sum / (seq_n + EPS)
     return finite_exp(seq_log_w).masked_fill(seq_nonfinite > 0, 0.0).unsqueeze(-1)
 
@@ -114,12 +115,12 @@ def record_token_weight_metrics(
     microbatch; ``is_weight_mean^2 / is_weight_sq_mean`` gives it globally).
     """
     metrics.add_masked_total("is_weight_raw_mean", raw_weight, masks.valid, "tokens", "sum")
-    metrics.add_masked_totals(
-        ["is_weight_mean", "is_weight_sq_mean"], [weight, weight * weight], loss_tokens, "tokens", "sum"
-    )
+    applied = weight * loss_tokens  # [B, T] the weights as the loss applies them
+    metrics.add_total("is_weight_mean", applied.sum(), "tokens", "sum")
+    metrics.add_total("is_weight_sq_mean", masked_sum(weight, applied), "tokens", "sum")  # sum_t w_t^2 m_t
     metrics.add_total("_ess_units", masks.valid.sum(), "tokens", "sum")
     metrics.add_masked_extrema("is_weight_raw_min", "is_weight_raw_max", raw_weight, masks.usable_penalty)
-    applied_penalty = extrema_penalty(torch.sign(weight * loss_tokens))  # kept tokens with a weight
+    applied_penalty = extrema_penalty(applied.sign_())  # kept tokens with a weight (applied is read: reused)
     metrics.add_masked_extrema("is_weight_min", "is_weight_max", weight, applied_penalty)
     metrics.derive("is_ess", "none", _effective_sample_size)
 
