@@ -69,7 +69,7 @@ def check_logprob_signs(metrics: MetricSet, clean: SanitizedInputs, force_on_pol
             largest = torch.stack([t.detach().amax() for _, t in present]).tolist()
             for name, value in zip(names, largest):
                 if value <= POSITIVE_LOGPROB_SLACK:
-                    metrics.derive(name, "none", lambda out: 0.0)
+                    metrics.add_zero(name, "none")
             above = [i for i, value in enumerate(largest) if value > POSITIVE_LOGPROB_SLACK]
             present, names = [present[i] for i in above], [names[i] for i in above]
         rows = ((t.detach() > POSITIVE_LOGPROB_SLACK).to(dtype) for _, t in present)  # one at a time

@@ -237,28 +237,36 @@ def sanitize_inputs(
     n_logprob = len(rows)
     rows.update(prev=prev_raw, gen=x.generation, advantages=x.advantages)
     checked = tuple(rows) if batched else tuple(name for name in rows if name not in ("prev", "gen"))
-    if host_reads and _finite_on_host([rows[name] for name in checked]):
-        return _as_given(x, rows, force_on_policy, with_reference, checked)
-    curr = sanitize(x.curr)
-    if batched:  # two kernels for all inputs (batched_evaluation: the GPU form)
-        stacked = torch.stack([t.detach() for t in rows.values()])  # [K, B, T]
-        sanitized = sanitize(stacked)
-        clean = dict(zip(rows, sanitized))
-        bad = nonfinite(stacked)  # [K, B, T] 0/1
-        any_bad = bad[:n_logprob].amax(0)
-    else:  # per input, no copy into a stack, and only what is read
-        # curr and curr_unfiltered are sanitised on their own (they carry the gradient); prev
-        # and gen reach the loss, and its checks, through d.
-        clean = {name: sanitize(t.detach()) for name, t in rows.items() if name not in ("curr", "curr_unfiltered")}
-        bad = [nonfinite(rows[name]) for name in checked]
-        any_bad = torch.maximum(bad[0], bad[1])  # curr and d come first: n_logprob >= 2
-        for row in bad[2:n_logprob]:
-            any_bad = torch.maximum(any_bad, row, out=any_bad)  # no new [B, T] per input
-    d_finite = 1.0 - bad[1]
-    inputs_finite = any_bad.neg_().add_(1.0)  # 1 - any_bad, in place: any_bad is a fresh tensor
+    # host_reads: where every input reads finite they are used as given (no copy, no mask).
+    as_given = host_reads and _finite_on_host([rows[name] for name in checked])
+    clean_of = _as_given if as_given else sanitize
+    curr = clean_of(x.curr)
+    sanitized = None
+    if as_given:
+        clean = {name: t.detach() for name, t in rows.items()}
+        bad = None  # every count 0
+        masks = TokenMasks.build(x.token_mask, x.sample_mask, None, None, dtype=curr.dtype)
+    else:
+        if batched:  # two kernels for all inputs (batched_evaluation: the GPU form)
+            stacked = torch.stack([t.detach() for t in rows.values()])  # [K, B, T]
+            sanitized = sanitize(stacked)
+            clean = dict(zip(rows, sanitized))
+            bad = nonfinite(stacked)  # [K, B, T] 0/1
+            any_bad = bad[:n_logprob].amax(0)
+        else:  # per input, no copy into a stack, and only what is read
+            # curr and curr_unfiltered are sanitised on their own (they carry the gradient); prev
+            # and gen reach the loss, and its checks, through d.
+            clean = {n: sanitize(t.detach()) for n, t in rows.items() if n not in ("curr", "curr_unfiltered")}
+            bad = [nonfinite(rows[name]) for name in checked]
+            any_bad = torch.maximum(bad[0], bad[1])  # curr and d come first: n_logprob >= 2
+            for row in bad[2:n_logprob]:
+                any_bad = torch.maximum(any_bad, row, out=any_bad)  # no new [B, T] per input
+        d_finite = 1.0 - bad[1]
+        inputs_finite = any_bad.neg_().add_(1.0)  # 1 - any_bad, in place: any_bad is a fresh tensor
+        masks = TokenMasks.build(x.token_mask, x.sample_mask, d_finite, inputs_finite)
     unfiltered = None
     if with_reference:
-        unfiltered = sanitize(x.curr_unfiltered) if x.curr_unfiltered is not None else curr
+        unfiltered = clean_of(x.curr_unfiltered) if x.curr_unfiltered is not None else curr
     return SanitizedInputs(
         curr=curr,
         prev=curr.detach() if force_on_policy else clean["prev"],
@@ -268,10 +276,10 @@ def sanitize_inputs(
         curr_unfiltered=unfiltered,
         advantages=clean["advantages"],
         d=clean["d"],
-        masks=TokenMasks.build(x.token_mask, x.sample_mask, d_finite, inputs_finite),
+        masks=masks,
         nonfinite=bad,
         input_names=checked,
-        stacked=sanitized if batched else None,
+        stacked=sanitized,
     )
 
 
@@ -286,24 +294,9 @@ def _finite_on_host(rows: list[torch.Tensor]) -> bool:
     return bool(torch.isfinite(totals).all())
 
 
-def _as_given(
-    x: LossInputs, rows: dict, force_on_policy: bool, with_reference: bool, checked: tuple
-) -> SanitizedInputs:
-    """:class:`SanitizedInputs` of inputs known to be finite: no copy, no non-finite mask, every count 0."""
-    curr = x.curr
-    return SanitizedInputs(
-        curr=curr,
-        prev=curr.detach() if force_on_policy else rows["prev"].detach(),
-        prev_raw=rows["prev"],
-        gen=x.generation.detach(),
-        reference=x.reference.detach() if with_reference else None,
-        curr_unfiltered=(x.curr_unfiltered if x.curr_unfiltered is not None else curr) if with_reference else None,
-        advantages=x.advantages.detach(),
-        d=rows["d"].detach(),
-        masks=TokenMasks.build(x.token_mask, x.sample_mask, None, None, dtype=curr.dtype),
-        nonfinite=None,
-        input_names=checked,
-    )
+def _as_given(x: torch.Tensor) -> torch.Tensor:
+    """A differentiable input known to be finite: :func:`sanitize` would copy it unchanged."""
+    return x
 
 
 # Input row of sanitize_inputs -> the metric counting its non-finite valid tokens ("_": hidden,
@@ -332,21 +325,17 @@ def nonfinite_metrics(metrics: MetricSet, masks: TokenMasks, nonfinite: Any, inp
     if "curr_unfiltered" in inputs:
         names[0] = "_nonfinite_curr_filtered_count"
         if nonfinite is None:
-            metrics.derive(_NONFINITE_COUNTS["curr"], "none", _zero)
+            metrics.add_zero(_NONFINITE_COUNTS["curr"], "none")
         else:
             either = torch.maximum(nonfinite[0], nonfinite[inputs.index("curr_unfiltered")])
             metrics.add_masked_total(_NONFINITE_COUNTS["curr"], either, masks.valid_bin, "none", "sum")
     if nonfinite is None:
         for name in names:
-            metrics.derive(name, "none", _zero)
+            metrics.add_zero(name, "none")
     else:
         metrics.add_masked_totals(names, nonfinite, masks.valid_bin, "none", "sum")
     if "reference" not in inputs:
-        metrics.derive(_NONFINITE_COUNTS["reference"], "none", _zero)
-
-
-def _zero(out: dict) -> float:
-    return 0.0
+        metrics.add_zero(_NONFINITE_COUNTS["reference"], "none")
 
 
 def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

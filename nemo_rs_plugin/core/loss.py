@@ -375,7 +375,7 @@ class CorrectedPGLoss:
             if kl is not None:
                 metrics.add("kl_penalty", kl / self.kl_coef, grad_norm, "sum")
             else:
-                metrics.derive("kl_penalty", grad_norm, lambda out: 0.0)
+                metrics.add_zero("kl_penalty", grad_norm)
             if self.cfg.effective_is_level != "token":
                 self._sequence_sampling_importance_ratio(metrics, corr.is_weight, clean.masks.sample_mask)
             metrics.add("num_valid_samples", clean.masks.sample_mask.sum(), "none", "replicated")
@@ -384,7 +384,7 @@ class CorrectedPGLoss:
             if nll is not None:
                 metrics.add("positive_nll_loss", nll, "none", "sum")
             else:
-                metrics.derive("positive_nll_loss", "none", lambda out: 0.0)
+                metrics.add_zero("positive_nll_loss", "none")
 
     def _clamped_extremes(self, metrics: MetricSet) -> None:
         """Declare ``probs_ratio_clamped_{min,max}``, derived on the host after the reduction.

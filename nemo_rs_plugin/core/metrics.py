@@ -196,6 +196,10 @@ class MetricSet:
         self._declare(name, normalization, "derived")
         self._derived.append((name, normalization, fn))
 
+    def add_zero(self, name: str, normalization: str) -> None:
+        """Declare a metric that is 0 by construction (a term that is off, a count known to be 0): no tensor."""
+        self.derive(name, normalization, _zero)
+
     def check(self, failed: Callable[[dict[str, float]], bool], error: Callable[[dict[str, float]], Exception]) -> None:
         """Raise ``error(values)`` from :meth:`finalize` when ``failed(values)`` holds.
 
@@ -298,6 +302,10 @@ class MetricSet:
         # (the run-time rejection warning); NeMo-RL never sees them.
         self.private = {n: out[n] for n in self._declared if n.startswith("_")}
         return {n: out[n] for n in self._declared if not n.startswith("_")}
+
+
+def _zero(out: dict[str, float]) -> float:
+    return 0.0
 
 
 def _check_row_count(names: list[str], count: int) -> None:
