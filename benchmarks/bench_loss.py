@@ -6,11 +6,13 @@ Configurations, each timed at B x S = 8 x 8k, 8 x 32k and 4 x 64k:
   rs-pipeline-3         Geo-RS + outlier veto + token kl_k3 filter, sequence_mean weights
 and NeMo-RL's own ClippedPGLossFn on the upstream-equivalent config when it is importable
 (PYTHONPATH pointing at a NeMo-RL checkout). Every time is reported as a ratio to the
-upstream-equivalent configuration measured in the same process.
+upstream-equivalent configuration measured in the same process. With NeMo-RL importable a
+second table times the plugin against NeMo-RL's loss in each of NeMo-RL's own configurations
+(plain, IS + token TIS, ICE-POP, seq-mask-tis, GSPO), the two built from the same fields.
 
-Targets: rs-pipeline-3 <= 1.15x upstream-equivalent; upstream-equivalent <= 0.9x NeMo-RL (issue 21).
-On the CPU most of an eager call's time is page faults of fresh [B, T] allocations, so the
-ratio moves with the peak memory of each loss and with the machine's allocator state: run it
+Targets: rs-pipeline-3 <= 1.15x upstream-equivalent; plugin <= 0.9x NeMo-RL in NeMo-RL's
+configurations (issue 21). On the CPU a fresh [B, T] allocation costs far more than the
+operator on reused memory, so ratios move with the machine's allocator state: run it
 several times (docs/performance.md).
 
 Usage: python benchmarks/bench_loss.py [--repeats 8] [--block 4] [--sizes 8x8192,8x32768,4x65536] [--threads 1]
@@ -48,6 +50,30 @@ CONFIGS = {
             {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 100},
             {"level": "token", "metric": "kl_k3", "upper": 0.5},
         ],
+    },
+}
+
+
+# NeMo-RL's own modes, each timed as NeMo-RL's loss and as the plugin's, from the same fields.
+NEMO_RL_CONFIGS = {
+    "plain": {},
+    "IS + token TIS": UPSTREAM,
+    "IS + ICE-POP": {
+        "use_importance_sampling_correction": True,
+        "truncated_importance_sampling_type": "icepop",
+        "truncated_importance_sampling_ratio": 2.0,
+        "truncated_importance_sampling_ratio_min": 0.5,
+    },
+    "IS + seq-mask-tis": {
+        "use_importance_sampling_correction": True,
+        "truncated_importance_sampling_type": "seq-mask-tis",
+        "truncated_importance_sampling_ratio": 1.002,
+        "truncated_importance_sampling_ratio_min": 0.999,
+    },
+    "GSPO": {
+        "use_importance_sampling_correction": True,
+        "sequence_level_importance_ratios": True,
+        "token_level_loss": False,
     },
 }
 
@@ -101,14 +127,14 @@ def time_losses(loss_fns: dict, batch, repeats: int, block: int = 4) -> dict:
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def nemo_rl_loss():
+def nemo_rl_loss(cfg: dict):
     try:
         from nemo_rl.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn
         from nemo_rl.distributed.batched_data_dict import BatchedDataDict
     except Exception as exc:  # NeMo-RL is optional here
         print(f"NeMo-RL not importable ({type(exc).__name__}: {exc}); skipping its column")
         return None
-    fn = ClippedPGLossFn(ClippedPGLossConfig(**UPSTREAM))
+    fn = ClippedPGLossFn(ClippedPGLossConfig(**cfg))
 
     def call(lp, data, gvs, gvt):
         return fn(lp, BatchedDataDict(data), gvs, gvt)
@@ -124,7 +150,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (the speed issue's goal is stated for 1)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, args.threads))
-    host = nemo_rl_loss()
+    host = nemo_rl_loss(UPSTREAM)
     losses = {name: CorrectedPGLoss(cfg) for name, cfg in CONFIGS.items()}
     timed = args.repeats * (max(args.block, 2) - 1)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, median of {timed} ({args.repeats} rounds)")
@@ -144,6 +170,25 @@ def main() -> None:
         if host is not None:
             ratio = base / times["NeMo-RL ClippedPGLossFn"]
             print(f"{size:>10} | upstream-equivalent / NeMo-RL = {ratio:.2f}x")
+    if host is not None:
+        compare_with_nemo_rl(args)
+
+
+def compare_with_nemo_rl(args) -> None:
+    """Plugin / NeMo-RL in each of NeMo-RL's configurations, timed together in one process."""
+    print()
+    header = f"{'B x S':>10} | {'NeMo-RL configuration':<23} | {'plugin ms':>9} | {'NeMo-RL ms':>10} | plugin / NeMo-RL"
+    print(header)
+    print("-" * len(header))
+    for size in args.sizes.split(","):
+        B, S = (int(v) for v in size.lower().split("x"))
+        batch = make_batch(B, S)
+        for name, cfg in NEMO_RL_CONFIGS.items():
+            times = time_losses(
+                {"plugin": CorrectedPGLoss(dict(cfg)), "NeMo-RL": nemo_rl_loss(cfg)}, batch, args.repeats, args.block
+            )
+            plugin, host = times["plugin"], times["NeMo-RL"]
+            print(f"{size:>10} | {name:<23} | {plugin * 1e3:9.1f} | {host * 1e3:10.1f} | {plugin / host:5.2f}x")
 
 
 if __name__ == "__main__":

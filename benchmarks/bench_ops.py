@@ -112,13 +112,24 @@ def make_inputs(B: int, S: int):
 
 
 def count(loss_fn, B: int, S: int, wrap=lambda d: d) -> collections.Counter:
+    """Operators by name, plus ``<host transfers>`` and ``<saved>``: the bytes autograd keeps
+    for the backward (distinct storages, the log-probs' own included) in units of one
+    ``[B, T]`` float32 tensor, the part of a call's peak memory that lives until the backward."""
     curr, data, gvs, gvt = make_inputs(B, S)
     loss_fn(curr.clone().requires_grad_(True), wrap(dict(data)), gvs, gvt)[0].backward()  # warm-up
     lp = curr.clone().requires_grad_(True)
+    saved: dict = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
     with HostTransferCounter() as transfers, OpCounter() as counter:
-        loss, _ = loss_fn(lp, wrap(dict(data)), gvs, gvt)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss, _ = loss_fn(lp, wrap(dict(data)), gvs, gvt)
         loss.backward()
     counter.counts["<host transfers>"] = transfers.count
+    counter.counts["<saved>"] = sum(saved.values()) / (4 * curr.numel())
     return counter.counts
 
 
@@ -172,16 +183,19 @@ def main(argv=None) -> int:
     print(f"aten operators per loss call (forward + backward, non-view), B x S = {B} x {S}; {form}")
     print(
         f"{'config':42s} {'plugin':>7s} {'NeMo-RL':>8s} {'ratio':>6s} {'host transfers':>15s} {'vs NeMo-RL plain':>17s}"
+        f" {'saved for backward, [B,T] fp32':>31s}"
     )
     for name, ours, theirs in rows:
         syncs = ours.pop("<host transfers>")
         their_syncs = theirs.pop("<host transfers>") if theirs is not None else None
+        kept = f"{ours.pop('<saved>'):.1f}" + (f" vs {theirs.pop('<saved>'):.1f}" if theirs is not None else "")
         total = sum(ours.values())
         ref = sum(theirs.values()) if theirs is not None else None
         ratio = f"{total / ref:6.2f}" if ref else "     -"
         plain = f"{total / nemo_plain:17.2f}" if nemo_plain else "                -"
         transfers = f"{syncs} vs {their_syncs}" if their_syncs is not None else str(syncs)
-        print(f"{name:42s} {total:7d} {ref if ref is not None else '-':>8} {ratio} {transfers:>15s} {plain}")
+        ref_text = ref if ref is not None else "-"
+        print(f"{name:42s} {total:7d} {ref_text:>8} {ratio} {transfers:>15s} {plain} {kept:>31s}")
     for name, ours, theirs in rows:
         top = ", ".join(f"{op} {n}" for op, n in ours.most_common(args.top))
         print(f"  {name}: {top}")

@@ -11,15 +11,21 @@ Every mode of NeMo-RL's ``ClippedPGLossFn`` is one function or one argument here
   clamps, optionally weighted by ``pi_curr / pi_gen`` (on-policy KL approximation);
 * VAPO positive-example NLL (:func:`positive_example_nll`).
 
+The objective and the KL penalty carry their derivative in closed form (:func:`with_slope`):
+their backward is one multiply each, where autograd would replay every ``max``, ``min`` and
+``clamp`` over ``[B, T]``; ``tests/core/test_closed_form_gradients.py`` holds them to
+autograd's gradients, ties on the clip bounds included.
+
 No function here imports NeMo-RL, reads a config object or calls ``.item()``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
 from nemo_rs_plugin.core.masking import EPS, finite_exp
@@ -30,6 +36,7 @@ __all__ = [
     "RatioOptions",
     "policy_ratios",
     "clipped_objective",
+    "with_slope",
     "kl_estimate",
     "kl_penalty_per_token",
     "positive_example_nll",
@@ -73,6 +80,32 @@ def _clamp_value(x: torch.Tensor, bound: float) -> torch.Tensor:
     return (x - x.detach()) + x.detach().clamp(-bound, bound)
 
 
+class _KnownSlope(torch.autograd.Function):
+    """Forward: ``value``. Backward: ``grad * slope`` into ``target``."""
+
+    @staticmethod
+    def forward(ctx: Any, target: torch.Tensor, value: torch.Tensor, slope: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(slope)
+        return value
+
+    @staticmethod
+    @once_differentiable  # slope is a constant: a second derivative through it would be wrong, not 0
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (slope,) = ctx.saved_tensors
+        return grad * slope, None, None
+
+
+def with_slope(target: torch.Tensor, value: torch.Tensor, slope: torch.Tensor) -> torch.Tensor:
+    """``value = f(target)`` elementwise, differentiable with ``d value / d target = slope``.
+
+    The loss terms know their derivative in closed form. Left to autograd, the chain rule
+    through a ``max`` and each ``clamp`` costs four to ten ``[B, T]`` kernels of the backward
+    and keeps every intermediate alive; here the backward is one multiply. ``value`` and
+    ``slope`` are taken as constants (computed without gradient).
+    """
+    return _KnownSlope.apply(target, value.detach(), slope.detach())
+
+
 def policy_ratios(
     curr: torch.Tensor,  # [B, T]
     prev: torch.Tensor,  # [B, T]
@@ -83,6 +116,8 @@ def policy_ratios(
     row_count: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Policy ratio ``r`` and its clamp ``clip(r, 1 - clip_min, 1 + clip_max)``, both ``[B, T]``.
+
+    Only ``r`` carries a gradient: :func:`clipped_objective` differentiates the clamp itself.
 
     ``options`` (:class:`RatioOptions`) picks the ratio: PPO/GRPO, GSPO, REINFORCE or forced
     on-policy.
@@ -96,10 +131,10 @@ def policy_ratios(
     if options.force_on_policy:
         # exp(x - sg(x)) is 1 in value but keeps d/dx = 1: a truly on-policy gradient.
         ratios = torch.exp(curr - curr.detach())
-        return ratios, ratios
+        return ratios, ratios.detach()
     if options.disable_ppo_ratio:
         # REINFORCE: -A * log pi; NeMo-RL reports log pi under the ratio metric names.
-        return curr, curr
+        return curr, curr.detach()
     log_ratios = curr - prev
     if options.sequence_level:
         row_sum = all_reduce_sum_with_grad((log_ratios * token_mask).sum(dim=-1), groups)  # [B]
@@ -109,7 +144,7 @@ def policy_ratios(
         ratios = torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(curr)  # [B, T]
     else:
         ratios = torch.exp(_clamp_value(log_ratios, LOG_RATIO_CLAMP))
-    return ratios, ratios.clamp(1.0 - options.clip_min, 1.0 + options.clip_max)
+    return ratios, ratios.detach().clamp(1.0 - options.clip_min, 1.0 + options.clip_max)
 
 
 def clipped_objective(
@@ -125,15 +160,36 @@ def clipped_objective(
 
     PPO: ``max(-A r, -A clip(r))``. CISPO: ``-A sg(clip(r)) log pi``. Dual clip (``c > 1``):
     where ``A < 0`` the loss is further bounded by ``-c A``.
+
+    The gradient is the closed form, attached by :func:`with_slope` (to ``r``; CISPO to
+    ``log pi``)::
+
+        PPO     d/dr = -A  where -A r >= -A clip(r), else 0
+        CISPO   d/dlog pi = -A clip(r)
+        dual    times 0 where -c A binds (A < 0, loss > -c A), 1/2 where it ties
+
+    It equals what autograd gives through ``torch.max``/``torch.min`` and the clamp, ties
+    included: a max halves the gradient of two equal branches, and the two halves add up to
+    ``-A`` inside the clip range (where ``clip(r) = r``); outside it the branches tie only
+    where ``A = 0``.
     """
     neg_adv = -advantages
-    if use_cispo:
-        loss = neg_adv * ratios_clamped.detach() * curr
-    else:
-        loss = torch.max(neg_adv * ratios, neg_adv * ratios_clamped)
-    if dual_clip_c is not None:
-        loss = torch.where(advantages < 0, torch.min(loss, neg_adv * dual_clip_c), loss)
-    return loss
+    with torch.no_grad():
+        if use_cispo:
+            target = curr
+            slope = neg_adv * ratios_clamped
+            value = slope * curr
+        else:
+            target = ratios
+            unclipped, clipped = neg_adv * ratios, neg_adv * ratios_clamped
+            value = torch.maximum(unclipped, clipped)
+            slope = neg_adv * (unclipped >= clipped)
+        if dual_clip_c is not None:
+            bound = neg_adv * dual_clip_c
+            binding = (value > bound).to(slope.dtype) + 0.5 * (value == bound)
+            slope = torch.where(advantages < 0, slope * (1 - binding), slope)
+            value = torch.where(advantages < 0, torch.minimum(value, bound), value)
+    return with_slope(target, value, slope)
 
 
 def kl_estimate(log_ratio: torch.Tensor, kl_type: str) -> torch.Tensor:
@@ -161,27 +217,50 @@ def kl_penalty_per_token(
 ) -> torch.Tensor:
     """Per-token ``KL(pi_curr || pi_ref)`` estimate times its sampling weight, ``[B, T]``.
 
-    The weight is ``exp(curr - gen)`` with the on-policy approximation (samples come from
-    ``pi_gen``), else ``exp(curr - sg(curr)) = 1``, which keeps the score-function gradient.
-    Where the input clamp is active the weight is detached, so the clamp stops both gradients.
-    The estimator and the clamps are ``options`` (:class:`KLOptions`).
+    The weight is ``w = exp(curr - gen)`` with the on-policy approximation (samples come from
+    ``pi_gen``), else ``w = exp(curr - sg(curr)) = 1``, which keeps the score-function gradient.
+    With ``x = ref - curr`` (input-clamped) the term is ``w k(x)`` (output-clamped); the
+    estimator and the clamps are ``options`` (:class:`KLOptions`).
+
+    Gradient, in closed form (:func:`with_slope`): ``dw/dcurr = w`` and ``dx/dcurr = -1``, so
+    ``d/dcurr [w k(x)] = w (k(x) - k'(x))`` (:func:`_kl_slope_over_weight`); 0 where the input
+    clamp is active (it stops the weight's gradient too, as NeMo-RL's detach does) and where
+    the output clamp binds.
     """
     input_clamp, output_clamp = options.input_clamp, options.output_clamp
-    if options.on_policy_approximation:
-        weights = finite_exp(curr - generation)
-    else:
-        weights = finite_exp(curr - curr.detach())
-    log_ratio = reference - curr
-    if input_clamp is not None:
-        clamped = log_ratio.clamp(-input_clamp, input_clamp)
-        # Detach the weight where the clamp is active: outside the bounds, where a value
-        # differs from its clamp (masking.out_of_bounds's test, on the clamp computed anyway).
-        weights = torch.where((log_ratio != clamped).detach(), weights.detach(), weights)
-        log_ratio = clamped
-    kl = weights * kl_estimate(log_ratio, options.kl_type)
-    if output_clamp is not None:
-        kl = kl.clamp(-output_clamp, output_clamp)
-    return kl
+    with torch.no_grad():
+        log_ratio = reference - curr
+        inside = None
+        if input_clamp is not None:
+            clamped = log_ratio.clamp(-input_clamp, input_clamp)
+            inside = log_ratio == clamped  # a clamp passes the gradient on the closed interval
+            log_ratio = clamped
+        kl = kl_estimate(log_ratio, options.kl_type)
+        slope = _kl_slope_over_weight(log_ratio, options.kl_type)
+        if options.on_policy_approximation:
+            weights = finite_exp(curr - generation)
+            kl, slope = kl * weights, slope * weights
+        if inside is not None:
+            slope = slope * inside
+        if output_clamp is not None:
+            slope = slope * (kl.abs() <= output_clamp)
+            kl = kl.clamp(-output_clamp, output_clamp)
+    return with_slope(curr, kl, slope)
+
+
+def _kl_slope_over_weight(log_ratio: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """``k(x) - k'(x)`` for :func:`kl_estimate`'s estimators: ``1 - x`` (k1), ``x^2/2 - x`` (k2), ``-x`` (k3).
+
+    Written out per estimator: the difference of the two terms computed apart cancels (k3 at
+    ``x = 20``: ``(e^20 - 1 - 20) - (e^20 - 1)`` loses all of ``-20`` in float32).
+    """
+    if kl_type == "k1":
+        return 1 - log_ratio
+    if kl_type == "k2":
+        return log_ratio * (log_ratio / 2 - 1)
+    if kl_type == "k3":
+        return -log_ratio
+    raise ValueError(f"kl type: got {kl_type!r}; allowed: k1, k2, k3")
 
 
 def positive_example_nll(

@@ -336,11 +336,11 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         P,
-        "loss = torch.max(neg_adv * ratios, neg_adv * ratios_clamped)",
-        "loss = torch.min(neg_adv * ratios, neg_adv * ratios_clamped)",
+        "value = torch.maximum(unclipped, clipped)",
+        "value = torch.minimum(unclipped, clipped)",
         "PPO takes the optimistic branch",
     ),
-    Mutant(P, "return -log_ratio", "return log_ratio", "KL penalty k1 with the wrong sign"),
+    Mutant(P, 'k1":\n        return -log_ratio', 'k1":\n        return log_ratio', "KL penalty k1 with the wrong sign"),
     Mutant(P, "return log_ratio.square() / 2", "return log_ratio.square()", "KL penalty k2 without the 1/2"),
     Mutant(
         P,
@@ -350,9 +350,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         P,
-        "weights = torch.where((log_ratio != clamped).detach(), weights.detach(), weights)",
-        "weights = weights",
-        "KL sampling weight not detached where the input clamp is active",
+        "slope = slope * inside",
+        "slope = slope",
+        "KL gradient not stopped where the input clamp is active",
     ),
     # ---- reductions over the ranks that split a sequence
     Mutant(
@@ -563,5 +563,26 @@ MUTANTS: list[Mutant] = [
         "return x if self.all_finite else x * self.inputs_finite",
         "return x",
         "tokens with a non-finite input stay in the loss's token set",
+    ),
+    # ---- the closed-form gradients of the objective and the KL penalty (policy_loss.with_slope)
+    Mutant(
+        P,
+        "slope = neg_adv * (unclipped >= clipped)",
+        "slope = neg_adv * (unclipped > clipped)",
+        "PPO gradient lost inside the clip range (where both branches are equal)",
+    ),
+    Mutant(
+        P,
+        "binding = (value > bound).to(slope.dtype) + 0.5 * (value == bound)",
+        "binding = (value > bound).to(slope.dtype)",
+        "dual clip: a token exactly on -c A keeps its whole gradient (autograd's min halves it)",
+    ),
+    Mutant(P, "return log_ratio * (log_ratio / 2 - 1)", "return log_ratio * (log_ratio - 1)", "KL k2 gradient of x^2"),
+    Mutant(P, 'k3":\n        return -log_ratio', 'k3":\n        return log_ratio', "KL k3 gradient, wrong sign"),
+    Mutant(
+        P,
+        "slope = slope * (kl.abs() <= output_clamp)",
+        "slope = slope * (kl.abs() < output_clamp)",
+        "KL output clamp stops the gradient on its bound too (a clamp passes it there)",
     ),
 ]
