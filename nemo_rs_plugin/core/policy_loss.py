@@ -14,7 +14,8 @@ Every mode of NeMo-RL's ``ClippedPGLossFn`` is one function or one argument here
 The objective and the KL penalty carry their derivative in closed form (:func:`with_slope`):
 their backward is one multiply each, where autograd would replay every ``max``, ``min`` and
 ``clamp`` over ``[B, T]``; ``tests/core/test_closed_form_gradients.py`` holds them to
-autograd's gradients, ties on the clip bounds included.
+autograd's gradients (to rounding, ties on the clip bounds included; 0 where autograd's
+``0 * inf`` is NaN). They are differentiable once: a second derivative raises.
 
 No function here imports NeMo-RL, reads a config object or calls ``.item()``.
 """
@@ -171,7 +172,8 @@ def clipped_objective(
     It equals what autograd gives through ``torch.max``/``torch.min`` and the clamp, ties
     included: a max halves the gradient of two equal branches, and the two halves add up to
     ``-A`` inside the clip range (where ``clip(r) = r``); outside it the branches tie only
-    where ``A = 0``.
+    where ``A = 0`` (or where both overflow to inf, a loss that is inf anyway). Only ``r``
+    (CISPO: ``curr``) gets a gradient: the advantages are data.
     """
     neg_adv = -advantages
     with torch.no_grad():
@@ -225,7 +227,11 @@ def kl_penalty_per_token(
     Gradient, in closed form (:func:`with_slope`): ``dw/dcurr = w`` and ``dx/dcurr = -1``, so
     ``d/dcurr [w k(x)] = w (k(x) - k'(x))`` (:func:`_kl_slope_over_weight`); 0 where the input
     clamp is active (it stops the weight's gradient too, as NeMo-RL's detach does) and where
-    the output clamp binds.
+    the output clamp binds. Only ``curr`` gets a gradient. It equals autograd's through
+    NeMo-RL's formulation up to rounding, except where that one loses digits or overflows:
+    k3's ``k - k'`` is exactly ``-x`` (autograd subtracts two ~e^x terms), and a weight that
+    overflowed to 0 (:func:`finite_exp`) or a clamp that binds gives 0 where autograd's
+    ``0 * inf`` gives NaN.
     """
     input_clamp, output_clamp = options.input_clamp, options.output_clamp
     with torch.no_grad():
@@ -240,10 +246,12 @@ def kl_penalty_per_token(
         if options.on_policy_approximation:
             weights = finite_exp(curr - generation)
             kl, slope = kl * weights, slope * weights
+        # Selected, not multiplied by the 0/1 masks: w (k - k') overflows to inf before w does
+        # (curr - gen > ~85), and a clamp that stops it must give 0 there, not inf * 0 = NaN.
         if inside is not None:
-            slope = slope * inside
+            slope = torch.where(inside, slope, 0.0)
         if output_clamp is not None:
-            slope = slope * (kl.abs() <= output_clamp)
+            slope = torch.where(kl.abs() <= output_clamp, slope, 0.0)
             kl = kl.clamp(-output_clamp, output_clamp)
     return with_slope(curr, kl, slope)
 

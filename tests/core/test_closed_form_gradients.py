@@ -6,7 +6,8 @@
 way of writing it); the inputs sit on every place where the two could part: tokens inside and
 outside the clip range and exactly on its bounds, ``A = 0``, the dual-clip bound reached
 exactly, the KL input clamp reached exactly and exceeded, the output clamp reached exactly.
-float64, so agreement is to rounding.
+float64, so agreement is to rounding. Where autograd's formulation overflows (``0 * inf``)
+the closed form gives 0, checked on its own.
 """
 
 import itertools
@@ -114,6 +115,41 @@ def test_kl_penalty_gradient_equals_autograd(kl_type, on_policy, input_clamp, ou
         assert (curr.grad == 0).any() and (ref_curr.grad == 0).any()
 
 
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
+def test_a_binding_clamp_stops_an_overflowing_kl_gradient_with_zero_not_nan(kl_type):
+    # On-policy weight w = exp(curr - gen) = exp(88.6) ~ 3e38 is finite in float32, w (k - k')
+    # is not; the output clamp 10 binds (k2 there: 3e38 * 0.5), so the gradient is 0 (the old
+    # autograd formulation, too: the clamp stopped it before the overflowing product).
+    options = KLOptions(kl_type, 20.0, 10.0, True)
+    curr = torch.tensor([[-11.0, -2.0]], requires_grad=True)
+    reference = torch.tensor([[-12.0, -2.5]])
+    generation = torch.tensor([[-99.6, -2.1]])
+    kl = kl_penalty_per_token(curr, reference, generation, options)
+    kl.sum().backward()
+    assert kl[0, 0].item() == 10.0 and curr.grad[0, 0].item() == 0.0
+    assert torch.isfinite(curr.grad).all() and curr.grad[0, 1] != 0
+
+
+def test_an_overflowing_masked_token_leaves_the_whole_loss_gradient_finite():
+    # A masked position may hold any finite log-prob: there curr - gen = 88.6 (the KL's
+    # on-policy weight is finite, its slope is not before the output clamp stops it).
+    from benchmarks.bench_ops import make_inputs
+    from nemo_rs_plugin import CorrectedPGLoss
+
+    curr, data, gvs, gvt = make_inputs(2, 8)
+    data["token_mask"][0, 1] = 0  # next-token position 0 of row 0 is masked
+    data["generation_logprobs"][0, 1] = -99.6
+    data["reference_policy_logprobs"][0, 1] = -12.0
+    curr[0, 0] = -11.0
+    lp = curr.clone().requires_grad_(True)
+    loss, _ = CorrectedPGLoss({"use_on_policy_kl_approximation": True, "reference_policy_kl_type": "k2"})(
+        lp, data, gvs, gvt
+    )
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all(), lp.grad
+    assert lp.grad[0, 0] == 0 and lp.grad.abs().sum() > 0
+
+
 def test_k3_gradient_keeps_its_digits_where_the_terms_would_cancel():
     # d/dcurr [w k3(x)] = w (k3(x) - k3'(x)) = -w x: at x = 20 in float32 the two terms are
     # ~4.85e8 each and their computed difference loses all of -20.
@@ -166,6 +202,6 @@ def test_the_backward_replays_no_clamp_or_max(cfg):
     loss, _ = CorrectedPGLoss(cfg)(lp, data, gvs, gvt)
     with OpCounter() as counter:
         loss.backward()
-    assert not _COMPARISONS & set(counter.counts), counter.counts
+    assert counter.counts and not _COMPARISONS & set(counter.counts), counter.counts
     assert sum(counter.counts.values()) <= (20 if cfg.get("sequence_level_importance_ratios") else 12), counter.counts
     assert lp.grad.abs().sum() > 0

@@ -350,7 +350,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         P,
-        "slope = slope * inside",
+        "slope = torch.where(inside, slope, 0.0)",
         "slope = slope",
         "KL gradient not stopped where the input clamp is active",
     ),
@@ -581,8 +581,21 @@ MUTANTS: list[Mutant] = [
     Mutant(P, 'k3":\n        return -log_ratio', 'k3":\n        return log_ratio', "KL k3 gradient, wrong sign"),
     Mutant(
         P,
-        "slope = slope * (kl.abs() <= output_clamp)",
-        "slope = slope * (kl.abs() < output_clamp)",
+        "slope = torch.where(kl.abs() <= output_clamp, slope, 0.0)",
+        "slope = torch.where(kl.abs() < output_clamp, slope, 0.0)",
         "KL output clamp stops the gradient on its bound too (a clamp passes it there)",
+    ),
+    Mutant(P, "return 1 - log_ratio", "return -log_ratio", "KL k1 gradient without the weight's own term"),
+    Mutant(
+        P,
+        "kl, slope = kl * weights, slope * weights",
+        "kl = kl * weights",
+        "on-policy KL approximation: the gradient misses its sampling weight",
+    ),
+    Mutant(
+        P,
+        "slope = torch.where(kl.abs() <= output_clamp, slope, 0.0)",
+        "slope = slope * (kl.abs() <= output_clamp)",
+        "KL output clamp stops an overflowed gradient by a product: 0 * inf = NaN",
     ),
 ]
