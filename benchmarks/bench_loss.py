@@ -142,6 +142,18 @@ def nemo_rl_loss(cfg: dict):
     return call
 
 
+def print_header(header: str) -> None:
+    print(header)
+    print("-" * len(header))
+
+
+def batches(sizes: str):
+    """``(size, make_batch(B, S))`` for each ``BxS`` of a comma-separated list."""
+    for size in sizes.split(","):
+        B, S = (int(v) for v in size.lower().split("x"))
+        yield size, make_batch(B, S)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=8, help="rounds; each times block - 1 calls per candidate")
@@ -154,12 +166,8 @@ def main() -> None:
     losses = {name: CorrectedPGLoss(cfg) for name, cfg in CONFIGS.items()}
     timed = args.repeats * (max(args.block, 2) - 1)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, median of {timed} ({args.repeats} rounds)")
-    header = f"{'B x S':>10} | {'config':<23} | {'ms':>8} | ratio to upstream-equivalent"
-    print(header)
-    print("-" * len(header))
-    for size in args.sizes.split(","):
-        B, S = (int(v) for v in size.lower().split("x"))
-        batch = make_batch(B, S)
+    print_header(f"{'B x S':>10} | {'config':<23} | {'ms':>8} | ratio to upstream-equivalent")
+    for size, batch in batches(args.sizes):
         candidates = dict(losses)
         if host is not None:
             candidates["NeMo-RL ClippedPGLossFn"] = host
@@ -177,12 +185,9 @@ def main() -> None:
 def compare_with_nemo_rl(args) -> None:
     """Plugin / NeMo-RL in each of NeMo-RL's configurations, timed together in one process."""
     print()
-    header = f"{'B x S':>10} | {'NeMo-RL configuration':<23} | {'plugin ms':>9} | {'NeMo-RL ms':>10} | plugin / NeMo-RL"
-    print(header)
-    print("-" * len(header))
-    for size in args.sizes.split(","):
-        B, S = (int(v) for v in size.lower().split("x"))
-        batch = make_batch(B, S)
+    columns = f"{'plugin ms':>9} | {'NeMo-RL ms':>10} | plugin / NeMo-RL"
+    print_header(f"{'B x S':>10} | {'NeMo-RL configuration':<23} | {columns}")
+    for size, batch in batches(args.sizes):
         for name, cfg in NEMO_RL_CONFIGS.items():
             times = time_losses(
                 {"plugin": CorrectedPGLoss(dict(cfg)), "NeMo-RL": nemo_rl_loss(cfg)}, batch, args.repeats, args.block
