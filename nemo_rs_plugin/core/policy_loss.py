@@ -239,7 +239,9 @@ def kl_penalty_per_token(
         inside = None
         if input_clamp is not None:
             clamped = log_ratio.clamp(-input_clamp, input_clamp)
-            inside = log_ratio == clamped  # a clamp passes the gradient on the closed interval
+            # masking.out_of_bounds's test, negated, on the clamp computed anyway: a clamp
+            # passes the gradient on its closed interval.
+            inside = log_ratio == clamped
             log_ratio = clamped
         kl = kl_estimate(log_ratio, options.kl_type)
         slope = _kl_slope_over_weight(log_ratio, options.kl_type)
