@@ -40,7 +40,8 @@ from nemo_rs_plugin.core.inputs import (
     sanitize_inputs,
 )
 from nemo_rs_plugin.core.masking import EPS, TokenMasks, masked_sum
-from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
+from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet, batched_evaluation
+from nemo_rs_plugin.core.microbatch import MicrobatchTotals
 from nemo_rs_plugin.core.policy_loss import (
     KLOptions,
     RatioOptions,
@@ -69,11 +70,22 @@ class CorrectedPGLoss:
             by row (:func:`~nemo_rs_plugin.core.compiled.metrics_form`).
         compile_backend: the ``torch.compile`` backend when ``cfg.compile`` is on
             (``aot_eager`` traces the same graph without generating kernels, for debugging).
+        per_call_metrics: return the metrics that hold for this call alone (extremes, the ESS,
+            the batch-normalisation factor; :mod:`nemo_rs_plugin.core.metrics`). The NeMo-RL
+            loss turns them off: NeMo-RL sums every metric over calls, microbatches and ranks.
     """
 
-    def __init__(self, cfg: Any = None, *, batched_metrics: Optional[bool] = None, compile_backend: str = "inductor"):
+    def __init__(
+        self,
+        cfg: Any = None,
+        *,
+        batched_metrics: Optional[bool] = None,
+        compile_backend: str = "inductor",
+        per_call_metrics: bool = True,
+    ):
         self.cfg = RSClippedPGLossConfig.from_any(cfg if cfg is not None else {})
         self.batched_metrics, self.compile_backend = batched_metrics, compile_backend
+        self.per_call_metrics = per_call_metrics
         cfg = self.cfg
         self.token_level_loss = cfg.token_level_loss
         # use_kl_in_reward moves the KL into the reward: the loss has no KL term then.
@@ -91,7 +103,7 @@ class CorrectedPGLoss:
             output_clamp=cfg.kl_output_clamp_value,
             on_policy_approximation=cfg.use_on_policy_kl_approximation,
         )
-        self._normalizations: Optional[dict[str, str]] = None
+        self._normalizations: Optional[tuple[dict[str, str], tuple[str, ...]]] = None
         # Warns (rate-limited, from the metrics already on the host) when filters eat the batch.
         self.rejection_monitor = RejectionMonitor() if cfg.rejection_sampling else None
 
@@ -103,15 +115,19 @@ class CorrectedPGLoss:
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
         groups: SequenceGroups = NO_GROUPS,
+        microbatch: Optional[MicrobatchTotals] = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss and metrics from NeMo-RL's data dict (``[B, S]`` tensors, logprobs ``[B, S-1]``)."""
+        """Loss and metrics from NeMo-RL's data dict (``[B, S]`` tensors, logprobs ``[B, S-1]``).
+
+        ``groups`` and ``microbatch`` as in :meth:`compute`.
+        """
         inputs = LossInputs.from_nemo_rl(
             next_token_logprobs,
             data,
             need_prev=not self.cfg.force_on_policy_ratio,
             need_reference=self.kl_coef != 0,
         )
-        return self.compute(inputs, global_valid_seqs, global_valid_toks, groups)
+        return self.compute(inputs, global_valid_seqs, global_valid_toks, groups, microbatch)
 
     def metric_normalizations(self) -> dict[str, str]:
         """Metric name -> ``tokens`` / ``sequences`` / ``none``, as each metric declares it.
@@ -120,8 +136,17 @@ class CorrectedPGLoss:
         reduction (``MetricSet.add``, ``add_total``, ``add_masked_total(s)``, ``add_masked_extrema``,
         ``derive``); this reads the declarations off one run of the tensor
         core on a tiny probe batch (two sequences with valid tokens and rewards, on the CPU,
-        eager), cached per instance. Which metrics exist depends on the config only.
+        eager), cached per instance. Which metrics exist depends on the config only. The
+        per-call metrics are in it only where this loss returns them (``per_call_metrics``).
         """
+        normalizations, per_call = self._declarations()
+        return {k: v for k, v in normalizations.items() if self.per_call_metrics or k not in per_call}
+
+    def per_call_metric_names(self) -> list[str]:
+        """The metrics of this configuration that hold for one call alone (see ``per_call_metrics``)."""
+        return list(self._declarations()[1])
+
+    def _declarations(self) -> tuple[dict[str, str], tuple[str, ...]]:
         if self._normalizations is None:
             B, S = 2, 4
             ones = torch.ones(B, S)
@@ -142,8 +167,8 @@ class CorrectedPGLoss:
                 need_reference=self.kl_coef != 0,
             )
             _, metrics = type(self)._tensors(self, inputs, float(B), float(B * (S - 1)), NO_GROUPS)
-            self._normalizations = metrics.normalizations()
-        return dict(self._normalizations)
+            self._normalizations = (metrics.normalizations(), tuple(metrics.per_call_names()))
+        return self._normalizations
 
     def compute(
         self,
@@ -151,8 +176,13 @@ class CorrectedPGLoss:
         global_valid_seqs: Any,
         global_valid_toks: Any,
         groups: SequenceGroups = NO_GROUPS,
+        microbatch: Optional[MicrobatchTotals] = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss and metrics from aligned inputs; ``groups`` split the sequences' tokens.
+
+        ``microbatch``: totals over the whole microbatch when ``x`` is a part of it (NeMo-RL's
+        per-sequence packing wrapper), from :meth:`microbatch_totals`; ``None``: ``x`` is the
+        whole microbatch.
 
         Global counts: ``global_valid_toks`` is the number of valid tokens
         (``token_mask * sample_mask``) and ``global_valid_seqs`` the number of valid
@@ -179,8 +209,8 @@ class CorrectedPGLoss:
         core = core_fn(self, groups)
         batched = metrics_form(self, core, x.curr.device)
         host_reads = free_host_reads(self, core, x.curr.device, groups, batched)
-        loss, metrics = core(self, x, global_valid_seqs, global_valid_toks, groups, batched, host_reads)
-        reported = metrics.finalize(groups)
+        loss, metrics = core(self, x, global_valid_seqs, global_valid_toks, groups, batched, host_reads, microbatch)
+        reported = metrics.finalize(groups, per_call=self.per_call_metrics)
         if self.rejection_monitor is not None and DROPPED_SEQUENCES in metrics.private:
             self.rejection_monitor.observe(metrics.private[DROPPED_SEQUENCES], metrics.private[VALID_SEQUENCES])
         return loss, reported
@@ -193,6 +223,7 @@ class CorrectedPGLoss:
         groups: SequenceGroups,
         batched: bool = False,
         host_reads: bool = False,
+        microbatch: Optional[MicrobatchTotals] = None,
     ) -> tuple[torch.Tensor, MetricSet]:
         """The pure-tensor part of :meth:`compute`: the loss and the stacked, unreduced metrics."""
         x = x.to_dtype(x.compute_dtype())
@@ -213,9 +244,12 @@ class CorrectedPGLoss:
             advantages=clean.advantages,
         )
         stats = plan.reduce(groups)
-        corr = apply_correction(cfg, plan, stats, metrics, groups)
+        corr = apply_correction(
+            cfg, plan, stats, metrics, groups, batch_norm_factor=microbatch.batch_norm_factor if microbatch else None
+        )
+        totals = microbatch if microbatch is not None else self._totals_of(corr, masks, x.rewards)
 
-        terms = self._loss_terms(clean, corr, self._aggregation(counts, corr, masks, groups), x.rewards)
+        terms = self._loss_terms(clean, corr, self._aggregation(counts, corr, masks, groups, totals), x.rewards, totals)
         check_global_counts(metrics, counts, masks)
         check_logprob_signs(metrics, clean, cfg.force_on_policy_ratio)
         # Metrics average over valid tokens whose inputs are all finite; without filters these
@@ -227,8 +261,52 @@ class CorrectedPGLoss:
         return terms.total, metrics
 
     # ------------------------------------------------------------------ pieces
+    def microbatch_totals(self, x: LossInputs, groups: SequenceGroups = NO_GROUPS) -> MicrobatchTotals:
+        """The totals over the whole microbatch ``x`` that a call on one of its sequences needs.
+
+        :mod:`nemo_rs_plugin.core.microbatch` says which and why. Computed from the inputs that
+        exist before the forward pass (``x.curr`` is not read unless the configuration reads the
+        current policy in a total: :func:`~nemo_rs_plugin.core.microbatch.current_policy_problems`);
+        ``groups`` as in :meth:`compute` for ``x`` (``data_parallel`` for the batch
+        normalisation's SUM, issued here once per microbatch instead of once per call).
+        """
+        with torch.no_grad():
+            x = x.to_dtype(x.compute_dtype())
+            cfg = self.cfg
+            batched = batched_evaluation(x.curr.device)  # the device's form; its metrics are dropped
+            clean = sanitize_inputs(x, cfg.force_on_policy_ratio, x.reference is not None, batched)
+            plan = plan_correction(
+                cfg,
+                clean.d,
+                clean.masks,
+                log_probs=PolicyLogProbs(curr=x.curr, prev=clean.prev_raw, gen=x.generation),
+                advantages=clean.advantages,
+            )
+            corr = apply_correction(cfg, plan, plan.reduce(groups), MetricSet(None, batched), groups)
+            return self._totals_of(corr, clean.masks, x.rewards)
+
+    def _totals_of(
+        self, corr: CorrectionResult, masks: TokenMasks, rewards: Optional[torch.Tensor]
+    ) -> MicrobatchTotals:
+        """This call's own microbatch totals (only those the configuration reads; see :class:`MicrobatchTotals`)."""
+        cfg = self.cfg
+        kept_tokens = kept_seqs = correct_count = None
+        if cfg.rejection_denominator == "kept":
+            n_valid = corr.seq_token_count.sum()
+            n_seqs = masks.sample_mask @ torch.sign(corr.seq_token_count)
+            kept_tokens = corr.kept_token_count / n_valid.clamp_min(EPS)
+            kept_seqs = corr.kept_seq_count / n_seqs.clamp_min(EPS)
+        if cfg.positive_example_nll_weight > 0 and rewards is not None:
+            correct_count = corr.seq_token_count @ (rewards > 0).to(corr.seq_token_count.dtype)
+        return MicrobatchTotals(kept_tokens, kept_seqs, corr.batch_norm_factor, correct_count)
+
     def _aggregation(
-        self, counts: GlobalCounts, corr: CorrectionResult, masks: TokenMasks, groups: SequenceGroups
+        self,
+        counts: GlobalCounts,
+        corr: CorrectionResult,
+        masks: TokenMasks,
+        groups: SequenceGroups,
+        totals: MicrobatchTotals,
     ) -> "_Aggregation":
         """The mask and the denominators every loss term is averaged with."""
         cfg = self.cfg
@@ -241,10 +319,8 @@ class CorrectedPGLoss:
         if cfg.rejection_denominator == "kept":
             # VERL's decoupled semantics: shrink the global denominators by the kept fraction
             # of this microbatch (over all ranks that split its sequences).
-            n_valid = corr.seq_token_count.sum()
-            n_seqs = sample_mask @ torch.sign(corr.seq_token_count)
-            token_denominator = counts.tokens * corr.kept_token_count / n_valid.clamp_min(EPS)
-            seq_denominator = counts.sequences * corr.kept_seq_count / n_seqs.clamp_min(EPS)
+            token_denominator = counts.tokens * totals.kept_token_fraction
+            seq_denominator = counts.sequences * totals.kept_sequence_fraction
         return _Aggregation(
             mask=agg_mask,
             sample_mask=sample_mask,
@@ -255,7 +331,12 @@ class CorrectedPGLoss:
         )
 
     def _loss_terms(
-        self, clean: SanitizedInputs, corr: CorrectionResult, agg: "_Aggregation", rewards: Optional[torch.Tensor]
+        self,
+        clean: SanitizedInputs,
+        corr: CorrectionResult,
+        agg: "_Aggregation",
+        rewards: Optional[torch.Tensor],
+        totals: MicrobatchTotals,
     ) -> "_LossTerms":
         """The policy-gradient term (IS-weighted), the KL penalty and the VAPO NLL, and their sum."""
         cfg = self.cfg
@@ -301,8 +382,8 @@ class CorrectedPGLoss:
         nll = None
         if cfg.positive_example_nll_weight > 0 and rewards is not None:
             correct = (rewards > 0).to(clean.curr.dtype)  # [B]
-            correct_count = corr.seq_token_count @ correct
-            nll = positive_example_nll(clean.curr, corr.loss_tokens, correct, correct_count)
+            # valid tokens of correct samples in the whole microbatch (also when this call holds one sequence)
+            nll = positive_example_nll(clean.curr, corr.loss_tokens, correct, totals.correct_token_count)
             loss = loss + cfg.positive_example_nll_weight * nll
         return _LossTerms(loss, kl, nll, ratios, ratios_clamped, sampler_kl)
 
@@ -370,7 +451,10 @@ class CorrectedPGLoss:
             token_mean("approx_entropy", (clean.curr - clean.gen).mul_(usable).exp_().mul_(clean.curr).neg_())
             if self.cfg.effective_is_level == "token":
                 token_mean("sampling_importance_ratio", corr.is_weight)
-            metrics.add_masked_extrema("probs_ratio_min", "probs_ratio_max", r, clean.masks.usable_penalty)
+            # NeMo-RL's own extremes: its wrappers and driver combine them by min and max
+            metrics.add_masked_extrema(
+                "probs_ratio_min", "probs_ratio_max", r, clean.masks.usable_penalty, per_call=False
+            )
             self._clamped_extremes(metrics)
             if kl is not None:
                 metrics.add("kl_penalty", kl / self.kl_coef, grad_norm, "sum")

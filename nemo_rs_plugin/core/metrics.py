@@ -19,7 +19,13 @@ Each metric carries:
   per-microbatch value was divided by, so that summing over microbatches (as NeMo-RL's
   drivers do) gives the global value; ``none`` marks raw counts and extrema;
 * a **reduction** over ranks that split a sequence: ``sum`` (partial sums of local tokens),
-  ``replicated`` (already identical on every rank), ``max`` or ``min``.
+  ``replicated`` (already identical on every rank), ``max`` or ``min``;
+* whether it is **per call**: a value of this call alone that no sum over calls combines (an
+  extreme, a ratio of sums, the batch-normalisation factor). NeMo-RL sums every metric over
+  the calls of its per-sequence packing wrapper, its microbatches and its ranks (only its own
+  ``probs_ratio_*`` extremes by min/max), so the NeMo-RL loss leaves per-call metrics out of
+  what it returns (``finalize(per_call=False)``); the host-independent core keeps them for
+  callers that make one call per batch (``nemo-rs simulate``, the tests).
 """
 
 from __future__ import annotations
@@ -89,6 +95,7 @@ class MetricSet:
         self.batched = batched
         self.host_reads = host_reads
         self._declared: dict[str, tuple[str, str]] = {}  # name -> (normalization, reduction)
+        self._per_call: set[str] = set()  # names of per-call metrics (see the module docstring)
         self._values: dict[str, torch.Tensor] = {}  # final 0-dim values
         self._totals: dict[str, list[tuple[str, torch.Tensor]]] = {}  # normalization -> totals
         self._masked: list[tuple[torch.Tensor, str, list]] = []  # (mask, normalization, [(names, rows)])
@@ -100,25 +107,27 @@ class MetricSet:
         self.private: dict[str, float] = {}  # the ``_``-prefixed entries, set by finalize()
 
     # ------------------------------------------------------------------ declaring
-    def _declare(self, name: str, normalization: str, reduction: str) -> None:
+    def _declare(self, name: str, normalization: str, reduction: str, per_call: bool = False) -> None:
         if name in self._declared:
             raise KeyError(f"metric {name!r} declared twice")
         if self._stacked is not None:
             raise RuntimeError(f"metric {name!r} declared after MetricSet.stack()")
         self._declared[name] = (normalization, reduction)
+        if per_call:
+            self._per_call.add(name)
 
     def _declare_all(self, names: list[str], normalization: str, reduction: str) -> None:
         for name in names:
             self._declare(name, normalization, reduction)
 
-    def add(self, name: str, value: torch.Tensor, normalization: str, reduction: str) -> None:
-        """Record a final 0-dim value (never synced here).
+    def add(self, name: str, value: torch.Tensor, normalization: str, reduction: str, per_call: bool = False) -> None:
+        """Record a final 0-dim value (never synced here); ``per_call``: see the module docstring.
 
         ``min``/``max`` entries may hold ``+-finfo.max`` for "no unit" (see
         :func:`~nemo_rs_plugin.core.masking.extrema_penalty`); :meth:`finalize` reports them as
         ``+-inf``, as NeMo-RL does.
         """
-        self._declare(name, normalization, reduction)
+        self._declare(name, normalization, reduction, per_call)
         self._values[name] = value.detach().reshape(())
 
     def add_total(self, name: str, total: torch.Tensor, normalization: str, reduction: str) -> None:
@@ -173,15 +182,20 @@ class MetricSet:
                 return
         self._masked.append((mask, normalization, [(names, rows)]))
 
-    def add_masked_extrema(self, min_name: str, max_name: str, values: torch.Tensor, penalty: torch.Tensor) -> None:
+    def add_masked_extrema(
+        self, min_name: str, max_name: str, values: torch.Tensor, penalty: torch.Tensor, per_call: bool = True
+    ) -> None:
         """Record the min and max of finite ``values`` where the mask behind ``penalty`` is 1.
+
+        Per call unless ``per_call=False`` (NeMo-RL's ``probs_ratio_*``, which its wrappers and
+        driver combine by min and max).
 
         ``penalty`` is :func:`~nemo_rs_plugin.core.masking.extrema_penalty` of the mask (shared
         between metrics of one mask). With an empty mask the values are the ``+-finfo.max``
         sentinels that :meth:`finalize` reports as ``(inf, -inf)``.
         """
-        self._declare(min_name, "none", "min")
-        self._declare(max_name, "none", "max")
+        self._declare(min_name, "none", "min", per_call)
+        self._declare(max_name, "none", "max", per_call)
         if not self.batched:  # CPU form: reduced now (see add_masked_totals), final values as add() records them
             lows, highs = _masked_extrema([values.detach()], [penalty])
             self._values[min_name], self._values[max_name] = lows[0], highs[0]
@@ -191,9 +205,11 @@ class MetricSet:
         key = (values.dim(), values.dtype)
         self._extrema.setdefault(key, []).append((min_name, max_name, values.detach(), penalty))
 
-    def derive(self, name: str, normalization: str, fn: Callable[[dict[str, float]], float]) -> None:
+    def derive(
+        self, name: str, normalization: str, fn: Callable[[dict[str, float]], float], per_call: bool = False
+    ) -> None:
         """Declare a metric :meth:`finalize` computes on the host from the reduced values."""
-        self._declare(name, normalization, "derived")
+        self._declare(name, normalization, "derived", per_call)
         self._derived.append((name, normalization, fn))
 
     def add_zero(self, name: str, normalization: str) -> None:
@@ -217,9 +233,19 @@ class MetricSet:
         """
         self._warnings.append((messages, category))
 
-    def normalizations(self) -> dict[str, str]:
-        """Public metric name -> the normalization declared with it (what NeMo-RL's ``MetricNormalizer`` reads)."""
-        return {name: norm for name, (norm, _) in self._declared.items() if not name.startswith("_")}
+    def normalizations(self, per_call: bool = True) -> dict[str, str]:
+        """Public metric name -> the normalization declared with it (what NeMo-RL's ``MetricNormalizer`` reads).
+
+        ``per_call=False`` leaves out the per-call metrics, as :meth:`finalize` does.
+        """
+        return {name: norm for name, (norm, _) in self._declared.items() if self._reported(name, per_call)}
+
+    def per_call_names(self) -> list[str]:
+        """The public per-call metrics, in declaration order."""
+        return [name for name in self._declared if name in self._per_call and not name.startswith("_")]
+
+    def _reported(self, name: str, per_call: bool) -> bool:
+        return not name.startswith("_") and (per_call or name not in self._per_call)
 
     # ------------------------------------------------------------------ evaluating
     def stack(self) -> tuple[list[str], torch.Tensor]:
@@ -274,8 +300,11 @@ class MetricSet:
         self._values, self._totals, self._masked, self._extrema = {}, {}, [], {}
         return self._stacked
 
-    def finalize(self, groups: SequenceGroups = NO_GROUPS) -> dict[str, float]:
-        """Reduce over ``groups``, transfer once, check, derive; public metrics in declaration order."""
+    def finalize(self, groups: SequenceGroups = NO_GROUPS, per_call: bool = True) -> dict[str, float]:
+        """Reduce over ``groups``, transfer once, check, derive; public metrics in declaration order.
+
+        ``per_call=False`` leaves out the per-call metrics (see the module docstring).
+        """
         names, values = self.stack()
         reductions = [self._declared[n][1] for n in names]
         if groups.active and names:
@@ -301,7 +330,7 @@ class MetricSet:
         # Private entries (``_name``) ride on the same transfer for the loss's own bookkeeping
         # (the run-time rejection warning); NeMo-RL never sees them.
         self.private = {n: out[n] for n in self._declared if n.startswith("_")}
-        return {n: out[n] for n in self._declared if not n.startswith("_")}
+        return {n: out[n] for n in self._declared if self._reported(n, per_call)}
 
 
 def _zero(out: dict[str, float]) -> float:

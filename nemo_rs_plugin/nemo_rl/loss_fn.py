@@ -14,7 +14,11 @@ with the loss in ``nemo_rl.algorithms.loss`` taking next-token log-probs.
 
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import Any, Mapping, Optional
+
+import torch
 
 try:
     from nemo_rl.algorithms.loss import ClippedPGLossFn
@@ -30,7 +34,14 @@ except ImportError as exc:  # pragma: no cover - exercised where NeMo-RL is abse
 
 from nemo_rs_plugin.core.config import ConfigError, RSClippedPGLossConfig, as_plain_dict
 from nemo_rs_plugin.core.distributed import SequenceGroups
-from nemo_rs_plugin.core.loss import CorrectedPGLoss, metric_normalizations
+from nemo_rs_plugin.core.inputs import LossInputs
+from nemo_rs_plugin.core.loss import CorrectedPGLoss
+from nemo_rs_plugin.core.microbatch import (
+    MicrobatchTotals,
+    current_policy_problems,
+    needs_microbatch_totals,
+    per_sequence_packing_problem,
+)
 from nemo_rs_plugin.nemo_rl.host import (
     fused_sharded_problem,
     host_accepts_fused_flag,
@@ -88,14 +99,23 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         self.truncated_importance_sampling_ratio = config.truncated_importance_sampling_ratio
         self.truncated_importance_sampling_ratio_min = config.truncated_importance_sampling_ratio_min
         self.rs_config = config
-        self.core = CorrectedPGLoss(config)
+        # NeMo-RL sums every metric over calls, microbatches and ranks: per-call metrics would be wrong there.
+        self.core = CorrectedPGLoss(config, per_call_metrics=False)
+        self._needs_microbatch_totals = needs_microbatch_totals(config)
+        self._microbatch_cache: Optional[tuple[Any, MicrobatchTotals]] = None
         problem = fused_sharded_problem(config.sharded_logits_input, use_fused_linear_logprobs)
         if problem is not None:
             raise ConfigError([problem])
         # See: docs/parallelism.md#sharded-input
         self.input_type = LossInputType.LOGIT if config.sharded_logits_input else LossInputType.LOGPROB
         if MetricNormalizer is not None:
-            self.metric_normalizations = {k: MetricNormalizer(v) for k, v in metric_normalizations(config).items()}
+            self.metric_normalizations = {k: MetricNormalizer(v) for k, v in self.core.metric_normalizations().items()}
+
+    def __getstate__(self) -> dict:
+        """Pickled for NeMo-RL's Ray workers without the last microbatch's totals (a weak reference)."""
+        state = dict(self.__dict__)
+        state["_microbatch_cache"] = None
+        return state
 
     def __call__(
         self,
@@ -120,6 +140,9 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         if data is None:
             raise TypeError("rs_clipped_pg: the data dict is required")
         dp_group = batch_data_parallel_group(self.rs_config)
+        microbatch = None
+        if self._needs_microbatch_totals:  # only then is the caller looked at (no cost otherwise)
+            microbatch = self._per_sequence_totals(sys._getframe(1), dp_group)
         if not self.rs_config.sharded_logits_input:
             if next_token_logprobs is None:
                 raise TypeError(
@@ -132,6 +155,7 @@ class RSClippedPGLossFn(ClippedPGLossFn):
                 global_valid_seqs,
                 global_valid_toks,
                 SequenceGroups.of(data_parallel=dp_group),
+                microbatch,
             )
         if logits is None:
             raise TypeError("rs_clipped_pg with sharded_logits_input: logits are required")
@@ -149,7 +173,57 @@ class RSClippedPGLossFn(ClippedPGLossFn):
             tp_group=tp_group,
             pad_to_shard=True,
             data_parallel_group=dp_group,
+            microbatch=microbatch,
         )
+
+    def _per_sequence_totals(self, caller: Any, dp_group: Any) -> Optional[MicrobatchTotals]:
+        """The whole microbatch's totals when NeMo-RL's per-sequence packing wrapper is the caller, else ``None``.
+
+        ``SequencePackingLossWrapper`` calls the loss once per sequence with that sequence's
+        slice of the microbatch; its own ``data`` argument is the whole microbatch. The totals
+        the configuration reads (:mod:`nemo_rs_plugin.core.microbatch`) are computed from it
+        once per microbatch (cached while the wrapper passes the same ``data``), so every
+        sequence is corrected as in one call on the microbatch; with ``is_batch_normalization:
+        data_parallel`` the data-parallel SUM is then issued once per microbatch, as unpacked,
+        whatever the number of sequences a rank holds. ``tests/nemo_rl/test_packing.py`` checks,
+        at every supported NeMo-RL, that the loss, its gradient and the logged metrics equal
+        the unpacked call's.
+
+        Raises:
+            ConfigError: the totals need the current policy's log-probs of every sequence
+                (:func:`~nemo_rs_plugin.core.microbatch.current_policy_problems`), or the
+                wrapper's microbatch cannot be read.
+        """
+        if caller is None or type(caller.f_locals.get("self")).__name__ != "SequencePackingLossWrapper":
+            return None
+        problems = current_policy_problems(self.rs_config)
+        full = caller.f_locals.get("data")
+        if full is None or "prev_logprobs" not in full and not self.rs_config.force_on_policy_ratio:
+            problems.append("the packing wrapper's microbatch (its `data`) cannot be read here")
+        if problems:
+            raise ConfigError([per_sequence_packing_problem(problems)], prefix="")
+        cached = self._microbatch_cache
+        if cached is not None and cached[0]() is full:
+            return cached[1]
+        token_mask = full["token_mask"]
+        placeholder = torch.zeros(
+            token_mask.shape[0],
+            token_mask.shape[1] - 1,
+            dtype=full["generation_logprobs"].dtype,
+            device=token_mask.device,
+        )  # the current policy: read by no total the configuration is allowed here
+        inputs = LossInputs.from_nemo_rl(
+            placeholder,
+            full,
+            need_prev=not self.rs_config.force_on_policy_ratio,
+            need_reference=False,
+        )
+        totals = self.core.microbatch_totals(inputs, SequenceGroups.of(data_parallel=dp_group))
+        try:
+            self._microbatch_cache = (weakref.ref(full), totals)
+        except TypeError:  # a data dict without weak references: held until the next microbatch
+            self._microbatch_cache = ((lambda: full), totals)
+        return totals
 
 
 def _callers_sampling_params(max_depth: int = 4) -> Any:

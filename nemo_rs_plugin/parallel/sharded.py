@@ -28,7 +28,7 @@ The *metrics* are reduced over the CP group, so every rank reports the full-batc
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from nemo_rs_plugin.core.distributed import SequenceGroups, all_reduce_sum_with_grad, group_is_active
 from nemo_rs_plugin.core.inputs import LossInputs
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
+from nemo_rs_plugin.core.microbatch import MicrobatchTotals
 from nemo_rs_plugin.parallel.layout import cp_shard, shift_left
 from nemo_rs_plugin.parallel.vocab_parallel import target_logprobs
 
@@ -153,15 +154,17 @@ def sharded_loss(
     tp_group: Any = None,
     pad_to_shard: bool = False,
     data_parallel_group: Any = None,
+    microbatch: Optional[MicrobatchTotals] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The full loss on every rank (gradients summed over the ranks) and the group-identical metrics.
 
     See the module docstring for why NeMo-RL's ``/ cp`` then gives its gathered path's gradients.
-    ``data_parallel_group`` is read only by ``is_batch_normalization: data_parallel``.
+    ``data_parallel_group`` is read only by ``is_batch_normalization: data_parallel``;
+    ``microbatch`` as in :meth:`CorrectedPGLoss.compute` (``data`` one sequence of it).
     """
     inputs = sharded_loss_inputs(logits, data, cp_group=cp_group, tp_group=tp_group, pad_to_shard=pad_to_shard)
     # Only CP splits a sequence's tokens here: TP splits the vocabulary, and Megatron gathers
     # sequence-parallel activations before the output layer.
     groups = SequenceGroups.of(cp_group, data_parallel=data_parallel_group)
-    share, metrics = loss_fn.compute(inputs, global_valid_seqs, global_valid_toks, groups)
+    share, metrics = loss_fn.compute(inputs, global_valid_seqs, global_valid_toks, groups, microbatch)
     return all_reduce_sum_with_grad(share, groups), metrics

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from nemo_rs_plugin.core.config import PLUGIN_FIELDS, RejectionFilter, RSClippedPGLossConfig
+from nemo_rs_plugin.core.correction.weights import WEIGHT_TAIL
 from nemo_rs_plugin.core.rejection_filter import AGGS_FOR_METRIC
 
 __all__ = ["render_reference"]
@@ -78,14 +79,27 @@ METRICS_BEGIN, METRICS_END = (
     "<!-- /metrics-table -->",
 )
 METRIC_ROWS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("is_weight_raw_mean", "is_weight_raw_min", "is_weight_raw_max"), "IS weight before truncation and rejection"),
+    (("is_weight_raw_mean",), "IS weight before truncation and rejection"),
     (
-        ("is_weight_mean", "is_weight_min", "is_weight_max"),
-        "weight applied (after truncation and batch normalisation; rejected units count 0 in the mean, are "
-        "excluded from min/max)",
+        ("is_weight_raw_low_frac", "is_weight_raw_high_frac"),
+        f"share of the units whose weight before truncation is below 1/{WEIGHT_TAIL:g}, above {WEIGHT_TAIL:g} "
+        "(a sequence-level weight collapsing with length shows in the first; valid tokens with finite inputs "
+        "at the token level)",
     ),
-    (("is_weight_sq_mean",), "for the global ESS: `is_weight_mean^2 / is_weight_sq_mean`"),
-    (("is_ess",), "`(sum w)^2 / (n sum w^2)` of this microbatch"),
+    (
+        ("is_weight_mean",),
+        "weight applied (after truncation and batch normalisation; rejected units count 0)",
+    ),
+    (
+        ("is_weight_sq_mean",),
+        "mean squared applied weight; the step's ESS is `is_weight_mean^2 / is_weight_sq_mean` (divide by "
+        "the kept share when filters reject units)",
+    ),
+    (
+        ("is_weight_raw_min", "is_weight_raw_max", "is_weight_min", "is_weight_max"),
+        "extremes of the weight before truncation, and of the weight applied (non-zero, kept units)",
+    ),
+    (("is_ess",), "`(sum w)^2 / (n sum w^2)` of the applied weights"),
     (
         ("is_batch_norm_factor",),
         "the batch mean the weights were divided by ([above](#batch-normalisation)); 1 when it was <= 1e-8",
@@ -138,6 +152,13 @@ def declared_metrics() -> list[dict[str, str]]:
     return out
 
 
+def per_call_metrics() -> set[str]:
+    """The metrics that hold for one loss call alone, which the NeMo-RL loss does not return."""
+    from nemo_rs_plugin.core.loss import CorrectedPGLoss
+
+    return {name for cfg in _METRIC_PROBES for name in CorrectedPGLoss(cfg).per_call_metric_names()}
+
+
 def _normalization_text(names: tuple[str, ...], declared: list[dict[str, str]]) -> str:
     """``per unit`` where the token and sequence levels differ, else the declared normalization(s)."""
     seen = []
@@ -156,11 +177,15 @@ def _normalization_text(names: tuple[str, ...], declared: list[dict[str, str]]) 
 
 def render_metrics_table() -> str:
     """The guide's table of the metrics the plugin adds, between its markers."""
-    declared = declared_metrics()
-    rows = ["| metric | normalization | meaning |", "| --- | --- | --- |"]
+    declared, per_call = declared_metrics(), per_call_metrics()
+    rows = ["| metric | normalization | in NeMo-RL's logs | meaning |", "| --- | --- | --- | --- |"]
     for names, meaning in METRIC_ROWS:
         label = ", ".join(f"`{n}`" for n in names)
-        rows.append(f"| {label} | {_normalization_text(names, declared)} | {meaning} |")
+        kinds = {name in per_call for name in names}
+        if len(kinds) > 1:
+            raise ValueError(f"metric row {names}: per-call and summable metrics in one row")
+        logged = "no: per call ([below](#metrics-under-packing))" if kinds == {True} else "the step's value"
+        rows.append(f"| {label} | {_normalization_text(names, declared)} | {logged} | {meaning} |")
     return "\n".join([METRICS_BEGIN, *rows, METRICS_END])
 
 

@@ -201,13 +201,13 @@ MUTANTS: list[Mutant] = [
     # ---- the loss: denominators, IS weights, metrics
     Mutant(
         L,
-        "seq_denominator = counts.sequences * corr.kept_seq_count / n_seqs.clamp_min(EPS)",
-        "seq_denominator = counts.sequences * corr.kept_token_count / n_valid.clamp_min(EPS)",
+        "kept_seqs = corr.kept_seq_count / n_seqs.clamp_min(EPS)",
+        "kept_seqs = corr.kept_token_count / n_valid.clamp_min(EPS)",
         "rejection_denominator kept, token_level_loss false: sequences shrink by the kept token fraction",
     ),
     Mutant(
         L,
-        "token_denominator = counts.tokens * corr.kept_token_count / n_valid.clamp_min(EPS)",
+        "token_denominator = counts.tokens * totals.kept_token_fraction",
         "token_denominator = counts.tokens",
         "rejection_denominator kept leaves the token denominator unchanged",
     ),
@@ -597,5 +597,42 @@ MUTANTS: list[Mutant] = [
         "slope = torch.where(kl.abs() <= output_clamp, slope, 0.0)",
         "slope = slope * (kl.abs() <= output_clamp)",
         "KL output clamp stops an overflowed gradient by a product: 0 * inf = NaN",
+    ),
+    # ---- sequence packing: the microbatch totals a per-sequence call reads (tests/nemo_rl/test_packing.py)
+    Mutant(
+        L,
+        "totals = microbatch if microbatch is not None else self._totals_of(corr, masks, x.rewards)",
+        "totals = self._totals_of(corr, masks, x.rewards)",
+        "a per-sequence call uses its own kept fractions and NLL count instead of the microbatch's",
+    ),
+    Mutant(
+        CP,
+        "weight, factor = weight / batch_norm_factor, batch_norm_factor",
+        "weight, factor = weight, batch_norm_factor",
+        "the microbatch's batch-normalisation factor is not applied to a per-sequence call",
+    ),
+    Mutant(
+        L,
+        "correct_count = corr.seq_token_count @ (rewards > 0).to(corr.seq_token_count.dtype)",
+        "correct_count = corr.seq_token_count.sum()",
+        "the NLL divides by every valid token instead of the correct samples' tokens",
+    ),
+    Mutant(
+        CW,
+        "low = ((raw_weight + penalty) < 1.0 / WEIGHT_TAIL).sum(dtype=raw_weight.dtype)",
+        "low = ((raw_weight + penalty) < WEIGHT_TAIL).sum(dtype=raw_weight.dtype)",
+        "is_weight_raw_low_frac counts weights below C instead of below 1/C",
+    ),
+    Mutant(
+        CW,
+        "high = ((raw_weight - penalty) > WEIGHT_TAIL).sum(dtype=raw_weight.dtype)",
+        "high = ((raw_weight + penalty) > WEIGHT_TAIL).sum(dtype=raw_weight.dtype)",
+        "is_weight_raw_high_frac counts masked units (the penalty's sign)",
+    ),
+    Mutant(
+        MS,
+        'return not name.startswith("_") and (per_call or name not in self._per_call)',
+        'return not name.startswith("_")',
+        "the NeMo-RL loss returns the per-call metrics, which NeMo-RL then sums",
     ),
 ]

@@ -308,7 +308,9 @@ def batch_norm_adapter():
     out = {}
     # Single process, no megatron-core: no group is needed, the loss runs.
     loss, metrics = RSClippedPGLossFn(cfg)(lp, data, gvs, gvt)
-    out["single_process_factor"] = metrics["is_batch_norm_factor"]
+    out["single_process_loss"] = float(loss)
+    # a per-call metric: not returned to NeMo-RL, which would sum it over microbatches and ranks
+    out["factor_returned"] = "is_batch_norm_factor" in metrics
     # Several ranks and no megatron-core (NeMo-RL's DTensor backend): refused, naming the field.
     saved = dist.is_initialized, dist.get_world_size
     dist.is_initialized, dist.get_world_size = (lambda: True), (lambda group=None: 2)

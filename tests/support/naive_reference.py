@@ -39,6 +39,8 @@ import math
 from typing import Any, Optional
 
 INF = math.inf
+#: The weight-tail factor C of is_weight_raw_{low,high}_frac, as docs/guide.md states it (written here, not imported).
+WEIGHT_TAIL = 2.0
 LOG_RATIO_CLAMP = 20.0  # policy log-ratios are clamped straight-through (value only)
 
 SUPPORTED = {
@@ -465,6 +467,9 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
     metrics["is_weight_sq_mean"] = sum_w2 / denom
     metrics["is_weight_raw_min"] = min(raw_range, default=INF)
     metrics["is_weight_raw_max"] = max(raw_range, default=-INF)
+    # the tails count the units of the extremes (valid with finite inputs at the token level)
+    metrics["is_weight_raw_low_frac"] = sum(w < 1 / WEIGHT_TAIL for w in raw_range) / denom
+    metrics["is_weight_raw_high_frac"] = sum(w > WEIGHT_TAIL for w in raw_range) / denom
     metrics["is_weight_min"] = min(positive, default=INF)
     metrics["is_weight_max"] = max(positive, default=-INF)
     metrics["is_ess"] = sum_w**2 / (len(units) * sum_w2) if sum_w2 > 0 and units else 0.0
@@ -498,6 +503,8 @@ def normalizations(cfg: dict) -> dict[str, str]:
         "sampling_importance_ratio": unit,
         "is_weight_raw_min": "none",
         "is_weight_raw_max": "none",
+        "is_weight_raw_low_frac": unit,
+        "is_weight_raw_high_frac": unit,
         "is_weight_min": "none",
         "is_weight_max": "none",
         "is_ess": "none",

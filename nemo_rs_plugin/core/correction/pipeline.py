@@ -60,6 +60,8 @@ class CorrectionResult:
             loss multiplies its policy-gradient term by it, on top of ``keep``.
         metrics: the :class:`~nemo_rs_plugin.core.metrics.MetricSet` the correction declared its
             metrics in.
+        batch_norm_factor: ``[]`` the mean the weights were divided by (``None`` without
+            ``is_batch_normalization``).
     """
 
     is_weight: torch.Tensor
@@ -73,6 +75,7 @@ class CorrectionResult:
     ratio_mask: Optional[torch.Tensor]
     metrics: MetricSet
     policy_gradient_keep: Optional[torch.Tensor] = None
+    batch_norm_factor: Optional[torch.Tensor] = None
 
 
 def needs_sequence_statistics(cfg: RSClippedPGLossConfig) -> bool:
@@ -201,13 +204,16 @@ def apply_correction(
     stats: Optional[SequenceStatistics],
     metrics: MetricSet,
     groups: SequenceGroups = NO_GROUPS,
+    batch_norm_factor: Optional[torch.Tensor] = None,
 ) -> CorrectionResult:
     """Step 3: sequence decisions, the combined mask, IS weights, truncation, batch normalisation.
 
     Reads only ``stats`` (reduced over ``groups`` by :meth:`CorrectionPlan.reduce`) and local
     token values, so every rank of a group decides alike. Declares the correction's metrics
     in ``metrics``. ``groups`` is used only by ``is_batch_normalization`` (one more SUM of
-    two numbers).
+    two numbers), unless ``batch_norm_factor`` gives the mean to divide by (computed on the
+    whole microbatch when this call sees one of its sequences:
+    :mod:`nemo_rs_plugin.core.microbatch`); then nothing is reduced.
 
     IS weight per level (``config.IS_LEVEL_FORMULAS``; ``n = sum_t m_t`` per sequence):
     ``token``: ``w_t = exp(d_t)``; ``sequence``: ``w = exp(sum_t m_t d_t)``;
@@ -234,10 +240,14 @@ def apply_correction(
     d_finite = None if masks.all_finite else masks.d_finite
     raw_weight = is_weights(level, plan.d, d_finite, seq_d_sum, seq_valid, seq_nonfinite)
     weight = apply_truncation(cfg, raw_weight, seq_d_sum, seq_ntok, masks, metrics)
+    factor = None
     if cfg.is_batch_normalization is not None:
-        units = masks.valid if level == "token" else sample_mask * has_tokens
-        weight, factor = batch_normalize_weights(weight, units, level, cfg.is_batch_normalization, groups)
-        metrics.add("is_batch_norm_factor", factor, "none", "replicated")
+        if batch_norm_factor is not None:
+            weight, factor = weight / batch_norm_factor, batch_norm_factor
+        else:
+            units = masks.valid if level == "token" else sample_mask * has_tokens
+            weight, factor = batch_normalize_weights(weight, units, level, cfg.is_batch_normalization, groups)
+        metrics.add("is_batch_norm_factor", factor, "none", "replicated", per_call=True)
     if level == "token":
         record_token_weight_metrics(metrics, raw_weight, weight, masks, loss_tokens)
     else:
@@ -254,6 +264,7 @@ def apply_correction(
         ratio_mask=plan.ratio_mask,
         metrics=metrics,
         policy_gradient_keep=plan.policy_gradient_keep,
+        batch_norm_factor=factor,
     )
 
 

@@ -17,12 +17,20 @@ from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, finite
 from nemo_rs_plugin.core.metrics import MetricSet
 
 __all__ = [
+    "WEIGHT_TAIL",
     "apply_truncation",
     "is_weights",
     "record_sequence_weight_metrics",
     "record_token_weight_metrics",
     "truncate_weights",
 ]
+
+
+#: The tail fractions' factor ``C``: ``is_weight_raw_low_frac`` counts the units whose raw weight is
+#: below ``1 / C``, ``is_weight_raw_high_frac`` those above ``C``. Sums over units divided by
+#: NeMo-RL's global counts, so that they add up over calls, microbatches and ranks (an extreme
+#: does not: NeMo-RL sums it too). ``C = 2``: the usual TIS cap (``presets.TIS_CAP``).
+WEIGHT_TAIL = 2.0
 
 
 def is_weights(
@@ -119,10 +127,11 @@ def record_token_weight_metrics(
     metrics.add_total("is_weight_mean", applied.sum(), "tokens", "sum")
     metrics.add_total("is_weight_sq_mean", masked_sum(weight, applied), "tokens", "sum")  # sum_t w_t^2 m_t
     metrics.add_total("_ess_units", masks.valid.sum(), "tokens", "sum")
+    _record_tails(metrics, raw_weight, masks.usable_penalty, "tokens", "sum")
     metrics.add_masked_extrema("is_weight_raw_min", "is_weight_raw_max", raw_weight, masks.usable_penalty)
     applied_penalty = extrema_penalty(applied.sign_())  # kept tokens with a weight (applied is read: reused)
     metrics.add_masked_extrema("is_weight_min", "is_weight_max", weight, applied_penalty)
-    metrics.derive("is_ess", "none", _effective_sample_size)
+    metrics.derive("is_ess", "none", _effective_sample_size, per_call=True)
 
 
 def record_sequence_weight_metrics(
@@ -147,11 +156,30 @@ def record_sequence_weight_metrics(
         "replicated",
     )
     metrics.add_total("_ess_units", units.sum(), "sequences", "replicated")
-    metrics.add_masked_extrema("is_weight_raw_min", "is_weight_raw_max", raw, extrema_penalty(torch.sign(units)))
+    unit_penalty = extrema_penalty(torch.sign(units))
+    _record_tails(metrics, raw, unit_penalty, "sequences", "replicated")
+    metrics.add_masked_extrema("is_weight_raw_min", "is_weight_raw_max", raw, unit_penalty)
     metrics.add_masked_extrema(
         "is_weight_min", "is_weight_max", applied, extrema_penalty(torch.sign(applied * kept_units))
     )
-    metrics.derive("is_ess", "none", _effective_sample_size)
+    metrics.derive("is_ess", "none", _effective_sample_size, per_call=True)
+
+
+def _record_tails(
+    metrics: MetricSet, raw_weight: torch.Tensor, penalty: torch.Tensor, normalization: str, reduction: str
+) -> None:
+    """``is_weight_raw_{low,high}_frac``: shares of the units whose raw weight is below ``1/C``, above ``C``.
+
+    ``C`` = :data:`WEIGHT_TAIL`; the units are those of ``is_weight_raw_min``/``_max`` (``penalty``:
+    :func:`~nemo_rs_plugin.core.masking.extrema_penalty` of their mask), counted with the same
+    penalised values, so that a compiled core counts them in the loop that finds the extremes
+    (a separate masked sum costs a kernel of its own). Sums over units divided by the global
+    count: they add up over calls, microbatches and ranks.
+    """
+    low = ((raw_weight + penalty) < 1.0 / WEIGHT_TAIL).sum(dtype=raw_weight.dtype)
+    high = ((raw_weight - penalty) > WEIGHT_TAIL).sum(dtype=raw_weight.dtype)
+    metrics.add_total("is_weight_raw_low_frac", low, normalization, reduction)
+    metrics.add_total("is_weight_raw_high_frac", high, normalization, reduction)
 
 
 def _effective_sample_size(out: dict[str, float]) -> float:
