@@ -22,6 +22,11 @@ from nemo_rs_plugin.core.config import (
     RSClippedPGLossConfig,
     own_loss_problems,
 )
+from nemo_rs_plugin.core.microbatch import (
+    current_policy_problems,
+    needs_microbatch_totals,
+    per_sequence_packing_problem,
+)
 from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
 from nemo_rs_plugin.nemo_rl.host import fused_sharded_problem, training_time_filtering_problem
 from nemo_rs_plugin.tools.recipe_loading import HOW_TO_CHECK, INHERITED_NOT_FOUND, flatten, load_recipe, one_line
@@ -145,6 +150,54 @@ def _parallelism_problems(cfg: dict, config: RSClippedPGLossConfig, report: Chec
     return problems
 
 
+def _packing_problems(cfg: dict, config: RSClippedPGLossConfig, report: CheckReport) -> list[str]:
+    """Which of NeMo-RL's packing wrappers the recipe takes, and what that wrapper cannot run.
+
+    ``policy.sequence_packing.enabled`` without ``fuse_loss`` (or on the DTensor backend, which
+    has no fused wrapper): the loss is called once per sequence (docs/guide.md#sequence-packing).
+    """
+    if _get(cfg, "policy.sequence_packing.enabled") is not True:
+        return []
+    megatron = _get(cfg, "policy.megatron_cfg.enabled")  # None: not set here (an unresolved `defaults`)
+    fuse = _get(cfg, "policy.sequence_packing.fuse_loss") is True
+    problems: list[str] = []
+    if fuse and megatron is False:
+        report.warnings.append(
+            "policy.sequence_packing.fuse_loss: true is read by the Megatron backend only; here NeMo-RL calls "
+            "the loss once per sequence (SequencePackingLossWrapper)"
+        )
+    if fuse and megatron is not False:
+        if config.sharded_logits_input:
+            problems.append(
+                "policy.sequence_packing.fuse_loss: got true with loss_fn.sharded_logits_input: true; NeMo-RL's "
+                "fused packing (prepare_packed_loss_input) takes log-probs only: set fuse_loss: false or "
+                "sharded_logits_input: false"
+            )
+        if megatron is True:
+            report.notes.append("sequence packing, fused: NeMo-RL calls the loss once per microbatch")
+            return problems
+        report.notes.append(
+            "sequence packing with fuse_loss: one loss call per microbatch on the Megatron backend "
+            "(policy.megatron_cfg.enabled is not set here; on the DTensor backend one call per sequence)"
+        )
+    unfit = current_policy_problems(config) if needs_microbatch_totals(config) else []
+    if unfit:
+        # certain only where the backend is known not to fuse
+        (problems if not fuse or megatron is False else report.warnings).append(per_sequence_packing_problem(unfit))
+        return problems
+    if not fuse or megatron is False:
+        report.notes.append(
+            "sequence packing without fuse_loss: NeMo-RL calls the loss once per sequence; "
+            + (
+                "its microbatch totals (batch normalisation, kept denominators, the NLL's count) are read from "
+                "the whole microbatch, as unpacked"
+                if needs_microbatch_totals(config)
+                else "nothing in this loss section reads more than one sequence"
+            )
+        )
+    return problems
+
+
 def check_recipe(
     path: str,
     overrides: list[str] = (),
@@ -212,6 +265,7 @@ def _check(
             report.errors.extend(p for p in _master_config_problems(cfg, report) if not p.startswith("loss_fn"))
         return
     report.errors.extend(_parallelism_problems(cfg, config, report))
+    report.errors.extend(_packing_problems(cfg, config, report))
     if report.nemo_rl:
         report.errors.extend(_master_config_problems(cfg, report))
     report.config = config

@@ -266,6 +266,58 @@ def test_sharded_input_on_megatron_without_filtering_passes(tmp_path, capsys, no
     assert "input: local logits shard" in out
 
 
+# --------------------------------------------------------------------------- sequence packing
+PER_SEQUENCE_REFUSED = {
+    **LOSS,
+    "is_correction_level": "token",
+    "is_batch_normalization": "microbatch",
+    "force_on_policy_ratio": True,
+}
+MICROBATCH_TOTALS = {**LOSS, "is_batch_normalization": "data_parallel", "rejection_denominator": "kept"}
+
+
+def _packing(fuse=None, megatron=True):
+    packing = {"enabled": True, **({} if fuse is None else {"fuse_loss": fuse})}
+    return {"sequence_packing": packing, "megatron_cfg": {"enabled": megatron}}
+
+
+@pytest.mark.parametrize("policy", [_packing(), _packing(fuse=False), _packing(fuse=True, megatron=False)])
+def test_per_sequence_packing_refuses_what_needs_every_sequence_current_policy(tmp_path, capsys, no_nemo_rl, policy):
+    recipe = write_recipe(tmp_path / "r.yaml", {"policy": policy, "loss_fn": PER_SEQUENCE_REFUSED})
+    code, _, err = run_check(capsys, recipe)
+    assert code == EXIT_INVALID
+    [line] = error_lines(err)
+    assert line.startswith("error: policy.sequence_packing: enabled without fuse_loss")
+    assert "force_on_policy_ratio" in line and "fuse_loss: true" in line
+
+
+@pytest.mark.parametrize("policy", [_packing(fuse=True), {"sequence_packing": {"enabled": False}}])
+def test_fused_or_no_packing_runs_it(tmp_path, capsys, no_nemo_rl, policy):
+    recipe = write_recipe(tmp_path / "r.yaml", {"policy": policy, "loss_fn": PER_SEQUENCE_REFUSED})
+    code, _, err = run_check(capsys, recipe)
+    assert code == EXIT_UNCHECKED and not error_lines(err), err
+
+
+def test_per_sequence_packing_says_what_it_reads_from_the_microbatch(tmp_path, capsys, no_nemo_rl):
+    recipe = write_recipe(tmp_path / "r.yaml", {"policy": _packing(), "loss_fn": MICROBATCH_TOTALS})
+    code, out, err = run_check(capsys, recipe)
+    assert code == EXIT_UNCHECKED and not error_lines(err), err
+    assert "once per sequence; its microbatch totals" in out + err
+
+
+def test_fused_packing_refuses_the_sharded_input(tmp_path, capsys, no_nemo_rl):
+    recipe = write_recipe(tmp_path / "r.yaml", {"policy": _packing(fuse=True), "loss_fn": SHARDED})
+    code, _, err = run_check(capsys, recipe)
+    assert code == EXIT_INVALID
+    assert any("fuse_loss: got true with loss_fn.sharded_logits_input" in line for line in error_lines(err)), err
+
+
+def test_fuse_loss_on_dtensor_is_a_warning(tmp_path, capsys, no_nemo_rl):
+    recipe = write_recipe(tmp_path / "r.yaml", {"policy": _packing(fuse=True, megatron=False), "loss_fn": LOSS})
+    _, out, err = run_check(capsys, recipe)
+    assert "warning: policy.sequence_packing.fuse_loss: true is read by the Megatron backend only" in out + err
+
+
 # --------------------------------------------------------------------------- one clear line
 @pytest.mark.parametrize(
     "nemo_rl, needle",
