@@ -210,7 +210,7 @@ class CorrectedPGLoss:
         batched = metrics_form(self, core, x.curr.device)
         host_reads = free_host_reads(self, core, x.curr.device, groups, batched)
         loss, metrics = core(self, x, global_valid_seqs, global_valid_toks, groups, batched, host_reads, microbatch)
-        reported = metrics.finalize(groups, per_call=self.per_call_metrics)
+        reported = metrics.finalize(groups)
         if self.rejection_monitor is not None and DROPPED_SEQUENCES in metrics.private:
             self.rejection_monitor.observe(metrics.private[DROPPED_SEQUENCES], metrics.private[VALID_SEQUENCES])
         return loss, reported
@@ -229,7 +229,7 @@ class CorrectedPGLoss:
         x = x.to_dtype(x.compute_dtype())
         cfg = self.cfg
         counts = global_counts(global_valid_seqs, global_valid_toks, x.curr.dtype, x.curr.device)
-        metrics = MetricSet(counts, batched, host_reads)
+        metrics = MetricSet(counts, batched, host_reads, per_call=self.per_call_metrics)
         clean = sanitize_inputs(x, cfg.force_on_policy_ratio, self.kl_coef != 0, batched, host_reads)
         masks = clean.masks
         nonfinite_metrics(metrics, masks, clean.nonfinite, clean.input_names)

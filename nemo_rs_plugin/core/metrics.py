@@ -84,8 +84,18 @@ class MetricSet:
     reduces it over the groups and transfers it once.
     """
 
-    def __init__(self, counts: Optional[GlobalCounts] = None, batched: bool = False, host_reads: bool = False) -> None:
+    def __init__(
+        self,
+        counts: Optional[GlobalCounts] = None,
+        batched: bool = False,
+        host_reads: bool = False,
+        per_call: bool = True,
+    ) -> None:
         """``batched``: evaluate in the stacked (GPU) form, see :func:`batched_evaluation`.
+
+        ``per_call=False``: per-call metrics are declared (their names and normalizations are
+        known) but neither computed nor returned, for a caller that would drop them (the
+        NeMo-RL loss).
 
         ``host_reads``: checks may read a value on the host to skip work (eager CPU only,
         :func:`~nemo_rs_plugin.core.compiled.free_host_reads`). The caller decides both once,
@@ -94,6 +104,7 @@ class MetricSet:
         self.counts = counts
         self.batched = batched
         self.host_reads = host_reads
+        self.computes_per_call = per_call
         self._declared: dict[str, tuple[str, str]] = {}  # name -> (normalization, reduction)
         self._per_call: set[str] = set()  # names of per-call metrics (see the module docstring)
         self._values: dict[str, torch.Tensor] = {}  # final 0-dim values
@@ -116,6 +127,10 @@ class MetricSet:
         if per_call:
             self._per_call.add(name)
 
+    def _skips(self, per_call: bool) -> bool:
+        """Whether a metric declared with ``per_call`` is left uncomputed (see ``__init__``)."""
+        return per_call and not self.computes_per_call
+
     def _declare_all(self, names: list[str], normalization: str, reduction: str) -> None:
         for name in names:
             self._declare(name, normalization, reduction)
@@ -128,6 +143,8 @@ class MetricSet:
         ``+-inf``, as NeMo-RL does.
         """
         self._declare(name, normalization, reduction, per_call)
+        if self._skips(per_call):
+            return
         self._values[name] = value.detach().reshape(())
 
     def add_total(self, name: str, total: torch.Tensor, normalization: str, reduction: str) -> None:
@@ -196,6 +213,8 @@ class MetricSet:
         """
         self._declare(min_name, "none", "min", per_call)
         self._declare(max_name, "none", "max", per_call)
+        if self._skips(per_call):
+            return
         if not self.batched:  # CPU form: reduced now (see add_masked_totals), final values as add() records them
             lows, highs = _masked_extrema([values.detach()], [penalty])
             self._values[min_name], self._values[max_name] = lows[0], highs[0]
@@ -210,7 +229,8 @@ class MetricSet:
     ) -> None:
         """Declare a metric :meth:`finalize` computes on the host from the reduced values."""
         self._declare(name, normalization, "derived", per_call)
-        self._derived.append((name, normalization, fn))
+        if not self._skips(per_call):
+            self._derived.append((name, normalization, fn))
 
     def add_zero(self, name: str, normalization: str) -> None:
         """Declare a metric that is 0 by construction (a term that is off, a count known to be 0): no tensor."""
@@ -300,11 +320,14 @@ class MetricSet:
         self._values, self._totals, self._masked, self._extrema = {}, {}, [], {}
         return self._stacked
 
-    def finalize(self, groups: SequenceGroups = NO_GROUPS, per_call: bool = True) -> dict[str, float]:
+    def finalize(self, groups: SequenceGroups = NO_GROUPS, per_call: Optional[bool] = None) -> dict[str, float]:
         """Reduce over ``groups``, transfer once, check, derive; public metrics in declaration order.
 
-        ``per_call=False`` leaves out the per-call metrics (see the module docstring).
+        ``per_call=False`` leaves out the per-call metrics (see the module docstring); ``None``:
+        included where they were computed.
         """
+        if per_call is None or not self.computes_per_call:
+            per_call = self.computes_per_call
         names, values = self.stack()
         reductions = [self._declared[n][1] for n in names]
         if groups.active and names:
