@@ -41,7 +41,7 @@ from nemo_rs_plugin.core.inputs import (
 )
 from nemo_rs_plugin.core.masking import EPS, TokenMasks, masked_sum
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet, batched_evaluation
-from nemo_rs_plugin.core.microbatch import MicrobatchTotals
+from nemo_rs_plugin.core.microbatch import MicrobatchTotals, missing_totals
 from nemo_rs_plugin.core.policy_loss import (
     KLOptions,
     RatioOptions,
@@ -203,6 +203,13 @@ class CorrectedPGLoss:
         fp16 gradient beyond +-65504 saturates to +-inf there). float32 inputs are untouched.
         """
         x.validate()
+        if microbatch is not None:
+            missing = missing_totals(self.cfg, microbatch)
+            if missing:
+                raise ValueError(
+                    f"microbatch: {', '.join(missing)} is None, and this configuration reads it; pass "
+                    "CorrectedPGLoss.microbatch_totals(...) of the whole microbatch"
+                )
         # The tensor math (optionally torch.compile'd, see nemo_rs_plugin/core/compiled.py) never
         # leaves the device; the one host transfer stays here, eager.
         # The evaluation form is decided here, eagerly: a compiled core specialises on the bool.
@@ -530,7 +537,8 @@ class _LossTerms:
 def metric_normalizations(cfg: Any) -> dict[str, str]:
     """Metric name -> global denominator (``tokens``, ``sequences``, ``none``) for a config.
 
-    NeMo-RL's ``metric_normalizations`` counterpart, read from the declarations next to each
-    metric's computation (see :meth:`CorrectedPGLoss.metric_normalizations`).
+    The core loss's, read from the declarations next to each metric's computation (see
+    :meth:`CorrectedPGLoss.metric_normalizations`); it includes the per-call metrics, which the
+    NeMo-RL loss does not return (its ``metric_normalizations`` attribute leaves them out).
     """
     return CorrectedPGLoss(cfg).metric_normalizations()

@@ -31,12 +31,7 @@ import torch
 
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
 
-__all__ = [
-    "MicrobatchTotals",
-    "current_policy_problems",
-    "needs_microbatch_totals",
-    "per_sequence_packing_problem",
-]
+__all__ = ["MicrobatchTotals", "current_policy_problems", "missing_totals", "needs_microbatch_totals"]
 
 
 class MicrobatchTotals(NamedTuple):
@@ -67,6 +62,18 @@ def needs_microbatch_totals(cfg: RSClippedPGLossConfig) -> bool:
     )
 
 
+def missing_totals(cfg: RSClippedPGLossConfig, totals: MicrobatchTotals) -> list[str]:
+    """The fields of ``totals`` that ``cfg`` reads and that are ``None`` (a partial totals tuple is an error)."""
+    needed = []
+    if cfg.is_batch_normalization is not None:
+        needed.append("batch_norm_factor")
+    if cfg.rejection_denominator == "kept":
+        needed += ["kept_token_fraction", "kept_sequence_fraction"]
+    if cfg.positive_example_nll_weight > 0:
+        needed.append("correct_token_count")
+    return [name for name in needed if getattr(totals, name) is None]
+
+
 def current_policy_problems(cfg: RSClippedPGLossConfig) -> list[str]:
     """Microbatch totals of ``cfg`` that need the current policy's log-probs of every sequence.
 
@@ -89,16 +96,3 @@ def current_policy_problems(cfg: RSClippedPGLossConfig) -> list[str]:
                 f"({', '.join(on_current)})"
             )
     return problems
-
-
-def per_sequence_packing_problem(problems: list[str]) -> str:
-    """The one message for a configuration that NeMo-RL's per-sequence packing wrapper would change.
-
-    Read by the loss (on the wrapper's first call) and by ``nemo-rs check`` (from the recipe).
-    """
-    return (
-        "policy.sequence_packing: enabled without fuse_loss, so NeMo-RL calls this loss once per sequence "
-        "(SequencePackingLossWrapper), and " + "; ".join(problems) + ": those exist only one sequence at a "
-        "time there. Set policy.sequence_packing.fuse_loss: true (Megatron backend: one call per "
-        "microbatch), or policy.sequence_packing.enabled: false, or remove the setting"
-    )

@@ -30,6 +30,7 @@ __all__ = [
     "host_accepts_fused_flag",
     "host_config_fields",
     "host_field_problems",
+    "per_sequence_packing_problem",
     "missing_host_fields",
     "host_config",
     "v06_semantics",
@@ -248,4 +249,17 @@ def training_time_filtering_problem(top_k: Any, top_p: Any) -> Optional[str]:
         f"top_p: {top_p}); NeMo-RL filters log-probs only for losses that take log-probs, so the sharded "
         "path would train on unfiltered log-probs against the sampler's filtered ones: set "
         "sharded_logits_input: false, or top_k: null and top_p: 1.0 (policy.generation)"
+    )
+
+
+def per_sequence_packing_problem(problems: list[str]) -> str:
+    """The one message for a configuration that NeMo-RL's per-sequence packing wrapper would change.
+
+    Read by the loss (on the wrapper's first call) and by ``nemo-rs check`` (from the recipe).
+    """
+    return (
+        "policy.sequence_packing: enabled without fuse_loss, so NeMo-RL calls this loss once per sequence "
+        "(SequencePackingLossWrapper), and " + "; ".join(problems) + ": those exist only one sequence at a "
+        "time there. Set policy.sequence_packing.fuse_loss: true (Megatron backend: one call per "
+        "microbatch), or policy.sequence_packing.enabled: false, or remove the setting"
     )

@@ -36,18 +36,14 @@ from nemo_rs_plugin.core.config import ConfigError, RSClippedPGLossConfig, as_pl
 from nemo_rs_plugin.core.distributed import SequenceGroups
 from nemo_rs_plugin.core.inputs import LossInputs
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
-from nemo_rs_plugin.core.microbatch import (
-    MicrobatchTotals,
-    current_policy_problems,
-    needs_microbatch_totals,
-    per_sequence_packing_problem,
-)
+from nemo_rs_plugin.core.microbatch import MicrobatchTotals, current_policy_problems, needs_microbatch_totals
 from nemo_rs_plugin.nemo_rl.host import (
     fused_sharded_problem,
     host_accepts_fused_flag,
     host_api,
     host_config,
     host_field_problems,
+    per_sequence_packing_problem,
     training_time_filtering_problem,
     v06_semantics,
 )
@@ -102,7 +98,8 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         # NeMo-RL sums every metric over calls, microbatches and ranks: per-call metrics would be wrong there.
         self.core = CorrectedPGLoss(config, per_call_metrics=False)
         self._needs_microbatch_totals = needs_microbatch_totals(config)
-        self._microbatch_cache: Optional[tuple[Any, MicrobatchTotals]] = None
+        # (weak reference to the wrapper's microbatch, its tensors' key, the totals)
+        self._microbatch_cache: Optional[tuple[Any, tuple, MicrobatchTotals]] = None
         problem = fused_sharded_problem(config.sharded_logits_input, use_fused_linear_logprobs)
         if problem is not None:
             raise ConfigError([problem])
@@ -142,7 +139,7 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         dp_group = batch_data_parallel_group(self.rs_config)
         microbatch = None
         if self._needs_microbatch_totals:  # only then is the caller looked at (no cost otherwise)
-            microbatch = self._per_sequence_totals(sys._getframe(1), dp_group)
+            microbatch = self._per_sequence_totals(_per_sequence_wrapper_frame(self), dp_group)
         if not self.rs_config.sharded_logits_input:
             if next_token_logprobs is None:
                 raise TypeError(
@@ -194,17 +191,22 @@ class RSClippedPGLossFn(ClippedPGLossFn):
                 (:func:`~nemo_rs_plugin.core.microbatch.current_policy_problems`), or the
                 wrapper's microbatch cannot be read.
         """
-        if caller is None or type(caller.f_locals.get("self")).__name__ != "SequencePackingLossWrapper":
+        if caller is None:
             return None
         problems = current_policy_problems(self.rs_config)
-        full = caller.f_locals.get("data")
-        if full is None or "prev_logprobs" not in full and not self.rs_config.force_on_policy_ratio:
-            problems.append("the packing wrapper's microbatch (its `data`) cannot be read here")
+        full, wrapper = caller.f_locals.get("data"), caller.f_locals["self"]
+        sequences = len(getattr(wrapper, "cu_seqlens_q", ())) - 1
+        if not _is_microbatch(full, sequences):
+            problems.append(
+                f"the packing wrapper's microbatch (its `data`, {sequences} sequences by its cu_seqlens_q) "
+                "cannot be read here"
+            )
         if problems:
             raise ConfigError([per_sequence_packing_problem(problems)], prefix="")
+        key = _microbatch_key(full)
         cached = self._microbatch_cache
-        if cached is not None and cached[0]() is full:
-            return cached[1]
+        if cached is not None and cached[0]() is full and cached[1] == key:
+            return cached[2]
         token_mask = full["token_mask"]
         placeholder = torch.zeros(
             token_mask.shape[0],
@@ -220,10 +222,47 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         )
         totals = self.core.microbatch_totals(inputs, SequenceGroups.of(data_parallel=dp_group))
         try:
-            self._microbatch_cache = (weakref.ref(full), totals)
-        except TypeError:  # a data dict without weak references: held until the next microbatch
-            self._microbatch_cache = ((lambda: full), totals)
+            self._microbatch_cache = (weakref.ref(full), key, totals)
+        except TypeError:  # a data dict without weak references: not cached (computed again per call)
+            self._microbatch_cache = None
         return totals
+
+
+#: The NeMo-RL wrapper that calls the loss once per sequence (all supported versions).
+PER_SEQUENCE_WRAPPER = "SequencePackingLossWrapper"
+
+
+def _per_sequence_wrapper_frame(loss: Any, max_depth: int = 4) -> Any:
+    """The frame of the ``SequencePackingLossWrapper.__call__`` calling ``loss``, or ``None``.
+
+    Looked for among the ``max_depth`` callers of the loss's ``__call__`` (a decorator or an
+    adapter between the two adds frames): a frame whose ``self`` is that wrapper holding this
+    very loss. Only its code's name is read before its locals, so other frames cost nothing.
+    """
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "__call__":
+            caller = frame.f_locals.get("self")
+            if type(caller).__name__ == PER_SEQUENCE_WRAPPER and getattr(caller, "loss_fn", None) is loss:
+                return frame
+        frame = frame.f_back
+    return None
+
+
+def _is_microbatch(data: Any, sequences: int) -> bool:
+    """Whether ``data`` looks like the wrapper's whole microbatch: what the totals read, a row per sequence."""
+    try:
+        return all(data[k].shape[0] == sequences for k in ("token_mask", "sample_mask", "generation_logprobs"))
+    except (KeyError, TypeError, AttributeError, IndexError):
+        return False
+
+
+def _microbatch_key(data: Any) -> tuple:
+    """What the cached totals were computed from: the tensors' storage and in-place version counters."""
+    keys = ("token_mask", "sample_mask", "prev_logprobs", "generation_logprobs", "rewards")
+    return tuple((data[k].data_ptr(), data[k]._version) for k in keys if k in data)
 
 
 def _callers_sampling_params(max_depth: int = 4) -> Any:

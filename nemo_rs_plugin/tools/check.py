@@ -22,13 +22,13 @@ from nemo_rs_plugin.core.config import (
     RSClippedPGLossConfig,
     own_loss_problems,
 )
-from nemo_rs_plugin.core.microbatch import (
-    current_policy_problems,
-    needs_microbatch_totals,
-    per_sequence_packing_problem,
-)
+from nemo_rs_plugin.core.microbatch import current_policy_problems, needs_microbatch_totals
 from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
-from nemo_rs_plugin.nemo_rl.host import fused_sharded_problem, training_time_filtering_problem
+from nemo_rs_plugin.nemo_rl.host import (
+    fused_sharded_problem,
+    per_sequence_packing_problem,
+    training_time_filtering_problem,
+)
 from nemo_rs_plugin.tools.recipe_loading import HOW_TO_CHECK, INHERITED_NOT_FOUND, flatten, load_recipe, one_line
 
 __all__ = ["CheckReport", "check_recipe", "load_recipe"]
@@ -180,7 +180,7 @@ def _packing_problems(cfg: dict, config: RSClippedPGLossConfig, report: CheckRep
             "sequence packing with fuse_loss: one loss call per microbatch on the Megatron backend "
             "(policy.megatron_cfg.enabled is not set here; on the DTensor backend one call per sequence)"
         )
-    unfit = current_policy_problems(config) if needs_microbatch_totals(config) else []
+    unfit = current_policy_problems(config)
     if unfit:
         # certain only where the backend is known not to fuse
         (problems if not fuse or megatron is False else report.warnings).append(per_sequence_packing_problem(unfit))

@@ -153,3 +153,12 @@ def test_totals_that_need_the_current_policy_are_named(cfg, field):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_totals_from_the_inputs_before_the_forward_pass_are_allowed(name):
     assert current_policy_problems(RSClippedPGLossConfig.from_any(CONFIGS[name])) == []
+
+
+def test_partial_totals_are_an_error_naming_the_missing_total():
+    lp, data, gvs, gvt = microbatch()
+    loss = CorrectedPGLoss(CONFIGS["kept/token_level"])
+    x = LossInputs.from_nemo_rl(lp.detach(), data, need_prev=True, need_reference=False)
+    partial = loss.microbatch_totals(x)._replace(kept_sequence_fraction=None)
+    with pytest.raises(ValueError, match="microbatch: kept_sequence_fraction is None"):
+        loss(lp, data, gvs, gvt, microbatch=partial)

@@ -53,6 +53,7 @@ def _microbatches(seed=0):
         prev = torch.cat([torch.zeros(B, 1, dtype=torch.float64), prev[:, :-1]], 1) * token_mask
         noise = 0.05 * torch.randn(B, S, generator=g, dtype=torch.float64)
         noise[0, 3] = -3.0  # one outlier token (ratio e^3): vetoes and token filters have something to reject
+        noise[1] += 1.0  # a sampler far more confident than the trainer: weights below 1/2 (the low tail)
         gen = (prev + noise).clamp_max(0.0) * token_mask
         ref = (prev + 0.02 * torch.randn(B, S, generator=g, dtype=torch.float64)) * token_mask
         advantages = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, S).clone()
@@ -65,7 +66,10 @@ def _microbatches(seed=0):
             "generation_logprobs": gen,
             "reference_policy_logprobs": ref,
             "token_mask": token_mask,
-            "sample_mask": torch.ones(B, dtype=torch.float64),
+            # the first microbatch's last sequence is masked out (NeMo-RL's sample_mask = 0)
+            "sample_mask": torch.tensor(
+                [1.0] * (B - 1) + [0.0 if lengths == MICROBATCH_LENGTHS[0] else 1.0], dtype=torch.float64
+            ),
             "rewards": (advantages[:, 0] > 0).to(torch.float64),
         }
         out.append((logits, data, lengths))

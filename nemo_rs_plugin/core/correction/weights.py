@@ -29,7 +29,8 @@ __all__ = [
 #: The tail fractions' factor ``C``: ``is_weight_raw_low_frac`` counts the units whose raw weight is
 #: below ``1 / C``, ``is_weight_raw_high_frac`` those above ``C``. Sums over units divided by
 #: NeMo-RL's global counts, so that they add up over calls, microbatches and ranks (an extreme
-#: does not: NeMo-RL sums it too). ``C = 2``: the usual TIS cap (``presets.TIS_CAP``).
+#: does not: NeMo-RL sums it too). ``C = 2``, the same number as the usual TIS cap
+#: (``presets.TIS_CAP``) but not tied to it: a metric's threshold does not follow a preset.
 WEIGHT_TAIL = 2.0
 
 
