@@ -136,3 +136,15 @@ def test_calibration_only_widens_the_template_unless_asked():
     (tight,) = calibrate_filters([geo], prev, gen, mask, 0.1, widen_only=False)
     assert 0.999 < tight.filter.lower < 1.0 < tight.filter.upper < 1.001
     assert tight.rejected_frac == pytest.approx(0.10)
+
+
+@pytest.mark.parametrize("shift", [0.5, -0.5], ids=["every-ratio-above-1", "every-ratio-below-1"])
+def test_without_widening_the_calibrated_band_still_contains_1(shift):
+    """``widen_only=False``: on data whose every ratio lies on one side of 1, the quantile bound on
+    that side would exclude 1 (reject on-policy units); it is moved to 1."""
+    means = [shift + i / 1000 for i in range(100)]  # log geo-mean ratios all > 0 (or all < 0)
+    prev, gen, mask = _sequences_with_mean_log_ratio(means)
+    (stage,) = calibrate_filters([RejectionFilter(**presets.GEO_RS)], prev, gen, mask, 0.1, widen_only=False)
+    assert stage.filter.lower <= 1.0 <= stage.filter.upper
+    inner = stage.filter.lower if shift > 0 else stage.filter.upper
+    assert inner == 1.0  # the quantile (about exp(+-0.5)) moved to 1, not left beyond it

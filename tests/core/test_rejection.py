@@ -510,3 +510,74 @@ def test_the_one_bound_check_is_inclusive_and_puts_nan_outside():
     assert out_of_bounds(x, None, 2.0).tolist() == [True, False, False, False, False, True, True]
     assert out_of_bounds(x, 1.0, None).tolist() == [True, True, True, False, False, False, False]
     assert out_of_bounds(x, None, None).tolist() == [True, False, False, False, False, False, False]
+
+
+def test_positive_advantage_filter_leaves_zero_advantage_tokens_and_counts_only_positive_ones():
+    """``advantage_sign: positive``: a token with A = 0 outside the band is kept (it keeps its KL
+    gradient), and the rejected fraction counts only the A > 0 tokens outside the band."""
+    from tests.conftest import make_batch
+
+    prev = torch.full((1, 6), -1.0)
+    d = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0, -1.0]])  # ratio e^d: tokens 1, 2, 3 and 5 outside [0.9, 1.1]
+    advantages = torch.tensor([[1.0, 1.0, 0.0, -1.0, 0.0, 0.0]])
+    lp, data, gvs, gvt = make_batch(prev.clone(), prev, prev - d, advantages=advantages, ref=prev - 0.3)
+    band = {"level": "token", "metric": "ratio", "lower": 0.9, "upper": 1.1, "advantage_sign": "positive"}
+    lp = lp.detach().requires_grad_(True)
+    loss, metrics = CorrectedPGLoss({"reference_policy_kl_penalty": 0.1, "rejection_sampling": [band]})(
+        lp, data, gvs, gvt
+    )
+    loss.backward()
+    assert metrics["rs/token_ratio_positive_advantages/token_rejected_frac"] == pytest.approx(1 / 6)
+    assert metrics["rs_token_rejected_frac"] == pytest.approx(1 / 6)
+    grad = lp.grad[0]
+    assert grad[1] == 0  # A > 0 outside the band: rejected, KL term included
+    assert (grad[[2, 3, 5]] != 0).all()  # A = 0 and A < 0 outside the band: kept
+
+
+@pytest.mark.parametrize(
+    "agg, bounds, reject",
+    [
+        # per-rank extremes in log space: rank 0 -0.4 / +0.4, rank 1 -0.5 / +0.5; their sums (-0.9,
+        # +0.9) are outside the bounds, the true extremes (-0.5, +0.5) inside
+        ("min", {"lower": 0.5}, False),
+        ("max", {"upper": 2.0}, False),
+        ("any", {"lower": 0.5, "upper": 2.0}, False),
+        # the true extreme outside: rank 1's token at -0.8 (ratio 0.45) rejects the sequence
+        ("min", {"lower": 0.5, "_rank1_low": -0.8}, True),
+        ("any", {"lower": 0.5, "upper": 2.0, "_rank1_low": -0.8}, True),
+    ],
+)
+def test_sequence_extremes_under_cp_come_from_the_cross_rank_extreme_not_a_sum(agg, bounds, reject, monkeypatch):
+    """A sequence split over two (emulated) CP ranks is decided on MIN / MAX of the ranks' row
+    extremes; summing them, as the sums of the other statistics are, would put it on the other side."""
+    from nemo_rs_plugin.core.distributed import SequenceGroups
+    from nemo_rs_plugin.core.inputs import LossInputs
+    from tests.support.threaded_world import ThreadGroup, run_ranks
+
+    bounds = dict(bounds)
+    rank1_low = bounds.pop("_rank1_low", -0.5)
+    d = torch.tensor([[-0.4, 0.4, rank1_low, 0.5]], dtype=torch.float64)  # prev - gen, tokens 0-1 on rank 0
+    prev = torch.full((1, 4), -1.0, dtype=torch.float64)
+    band = {"level": "sequence", "metric": "ratio", "agg": agg, **bounds}
+    loss_fn = CorrectedPGLoss({"rejection_sampling": [band], "reference_policy_kl_penalty": 0.0})
+    group = ThreadGroup([0, 1])
+    count = torch.tensor(4.0, dtype=torch.float64)
+
+    def rank_fn(rank):
+        cols = slice(2 * rank, 2 * rank + 2)
+        inputs = LossInputs(
+            curr=prev[:, cols].clone(),
+            prev=prev[:, cols],
+            generation=(prev - d)[:, cols],
+            reference=None,
+            advantages=torch.ones(1, 2, dtype=torch.float64),
+            token_mask=torch.ones(1, 2, dtype=torch.float64),
+            sample_mask=torch.ones(1, dtype=torch.float64),
+        )
+        return loss_fn.compute(inputs, torch.tensor(1.0, dtype=torch.float64), count, SequenceGroups((group,)))[1]
+
+    results = run_ranks(2, rank_fn, [group], monkeypatch)
+    for metrics, _ in results:
+        assert metrics["rs_seq_rejected_frac"] == pytest.approx(1.0 if reject else 0.0), metrics
+    unsharded = loss_fn(*make_batch(prev, prev, prev - d, advantages=torch.ones(1, 4)))[1]
+    assert unsharded["rs_seq_rejected_frac"] == pytest.approx(1.0 if reject else 0.0)
