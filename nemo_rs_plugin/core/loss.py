@@ -236,7 +236,7 @@ class CorrectedPGLoss:
         x = x.to_dtype(x.compute_dtype())
         cfg = self.cfg
         counts = global_counts(global_valid_seqs, global_valid_toks, x.curr.dtype, x.curr.device)
-        metrics = MetricSet(counts, batched, host_reads, per_call=self.per_call_metrics)
+        metrics = MetricSet(counts, batched, host_reads, compute_per_call=self.per_call_metrics)
         clean = sanitize_inputs(x, cfg.force_on_policy_ratio, self.kl_coef != 0, batched, host_reads)
         masks = clean.masks
         nonfinite_metrics(metrics, masks, clean.nonfinite, clean.input_names)
@@ -252,7 +252,12 @@ class CorrectedPGLoss:
         )
         stats = plan.reduce(groups)
         corr = apply_correction(
-            cfg, plan, stats, metrics, groups, batch_norm_factor=microbatch.batch_norm_factor if microbatch else None
+            cfg,
+            plan,
+            stats,
+            metrics,
+            groups,
+            batch_norm_factor=None if microbatch is None else microbatch.batch_norm_factor,
         )
         totals = microbatch if microbatch is not None else self._totals_of(corr, masks, x.rewards)
 

@@ -89,11 +89,11 @@ class MetricSet:
         counts: Optional[GlobalCounts] = None,
         batched: bool = False,
         host_reads: bool = False,
-        per_call: bool = True,
+        compute_per_call: bool = True,
     ) -> None:
         """``batched``: evaluate in the stacked (GPU) form, see :func:`batched_evaluation`.
 
-        ``per_call=False``: per-call metrics are declared (their names and normalizations are
+        ``compute_per_call=False``: per-call metrics are declared (their names and normalizations are
         known) but neither computed nor returned, for a caller that would drop them (the
         NeMo-RL loss).
 
@@ -104,7 +104,7 @@ class MetricSet:
         self.counts = counts
         self.batched = batched
         self.host_reads = host_reads
-        self.computes_per_call = per_call
+        self.computes_per_call = compute_per_call
         self._declared: dict[str, tuple[str, str]] = {}  # name -> (normalization, reduction)
         self._per_call: set[str] = set()  # names of per-call metrics (see the module docstring)
         self._values: dict[str, torch.Tensor] = {}  # final 0-dim values

@@ -239,15 +239,11 @@ def _per_sequence_wrapper_frame(loss: Any, max_depth: int = 4) -> Any:
     adapter between the two adds frames): a frame whose ``self`` is that wrapper holding this
     very loss. Only its code's name is read before its locals, so other frames cost nothing.
     """
-    frame = sys._getframe(2)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
+    for frame in _loss_callers(max_depth):
         if frame.f_code.co_name == "__call__":
             caller = frame.f_locals.get("self")
             if type(caller).__name__ == PER_SEQUENCE_WRAPPER and getattr(caller, "loss_fn", None) is loss:
                 return frame
-        frame = frame.f_back
     return None
 
 
@@ -276,20 +272,28 @@ def _callers_sampling_params(max_depth: int = 4) -> Any:
     at every supported NeMo-RL, that this finds them.
     """
     import functools
-    import sys
 
-    frame = sys._getframe(2)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
+    for frame in _loss_callers(max_depth):
         local = frame.f_locals
         candidate = local.get("prepare_fn")
         if candidate is None and "self" in local:
             candidate = getattr(local["self"], "prepare_fn", None)
         if isinstance(candidate, functools.partial) and "sampling_params" in candidate.keywords:
             return candidate.keywords["sampling_params"]
-        frame = frame.f_back
     return None
+
+
+def _loss_callers(max_depth: int) -> list:
+    """The frames calling ``RSClippedPGLossFn.__call__``, nearest first, at most ``max_depth``.
+
+    For the helpers ``__call__`` calls directly (frame 0 is this function, 1 the helper, 2
+    ``__call__``): what NeMo-RL's wrappers hold that the loss's arguments do not carry.
+    """
+    frames, frame = [], sys._getframe(3)
+    while frame is not None and len(frames) < max_depth:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames
 
 
 def _refuse_training_time_filtering(params: Any) -> None:
