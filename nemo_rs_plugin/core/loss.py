@@ -121,13 +121,21 @@ class CorrectedPGLoss:
 
         ``groups`` and ``microbatch`` as in :meth:`compute`.
         """
-        inputs = LossInputs.from_nemo_rl(
+        inputs = self.inputs_from_nemo_rl(next_token_logprobs, data)
+        return self.compute(inputs, global_valid_seqs, global_valid_toks, groups, microbatch)
+
+    def inputs_from_nemo_rl(self, next_token_logprobs: torch.Tensor, data: Mapping[str, Any]) -> LossInputs:
+        """The :class:`LossInputs` this configuration reads from NeMo-RL's data dict (views, no copy)."""
+        return LossInputs.from_nemo_rl(
             next_token_logprobs,
             data,
             need_prev=not self.cfg.force_on_policy_ratio,
             need_reference=self.kl_coef != 0,
         )
-        return self.compute(inputs, global_valid_seqs, global_valid_toks, groups, microbatch)
+
+    def loss_dtype(self, next_token_logprobs: torch.Tensor, data: Mapping[str, Any]) -> torch.dtype:
+        """The dtype of the loss :meth:`__call__` returns for these inputs (``LossInputs.compute_dtype``)."""
+        return self.inputs_from_nemo_rl(next_token_logprobs, data).compute_dtype()
 
     def metric_normalizations(self) -> dict[str, str]:
         """Metric name -> ``tokens`` / ``sequences`` / ``none``, as each metric declares it.
@@ -160,12 +168,7 @@ class CorrectedPGLoss:
                 "sample_mask": torch.ones(B),
                 "rewards": torch.ones(B),
             }
-            inputs = LossInputs.from_nemo_rl(
-                -torch.ones(B, S - 1),
-                data,
-                need_prev=not self.cfg.force_on_policy_ratio,
-                need_reference=self.kl_coef != 0,
-            )
+            inputs = self.inputs_from_nemo_rl(-torch.ones(B, S - 1), data)
             _, metrics = type(self)._tensors(self, inputs, float(B), float(B * (S - 1)), NO_GROUPS)
             self._normalizations = (metrics.normalizations(), tuple(metrics.per_call_names()))
         return self._normalizations

@@ -15,8 +15,11 @@ microbatch instead, and would silently change meaning per sequence:
 * ``positive_example_nll_weight``: the NLL is a mean over the microbatch's tokens of correct
   samples; per sequence each correct sample is averaged alone.
 
-Their inputs (``prev_logprobs``, ``generation_logprobs``, the masks, the rewards) exist before
-the forward pass, so the totals are computed once from the whole microbatch
+With log-probs as input the NeMo-RL glue gathers the wrapper's calls into one call on the
+whole microbatch (:mod:`nemo_rs_plugin.nemo_rl.packing`), and none of this is needed. Where each
+call computes its own sequence (logits as input), the totals are: their inputs
+(``prev_logprobs``, ``generation_logprobs``, the masks, the rewards) exist before the forward
+pass, so they are computed once from the whole microbatch
 (:meth:`CorrectedPGLoss.microbatch_totals <nemo_rs_plugin.core.loss.CorrectedPGLoss.microbatch_totals>`)
 and handed to every per-sequence call. Only where a total would need the *current* policy's
 log-probs of the other sequences (:func:`current_policy_problems`) is that impossible; the

@@ -14,8 +14,6 @@ with the loss in ``nemo_rl.algorithms.loss`` taking next-token log-probs.
 
 from __future__ import annotations
 
-import sys
-import weakref
 from typing import Any, Mapping, Optional
 
 import torch
@@ -46,6 +44,14 @@ from nemo_rs_plugin.nemo_rl.host import (
     per_sequence_packing_problem,
     training_time_filtering_problem,
     v06_semantics,
+)
+from nemo_rs_plugin.nemo_rl.packing import (
+    SequenceGather,
+    TotalsCache,
+    WrapperCall,
+    is_microbatch,
+    loss_callers,
+    per_sequence_wrapper_call,
 )
 
 __all__ = ["RSClippedPGLossFn", "batch_data_parallel_group", "megatron_groups"]
@@ -98,8 +104,10 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         # NeMo-RL sums every metric over calls, microbatches and ranks: per-call metrics would be wrong there.
         self.core = CorrectedPGLoss(config, per_call_metrics=False)
         self._needs_microbatch_totals = needs_microbatch_totals(config)
-        # (weak reference to the wrapper's microbatch, its tensors' key, the totals)
-        self._microbatch_cache: Optional[tuple[Any, tuple, MicrobatchTotals]] = None
+        # Under NeMo-RL's per-sequence packing wrapper (nemo_rs_plugin.nemo_rl.packing): the
+        # sequences gathered into one call, or (logit input) the microbatch totals per call.
+        self._gather = SequenceGather()
+        self._totals = TotalsCache()
         problem = fused_sharded_problem(config.sharded_logits_input, use_fused_linear_logprobs)
         if problem is not None:
             raise ConfigError([problem])
@@ -109,9 +117,9 @@ class RSClippedPGLossFn(ClippedPGLossFn):
             self.metric_normalizations = {k: MetricNormalizer(v) for k, v in self.core.metric_normalizations().items()}
 
     def __getstate__(self) -> dict:
-        """Pickled for NeMo-RL's Ray workers without the last microbatch's totals (a weak reference)."""
+        """Pickled for NeMo-RL's Ray workers without a microbatch's gathered sequences or totals."""
         state = dict(self.__dict__)
-        state["_microbatch_cache"] = None
+        state["_gather"], state["_totals"] = SequenceGather(), TotalsCache()
         return state
 
     def __call__(
@@ -137,15 +145,22 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         if data is None:
             raise TypeError("rs_clipped_pg: the data dict is required")
         dp_group = batch_data_parallel_group(self.rs_config)
+        packed = per_sequence_wrapper_call(self)
         microbatch = None
-        if self._needs_microbatch_totals:  # only then is the caller looked at (no cost otherwise)
-            microbatch = self._per_sequence_totals(_per_sequence_wrapper_frame(self), dp_group)
+        if packed is not None and (self.rs_config.sharded_logits_input or packed.index is None):
+            microbatch = self._per_sequence_totals(packed, dp_group)  # one sequence per call (module docstring)
         if not self.rs_config.sharded_logits_input:
             if next_token_logprobs is None:
                 raise TypeError(
                     "rs_clipped_pg: next_token_logprobs is required (input_type LOGPROB); set "
                     "sharded_logits_input: true to pass logits"
                 )
+            if packed is not None and packed.index is not None:
+                gathered = self._gather.add(packed, next_token_logprobs, data)
+                if gathered is None:  # not the microbatch's last sequence: counted in the last call
+                    dtype = self.core.loss_dtype(next_token_logprobs, data)  # the wrapper sums into this zero
+                    return next_token_logprobs.new_zeros((), dtype=dtype), {}
+                next_token_logprobs, data = gathered
             return self.core(
                 next_token_logprobs,
                 data,
@@ -173,92 +188,54 @@ class RSClippedPGLossFn(ClippedPGLossFn):
             microbatch=microbatch,
         )
 
-    def _per_sequence_totals(self, caller: Any, dp_group: Any) -> Optional[MicrobatchTotals]:
-        """The whole microbatch's totals when NeMo-RL's per-sequence packing wrapper is the caller, else ``None``.
+    def _per_sequence_totals(self, call: WrapperCall, dp_group: Any) -> Optional[MicrobatchTotals]:
+        """The whole microbatch's totals for a per-sequence call computed on its own sequence.
 
-        ``SequencePackingLossWrapper`` calls the loss once per sequence with that sequence's
-        slice of the microbatch; its own ``data`` argument is the whole microbatch. The totals
-        the configuration reads (:mod:`nemo_rs_plugin.core.microbatch`) are computed from it
-        once per microbatch (cached while the wrapper passes the same ``data``), so every
-        sequence is corrected as in one call on the microbatch; with ``is_batch_normalization:
-        data_parallel`` the data-parallel SUM is then issued once per microbatch, as unpacked,
-        whatever the number of sequences a rank holds. ``tests/nemo_rl/test_packing.py`` checks,
-        at every supported NeMo-RL, that the loss, its gradient and the logged metrics equal
-        the unpacked call's.
+        Such a call (logit input, or a wrapper whose position cannot be read:
+        :mod:`nemo_rs_plugin.nemo_rl.packing`) gets its sequence's slice of the microbatch; the
+        wrapper's own ``data`` is the whole microbatch. The totals the configuration reads
+        (:mod:`nemo_rs_plugin.core.microbatch`) are computed from it once per microbatch, so
+        every sequence is corrected as in one call on the microbatch; with
+        ``is_batch_normalization: data_parallel`` the data-parallel SUM is then issued once per
+        microbatch, as unpacked, whatever the number of sequences a rank holds.
+        ``tests/nemo_rl/test_packing.py`` checks, at every supported NeMo-RL, that the loss, its
+        gradient and the logged metrics equal the unpacked call's.
 
         Raises:
             ConfigError: the totals need the current policy's log-probs of every sequence
                 (:func:`~nemo_rs_plugin.core.microbatch.current_policy_problems`), or the
                 wrapper's microbatch cannot be read.
         """
-        if caller is None:
+        if not self._needs_microbatch_totals:
             return None
         problems = current_policy_problems(self.rs_config)
-        full, wrapper = caller.f_locals.get("data"), caller.f_locals["self"]
-        sequences = len(getattr(wrapper, "cu_seqlens_q", ())) - 1
-        if not _is_microbatch(full, sequences):
+        full = call.microbatch
+        if not is_microbatch(full, call.sequences):
             problems.append(
-                f"the packing wrapper's microbatch (its `data`, {sequences} sequences by its cu_seqlens_q) "
+                f"the packing wrapper's microbatch (its `data`, {call.sequences} sequences by its cu_seqlens_q) "
                 "cannot be read here"
             )
         if problems:
-            raise ConfigError([per_sequence_packing_problem(problems)], prefix="")
-        key = _microbatch_key(full)
-        cached = self._microbatch_cache
-        if cached is not None and cached[0]() is full and cached[1] == key:
-            return cached[2]
-        token_mask = full["token_mask"]
-        placeholder = torch.zeros(
-            token_mask.shape[0],
-            token_mask.shape[1] - 1,
-            dtype=full["generation_logprobs"].dtype,
-            device=token_mask.device,
-        )  # the current policy: read by no total the configuration is allowed here
-        inputs = LossInputs.from_nemo_rl(
-            placeholder,
-            full,
-            need_prev=not self.rs_config.force_on_policy_ratio,
-            need_reference=False,
-        )
-        totals = self.core.microbatch_totals(inputs, SequenceGroups.of(data_parallel=dp_group))
-        try:
-            self._microbatch_cache = (weakref.ref(full), key, totals)
-        except TypeError:  # a data dict without weak references: not cached (computed again per call)
-            self._microbatch_cache = None
-        return totals
+            problem = per_sequence_packing_problem(problems, logits_input=self.rs_config.sharded_logits_input)
+            raise ConfigError([problem], prefix="")
 
+        def compute() -> MicrobatchTotals:
+            token_mask = full["token_mask"]
+            placeholder = torch.zeros(
+                token_mask.shape[0],
+                token_mask.shape[1] - 1,
+                dtype=full["generation_logprobs"].dtype,
+                device=token_mask.device,
+            )  # the current policy: read by no total the configuration is allowed here
+            inputs = LossInputs.from_nemo_rl(
+                placeholder,
+                full,
+                need_prev=not self.rs_config.force_on_policy_ratio,
+                need_reference=False,
+            )
+            return self.core.microbatch_totals(inputs, SequenceGroups.of(data_parallel=dp_group))
 
-#: The NeMo-RL wrapper that calls the loss once per sequence (all supported versions).
-PER_SEQUENCE_WRAPPER = "SequencePackingLossWrapper"
-
-
-def _per_sequence_wrapper_frame(loss: Any, max_depth: int = 4) -> Any:
-    """The frame of the ``SequencePackingLossWrapper.__call__`` calling ``loss``, or ``None``.
-
-    Looked for among the ``max_depth`` callers of the loss's ``__call__`` (a decorator or an
-    adapter between the two adds frames): a frame whose ``self`` is that wrapper holding this
-    very loss. Only its code's name is read before its locals, so other frames cost nothing.
-    """
-    for frame in _loss_callers(max_depth):
-        if frame.f_code.co_name == "__call__":
-            caller = frame.f_locals.get("self")
-            if type(caller).__name__ == PER_SEQUENCE_WRAPPER and getattr(caller, "loss_fn", None) is loss:
-                return frame
-    return None
-
-
-def _is_microbatch(data: Any, sequences: int) -> bool:
-    """Whether ``data`` looks like the wrapper's whole microbatch: what the totals read, a row per sequence."""
-    try:
-        return all(data[k].shape[0] == sequences for k in ("token_mask", "sample_mask", "generation_logprobs"))
-    except (KeyError, TypeError, AttributeError, IndexError):
-        return False
-
-
-def _microbatch_key(data: Any) -> tuple:
-    """What the cached totals were computed from: the tensors' storage and in-place version counters."""
-    keys = ("token_mask", "sample_mask", "prev_logprobs", "generation_logprobs", "rewards")
-    return tuple((data[k].data_ptr(), data[k]._version) for k in keys if k in data)
+        return self._totals.get(full, compute)
 
 
 def _callers_sampling_params(max_depth: int = 4) -> Any:
@@ -273,7 +250,7 @@ def _callers_sampling_params(max_depth: int = 4) -> Any:
     """
     import functools
 
-    for frame in _loss_callers(max_depth):
+    for frame in loss_callers(max_depth):
         local = frame.f_locals
         candidate = local.get("prepare_fn")
         if candidate is None and "self" in local:
@@ -281,19 +258,6 @@ def _callers_sampling_params(max_depth: int = 4) -> Any:
         if isinstance(candidate, functools.partial) and "sampling_params" in candidate.keywords:
             return candidate.keywords["sampling_params"]
     return None
-
-
-def _loss_callers(max_depth: int) -> list:
-    """The frames calling ``RSClippedPGLossFn.__call__``, nearest first, at most ``max_depth``.
-
-    For the helpers ``__call__`` calls directly (frame 0 is this function, 1 the helper, 2
-    ``__call__``): what NeMo-RL's wrappers hold that the loss's arguments do not carry.
-    """
-    frames, frame = [], sys._getframe(3)
-    while frame is not None and len(frames) < max_depth:
-        frames.append(frame)
-        frame = frame.f_back
-    return frames
 
 
 def _refuse_training_time_filtering(params: Any) -> None:

@@ -26,6 +26,8 @@ L, P, D, M, MS, IN, IC = (
 # The correction package: filter statistics and decisions, IS weights, the statistics and their
 # reductions, the plan -> reduce -> apply pipeline.
 CF, CW, CS, CP = (f"nemo_rs_plugin/core/correction/{m}.py" for m in ("filters", "weights", "statistics", "pipeline"))
+# The NeMo-RL glue under the per-sequence packing wrapper.
+GLUE, PACK = "nemo_rs_plugin/nemo_rl/loss_fn.py", "nemo_rs_plugin/nemo_rl/packing.py"
 
 MUTANTS: list[Mutant] = [
     # ---- filter bounds are inclusive (docs/guide.md#rejection-sampling): the one bound check
@@ -634,5 +636,30 @@ MUTANTS: list[Mutant] = [
         'return not name.startswith("_") and (per_call or name not in self._per_call)',
         'return not name.startswith("_")',
         "the NeMo-RL loss returns the per-call metrics, which NeMo-RL then sums",
+    ),
+    # ---- sequence packing: the wrapper's calls gathered into one (nemo_rs_plugin/nemo_rl/packing.py)
+    Mutant(
+        PACK,
+        "logprobs = stack(pending.logprobs, lambda r, i: width - 1)",
+        "logprobs = stack(pending.logprobs[::-1], lambda r, i: width - 1)",
+        "the gathered sequences' log-probs stacked in the wrong rows",
+    ),
+    Mutant(
+        PACK,
+        "return WrapperCall(id(frame), sequences, local.get(\"data\"), index if readable else None)",
+        "return WrapperCall(id(frame), sequences, local.get(\"data\"), None)",
+        "the wrapper's position never read: every per-sequence call computed alone (refusals where it gathers)",
+    ),
+    Mutant(
+        PACK,
+        "if k not in full and isinstance(v, torch.Tensor) and v.dim() == 2",
+        "if False",
+        "what the preparation added per sequence (curr_logprobs_unfiltered) dropped from the gathered call",
+    ),
+    Mutant(
+        GLUE,
+        "return next_token_logprobs.new_zeros((), dtype=dtype), {}",
+        "return next_token_logprobs.new_zeros(()), {}",
+        "the wrapper sums into a zero of the log-probs' dtype, not the loss's (float32 for a float64 loss)",
     ),
 ]

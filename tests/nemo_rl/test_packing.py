@@ -9,12 +9,16 @@ per microbatch through ``SequencePackingFusionLossWrapper`` (Megatron with ``fus
 microbatches each, metrics combined by NeMo-RL's driver rule. Here:
 
 * every configuration gives, per sequence and fused, the unpacked call's loss, gradient and
-  metrics (to float64 rounding per sequence; fused to NeMo-RL's float32 log-softmax);
-* a configuration that cannot be made invariant is refused on the per-sequence wrapper's first
-  call with the one message that names ``policy.sequence_packing`` and ``fuse_loss``; which
-  ones is :func:`~nemo_rs_plugin.core.microbatch.current_policy_problems`' decision;
-* with only NeMo-RL's own fields set, the plugin equals NeMo-RL's own loss in every mode
-  (NeMo-RL's ``positive_example_nll_weight`` is the one deliberate difference per sequence).
+  metrics (to float64 rounding per sequence; fused to NeMo-RL's float32 log-softmax); per
+  sequence with log-probs the loss gathers the wrapper's calls into one
+  (``nemo_rs_plugin.nemo_rl.packing``); with logits, or under a wrapper whose position the
+  loss cannot read (``per_sequence_unindexed``, this suite's own loop), each call computes its
+  own sequence with the microbatch totals;
+* there, a configuration that cannot be made invariant is refused on the wrapper's first call
+  with the one message that names ``policy.sequence_packing``; which ones is
+  :func:`~nemo_rs_plugin.core.microbatch.current_policy_problems`' decision;
+* with only NeMo-RL's own fields set, the plugin equals NeMo-RL's own loss unpacked and fused,
+  and its unpacked result per sequence (where NeMo-RL's own NLL and GSPO metric change).
 """
 
 import json
@@ -43,7 +47,7 @@ pytestmark = [
 ]
 
 #: Per sequence the float64 sums run in another order; fused, NeMo-RL computes log-probs in float32.
-TOLERANCE = {"per_sequence": 1e-9, "fused": 2e-6}
+TOLERANCE = {"per_sequence": 1e-9, "fused": 2e-6, "per_sequence_unindexed": 1e-9}
 #: The plugin against NeMo-RL's own loss: the same formulas, arithmetic in another order (GSPO: 7e-9).
 PARITY_TOLERANCE = 1e-7
 _RESULTS: dict = {}
@@ -99,16 +103,21 @@ def differences(got, want, tol):
     return out
 
 
-#: The cases whose totals need the current policy of every sequence: refused per sequence (written
-#: out, not derived from the rule under test).
-REFUSED_PER_SEQUENCE = {
+#: The cases whose totals need the current policy of every sequence (written out, not derived from
+#: the rule under test). With log-probs as input the wrapper's calls are gathered into one: they run.
+CURRENT_POLICY_TOTALS = {
     "rejection_denominator=kept/curr-gen",
     "is_batch_normalization=microbatch/force_on_policy_ratio",
+    "sharded_logits_input=true/rejection_denominator=kept/curr-gen",
+    "sharded_logits_input=true/is_batch_normalization=microbatch/force_on_policy_ratio",
 }
+#: ... with logits as input each call computes its own sequence: refused per sequence.
+REFUSED_PER_SEQUENCE = {name for name in CURRENT_POLICY_TOTALS if name.startswith("sharded_logits_input=true/")}
 
 
-def refusal_expected(name) -> bool:
-    return name in REFUSED_PER_SEQUENCE
+def refusal_expected(name, mode) -> bool:
+    """Refused where each call computes its own sequence: logits as input, or its position unread."""
+    return name in (CURRENT_POLICY_TOTALS if mode == "per_sequence_unindexed" else REFUSED_PER_SEQUENCE)
 
 
 def test_the_matrix_covers_the_configuration():
@@ -120,7 +129,7 @@ def test_the_matrix_covers_the_configuration():
         for name, section in CASES.items()
         if current_policy_problems(RSClippedPGLossConfig.from_any({k: v for k, v in section.items() if k != "name"}))
     }
-    assert ruled == REFUSED_PER_SEQUENCE
+    assert ruled == CURRENT_POLICY_TOTALS
     # the guide states the matrix's size: the one read here
     plugin_cases = sum(not name.startswith("control/") for name in CASES)
     guide = (Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text()
@@ -136,12 +145,15 @@ def test_packed_calls_equal_the_unpacked_call(host, tmp_path_factory):
             continue
         runs = out[name]
         assert "error" not in runs["unpacked"], (name, runs["unpacked"].get("traceback"))
-        for mode in ("per_sequence", "fused"):
+        for mode in ("per_sequence", "fused", "per_sequence_unindexed"):
             run = runs[mode]
-            if mode == "per_sequence" and refusal_expected(name):
+            if mode.startswith("per_sequence") and refusal_expected(name, mode):
                 if not (run.get("type") == "ConfigError" and "policy.sequence_packing" in run.get("error", "")):
                     failures[(name, mode)] = f"not refused: {run.get('error') or 'ran'}"
-                elif "fuse_loss: true" not in run["error"]:
+                elif "fuse_loss: true" not in run["error"] or (
+                    # the logits' own way out: log-probs as input, gathered
+                    ("sharded_logits_input: false" in run["error"]) != bool(section.get("sharded_logits_input"))
+                ):
                     failures[(name, mode)] = f"the refusal does not say what to set: {run['error']}"
                 continue
             if mode == "fused" and section.get("sharded_logits_input"):
@@ -152,8 +164,8 @@ def test_packed_calls_equal_the_unpacked_call(host, tmp_path_factory):
                 failures[(name, mode)] = run.get("traceback") or run["error"]
                 continue
             diff = differences(run, runs["unpacked"], TOLERANCE[mode])
-            # NeMo-RL's own GSPO metric (its [B, 1] weight broadcast, kept for parity) is not a sum
-            if section.get("sequence_level_importance_ratios") and "is_correction_level" not in section:
+            if mode == "per_sequence_unindexed" and section.get("sequence_level_importance_ratios"):
+                # per sequence, NeMo-RL's own GSPO metric (its [B, 1] weight broadcast, kept for parity) is no sum
                 diff = [d for d in diff if not d.startswith("sampling_importance_ratio:")]
             if diff:
                 failures[(name, mode)] = diff
@@ -168,15 +180,18 @@ def test_packed_calls_equal_the_unpacked_call(host, tmp_path_factory):
 # pins those differences); the packing tests above still run at v0.6.0.
 @pytest.mark.parametrize("host", [h for h in HOSTS if host_label(h) != "v0.6.0"], ids=host_label)
 def test_nemo_rl_fields_alone_equal_nemo_rl_own_loss_in_every_mode(host, tmp_path_factory):
+    """Per sequence the plugin gives NeMo-RL's *unpacked* result; fused, NeMo-RL's fused one.
+
+    Per sequence NeMo-RL's own loss departs from its unpacked result in two places (the control
+    below pins them): its NLL is averaged over each sequence alone, and its GSPO
+    ``sampling_importance_ratio`` is not a sum. The plugin gathers the wrapper's calls into the
+    unpacked call, so it keeps the unpacked meaning there too.
+    """
     out = results(host, tmp_path_factory)
     for name in UPSTREAM_ONLY:
         for mode in ("unpacked", "per_sequence", "fused"):
-            plugin, own = out[name][mode], out[f"control/{name}"][mode]
-            if name == "upstream/nll" and mode == "per_sequence":
-                # NeMo-RL averages the NLL over each sequence alone here (so its loss changes with
-                # packing); the plugin over the microbatch, as unpacked.
-                assert differences(own, out[f"control/{name}"]["unpacked"], 1e-9) != []
-                continue
+            plugin = out[name][mode]
+            own = out[f"control/{name}"]["unpacked" if mode == "per_sequence" else mode]
             own_metrics = {k: v for k, v in plugin["metrics"].items() if k in own["metrics"]}
             assert set(own["metrics"]) <= set(plugin["metrics"]), (name, mode)
             # as close as the two losses' float64 arithmetic allows (the live parity test's own bar is 1e-4)
@@ -193,8 +208,10 @@ def test_nemo_rl_own_loss_is_packing_invariant_where_the_plugin_claims_parity(ho
         runs = out[f"control/{name}"]
         for mode in ("per_sequence", "fused"):
             diff = differences(runs[mode], runs["unpacked"], TOLERANCE[mode])
-            if name == "upstream/gspo":
-                diff = [d for d in diff if not d.startswith("sampling_importance_ratio:")]
+            if name == "upstream/gspo":  # its [B, 1] weight broadcast: per sequence not a sum (7.99 -> 16.5 here)
+                gspo_metric = [d for d in diff if d.startswith("sampling_importance_ratio:")]
+                assert (mode == "per_sequence") == bool(gspo_metric), (mode, diff)
+                diff = [d for d in diff if d not in gspo_metric]
             if host_label(host) == "v0.6.0":  # v0.6.0's is_oob_ratio is a mean of this call (v0.7.0 on: a sum)
                 diff = [d for d in diff if not d.startswith("is_oob_ratio:")]
             if name == "upstream/nll" and mode == "per_sequence":

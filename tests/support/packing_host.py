@@ -9,7 +9,9 @@ microbatches in the three ways NeMo-RL does:
 * ``per_sequence``: ``SequencePackingLossWrapper`` over the sequences packed back to back
   (Megatron without ``fuse_loss``, the DTensor worker, automodel);
 * ``fused``: ``SequencePackingFusionLossWrapper`` with ``prepare_packed_loss_input`` (Megatron
-  with ``sequence_packing.fuse_loss: true``), on a one-rank gloo tensor-parallel group.
+  with ``sequence_packing.fuse_loss: true``), on a one-rank gloo tensor-parallel group;
+* ``per_sequence_unindexed``: a per-sequence wrapper of this file's own whose position the loss
+  cannot read (its fallback: each call on its own sequence, with the microbatch totals).
 
 Each mode runs two microbatches with the step's global counts; the per-microbatch metrics are
 combined as NeMo-RL's GRPO driver does (``aggregate_step_metrics`` where the host has it, else
@@ -19,6 +21,7 @@ summed microbatch losses with respect to the logits, mapped back to ``[B, S, V]`
 """
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -146,6 +149,10 @@ def _call(mode, loss_fn, logits, data, lengths, gvs, gvt, pad_multiple=1):
     for i, (n, p) in enumerate(zip(lengths, padded)):
         segments += [leaf[i, :n], torch.zeros(p - n, V, dtype=leaf.dtype)]
     packed = torch.cat(segments).unsqueeze(0)
+    if mode == "per_sequence_unindexed":
+        loss, metrics = _unindexed_wrapper(host_loss, loss_fn)(packed, batch, cu, cu_padded, gvs, gvt)
+        loss.backward()
+        return loss, metrics, leaf.grad
     if mode == "per_sequence":
         wrapper = host_loss.SequencePackingLossWrapper(
             loss_fn=loss_fn,
@@ -169,6 +176,51 @@ def _call(mode, loss_fn, logits, data, lengths, gvs, gvt, pad_multiple=1):
     return loss, metrics, leaf.grad
 
 
+_FOLD = {
+    "probs_ratio_min": min,
+    "probs_ratio_clamped_min": min,
+    "probs_ratio_max": max,
+    "probs_ratio_clamped_max": max,
+}
+
+
+def _unindexed_wrapper(host_loss, loss_fn):
+    """A per-sequence wrapper whose loop keeps its position under another name than NeMo-RL's.
+
+    The loss cannot read which sequence a call is (``nemo_rs_plugin.nemo_rl.packing``): it
+    computes each call on its own sequence with the microbatch totals. Written here, on
+    NeMo-RL's interfaces (its ``prepare_loss_input``, the wrapper's class name and ``loss_fn``).
+    """
+
+    class SequencePackingLossWrapper:
+        def __init__(self, loss_fn):
+            self.loss_fn = loss_fn
+            self.cu_seqlens_q = None
+
+        def __call__(self, packed, data, cu, cu_padded, gvs, gvt):
+            self.cu_seqlens_q = cu
+            total, summed = 0, {}
+            lengths = (cu[1:] - cu[:-1]).tolist()
+            for position, (start, end) in enumerate(zip(cu_padded[:-1].tolist(), cu_padded[1:].tolist())):
+                n = lengths[position]  # the sequence's data unpadded, its logits as packed (padded)
+                one = {
+                    k: (v[position : position + 1, :n] if v.dim() > 1 else v[position : position + 1])
+                    for k, v in data.items()
+                }
+                loss_input, one = host_loss.prepare_loss_input(packed[:, start:end], one, self.loss_fn)
+                loss, metrics = self.loss_fn(data=one, global_valid_seqs=gvs, global_valid_toks=gvt, **loss_input)
+                total = total + loss
+                for k, v in metrics.items():  # NeMo-RL's rule: min / max of the finite ratio extremes, else a sum
+                    v, fold = float(v), _FOLD.get(k)
+                    if fold is None:
+                        summed[k] = summed.get(k, 0.0) + v
+                    elif not math.isinf(v):
+                        summed[k] = fold(summed[k], v) if k in summed else v
+            return total, summed
+
+    return SequencePackingLossWrapper(loss_fn)
+
+
 def _build(section):
     from nemo_rl.algorithms import grpo
     from nemo_rl.algorithms import loss as host_loss
@@ -188,7 +240,7 @@ def _host_defaults():
     return {k: v for k, v in NeMoRLLossFields().model_dump().items() if k != "name"}
 
 
-def run_case(section, modes=("unpacked", "per_sequence", "fused")):
+def run_case(section, modes=("unpacked", "per_sequence", "fused", "per_sequence_unindexed")):
     batches = _microbatches()
     gvs, gvt = _global_counts(batches)
     pad_multiple = 2 if section.get("sharded_logits_input") else 1  # its layout: 2 * cp positions

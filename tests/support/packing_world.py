@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import sys
 
-#: Batch normalisation over the data-parallel group: made invariant (the totals come from the microbatch).
+#: Batch normalisation over the data-parallel group (the sequences gathered into one call per microbatch).
 DATA_PARALLEL = {
     "use_importance_sampling_correction": True,
     "is_correction_level": "sequence_mean",
     "is_batch_normalization": "data_parallel",
 }
-#: The same with a forced on-policy ratio: the weights need the current policy's log-probs: refused.
+#: The same with a forced on-policy ratio: the weights need every sequence's current log-probs.
 DATA_PARALLEL_ON_POLICY = {**DATA_PARALLEL, "is_correction_level": "token", "force_on_policy_ratio": True}
 
 
@@ -30,7 +30,6 @@ def check_data_parallel_packing(rank: int, world_size: int, host: str) -> list[s
     import torch
     from megatron.core import parallel_state
 
-    from nemo_rs_plugin.core.config import ConfigError
     from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
     from tests.support import packing_host as ph  # installs the CPU shims before NeMo-RL's import
 
@@ -40,36 +39,31 @@ def check_data_parallel_packing(rank: int, world_size: int, host: str) -> list[s
         batches = ph._microbatches()
         gvs, gvt = ph._global_counts(batches)
         logits, data, lengths = batches[rank]
-        out = {}
-        for mode in ("unpacked", "per_sequence"):
-            loss, metrics, grad = ph._call(mode, RSClippedPGLossFn(DATA_PARALLEL), logits, data, lengths, gvs, gvt)
-            out[mode] = (loss.detach(), metrics, grad)
-        (loss_u, metrics_u, grad_u), (loss_p, metrics_p, grad_p) = out["unpacked"], out["per_sequence"]
-        if not torch.allclose(loss_p, loss_u, rtol=1e-9, atol=1e-12):
-            failures.append(f"loss {float(loss_p)} != unpacked {float(loss_u)}")
-        if not torch.allclose(grad_p, grad_u, rtol=1e-9, atol=1e-12):
-            failures.append(f"gradient off by {float((grad_p - grad_u).abs().max()):.3g}")
-        for k, v in metrics_u.items():
-            if abs(metrics_p[k] - v) > 1e-9 * max(1.0, abs(v)):
-                failures.append(f"metric {k}: {metrics_p[k]} != unpacked {v}")
-        # the normalisation really is over both ranks: its factor differs from this rank's own mean
-        own = ph._call(
-            "unpacked",
-            RSClippedPGLossFn({**DATA_PARALLEL, "is_batch_normalization": "microbatch"}),
-            logits,
-            data,
-            lengths,
-            gvs,
-            gvt,
-        )[0]
-        if torch.allclose(own.detach(), loss_u, rtol=1e-6):
-            failures.append("data_parallel normalisation gave the microbatch's own result")
-        try:
-            ph._call("per_sequence", RSClippedPGLossFn(DATA_PARALLEL_ON_POLICY), logits, data, lengths, gvs, gvt)
-            failures.append("force_on_policy_ratio with data_parallel normalisation was not refused per sequence")
-        except ConfigError as exc:
-            if "policy.sequence_packing" not in str(exc):
-                failures.append(f"refused without naming the packing setting: {exc}")
+        for label, cfg in (("data_parallel", DATA_PARALLEL), ("data_parallel+on_policy", DATA_PARALLEL_ON_POLICY)):
+            out = {}
+            for mode in ("unpacked", "per_sequence"):
+                loss, metrics, grad = ph._call(mode, RSClippedPGLossFn(cfg), logits, data, lengths, gvs, gvt)
+                out[mode] = (loss.detach(), metrics, grad)
+            (loss_u, metrics_u, grad_u), (loss_p, metrics_p, grad_p) = out["unpacked"], out["per_sequence"]
+            if not torch.allclose(loss_p, loss_u, rtol=1e-9, atol=1e-12):
+                failures.append(f"{label}: loss {float(loss_p)} != unpacked {float(loss_u)}")
+            if not torch.allclose(grad_p, grad_u, rtol=1e-9, atol=1e-12):
+                failures.append(f"{label}: gradient off by {float((grad_p - grad_u).abs().max()):.3g}")
+            for k, v in metrics_u.items():
+                if abs(metrics_p[k] - v) > 1e-9 * max(1.0, abs(v)):
+                    failures.append(f"{label}: metric {k}: {metrics_p[k]} != unpacked {v}")
+            # the normalisation really is over both ranks: its factor differs from this rank's own mean
+            own = ph._call(
+                "unpacked",
+                RSClippedPGLossFn({**cfg, "is_batch_normalization": "microbatch"}),
+                logits,
+                data,
+                lengths,
+                gvs,
+                gvt,
+            )[0]
+            if torch.allclose(own.detach(), loss_u, rtol=1e-6):
+                failures.append(f"{label}: data_parallel normalisation gave the microbatch's own result")
     finally:
         parallel_state.destroy_model_parallel()
     return failures

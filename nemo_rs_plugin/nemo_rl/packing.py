@@ -1,0 +1,219 @@
+"""The loss under NeMo-RL's per-sequence packing wrapper: its calls gathered into the unpacked call.
+
+With ``policy.sequence_packing.enabled`` NeMo-RL's ``SequencePackingLossWrapper`` (Megatron
+without ``fuse_loss``, the DTensor worker, automodel) calls the loss once per packed sequence:
+for ``i`` in ``0 .. n - 1`` it slices sequence ``i`` out of the packed logits and out of the
+microbatch (``data``), prepares its next-token log-probs, calls the loss on them (``B = 1``)
+and sums the returned losses and metrics (``SPEC.md``, "How NeMo-RL calls the loss").
+
+Log-prob input (the default): :class:`SequenceGather`. Calls ``0 .. n - 2`` only keep their
+sequence's log-probs (and anything the preparation added to its data) and return a zero
+loss and no metrics; call ``n - 1`` pads the ``n`` rows to the microbatch's width, stacks
+them and runs the loss once on the whole microbatch, the wrapper's own ``data``:
+
+    sum_i loss_i = 0 + ... + 0 + loss(stack_i logprobs_i, data) = the unpacked call's loss,
+
+and likewise every metric and, through the stack, the gradient of every sequence's
+log-probs. Batch-level settings therefore mean what they mean unpacked, and the loss's
+fixed cost per call (checks, metric bookkeeping, the one host transfer) is paid once per
+microbatch instead of once per sequence. The position of a call is read from the wrapper's
+frame (its ``seq_idx``, NeMo-RL v0.6.0 to main): exact, not counted; calls out of order are
+an error.
+
+Logit input (``sharded_logits_input``, or a wrapper whose position cannot be read): each
+call is computed on its own sequence, with the microbatch totals of
+:mod:`nemo_rs_plugin.core.microbatch` read from the wrapper's ``data`` (:class:`TotalsCache`);
+the settings whose totals need the current policy of other sequences are refused there.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Callable, Mapping, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from nemo_rs_plugin.core.microbatch import MicrobatchTotals
+
+__all__ = [
+    "PER_SEQUENCE_WRAPPER",
+    "SequenceGather",
+    "TotalsCache",
+    "WrapperCall",
+    "loss_callers",
+    "per_sequence_wrapper_call",
+]
+
+#: The NeMo-RL wrapper that calls the loss once per sequence (all supported versions).
+PER_SEQUENCE_WRAPPER = "SequencePackingLossWrapper"
+
+
+class WrapperCall(NamedTuple):
+    """One call of the loss by the per-sequence wrapper, as read from the wrapper's frame.
+
+    Attributes:
+        frame_id: ``id`` of the wrapper's running frame: one wrapper call (one microbatch).
+        sequences: the wrapper's sequence count (``len(cu_seqlens_q) - 1``).
+        microbatch: the wrapper's ``data``: the whole microbatch, unpacked and padded.
+        index: which sequence this call is (the wrapper's ``seq_idx``), ``None`` where unreadable.
+    """
+
+    frame_id: int
+    sequences: int
+    microbatch: Any
+    index: Optional[int]
+
+
+def loss_callers(max_depth: int) -> list:
+    """The frames calling ``RSClippedPGLossFn.__call__``, nearest first, at most ``max_depth``.
+
+    For the helpers ``__call__`` calls directly (frame 0 is this function, 1 the helper, 2
+    ``__call__``): what NeMo-RL's wrappers hold that the loss's arguments do not carry.
+    """
+    frames, frame = [], sys._getframe(3)
+    while frame is not None and len(frames) < max_depth:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames
+
+
+def per_sequence_wrapper_call(loss: Any, max_depth: int = 4) -> Optional[WrapperCall]:
+    """The per-sequence wrapper's call of ``loss`` (from a helper of ``loss.__call__``), or ``None``.
+
+    Looked for among the ``max_depth`` callers of the loss's ``__call__`` (a decorator or an
+    adapter between the two adds frames): a frame whose ``self`` is that wrapper holding this
+    very loss. Only its code's name is read before its locals, so other frames cost nothing.
+    """
+    for frame in loss_callers(max_depth):
+        if frame.f_code.co_name != "__call__":
+            continue
+        local = frame.f_locals
+        wrapper = local.get("self")
+        if type(wrapper).__name__ == PER_SEQUENCE_WRAPPER and getattr(wrapper, "loss_fn", None) is loss:
+            sequences = len(getattr(wrapper, "cu_seqlens_q", ())) - 1
+            index = local.get("seq_idx")
+            readable = isinstance(index, int) and 0 <= index < sequences
+            return WrapperCall(id(frame), sequences, local.get("data"), index if readable else None)
+    return None
+
+
+def is_microbatch(data: Any, sequences: int) -> bool:
+    """Whether ``data`` looks like the wrapper's whole microbatch: a row per sequence."""
+    try:
+        return all(data[k].shape[0] == sequences for k in ("token_mask", "sample_mask", "generation_logprobs"))
+    except (KeyError, TypeError, AttributeError, IndexError):
+        return False
+
+
+class _Pending(NamedTuple):
+    frame_id: int
+    microbatch: Any
+    logprobs: list
+    data: list
+
+
+class SequenceGather:
+    """Keeps the per-sequence wrapper's calls of one microbatch; the last returns the whole microbatch."""
+
+    def __init__(self) -> None:
+        self._pending: Optional[_Pending] = None
+
+    def clear(self) -> None:
+        """Forget a microbatch whose calls stopped part-way (the wrapper raised)."""
+        self._pending = None
+
+    def add(self, call: WrapperCall, logprobs: torch.Tensor, data: Mapping[str, Any]) -> Optional[tuple]:
+        """Keep call ``call.index``'s inputs; on the last, ``(logprobs [n, T - 1], data)`` of the microbatch.
+
+        ``None`` for every call before the last (its caller returns a zero loss, no metrics).
+
+        Raises:
+            RuntimeError: a call for a sequence out of the wrapper's order (no call 0 for this
+                wrapper call, or the same sequence twice).
+            ValueError: a sequence's log-probs are not ``[1, L - 1]`` for its ``L`` data columns.
+        """
+        assert call.index is not None
+        if call.index == 0:
+            self._pending = _Pending(call.frame_id, call.microbatch, [None] * call.sequences, [None] * call.sequences)
+        pending = self._pending
+        if (
+            pending is None
+            or pending.frame_id != call.frame_id
+            or pending.microbatch is not call.microbatch
+            or pending.logprobs[call.index] is not None
+        ):
+            self._pending = None
+            raise RuntimeError(
+                f"rs_clipped_pg: SequencePackingLossWrapper called the loss for sequence {call.index} of "
+                f"{call.sequences} out of order (expected 0, 1, ..., {call.sequences - 1} within one wrapper call)"
+            )
+        width = data["token_mask"].shape[-1]
+        if logprobs.dim() != 2 or logprobs.shape[0] != 1 or logprobs.shape[1] != width - 1:
+            self._pending = None
+            raise ValueError(
+                f"rs_clipped_pg: sequence {call.index} of the packed microbatch has next_token_logprobs of shape "
+                f"{tuple(logprobs.shape)} for {width} token_mask columns; expected (1, {width - 1})"
+            )
+        pending.logprobs[call.index] = logprobs
+        pending.data[call.index] = data
+        if call.index < call.sequences - 1:
+            return None
+        self._pending = None
+        return _stacked(pending)
+
+
+def _stacked(pending: _Pending) -> tuple[torch.Tensor, Mapping[str, Any]]:
+    """The microbatch's ``[n, T - 1]`` log-probs and its data, as the unpacked call receives them.
+
+    A row's positions past its sequence are padding (``token_mask`` 0 there); they hold 0.
+    Data the preparation added per sequence (e.g. ``curr_logprobs_unfiltered`` under
+    training-time top-k/top-p) is stacked the same way; the rest is the wrapper's ``data``.
+    """
+    full = pending.microbatch
+    width = full["token_mask"].shape[-1]
+
+    def stack(rows: list[torch.Tensor], row_width: Callable[[torch.Tensor, int], int]) -> torch.Tensor:
+        return torch.cat([F.pad(r, (0, row_width(r, i) - r.shape[-1])) for i, r in enumerate(rows)], 0)
+
+    logprobs = stack(pending.logprobs, lambda r, i: width - 1)
+    added = {
+        k: stack(
+            [d[k] for d in pending.data],
+            # as long as the sequence's token_mask is short of the microbatch's
+            lambda r, i: r.shape[-1] + width - pending.data[i]["token_mask"].shape[-1],
+        )
+        for k, v in pending.data[-1].items()
+        if k not in full and isinstance(v, torch.Tensor) and v.dim() == 2
+    }
+    return logprobs, ({**full, **added} if added else full)
+
+
+def microbatch_key(data: Any) -> tuple:
+    """What cached totals were computed from: the tensors' storage and in-place version counters."""
+    keys = ("token_mask", "sample_mask", "prev_logprobs", "generation_logprobs", "rewards")
+    return tuple((data[k].data_ptr(), data[k]._version) for k in keys if k in data)
+
+
+class TotalsCache:
+    """The last microbatch's totals, kept while the wrapper passes the same (unchanged) ``data``."""
+
+    def __init__(self) -> None:
+        self._entry: Optional[tuple[Any, tuple, MicrobatchTotals]] = None
+
+    def clear(self) -> None:
+        self._entry = None
+
+    def get(self, full: Any, compute: Callable[[], MicrobatchTotals]) -> MicrobatchTotals:
+        """The totals of ``full``: cached by weak reference and :func:`microbatch_key`, else ``compute()``."""
+        key = microbatch_key(full)
+        entry = self._entry
+        if entry is not None and entry[0]() is full and entry[1] == key:
+            return entry[2]
+        totals = compute()
+        try:
+            self._entry = (weakref.ref(full), key, totals)
+        except TypeError:  # a data dict without weak references: not cached (computed again per call)
+            self._entry = None
+        return totals
