@@ -2,11 +2,13 @@
 
 Under sequence packing without ``fuse_loss`` (Megatron's default, the DTensor worker,
 automodel) NeMo-RL's ``SequencePackingLossWrapper`` calls the loss once per packed sequence,
-``B = 1`` and a few hundred tokens: there the loss's fixed per-call cost, not its arithmetic,
-sets the time. Measured here, forward + backward, in one process, for each configuration:
+``B = 1`` and a few hundred tokens: there a loss's fixed per-call cost, not its arithmetic,
+sets the time (the plugin gathers those calls into one per microbatch with log-probs as
+input: nemo_rs_plugin/nemo_rl/packing.py). Measured here, forward + backward, in one process,
+for each configuration:
 
-  B = 1           one loss call on one 512-token sequence, next-token log-probs given directly
-                  (as the per-sequence wrapper's prepared call gives them): plugin / NeMo-RL;
+  B = 1           one lone loss call on one 512-token sequence (NeMo-RL with micro-batch size 1
+                  and packing off), next-token log-probs given directly: plugin / NeMo-RL;
   packed          NeMo-RL's real ``SequencePackingLossWrapper`` with its ``prepare_loss_input``
                   (from the NeMo-RL checkout on PYTHONPATH) over 32 packed sequences of lengths
                   drawn uniformly from 64-512 tokens (seed 0), vocabulary V = 64 so that the
