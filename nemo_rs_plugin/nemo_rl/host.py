@@ -252,7 +252,7 @@ def training_time_filtering_problem(top_k: Any, top_p: Any) -> Optional[str]:
     )
 
 
-def per_sequence_packing_problem(problems: list[str], logits_input: bool = True) -> str:
+def per_sequence_packing_problem(problems: list[str], *, logits_input: bool) -> str:
     """The one message for a configuration that NeMo-RL's per-sequence packing wrapper would change.
 
     Read by the loss (on the wrapper's first call) and by ``nemo-rs check`` (from the recipe).
@@ -261,15 +261,15 @@ def per_sequence_packing_problem(problems: list[str], logits_input: bool = True)
     """
     if logits_input:
         why = "each call computes its own sequence where the loss takes logits (sharded_logits_input: true)"
-        fixes = "sharded_logits_input: false (log-probs: the calls are gathered into one per microbatch), or "
+        # NeMo-RL's fused packing takes log-probs only: fuse_loss is no way out for logits
+        fixes = "sharded_logits_input: false (log-probs: the calls are gathered into one per microbatch)"
     else:
         why = "this wrapper does not say which sequence a call is (no seq_idx), so each call computes its own"
-        fixes = ""
+        fixes = "policy.sequence_packing.fuse_loss: true (Megatron backend: one call per microbatch)"
     return (
         "policy.sequence_packing: enabled without fuse_loss, so NeMo-RL calls this loss once per sequence "
         f"(SequencePackingLossWrapper), {why}, and "
         + "; ".join(problems)
-        + f": those exist only one sequence at a time there. Set {fixes}"
-        "policy.sequence_packing.fuse_loss: true (Megatron backend: one call per microbatch, log-probs only), "
-        "or policy.sequence_packing.enabled: false, or remove the setting"
+        + f": those exist only one sequence at a time there. Set {fixes}, or policy.sequence_packing.enabled: "
+        "false, or remove the setting"
     )

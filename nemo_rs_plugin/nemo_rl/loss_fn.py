@@ -155,7 +155,9 @@ class RSClippedPGLossFn(ClippedPGLossFn):
                     "rs_clipped_pg: next_token_logprobs is required (input_type LOGPROB); set "
                     "sharded_logits_input: true to pass logits"
                 )
-            if packed is not None and packed.index is not None:
+            if packed is None or packed.index is None:
+                self._gather.clear()  # nothing of a wrapper call that stopped part-way outlives it
+            else:
                 gathered = self._gather.add(packed, next_token_logprobs, data)
                 if gathered is None:  # not the microbatch's last sequence: counted in the last call
                     dtype = self.core.loss_dtype(next_token_logprobs, data)  # the wrapper sums into this zero

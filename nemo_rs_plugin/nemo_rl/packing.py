@@ -93,9 +93,10 @@ def per_sequence_wrapper_call(loss: Any, max_depth: int = 4) -> Optional[Wrapper
         wrapper = local.get("self")
         if type(wrapper).__name__ == PER_SEQUENCE_WRAPPER and getattr(wrapper, "loss_fn", None) is loss:
             sequences = len(getattr(wrapper, "cu_seqlens_q", ())) - 1
-            index = local.get("seq_idx")
-            readable = isinstance(index, int) and 0 <= index < sequences
-            return WrapperCall(id(frame), sequences, local.get("data"), index if readable else None)
+            index, microbatch = local.get("seq_idx"), local.get("data")
+            # gathered only where the position and the whole microbatch are both what they should be
+            readable = isinstance(index, int) and 0 <= index < sequences and is_microbatch(microbatch, sequences)
+            return WrapperCall(id(frame), sequences, microbatch, index if readable else None)
     return None
 
 
@@ -180,7 +181,7 @@ def _stacked(pending: _Pending) -> tuple[torch.Tensor, Mapping[str, Any]]:
     logprobs = stack(pending.logprobs, lambda r, i: width - 1)
     added = {
         k: stack(
-            [d[k] for d in pending.data],
+            [_per_token(d, k) for d in pending.data],
             # as long as the sequence's token_mask is short of the microbatch's
             lambda r, i: r.shape[-1] + width - pending.data[i]["token_mask"].shape[-1],
         )
@@ -188,6 +189,20 @@ def _stacked(pending: _Pending) -> tuple[torch.Tensor, Mapping[str, Any]]:
         if k not in full and isinstance(v, torch.Tensor) and v.dim() == 2
     }
     return logprobs, ({**full, **added} if added else full)
+
+
+def _per_token(data: Mapping[str, Any], key: str) -> torch.Tensor:
+    """``data[key]``, checked to be one row per token (``S`` or ``S - 1`` wide, as ``token_mask`` is ``S``)."""
+    width = data["token_mask"].shape[-1]
+    value = data.get(key)
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[-1] not in (width, width - 1):
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"rs_clipped_pg: {key!r}, added to the packed sequences' data by NeMo-RL's preparation, is {shape} "
+            f"in a sequence whose token_mask has {width} columns: expected (1, {width}) or (1, {width - 1}) "
+            "in every sequence, to be stacked into the microbatch"
+        )
+    return value
 
 
 def microbatch_key(data: Any) -> tuple:

@@ -646,8 +646,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         PACK,
-        "return WrapperCall(id(frame), sequences, local.get(\"data\"), index if readable else None)",
-        "return WrapperCall(id(frame), sequences, local.get(\"data\"), None)",
+        "return WrapperCall(id(frame), sequences, microbatch, index if readable else None)",
+        "return WrapperCall(id(frame), sequences, microbatch, None)",
         "the wrapper's position never read: every per-sequence call computed alone (refusals where it gathers)",
     ),
     Mutant(

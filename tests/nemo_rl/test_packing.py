@@ -47,7 +47,7 @@ pytestmark = [
 ]
 
 #: Per sequence the float64 sums run in another order; fused, NeMo-RL computes log-probs in float32.
-TOLERANCE = {"per_sequence": 1e-9, "fused": 2e-6, "per_sequence_unindexed": 1e-9}
+TOLERANCE = {"per_sequence": 1e-9, "fused": 2e-6, "per_sequence_unindexed": 1e-9, "per_sequence_megatron": 1e-9}
 #: The plugin against NeMo-RL's own loss: the same formulas, arithmetic in another order (GSPO: 7e-9).
 PARITY_TOLERANCE = 1e-7
 _RESULTS: dict = {}
@@ -145,15 +145,18 @@ def test_packed_calls_equal_the_unpacked_call(host, tmp_path_factory):
             continue
         runs = out[name]
         assert "error" not in runs["unpacked"], (name, runs["unpacked"].get("traceback"))
-        for mode in ("per_sequence", "fused", "per_sequence_unindexed"):
+        for mode in ("per_sequence", "fused", "per_sequence_unindexed", "per_sequence_megatron"):
+            if mode not in runs:  # per_sequence_megatron: log-prob input only
+                continue
             run = runs[mode]
             if mode.startswith("per_sequence") and refusal_expected(name, mode):
                 if not (run.get("type") == "ConfigError" and "policy.sequence_packing" in run.get("error", "")):
                     failures[(name, mode)] = f"not refused: {run.get('error') or 'ran'}"
-                elif "fuse_loss: true" not in run["error"] or (
-                    # the logits' own way out: log-probs as input, gathered
-                    ("sharded_logits_input: false" in run["error"]) != bool(section.get("sharded_logits_input"))
-                ):
+                elif (
+                    "sharded_logits_input: false" if section.get("sharded_logits_input") else "fuse_loss: true"
+                ) not in run[
+                    "error"
+                ]:  # the way out: logits -> log-probs (gathered); an unreadable wrapper -> NeMo-RL's fused wrapper
                     failures[(name, mode)] = f"the refusal does not say what to set: {run['error']}"
                 continue
             if mode == "fused" and section.get("sharded_logits_input"):

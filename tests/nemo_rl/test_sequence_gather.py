@@ -96,3 +96,11 @@ def test_log_probs_that_do_not_fit_their_sequence_are_a_clear_error():
     wrong = torch.zeros(1, LENGTHS[0], dtype=torch.float64)  # one column too many
     with pytest.raises(ValueError, match=r"shape \(1, 5\) for 5 token_mask columns; expected \(1, 4\)"):
         gather.add(WrapperCall(1, 3, full, 0), wrong, _sequence(full, 0))
+
+
+def test_added_data_that_is_not_per_token_is_a_clear_error():
+    full, gather = _microbatch(), SequenceGather()
+    for i in range(2):
+        gather.add(WrapperCall(1, 3, full, i), _logprobs(i), {**_sequence(full, i), "extra": torch.zeros(1, 9)})
+    with pytest.raises(ValueError, match=r"'extra', added to the packed sequences' data .* is \(1, 9\)"):
+        gather.add(WrapperCall(1, 3, full, 2), _logprobs(2), {**_sequence(full, 2), "extra": torch.zeros(1, 9)})

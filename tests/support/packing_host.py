@@ -11,7 +11,9 @@ microbatches in the three ways NeMo-RL does:
 * ``fused``: ``SequencePackingFusionLossWrapper`` with ``prepare_packed_loss_input`` (Megatron
   with ``sequence_packing.fuse_loss: true``), on a one-rank gloo tensor-parallel group;
 * ``per_sequence_unindexed``: a per-sequence wrapper of this file's own whose position the loss
-  cannot read (its fallback: each call on its own sequence, with the microbatch totals).
+  cannot read (its fallback: each call on its own sequence, with the microbatch totals);
+* ``per_sequence_megatron``: ``SequencePackingLossWrapper`` as Megatron builds it, sequences
+  padded to a multiple of 4 and the padded boundaries as ``cu_seqlens_q`` (log-prob input).
 
 Each mode runs two microbatches with the step's global counts; the per-microbatch metrics are
 combined as NeMo-RL's GRPO driver does (``aggregate_step_metrics`` where the host has it, else
@@ -153,11 +155,13 @@ def _call(mode, loss_fn, logits, data, lengths, gvs, gvt, pad_multiple=1):
         loss, metrics = _unindexed_wrapper(host_loss, loss_fn)(packed, batch, cu, cu_padded, gvs, gvt)
         loss.backward()
         return loss, metrics, leaf.grad
-    if mode == "per_sequence":
+    if mode in ("per_sequence", "per_sequence_megatron"):
         wrapper = host_loss.SequencePackingLossWrapper(
             loss_fn=loss_fn,
             prepare_fn=host_loss.prepare_loss_input,
-            cu_seqlens_q=cu,
+            # Megatron hands the wrapper its padded boundaries as cu_seqlens_q too (a sequence's
+            # data then has its padding columns: token_mask 0 there)
+            cu_seqlens_q=cu_padded if mode == "per_sequence_megatron" else cu,
             cu_seqlens_q_padded=cu_padded if pad_multiple > 1 else None,
         )
     else:
@@ -240,12 +244,16 @@ def _host_defaults():
     return {k: v for k, v in NeMoRLLossFields().model_dump().items() if k != "name"}
 
 
-def run_case(section, modes=("unpacked", "per_sequence", "fused", "per_sequence_unindexed")):
+def run_case(section, modes=("unpacked", "per_sequence", "fused", "per_sequence_unindexed", "per_sequence_megatron")):
     batches = _microbatches()
     gvs, gvt = _global_counts(batches)
-    pad_multiple = 2 if section.get("sharded_logits_input") else 1  # its layout: 2 * cp positions
     out = {}
     for mode in modes:
+        pad_multiple = 2 if section.get("sharded_logits_input") else 1  # its layout: 2 * cp positions
+        if mode == "per_sequence_megatron":
+            if section.get("sharded_logits_input"):
+                continue  # its per_sequence mode already has padded sequences
+            pad_multiple = 4
         try:
             loss_fn = _build(section)  # a fresh loss per mode: nothing carried between modes
             total, grads, per_mb = 0.0, [], []
