@@ -8,13 +8,19 @@ it is a pydantic model, and the loss rules of the NeMo-RL version found (v0.6.0 
 does). Without NeMo-RL the plugin resolves ``defaults`` itself where the files exist.
 Whatever could not be checked is listed in :attr:`CheckReport.unchecked` (what, why, how to
 check it), and the command then exits 3, never 0. Problems are one line each with the YAML path; nothing raises.
+
+What NeMo-RL's GRPO start-up asserts about ``loss_fn`` together with ``grpo`` and ``policy``
+fields (:mod:`~nemo_rs_plugin.tools.grpo_setup`) is checked per NeMo-RL version: an error where every version
+the run may use refuses the recipe, a warning naming the versions that refuse it where only some
+do (the version is not known without ``--nemo-rl``), and a ``not checked`` line where an input is
+not resolved.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from nemo_rs_plugin.core.config import (
     PLUGIN_FIELDS,
@@ -29,7 +35,15 @@ from nemo_rs_plugin.nemo_rl.host import (
     per_sequence_packing_problem,
     training_time_filtering_problem,
 )
-from nemo_rs_plugin.tools.recipe_loading import HOW_TO_CHECK, INHERITED_NOT_FOUND, flatten, load_recipe, one_line
+from nemo_rs_plugin.tools.grpo_setup import grpo_setup_problems
+from nemo_rs_plugin.tools.recipe_loading import (
+    HOW_TO_CHECK,
+    INHERITED_NOT_FOUND,
+    flatten,
+    load_recipe,
+    one_line,
+    recipe_value,
+)
 
 __all__ = ["CheckReport", "check_recipe", "load_recipe"]
 
@@ -53,15 +67,8 @@ class CheckReport:
     config: Optional[RSClippedPGLossConfig] = None
     #: Whether NeMo-RL was importable (its loader, MasterConfig and version rules applied).
     nemo_rl: bool = False
-
-
-def _get(cfg: dict, dotted: str, default: Any = None) -> Any:
-    node: Any = cfg
-    for k in dotted.split("."):
-        if not isinstance(node, dict) or k not in node:
-            return default
-        node = node[k]
-    return node
+    #: The NeMo-RL versions the run may use, whose GRPO set-up rules were applied (all without NeMo-RL).
+    nemo_rl_versions: tuple[str, ...] = ()
 
 
 def _master_config_problems(cfg: dict, report: CheckReport) -> list[str]:
@@ -130,8 +137,8 @@ def _parallelism_problems(cfg: dict, config: RSClippedPGLossConfig, report: Chec
     if not config.sharded_logits_input:
         return []
     problems = []
-    megatron = _get(cfg, "policy.megatron_cfg.enabled")
-    dtensor = _get(cfg, "policy.dtensor_cfg.enabled")
+    megatron = recipe_value(cfg, "policy.megatron_cfg.enabled")
+    dtensor = recipe_value(cfg, "policy.dtensor_cfg.enabled")
     if megatron is not True and (megatron is False or dtensor is True):
         problems.append(
             "loss_fn.sharded_logits_input: got true with the DTensor backend (policy.megatron_cfg.enabled "
@@ -142,9 +149,9 @@ def _parallelism_problems(cfg: dict, config: RSClippedPGLossConfig, report: Chec
         report.warnings.append(
             "loss_fn.sharded_logits_input needs the Megatron backend, and policy.megatron_cfg.enabled is not set here"
         )
-    fused = fused_sharded_problem(megatron is True, _get(cfg, "policy.megatron_cfg.use_fused_linear_logprobs"))
+    fused = fused_sharded_problem(megatron is True, recipe_value(cfg, "policy.megatron_cfg.use_fused_linear_logprobs"))
     filtering = training_time_filtering_problem(
-        _get(cfg, "policy.generation.top_k"), _get(cfg, "policy.generation.top_p")
+        recipe_value(cfg, "policy.generation.top_k"), recipe_value(cfg, "policy.generation.top_p")
     )
     problems += [f"loss_fn.{p}" for p in (fused, filtering) if p is not None]
     return problems
@@ -156,10 +163,10 @@ def _packing_problems(cfg: dict, config: RSClippedPGLossConfig, report: CheckRep
     ``policy.sequence_packing.enabled`` without ``fuse_loss`` (or on the DTensor backend, which
     has no fused wrapper): the loss is called once per sequence (docs/guide.md#sequence-packing).
     """
-    if _get(cfg, "policy.sequence_packing.enabled") is not True:
+    if recipe_value(cfg, "policy.sequence_packing.enabled") is not True:
         return []
-    megatron = _get(cfg, "policy.megatron_cfg.enabled")  # None: not set here (an unresolved `defaults`)
-    fuse = _get(cfg, "policy.sequence_packing.fuse_loss") is True
+    megatron = recipe_value(cfg, "policy.megatron_cfg.enabled")  # None: not set here (an unresolved `defaults`)
+    fuse = recipe_value(cfg, "policy.sequence_packing.fuse_loss") is True
     problems: list[str] = []
     if fuse and megatron is False:
         report.warnings.append(
@@ -180,14 +187,25 @@ def _packing_problems(cfg: dict, config: RSClippedPGLossConfig, report: CheckRep
             "sequence packing with fuse_loss: one loss call per microbatch on the Megatron backend "
             "(policy.megatron_cfg.enabled is not set here; on the DTensor backend one call per sequence)"
         )
+    if not config.sharded_logits_input:
+        if not fuse or megatron is False:
+            report.notes.append(
+                "sequence packing without fuse_loss: NeMo-RL calls the loss once per sequence; the loss keeps "
+                "each sequence's log-probs and computes the whole microbatch in the last call, as unpacked "
+                "(docs/guide.md#sequence-packing)"
+            )
+        return problems
     unfit = current_policy_problems(config)
     if unfit:
         # certain only where the backend is known not to fuse
-        (problems if not fuse or megatron is False else report.warnings).append(per_sequence_packing_problem(unfit))
+        (problems if not fuse or megatron is False else report.warnings).append(
+            per_sequence_packing_problem(unfit, logits_input=True)
+        )
         return problems
     if not fuse or megatron is False:
         report.notes.append(
-            "sequence packing without fuse_loss: NeMo-RL calls the loss once per sequence; "
+            "sequence packing without fuse_loss, logits as input: NeMo-RL calls the loss once per sequence and "
+            "each call computes its own sequence; "
             + (
                 "its microbatch totals (batch normalisation, kept denominators, the NLL's count) are read from "
                 "the whole microbatch, as unpacked"
@@ -263,11 +281,13 @@ def _check(
         report.errors.extend(exc.problems)
         if report.nemo_rl:  # every problem at once: the rest of the recipe too (loss_fn is reported above)
             report.errors.extend(p for p in _master_config_problems(cfg, report) if not p.startswith("loss_fn"))
+        grpo_setup_problems(cfg, loss, report)
         return
     report.errors.extend(_parallelism_problems(cfg, config, report))
     report.errors.extend(_packing_problems(cfg, config, report))
     if report.nemo_rl:
         report.errors.extend(_master_config_problems(cfg, report))
+    grpo_setup_problems(cfg, loss, report)
     report.config = config
     report.pipeline = _describe(config)
     _warn(report, cfg, config, mismatch, response_tokens)
@@ -316,16 +336,10 @@ def _describe(config: RSClippedPGLossConfig) -> list[str]:
 def _warn(
     report: CheckReport, cfg: dict, config: RSClippedPGLossConfig, mismatch: float, response_tokens: Optional[int]
 ) -> None:
-    if _get(cfg, "grpo.async_grpo.enabled", False) and not config.use_importance_sampling_correction:
-        report.warnings.append(
-            "grpo.async_grpo.enabled is true but loss_fn.use_importance_sampling_correction is "
-            "false: stale rollouts are trained on without correction (NeMo-RL requires it for "
-            "async GRPO)"
-        )
     tokens = (
         response_tokens
-        or _get(cfg, "policy.generation.max_new_tokens")
-        or _get(cfg, "policy.max_total_sequence_length")
+        or recipe_value(cfg, "policy.generation.max_new_tokens")
+        or recipe_value(cfg, "policy.max_total_sequence_length")
     )
     if (
         config.use_importance_sampling_correction
@@ -342,7 +356,7 @@ def _warn(
         )
     if config.rejection_sampling or config.truncated_importance_sampling_type == "seq-mask-tis":
         _warn_rejection(report, config, mismatch, tokens if isinstance(tokens, int) else 4096)
-    if _get(cfg, "grpo.async_grpo.enabled", False) and any(
+    if recipe_value(cfg, "grpo.async_grpo.enabled", False) and any(
         f.level == "sequence" and f.metric == "ratio" and f.aggregation in ("mean", "sum")
         for f in config.rejection_sampling
     ):

@@ -21,7 +21,7 @@ import errno
 import math
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 __all__ = ["main", "EXIT_INVALID", "EXIT_UNCHECKED"]
 
@@ -163,6 +163,38 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``nemo-rs check``'s exit codes: (``result`` in ``--json``, meaning).
+CHECK_EXIT_CODES = {
+    0: ("valid", "every check ran, nothing wrong"),
+    EXIT_INVALID: ("invalid", "see errors, one per problem"),
+    EXIT_UNCHECKED: ("not_fully_checked", "no error found, but see unchecked: what was not checked, why, how to"),
+}
+
+
+def _check_json(recipe: str, code: int, report: Any = None, errors: Sequence[str] = ()) -> None:
+    """``nemo-rs check --json``: one JSON object on stdout (docs/cli.md#nemo-rs-check-recipe-overrides)."""
+    import json
+
+    print(
+        json.dumps(
+            {
+                "recipe": recipe,
+                "exit_code": code,
+                "result": CHECK_EXIT_CODES[code][0],
+                "exit_codes": {str(k): f"{result}: {meaning}" for k, (result, meaning) in CHECK_EXIT_CODES.items()},
+                "errors": list(report.errors if report is not None else errors),
+                "unchecked": list(report.unchecked if report is not None else ()),
+                "warnings": list(report.warnings if report is not None else ()),
+                "notes": list(report.notes if report is not None else ()),
+                "pipeline": list(report.pipeline if report is not None else ()),
+                "nemo_rl": bool(report is not None and report.nemo_rl),
+                "nemo_rl_versions": list(report.nemo_rl_versions if report is not None else ()),
+            },
+            indent=2,
+        )
+    )
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from nemo_rs_plugin.tools import simulate as sim
     from nemo_rs_plugin.tools.check import check_recipe
@@ -175,15 +207,21 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"--response-tokens: got {args.response_tokens}; allowed: 1 to {sim.MAX_SYNTHETIC_TOKENS // 16} "
             "(the rejection estimate simulates 16 responses of that length)"
         )
+    if problems and args.json:
+        _check_json(args.recipe, EXIT_INVALID, errors=problems)
+        return EXIT_INVALID
     for line in problems:
         print(f"error: {line}", file=sys.stderr)
     if problems:
         return EXIT_INVALID
+    import contextlib
     import warnings
 
     from nemo_rs_plugin.core.config import ConfigWarning
 
-    with warnings.catch_warnings(record=True) as caught:
+    # With --json, stdout is the JSON object alone: anything NeMo-RL prints while loading goes to stderr.
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    with warnings.catch_warnings(record=True) as caught, quiet:
         warnings.simplefilter("always", ConfigWarning)
         report = check_recipe(args.recipe, args.overrides, args.nemo_rl, args.mismatch, args.response_tokens)
     # The config's own warnings (settings that do nothing), once each, before check's.
@@ -192,6 +230,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for w in caught:  # anything else is shown as Python would have
         if not issubclass(w.category, ConfigWarning):
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    code = EXIT_INVALID if report.errors else EXIT_UNCHECKED if report.unchecked else 0
+    if args.json:
+        _check_json(args.recipe, code, report)
+        return code
     for line in report.errors:
         print(f"error: {line}", file=sys.stderr)
     for line in report.unchecked:
@@ -213,7 +255,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             print(f"  {line}")
     for warning in report.warnings:
         print(f"warning: {warning}")
-    return EXIT_UNCHECKED if report.unchecked else 0
+    return code
 
 
 def _note_unresolved_defaults(paths: list, nemo_rl: Optional[str]) -> None:
@@ -325,6 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-token mismatch you see (std of prev - gen), for the rejection estimate",
     )
     c.add_argument("--response-tokens", type=int, help="typical response length (default: from the recipe)")
+    c.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (errors, unchecked, warnings, notes, exit code and its meaning) instead of text",
+    )
     c.set_defaults(func=_cmd_check)
 
     r = sub.add_parser("recipes", help="list the shipped recipes, or export them")

@@ -32,6 +32,7 @@ __all__ = [
     "flatten",
     "load_recipe",
     "one_line",
+    "recipe_value",
     "with_cause",
 ]
 
@@ -43,6 +44,16 @@ HOW_TO_CHECK = (
     "nemo_rl.algorithms.grpo` works, e.g. `uv run nemo-rs check ...` in the NeMo-RL checkout "
     "with nemo-rs-plugin installed there)"
 )
+
+
+def recipe_value(cfg: dict, dotted: str, default: Any = None) -> Any:
+    """``cfg["a"]["b"]`` for ``"a.b"``, or ``default`` where a key on the way is missing."""
+    node: Any = cfg
+    for k in dotted.split("."):
+        if not isinstance(node, dict) or k not in node:
+            return default
+        node = node[k]
+    return node
 
 
 class LoadReport(Protocol):
