@@ -207,6 +207,18 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
     vocab-parallel log-softmax and only O(batch) per-sequence statistics are all-reduced
     over the CP group. See docs/parallelism.md."""
 
+    # --- Plugin: recording for calibration ---
+    record_logprobs: bool = False
+    """Write what ``nemo-rs calibrate --from DIR`` and ``nemo-rs simulate --from DIR`` read:
+    every ``record_every`` optimizer steps, each microbatch's ``prev_logprobs``,
+    ``generation_logprobs``, masks and advantages as one torch file under ``record_dir``
+    (one writer per copy of the data; off: no cost; see docs/guide.md#calibrate-from-your-run
+    and nemo_rs_plugin/nemo_rl/recording.py). Read by the NeMo-RL loss only."""
+    record_dir: str = "nemo-rs-records"
+    """Folder of the records (created; relative to the worker's working directory)."""
+    record_every: int = 10
+    """Record optimizer steps ``0, record_every, 2 * record_every, ...`` (at least 1)."""
+
     # --- Plugin: execution ---
     compile: bool = False
     """``torch.compile`` the loss's tensor math (dynamic shapes: one graph for every microbatch
@@ -269,6 +281,10 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 p.append(f"{name}: got {v}; allowed: a number > 0, or null (no clamp)")
+        if self.record_every < 1:
+            p.append(f"record_every: got {self.record_every}; allowed: an integer >= 1 (optimizer steps)")
+        if not self.record_dir.strip():
+            p.append(f"record_dir: got {self.record_dir!r}; allowed: a folder name")
         return p
 
     def _filter_problems(self) -> list[str]:

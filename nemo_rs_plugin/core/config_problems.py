@@ -311,6 +311,13 @@ def setting_warnings(cfg: Any) -> list[str]:
         )
     for i, f in enumerate(cfg.rejection_sampling):
         w += filter_bound_extremes(i, f) + filter_bound_warnings(i, f)
+    if not cfg.record_logprobs:
+        for name in ("record_dir", "record_every"):
+            if getattr(cfg, name) != type(cfg).model_fields[name].default:
+                w.append(
+                    f"{name}: got {getattr(cfg, name)!r} with record_logprobs: false; nothing is recorded: "
+                    f"set record_logprobs: true, or remove {name}"
+                )
     if cfg.compile and cfg.sharded_logits_input:
         w.append(
             "compile: got true with sharded_logits_input: true; the sharded TP/CP path stays eager (its "

@@ -53,6 +53,7 @@ from nemo_rs_plugin.nemo_rl.packing import (
     loss_callers,
     per_sequence_wrapper_call,
 )
+from nemo_rs_plugin.nemo_rl.recording import LogprobRecorder
 
 __all__ = ["RSClippedPGLossFn", "batch_data_parallel_group", "megatron_groups"]
 
@@ -108,6 +109,8 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         # sequences gathered into one call, or (logit input) the microbatch totals per call.
         self._gather = SequenceGather()
         self._totals = TotalsCache()
+        # record_logprobs: what `nemo-rs calibrate --from DIR` reads (nemo_rs_plugin.nemo_rl.recording)
+        self._recorder = LogprobRecorder(config.record_dir, config.record_every) if config.record_logprobs else None
         problem = fused_sharded_problem(config.sharded_logits_input, use_fused_linear_logprobs)
         if problem is not None:
             raise ConfigError([problem])
@@ -163,6 +166,8 @@ class RSClippedPGLossFn(ClippedPGLossFn):
                     dtype = self.core.loss_dtype(next_token_logprobs, data)  # the wrapper sums into this zero
                     return next_token_logprobs.new_zeros((), dtype=dtype), {}
                 next_token_logprobs, data = gathered
+            if self._recorder is not None:
+                self._recorder.observe(global_valid_toks, _whole_microbatch(packed, data))
             return self.core(
                 next_token_logprobs,
                 data,
@@ -174,6 +179,8 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         if logits is None:
             raise TypeError("rs_clipped_pg with sharded_logits_input: logits are required")
         _refuse_training_time_filtering(_callers_sampling_params())
+        if self._recorder is not None:
+            self._recorder.observe(global_valid_toks, _whole_microbatch(packed, data))
         from nemo_rs_plugin.parallel.sharded import sharded_loss
 
         tp_group, cp_group = megatron_groups()
@@ -260,6 +267,13 @@ def _callers_sampling_params(max_depth: int = 4) -> Any:
         if isinstance(candidate, functools.partial) and "sampling_params" in candidate.keywords:
             return candidate.keywords["sampling_params"]
     return None
+
+
+def _whole_microbatch(packed: Optional[WrapperCall], data: Any) -> Any:
+    """The microbatch a call belongs to: the per-sequence wrapper's, where readable, else ``data``."""
+    if packed is not None and is_microbatch(packed.microbatch, packed.sequences):
+        return packed.microbatch
+    return data
 
 
 def _refuse_training_time_filtering(params: Any) -> None:

@@ -34,8 +34,12 @@ TORCH_SUFFIXES = (".pt", ".pth", ".torch")
 _TORCH_FIELDS = ("prev_logprobs", "generation_logprobs", "token_mask", "advantages", "sample_mask")
 
 
-def load_batch(path: str) -> dict[str, torch.Tensor]:
-    """Per-token log-probs saved from a real run: JSONL (one sequence per line) or torch.
+#: A file the loss's recording writes (nemo_rs_plugin.nemo_rl.recording.record_name): step, rank, microbatch.
+_RECORD = re.compile(r"^step(\d+)-dp(\d+)-mb(\d+)\.pt$")
+
+
+def load_batch(path: str, newest_steps: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """Per-token log-probs saved from a real run: JSONL (one sequence per line), torch, or a records folder.
 
     JSONL (any suffix but ``.pt``/``.pth``/``.torch``), one JSON object per line, blank lines
     skipped::
@@ -54,6 +58,11 @@ def load_batch(path: str) -> dict[str, torch.Tensor]:
     ``[B, S]``, ``sample_mask`` ``[B]`` (0/1); other keys are ignored. As in NeMo-RL's
     loss, position 0 is dropped (its log-prob belongs to no predicted token), so ``S >= 2``.
 
+    A folder: the files the loss writes with ``record_logprobs: true`` (``record_dir``, named
+    ``stepNNNNNN-dpRRR-mbMMM.pt``, each a torch file as above), of the ``newest_steps`` newest
+    recorded steps (``None``: every step), every rank and microbatch, in one batch (rows padded
+    to the longest, ``token_mask`` 0 there).
+
     Returns a batch in the layout of :func:`~nemo_rs_plugin.tools.simulate.synthetic_batch`
     (position 0 a dummy position).
 
@@ -62,10 +71,11 @@ def load_batch(path: str) -> dict[str, torch.Tensor]:
     """
     p = Path(path)
     if p.is_dir():
-        raise BatchFormatError(f"{path}: is a directory; name a JSONL or torch file")
-    if not p.is_file():
+        batch, lines = _load_records(p, newest_steps), None
+        p = p / "*"
+    elif not p.is_file():
         raise BatchFormatError(f"{path}: no such file")
-    if p.suffix in TORCH_SUFFIXES:
+    elif p.suffix in TORCH_SUFFIXES:
         batch, lines = _load_torch(p), None
     else:
         batch, lines = _load_jsonl(p)
@@ -74,6 +84,30 @@ def load_batch(path: str) -> dict[str, torch.Tensor]:
         raise BatchFormatError(f"{p}: no valid token in any sequence (every one is empty or masked)")
     _check_values(p, batch, valid != 0, lines)
     return batch
+
+
+def _load_records(folder: Path, newest_steps: Optional[int]) -> dict[str, torch.Tensor]:
+    """The recorded microbatches of the newest steps in ``folder``, stacked (see :func:`load_batch`)."""
+    found = sorted((int(m.group(1)), f.name) for f in folder.iterdir() if (m := _RECORD.match(f.name)))
+    if not found:
+        raise BatchFormatError(
+            f"{folder}: a folder without records (stepNNNNNN-dpRRR-mbMMM.pt); record them with the loss's "
+            "record_logprobs: true (record_dir names the folder), or name a JSONL or torch file"
+        )
+    steps = sorted({step for step, _ in found})
+    if newest_steps is not None:
+        steps = steps[-newest_steps:]
+    parts = [_load_torch(folder / name) for step, name in found if step in steps]
+    width = max(part["prev_logprobs"].shape[1] for part in parts)
+    return {
+        key: torch.cat([_padded(part[key], width) for part in parts])
+        for key in ("prev_logprobs", "generation_logprobs", "token_mask", "advantages", "sample_mask")
+    }
+
+
+def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A ``[B, S]`` tensor padded with zeros to ``width`` columns (``[B]`` as it is)."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.dim() == 2 else t
 
 
 def _check_values(p: Path, batch: dict, valid: torch.Tensor, lines: Optional[list[int]]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Optional
 
@@ -28,7 +29,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """``nemo-rs calibrate``'s flags."""
     from nemo_rs_plugin.core.presets import FILTERS
 
-    p.add_argument("--from", dest="from_file", metavar="FILE", required=True, help="log-probs from a run (docs/cli.md)")
+    p.add_argument(
+        "--from",
+        dest="from_file",
+        metavar="FILE|DIR",
+        required=True,
+        help="log-probs from a run: a JSONL or torch file, or the loss's record_dir (docs/cli.md)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        metavar="N",
+        help="with a record_dir: the newest N recorded optimizer steps (default: every recorded step)",
+    )
     p.add_argument(
         "--target",
         type=float,
@@ -81,6 +94,12 @@ def _templates(args: argparse.Namespace, problems: list[str]) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     """Calibrate, print the table and the section; 2 with one ``error:`` line per problem."""
     problems: list[str] = []
+    if args.steps is not None and args.steps < 1:
+        problems.append(f"--steps: got {args.steps}; allowed: an integer >= 1 (recorded optimizer steps)")
+    elif args.steps is not None and not os.path.isdir(args.from_file):
+        problems.append(
+            f"--steps: reads a record_dir (a folder of the loss's records); --from {args.from_file} is not one"
+        )
     if not (math.isfinite(args.target) and 0.0 <= args.target < 1.0):
         problems.append(f"--target: got {args.target}; allowed: 0 <= target < 1 (a share, e.g. 0.05)")
     if args.json:
@@ -101,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             except ValidationError as e:
                 problems.append(f"stage {i}: {'; '.join(err['msg'] for err in e.errors())}")
         try:
-            batch = load_batch(args.from_file)
+            batch = load_batch(args.from_file, newest_steps=args.steps)
         except BatchFormatError as e:
             problems.append(f"--from: {e}")
     if problems:
