@@ -17,13 +17,24 @@ lr 1e-2: the regime where the uncorrected loss spikes and collapses, docs/lab.md
 The task ("count"): the prompt is ``[BOS, s]`` with ``s`` a random token of ``--vocab``; the
 response has exactly ``--length`` tokens and should count on, ``s+1, s+2, ...`` mod vocab.
 The verifiable reward is the fraction of response tokens equal to their predecessor + 1
-(so a random policy scores ``1/vocab``, a perfect one 1.0, at every length).
+(so a policy uniform over the task's tokens scores ``1/vocab``, a perfect one 1.0, at every
+length; one uniform over the model's whole vocabulary, BOS included, scores a little less:
+:func:`~nemo_rs_plugin.tools.lab_model.chance_reward`, the dose-response run's chance).
+
+``--lags 0 1 2 4 8`` is the dose-response run instead: every arm at every lag over the same
+paired seeds (the on-policy reference once per seed), 80 steps, 16 seeds the published runs did
+not use, and paired tests (:mod:`~nemo_rs_plugin.tools.lab_dose`). ``--report DIR`` re-renders
+its tables from a saved ``lab_dose_seeds.csv`` without rerunning.
 
 Outputs under ``--out``: ``lab_steps.csv`` (one row per arm, seed and step),
 ``lab_seeds.csv`` (the outcomes of every run), ``lab_summary.csv`` / ``lab_summary.md`` (per
 arm, and whether the seeds separate the compared pairs), ``lab_comparisons.csv``,
 ``lab.png`` (curves: mean over seeds, min-max band, log-scale gradient norm and KL) and
-``lab_seeds.png`` (every seed's curve, per arm). See docs/lab.md for the published run.
+``lab_seeds.png`` (every seed's curve, per arm). See docs/lab.md for the published run. With
+``--lags``: ``lab_dose_steps.csv`` (per step, with ``lag``), ``lab_dose_seeds.csv`` (the
+outcomes of every run), ``lab_dose.csv`` (per arm and lag), ``lab_dose_comparisons.csv``,
+``lab_dose.md`` (the tables, between the markers a page embeds), ``lab_dose_settings.json``
+and ``lab_dose.png``.
 
 This module is the command line; the experiment is in :mod:`~nemo_rs_plugin.tools.lab_experiment`
 (the model and sampler in :mod:`~nemo_rs_plugin.tools.lab_model`), the tables and figures in
@@ -43,7 +54,29 @@ from typing import Optional, Sequence
 
 import torch
 
-from nemo_rs_plugin.tools.lab_experiment import CONFIGS, DEFAULT_ARMS, QUICK, LabSettings, run_all, run_one
+from nemo_rs_plugin.tools.lab_dose import (
+    dose_comparisons,
+    dose_outcomes,
+    dose_table,
+    planned_tests,
+    read_seed_csv,
+    smallest_p,
+    write_seed_csv,
+)
+from nemo_rs_plugin.tools.lab_dose_report import render_blocks, render_from_csv, write_dose_plot
+from nemo_rs_plugin.tools.lab_experiment import (
+    CONFIGS,
+    DEFAULT_ARMS,
+    DOSE,
+    DOSE_ARMS,
+    DOSE_LAGS,
+    QUICK,
+    QUICK_DOSE,
+    LabSettings,
+    dose_jobs,
+    run_all,
+    run_one,
+)
 from nemo_rs_plugin.tools.lab_model import DTYPES
 from nemo_rs_plugin.tools.lab_report import (
     as_written,
@@ -58,9 +91,21 @@ from nemo_rs_plugin.tools.lab_report import (
     write_seed_plot,
     write_summary_csv,
 )
+from nemo_rs_plugin.tools.lab_stats import SIGNIFICANCE
 from nemo_rs_plugin.tools.report import ProgressBar
 
-__all__ = ["LabSettings", "CONFIGS", "run_one", "run_all", "summarize", "main", "settings_problems"]
+__all__ = [
+    "LabSettings",
+    "CONFIGS",
+    "run_one",
+    "run_all",
+    "summarize",
+    "main",
+    "settings_problems",
+    "write_dose_outputs",
+]
+
+SEEDS_CSV = "lab_dose_seeds.csv"  # the dose-response run's per-seed outcomes: every table is rendered from it
 
 EXIT_INVALID = 2  # bad flags: one ``error:`` line each, as ``nemo-rs``'s other subcommands
 
@@ -84,6 +129,12 @@ _MINIMUM = {
 
 
 # ---------------------------------------------------------------------------- command line
+def _span(values: list) -> str:
+    return (
+        f"{values[0]}..{values[-1]}" if values == list(range(values[0], values[-1] + 1)) else " ".join(map(str, values))
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of ``python -m nemo_rs_plugin.tools.lab`` / ``nemo-rs lab``."""
     d = LabSettings()
@@ -96,7 +147,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help=f"arms to run (default: {' '.join(DEFAULT_ARMS)}); known: {', '.join(CONFIGS)}",
     )
-    p.add_argument("--seeds", nargs="+", type=int, help=f"seeds (default {' '.join(map(str, d.seeds))})")
+    p.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        help=f"seeds (default {' '.join(map(str, d.seeds))}; with --lags {_span(DOSE['seeds'])})",
+    )
+    p.add_argument(
+        "--lags",
+        nargs="+",
+        type=int,
+        metavar="LAG",
+        help=(
+            f"dose-response run: every arm at each lag (e.g. {' '.join(map(str, DOSE_LAGS))}) over the same "
+            f"seeds, the on-policy reference once per seed; defaults --steps {DOSE['steps']}, "
+            f"--configs {' '.join(DOSE_ARMS)} (instead of --lag)"
+        ),
+    )
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        help=f"print the dose-response tables re-rendered from DIR/{SEEDS_CSV} (or that CSV itself); runs nothing",
+    )
     for f in dataclasses.fields(LabSettings):
         if f.name in ("seeds", "configs"):
             continue
@@ -116,8 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from(args: argparse.Namespace) -> LabSettings:
-    """Defaults, then ``--quick``, then explicit flags."""
-    s = LabSettings(**(QUICK if args.quick else {}))
+    """Defaults (with ``--lags``, the dose-response run's), then ``--quick``, then explicit flags."""
+    base: dict = {}
+    dose = bool(getattr(args, "lags", None))
+    if dose:
+        base.update(DOSE)
+    if args.quick:
+        base.update(QUICK)
+        if dose:
+            base.update(QUICK_DOSE)
+    s = LabSettings(**{k: list(v) if isinstance(v, list) else v for k, v in base.items()})
     for f in dataclasses.fields(LabSettings):
         v = getattr(args, f.name, None)
         if v is not None:
@@ -125,10 +205,10 @@ def settings_from(args: argparse.Namespace) -> LabSettings:
     return s
 
 
-def _repeated_problems(s: LabSettings) -> list[str]:
-    """A seed or an arm named twice: it would count twice in the seed tests (Fisher, permutation)."""
+def _repeated_problems(s: LabSettings, lags: Optional[list[int]] = None) -> list[str]:
+    """A seed, an arm or a lag named twice: it would count twice in the seed tests (Fisher, permutation)."""
     problems = []
-    for flag, values in (("--seeds", s.seeds), ("--configs", s.configs)):
+    for flag, values in (("--seeds", s.seeds), ("--configs", s.configs), ("--lags", lags or [])):
         repeated = sorted({str(v) for v in values if list(values).count(v) > 1})
         if repeated:
             problems.append(f"{flag}: {', '.join(repeated)} given more than once; name each once")
@@ -172,7 +252,14 @@ def settings_problems(s: LabSettings, args: argparse.Namespace) -> list[str]:
         problems.append(f"--threshold: got {s.threshold}; allowed: a finite number (a reward in [0, 1])")
     if args.workers < 1:
         problems.append(f"--workers: got {args.workers}; must be at least 1")
-    problems += _repeated_problems(s)
+    lags = getattr(args, "lags", None)
+    if lags:
+        if args.lag is not None:
+            problems.append("--lag: one lag, or --lags for a dose-response run, not both")
+        negative = [lag for lag in lags if lag < 0]
+        if negative:
+            problems.append(f"--lags: got {' '.join(map(str, negative))}; each must be at least 0")
+    problems += _repeated_problems(s, lags)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         problems.append(f"--out: got {args.out}; it is a file: name a directory (it is created if missing)")
     else:
@@ -246,6 +333,8 @@ def write_outputs(rows: list, s: LabSettings, out: str, run_facts: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the experiment; write the CSVs, the table and the figure under ``--out``."""
     args = build_parser().parse_args(argv)
+    if args.report is not None:
+        return report_main(args.report)
     s = settings_from(args)
     problems = settings_problems(s, args)
     for line in problems:
@@ -262,6 +351,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as exc:
         print(f"error: --out: got {args.out}; it cannot be created ({exc.strerror or exc})", file=sys.stderr)
         return EXIT_INVALID
+    if args.lags:
+        return dose_main(s, args)
     print(
         f"nemo-rs lab: {len(s.configs)} configs x {len(s.seeds)} seeds x {s.steps} steps, "
         f"{s.prompts}x{s.group} responses of {s.length} tokens, sampler {s.sampler_dtype} lag {s.lag}, "
@@ -276,6 +367,97 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     table = write_outputs(rows, s, args.out, {"workers": args.workers, "total_wall_s": round(total, 1)})
     print(table)
     print(f"total wall time {total:.0f}s; outputs in {args.out}/")
+    return 0
+
+
+def write_dose_outputs(rows: list, s: LabSettings, lags: list[int], out: str, run_facts: dict) -> str:
+    """Write the dose-response run's CSVs, tables, settings and figure; return the tables (markdown).
+
+    Every table is rendered from ``lab_dose_seeds.csv`` as written, so ``--report`` on it
+    prints the same text.
+    """
+    import transformers
+
+    write_csv(rows, os.path.join(out, "lab_dose_steps.csv"))
+    seeds_csv = os.path.join(out, SEEDS_CSV)
+    write_seed_csv(dose_outcomes(rows, s), seeds_csv)
+    outcomes = read_seed_csv(seeds_csv)
+    comparisons = dose_comparisons(outcomes)
+    write_summary_csv(dose_table(outcomes, comparisons), os.path.join(out, "lab_dose.csv"))
+    if comparisons:
+        write_summary_csv(comparisons, os.path.join(out, "lab_dose_comparisons.csv"))
+    blocks = render_blocks(outcomes)
+    with open(os.path.join(out, "lab_dose.md"), "w") as fh:
+        fh.write(blocks)
+    settings = {k: v for k, v in dataclasses.asdict(s).items() if k != "lag"}
+    with open(os.path.join(out, "lab_dose_settings.json"), "w") as fh:
+        json.dump(
+            {
+                **settings,
+                "lags": list(lags),
+                **run_facts,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+            },
+            fh,
+            indent=2,
+        )
+    try:
+        write_dose_plot(
+            outcomes,
+            os.path.join(out, "lab_dose.png"),
+            title=(
+                f"GRPO, tiny Qwen3-MoE, count task, {s.length}-token responses, sampler {s.sampler_dtype}, "
+                f"lr {s.lr:g}, {s.steps} steps; {len(s.seeds)} paired seeds"
+            ),
+        )
+    except ImportError:
+        print("note: no matplotlib, no figure (pip install 'nemo-rs-plugin[plot]')", file=sys.stderr)
+    return blocks
+
+
+def dose_main(s: LabSettings, args: argparse.Namespace) -> int:
+    """The dose-response run (``--lags``): every arm at every lag, then the outputs."""
+    lags = list(args.lags)
+    jobs = dose_jobs(s.configs, s.seeds, lags)
+    print(
+        f"nemo-rs lab: dose-response, {len(s.configs)} configs x lags {' '.join(map(str, lags))} x "
+        f"{len(s.seeds)} seeds = {len(jobs)} runs x {s.steps} steps, {s.prompts}x{s.group} responses of "
+        f"{s.length} tokens, sampler {s.sampler_dtype}, {args.workers} worker(s)",
+        file=sys.stderr,
+    )
+    tests = planned_tests(s.configs, lags)
+    if tests and smallest_p(len(s.seeds)) * tests >= SIGNIFICANCE:
+        print(
+            f"warning: with {len(s.seeds)} seeds no test can reach p < {SIGNIFICANCE:g} after Holm's correction "
+            f"over {tests} tests (the smallest p is {smallest_p(len(s.seeds)):.2g}): nothing will be separated; "
+            "add seeds or drop arms or lags",
+            file=sys.stderr,
+        )
+    t0 = time.perf_counter()
+    rows = as_written(run_all(s, workers=args.workers, progress=ProgressBar(eta=True), lags=lags))
+    total = time.perf_counter() - t0
+    blocks = write_dose_outputs(rows, s, lags, args.out, {"workers": args.workers, "total_wall_s": round(total, 1)})
+    print(blocks, end="")
+    print(f"total wall time {total:.0f}s; outputs in {args.out}/")
+    return 0
+
+
+def report_main(path: str) -> int:
+    """``--report DIR``: print the dose-response tables re-rendered from ``DIR/lab_dose_seeds.csv``."""
+    csv_path = os.path.join(path, SEEDS_CSV) if os.path.isdir(path) else path
+    if not os.path.isfile(csv_path):
+        print(
+            f"error: --report: got {path}; no {SEEDS_CSV} there (run nemo-rs lab --lags ... --out DIR first)",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
+    try:
+        text = render_from_csv(csv_path)
+    except (ValueError, KeyError) as exc:
+        print(f"error: --report: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    print(text, end="")
     return 0
 
 

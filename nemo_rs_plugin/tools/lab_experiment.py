@@ -1,9 +1,10 @@
-"""The lab's experiment: the compared arms, the settings, and the GRPO training loop.
+"""The lab's experiment: the settings and the GRPO training loop (the arms: :mod:`~nemo_rs_plugin.tools.lab_arms`).
 
 :func:`run_one` trains one arm with one seed and returns one row of metrics per rollout step
-(:data:`STEP_METRICS`); :func:`run_all` runs every arm and seed, in worker processes if
-asked. The model, task and sampler are in :mod:`~nemo_rs_plugin.tools.lab_model`; what is
-measured and why is in :mod:`nemo_rs_plugin.tools.lab` and docs/lab.md.
+(:data:`STEP_METRICS`); :func:`run_all` runs every arm and seed (and, for the dose-response
+run, every lag: :func:`dose_jobs`), in worker processes if asked. The model, task and sampler
+are in :mod:`~nemo_rs_plugin.tools.lab_model`; what is measured and why is in
+:mod:`nemo_rs_plugin.tools.lab` and docs/lab.md.
 """
 
 from __future__ import annotations
@@ -11,16 +12,24 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
 
-from nemo_rs_plugin.core import presets
 from nemo_rs_plugin.core.config import RejectionFilter
 from nemo_rs_plugin.core.correction.calibration import calibrate_filters
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
 from nemo_rs_plugin.core.policy_loss import kl_estimate
+from nemo_rs_plugin.tools.lab_arms import (
+    BASE_LOSS,
+    CONFIGS,
+    DEFAULT_ARMS,
+    DOSE_ARMS,
+    DOSE_LAGS,
+    SEQ_MASK_TIS_BOUNDS,
+    Arm,
+)
 from nemo_rs_plugin.tools.lab_model import (
     DTYPES,
     RoutingRecorder,
@@ -36,65 +45,18 @@ __all__ = [
     "BASE_LOSS",
     "CONFIGS",
     "DEFAULT_ARMS",
+    "DOSE",
+    "DOSE_ARMS",
+    "DOSE_LAGS",
     "QUICK",
+    "QUICK_DOSE",
+    "SEQ_MASK_TIS_BOUNDS",
     "STEP_METRICS",
     "LabSettings",
+    "dose_jobs",
     "run_all",
     "run_one",
 ]
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One compared configuration: its loss section, and how its sampler or band is set."""
-
-    loss: dict
-    """The ``loss_fn`` fragment (the common fields are in :data:`BASE_LOSS`)."""
-    on_policy: bool = False
-    """Sampler in float32 with no lag: the reference without mismatch (no correction)."""
-    calibrated: tuple = ()
-    """Filter templates whose bounds are set from this run's own first ``calibration_steps``
-    steps (:func:`~nemo_rs_plugin.core.correction.calibration.calibrate_filters`, the function
-    behind ``nemo-rs calibrate``); they run before the ``loss``'s own filters."""
-    widen_only: bool = True
-    """Calibrated arms: the band only widens the template's (``nemo-rs calibrate``'s default);
-    ``False`` takes the quantile band however narrow (``--allow-tighter``)."""
-    role: str = ""
-    """``reference`` or ``control`` (a known failure kept as a check on the lab), else empty."""
-
-
-#: The compared arms, in table order. The presets are core/presets.py's.
-CONFIGS: dict[str, Arm] = {
-    "on-policy": Arm({}, on_policy=True, role="reference"),
-    "none": Arm({}),
-    "token-tis": Arm(presets.tis("token")),
-    "sequence_mean": Arm(presets.is_level("sequence_mean")),
-    "sequence": Arm(presets.is_level("sequence"), role="control"),
-    "seqmean+geo-rs+veto": Arm(
-        {**presets.is_level("sequence_mean"), "rejection_sampling": [presets.GEO_RS, presets.OUTLIER_VETO]}
-    ),
-    "geo-rs+token-mis": Arm({**presets.is_level("token"), "rejection_sampling": [presets.GEO_RS, presets.TOKEN_MIS]}),
-    "seqmean+calibrated-geo-rs+veto": Arm(
-        {**presets.is_level("sequence_mean"), "rejection_sampling": [presets.OUTLIER_VETO]},
-        calibrated=(presets.GEO_RS,),
-    ),
-    # Not in the default run: the quantile band without the template as its floor (docs/lab.md, lag 0).
-    "seqmean+quantile-geo-rs+veto": Arm(
-        {**presets.is_level("sequence_mean"), "rejection_sampling": [presets.OUTLIER_VETO]},
-        calibrated=(presets.GEO_RS,),
-        widen_only=False,
-    ),
-}
-#: The arms of the default run (docs/lab.md).
-DEFAULT_ARMS = [name for name in CONFIGS if name != "seqmean+quantile-geo-rs+veto"]
-
-# GRPO as NeMo-RL's grpo_math_1B: PPO clip 0.2 both sides, token-level loss, no KL penalty.
-BASE_LOSS = {
-    "reference_policy_kl_penalty": 0.0,
-    "ratio_clip_min": 0.2,
-    "ratio_clip_max": 0.2,
-    "token_level_loss": True,
-}
 
 
 @dataclass
@@ -137,6 +99,10 @@ class LabSettings:
     configs: list = field(default_factory=lambda: list(DEFAULT_ARMS))
 
 
+#: The dose-response run's defaults (``--lags``), over the single-lag defaults: 80 steps, so that
+#: a late collapse falls inside the run, and 16 seeds the published runs (0-11) did not use.
+DOSE = dict(steps=80, seeds=list(range(100, 116)), configs=list(DOSE_ARMS))
+
 QUICK = dict(
     length=16,
     prompts=2,
@@ -149,6 +115,9 @@ QUICK = dict(
     seeds=[0, 1],
     configs=["none", "seqmean+calibrated-geo-rs+veto"],
 )
+
+#: ``--quick --lags``: the quick sizes, 3 evaluations a run, the reference and two arms.
+QUICK_DOSE = dict(steps=6, configs=["on-policy", "none", "token-tis+veto"])
 
 _PROMPT_TOKENS = 2  # [BOS, start]
 _EVAL_SEED = 777  # the same prompts' random numbers at every evaluation, in every arm
@@ -209,6 +178,8 @@ class _Run:
         self.lag = 0 if self.arm.on_policy else s.lag
         self.loss_fn = self._loss({})
         self.applies_is = bool(self.arm.loss.get("use_importance_sampling_correction", False))
+        # seq-mask-tis zeroes whole sequences: counted with the rejected ones (``seq_rejected_frac``).
+        self.masks_sequences = self.arm.loss.get("truncated_importance_sampling_type") == "seq-mask-tis"
         self.policy = build_model(s).train()
         self.sampler = build_model(s, DTYPES["fp32" if self.arm.on_policy else s.sampler_dtype])
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=s.lr, betas=(0.9, 0.99), weight_decay=0.0)
@@ -325,6 +296,14 @@ class _Run:
         self.policy.train()
         return float(reward_of(responses, start, s.vocab).mean())
 
+    def seq_rejected(self, avg: Callable[[str], float]) -> float:
+        """The share of sequences the filters rejected; under seq-mask-tis also those it zeroed.
+
+        (The one seq-mask-tis arm, ``seq-mis``, has no filter: no sequence is counted twice.)
+        """
+        rejected = avg("rs_seq_rejected_frac")
+        return min(1.0, rejected + avg("is_oob_ratio")) if self.masks_sequences else rejected
+
     def step_row(self, step: int, rollout: _Rollout, summed: list[dict[str, float]], norms: list[float]) -> dict:
         """The row of :data:`STEP_METRICS` for one rollout step (``wall_s`` is set by the caller)."""
 
@@ -337,6 +316,7 @@ class _Run:
         return {
             "config": self.name,
             "seed": self.seed,
+            "lag": self.lag,
             "step": step + 1,
             "reward": float(rollout.rewards.mean()),
             "eval_reward": self.evaluate() if due else math.nan,
@@ -348,7 +328,7 @@ class _Run:
             # Without IS correction the loss applies weight 1 (its metric reports the would-be weight).
             "is_weight_mean": w_mean if self.applies_is else 1.0,
             "is_ess": (w_mean**2 / w_sq if w_sq > 0 else 0.0) if self.applies_is else 1.0,
-            "seq_rejected_frac": avg("rs_seq_rejected_frac"),
+            "seq_rejected_frac": self.seq_rejected(avg),
             "token_rejected_frac": avg("rs_token_rejected_frac"),
             "grad_norm": sum(norms) / len(norms),
             "grad_norm_max": max(norms),
@@ -402,13 +382,40 @@ def _worker(args):
     return run_one(name, seed, settings, tick)
 
 
-def run_all(s: LabSettings, workers: int = 1, progress: Optional[Callable[[int, int], None]] = None) -> list[dict]:
-    """Every arm x seed; rows sorted by (arm order, seed, step)."""
-    jobs = [(c, seed) for c in s.configs for seed in s.seeds]
+def dose_jobs(configs: list[str], seeds: list[int], lags: list[int]) -> list[tuple[str, int, int]]:
+    """``(arm, seed, lag)`` of a dose-response run: every arm at every lag over the same seeds.
+
+    The on-policy reference has no lag (its sampler is the trainer's current weights in float32):
+    it runs once per seed, at lag 0.
+    """
+    jobs = []
+    for c in configs:
+        for lag in [0] if CONFIGS[c].on_policy else lags:
+            jobs += [(c, seed, lag) for seed in seeds]
+    return jobs
+
+
+def run_all(
+    s: LabSettings,
+    workers: int = 1,
+    progress: Optional[Callable[[int, int], None]] = None,
+    lags: Optional[list[int]] = None,
+) -> list[dict]:
+    """Every arm x seed (x lag with ``lags``: :func:`dose_jobs`); rows sorted by (arm order, lag, seed, step).
+
+    Each run depends only on its arm, seed and settings (``s`` with its ``lag``), never on
+    ``workers`` or on the other runs.
+    """
+    jobs = (
+        dose_jobs(s.configs, s.seeds, lags)
+        if lags is not None
+        else [(c, seed, s.lag) for c in s.configs for seed in s.seeds]
+    )
+    settings = {lag: (s if lag == s.lag else replace(s, lag=lag)) for lag in {lag for _, _, lag in jobs}}
     total, done = len(jobs) * s.steps, 0
     rows: list[dict] = []
     if workers <= 1:
-        for c, seed in jobs:
+        for c, seed, lag in jobs:
 
             def tick():
                 nonlocal done
@@ -416,7 +423,7 @@ def run_all(s: LabSettings, workers: int = 1, progress: Optional[Callable[[int, 
                 if progress:
                     progress(done, total)
 
-            rows += run_one(c, seed, s, tick)
+            rows += run_one(c, seed, settings[lag], tick)
     else:
         import multiprocessing as mp
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -424,7 +431,7 @@ def run_all(s: LabSettings, workers: int = 1, progress: Optional[Callable[[int, 
         ctx = mp.get_context("spawn")
         with ctx.Manager() as manager, ProcessPoolExecutor(workers, mp_context=ctx) as pool:
             queue = manager.Queue()
-            pending = {pool.submit(_worker, (c, seed, s, queue)) for c, seed in jobs}
+            pending = {pool.submit(_worker, (c, seed, settings[lag], queue)) for c, seed, lag in jobs}
             while pending:
                 finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
                 while not queue.empty():
@@ -435,4 +442,4 @@ def run_all(s: LabSettings, workers: int = 1, progress: Optional[Callable[[int, 
                 for f in finished:
                     rows += f.result()
     order = {c: i for i, c in enumerate(s.configs)}
-    return sorted(rows, key=lambda r: (order[r["config"]], r["seed"], r["step"]))
+    return sorted(rows, key=lambda r: (order[r["config"]], r["lag"], r["seed"], r["step"]))

@@ -17,6 +17,8 @@ __all__ = [
     "ModelSize",
     "RoutingRecorder",
     "build_model",
+    "chance_reward",
+    "model_vocab_size",
     "reward_of",
     "routing_diff",
     "sample",
@@ -43,7 +45,7 @@ def build_model(s: "ModelSize", dtype: torch.dtype = torch.float32):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
-        vocab_size=s.vocab + 1,
+        vocab_size=model_vocab_size(s.vocab),
         hidden_size=s.hidden,
         intermediate_size=2 * s.hidden,
         moe_intermediate_size=s.hidden,
@@ -84,6 +86,28 @@ class RoutingRecorder:
 
     def clear(self):
         self.calls, self._current = [], []
+
+
+def model_vocab_size(vocab: int) -> int:
+    """The model's vocabulary: the task's ``vocab`` tokens and BOS (id ``vocab``)."""
+    return vocab + 1
+
+
+def chance_reward(vocab: int, length: int) -> float:
+    """Expected :func:`reward_of` of a sampler uniform over the model's whole vocabulary.
+
+    The policy samples from :func:`model_vocab_size` tokens (BOS included, which is never
+    right and makes the next token wrong). The first response token follows the start token
+    (a task token): right with probability ``1/(V+1)``. Every later token follows a uniform
+    token, a task token with probability ``V/(V+1)``, and is then right with ``1/(V+1)``.
+    The reward is the mean over the ``length`` tokens: for ``vocab`` 16 and ``length`` 64,
+    0.0554 (below ``1/vocab`` = 0.0625, which ignores BOS).
+    """
+    if vocab < 1 or length < 1:
+        raise ValueError(f"vocab and length must be at least 1, got {vocab}, {length}")
+    n = model_vocab_size(vocab)
+    first, later = 1.0 / n, vocab / n**2
+    return (first + (length - 1) * later) / length
 
 
 def reward_of(responses: torch.Tensor, start: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -249,8 +249,12 @@ def as_written(rows: list[dict]) -> list[dict]:
 
 
 def write_csv(rows: list[dict], path: str) -> None:
-    """One row per arm, seed and step (floats to ``STEP_DIGITS`` significant digits)."""
-    fields = ["config", "seed", "step", *STEP_METRICS]
+    """One row per arm, seed and step (floats to ``STEP_DIGITS`` significant digits).
+
+    ``lag`` (the sampler's lag of the run, 0 for the on-policy reference) follows ``seed``
+    where the rows have it.
+    """
+    fields = ["config", "seed", *(["lag"] if rows and "lag" in rows[0] else []), "step", *STEP_METRICS]
     report.write_csv([{k: r[k] for k in fields} for r in rows], path, fields, float_digits=STEP_DIGITS)
 
 

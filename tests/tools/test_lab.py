@@ -40,6 +40,7 @@ def test_quick_mode_completes_deterministic_finite_and_calibrates(tmp_path):
     with open(out / "lab_steps.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == len(s.configs) * len(s.seeds) * s.steps
+    assert {r["lag"] for r in rows} == {str(s.lag)}  # the quick arms are stale (the reference's would be 0)
     for r in rows:
         for k in STEP_METRICS:
             if k not in _MAY_BE_NAN:
