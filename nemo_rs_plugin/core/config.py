@@ -41,6 +41,7 @@ from nemo_rs_plugin.core.config_problems import (
     without_coercions,
     without_locations,
 )
+from nemo_rs_plugin.core.is_levels import IS_LEVELS, ISLevel, is_level, is_levels_text
 from nemo_rs_plugin.core.rejection_filter import RejectionFilter
 
 __all__ = [
@@ -56,15 +57,9 @@ __all__ = [
 ]
 
 ISCorrectionLevel = Literal["token", "sequence", "sequence_mean"]
-#: The IS weight of each ``is_correction_level`` (``d = prev - gen``, ``m`` the valid tokens of
-#: a sequence, ``n = sum_t m_t``): the one statement of these formulas. The docstrings that
-#: state them, ``nemo-rs check``'s wording and the guide's table are tested against it
-#: (tests/core/test_is_levels.py).
-IS_LEVEL_FORMULAS = {
-    "token": "w_t = exp(d_t)",
-    "sequence": "w = exp(sum_t m_t d_t)",
-    "sequence_mean": "w = exp(sum_t m_t d_t / n)",
-}
+#: The IS weight of each ``is_correction_level``, read off :data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS`
+#: (the one statement of the levels; ``ISCorrectionLevel`` names the same keys, tested).
+IS_LEVEL_FORMULAS = {name: level.formula for name, level in IS_LEVELS.items()}
 TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
 BatchNormalization = Literal["microbatch", "data_parallel"]
 
@@ -162,13 +157,15 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     # --- Plugin: decoupled IS level ---
-    is_correction_level: Optional[ISCorrectionLevel] = None
-    """Level of the IS weight, independent of ``sequence_level_importance_ratios``:
-    ``token``: ``w_t = exp(d_t)``; ``sequence``: ``w = exp(sum_t m_t d_t)``;
-    ``sequence_mean``: ``w = exp(sum_t m_t d_t / n)`` (``d = prev - gen``, ``m`` the valid
-    tokens of the sequence, ``n`` their count). ``None``: ``sequence`` if ``sequence_level_importance_ratios``
-    else ``token`` (NeMo-RL's behaviour). For responses of thousands of tokens pick
-    ``sequence_mean``."""
+    is_correction_level: Optional[ISCorrectionLevel] = Field(
+        default=None,
+        description=(
+            "Level of the IS weight, independent of ``sequence_level_importance_ratios``: "
+            f"{is_levels_text()} (``d = prev - gen``, ``m`` the valid tokens of the sequence, ``n`` their "
+            "count). ``None``: ``sequence`` if ``sequence_level_importance_ratios`` else ``token`` (NeMo-RL's "
+            "behaviour). For responses of thousands of tokens pick ``sequence_mean``."
+        ),
+    )
 
     is_batch_normalization: Optional[BatchNormalization] = None
     """Divide the IS weights (after truncation) by their batch mean, so that they average 1
@@ -386,6 +383,11 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
         if self.is_correction_level is not None:
             return self.is_correction_level
         return "sequence" if self.sequence_level_importance_ratios else "token"
+
+    @property
+    def is_level_entry(self) -> ISLevel:
+        """The :data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS` entry of :attr:`effective_is_level`."""
+        return is_level(self.effective_is_level)
 
 
 #: NeMo-RL's loss fields (``name`` aside), in declaration order.

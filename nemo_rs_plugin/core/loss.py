@@ -464,7 +464,7 @@ class CorrectedPGLoss:
             token_mean("js_divergence_error", torch.nn.functional.softplus(-d).add_(d, alpha=0.5).sub_(math.log(2.0)))
             # E_gen[-(pi/pi_gen) log pi]
             token_mean("approx_entropy", (clean.curr - clean.gen).mul_(usable).exp_().mul_(clean.curr).neg_())
-            if self.cfg.effective_is_level == "token":
+            if self.cfg.is_level_entry.per_token:
                 token_mean("sampling_importance_ratio", corr.is_weight)
             # NeMo-RL's own extremes: its wrappers and driver combine them by min and max
             metrics.add_masked_extrema(
@@ -475,7 +475,7 @@ class CorrectedPGLoss:
                 metrics.add("kl_penalty", kl / self.kl_coef, grad_norm, "sum")
             else:
                 metrics.add_zero("kl_penalty", grad_norm)
-            if self.cfg.effective_is_level != "token":
+            if not self.cfg.is_level_entry.per_token:
                 self._sequence_sampling_importance_ratio(metrics, corr.is_weight, clean.masks.sample_mask)
             metrics.add("num_valid_samples", clean.masks.sample_mask.sum(), "none", "replicated")
             if terms.sampler_kl is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nemo_rs_plugin.core.config import IS_LEVEL_FORMULAS, RejectionFilter, RSClippedPGLossConfig
+from nemo_rs_plugin.core.config import RejectionFilter, RSClippedPGLossConfig
 
 __all__ = ["describe_pipeline", "describe_filter"]
 
@@ -99,13 +99,8 @@ def _ratio_line(cfg: RSClippedPGLossConfig) -> str:
 
 
 def _is_weight_line(cfg: RSClippedPGLossConfig) -> str:
-    level = cfg.effective_is_level
-    unit = {
-        "token": "per token",
-        "sequence": "per sequence (product)",
-        "sequence_mean": "per sequence (geometric mean)",
-    }
-    formula = f"{IS_LEVEL_FORMULAS[level]} {unit[level]}"
+    level, entry = cfg.effective_is_level, cfg.is_level_entry
+    formula = f"{entry.formula} {entry.unit}"
     source = "set" if cfg.is_correction_level is not None else "NeMo-RL's default for this ratio"
     d = "curr - gen (prev is curr: force_on_policy_ratio)" if cfg.force_on_policy_ratio else "prev - gen"
     if cfg.use_importance_sampling_correction:

@@ -119,34 +119,40 @@ def test_sequence_mean_stays_near_one_where_sequence_collapses():
 
 
 def test_the_is_level_formulas_are_stated_once_and_everywhere_alike():
-    """``config.IS_LEVEL_FORMULAS`` is the one statement; every place that states a level's
-    weight (field docstring and so the configuration reference, the weights' docstrings,
-    ``nemo-rs check``'s wording, the guide's table) states exactly it."""
+    """``is_levels.IS_LEVELS`` is the one statement of the levels; the config's field description
+    (and so the configuration reference), ``nemo-rs check``'s wording and the guide's table are
+    read off it or checked against it, and the weights the loss computes follow its entries."""
+    import typing
     from pathlib import Path
 
-    from nemo_rs_plugin.core.config import IS_LEVEL_FORMULAS, RSClippedPGLossConfig
-    from nemo_rs_plugin.core.correction import pipeline, weights
+    from nemo_rs_plugin.core.config import ISCorrectionLevel, RSClippedPGLossConfig
+    from nemo_rs_plugin.core.correction import weights
+    from nemo_rs_plugin.core.is_levels import IS_LEVELS
     from nemo_rs_plugin.tools.describe import describe_pipeline
 
+    assert tuple(IS_LEVELS) == typing.get_args(ISCorrectionLevel)  # the config names the registry's levels
     docs = Path(__file__).resolve().parents[2] / "docs"
     places = {
         "config field": RSClippedPGLossConfig.model_fields["is_correction_level"].description,
-        "weights module": weights.__doc__,
-        "is_weights": weights.is_weights.__doc__,
-        "apply_correction": pipeline.apply_correction.__doc__,
         "configuration reference": (docs / "configuration-reference.md").read_text(),
-        "guide": (docs / "guide.md").read_text(),
     }
-    guide = places.pop("guide")
-    for level, formula in IS_LEVEL_FORMULAS.items():
+    guide = (docs / "guide.md").read_text()
+    for level, entry in IS_LEVELS.items():
         for where, text in places.items():  # each level next to its own formula, not just somewhere
-            assert f"``{level}``: ``{formula}``" in " ".join(text.split()), (level, where)
-        assert f"| `{level}` | `{formula}` |" in guide, level
+            assert f"``{level}``: ``{entry.formula}``" in " ".join(text.split()), (level, where)
+        assert f"| `{level}` | `{entry.formula}` |" in guide, level
         cfg = RSClippedPGLossConfig(use_importance_sampling_correction=True, is_correction_level=level)
-        assert any(f"{level}, {formula}" in line for line in describe_pipeline(cfg)), level
+        assert any(f"{level}, {entry.formula} {entry.unit}" in line for line in describe_pipeline(cfg)), level
     # and the math they describe: the weight of row 0 (d = [0.1, -0.2, 0.3], n = 3)
     d, n = D[0], 3
     expected = {"token": d.exp(), "sequence": d.sum().exp(), "sequence_mean": (d.sum() / n).exp()}
     for level, w in expected.items():
         got = weights.is_weights(level, D, torch.ones_like(D), D.sum(1), torch.tensor([3.0, 2.0]), torch.zeros(2))
         torch.testing.assert_close(got[0].expand_as(d), w.expand_as(d))
+
+
+def test_an_unknown_is_level_is_an_error_not_a_default():
+    from nemo_rs_plugin.core.correction import weights
+
+    with pytest.raises(ValueError, match="is_correction_level: got 'geometric'; allowed: 'token', 'sequence'"):
+        weights.is_weights("geometric", D, None, D.sum(1), torch.tensor([3.0, 2.0]), torch.zeros(2))

@@ -26,6 +26,7 @@ L, P, D, M, MS, IN, IC = (
 # The correction package: filter statistics and decisions, IS weights, the statistics and their
 # reductions, the plan -> reduce -> apply pipeline.
 CF, CW, CS, CP = (f"nemo_rs_plugin/core/correction/{m}.py" for m in ("filters", "weights", "statistics", "pipeline"))
+IL = "nemo_rs_plugin/core/is_levels.py"
 # The NeMo-RL glue under the per-sequence packing wrapper.
 GLUE, PACK = "nemo_rs_plugin/nemo_rl/loss_fn.py", "nemo_rs_plugin/nemo_rl/packing.py"
 
@@ -127,10 +128,10 @@ MUTANTS: list[Mutant] = [
         "token IS weight 1 (not 0) where the log-ratio is not finite",
     ),
     Mutant(
-        CW,
-        'seq_log_w = seq_d_sum if level == "sequence" else seq_d_sum / (seq_n + EPS)',
-        'seq_log_w = seq_d_sum if level == "sequence_mean" else seq_d_sum / (seq_n + EPS)',
-        "sequence and sequence_mean swapped (product vs geometric mean)",
+        IL,
+        "sequence_log_weight=lambda d_sum, n: d_sum / (n + EPS),",
+        "sequence_log_weight=lambda d_sum, n: d_sum,",
+        "sequence_mean's weight is the product, not the geometric mean",
     ),
     Mutant(
         CW,
@@ -451,8 +452,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         CP,
-        'units = masks.valid if level == "token" else sample_mask * has_tokens',
-        'units = masks.valid if level == "token" else sample_mask',
+        "units = masks.valid if cfg.is_level_entry.per_token else sample_mask * has_tokens",
+        "units = masks.valid if cfg.is_level_entry.per_token else sample_mask",
         "sequence batch mean counts empty sequences (slime's, not VERL's)",
     ),
     Mutant(

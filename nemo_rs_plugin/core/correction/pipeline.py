@@ -85,7 +85,7 @@ def needs_sequence_statistics(cfg: RSClippedPGLossConfig) -> bool:
     per-sequence sum is computed or reduced at all.
     """
     return (
-        cfg.effective_is_level != "token"
+        not cfg.is_level_entry.per_token
         or cfg.truncated_importance_sampling_type == "seq-mask-tis"
         or bool(cfg.rejection_sampling)
         or not cfg.token_level_loss
@@ -215,9 +215,7 @@ def apply_correction(
     whole microbatch when this call sees one of its sequences:
     :mod:`nemo_rs_plugin.core.microbatch`); then nothing is reduced.
 
-    IS weight per level (``config.IS_LEVEL_FORMULAS``; ``n = sum_t m_t`` per sequence):
-    ``token``: ``w_t = exp(d_t)``; ``sequence``: ``w = exp(sum_t m_t d_t)``;
-    ``sequence_mean``: ``w = exp(sum_t m_t d_t / n)``.
+    IS weight per level: :data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS`.
     """
     masks = plan.masks
     sample_mask = masks.sample_mask
@@ -245,10 +243,10 @@ def apply_correction(
         if batch_norm_factor is not None:
             weight, factor = weight / batch_norm_factor, batch_norm_factor
         else:
-            units = masks.valid if level == "token" else sample_mask * has_tokens
+            units = masks.valid if cfg.is_level_entry.per_token else sample_mask * has_tokens
             weight, factor = batch_normalize_weights(weight, units, level, cfg.is_batch_normalization, groups)
         metrics.add("is_batch_norm_factor", factor, "none", "replicated", per_call=True)
-    if level == "token":
+    if cfg.is_level_entry.per_token:
         record_token_weight_metrics(metrics, raw_weight, weight, masks, loss_tokens)
     else:
         record_sequence_weight_metrics(metrics, raw_weight, weight, sample_mask * has_tokens, seq_in_loss)

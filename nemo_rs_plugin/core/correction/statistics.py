@@ -26,6 +26,7 @@ from nemo_rs_plugin.core.distributed import (
     reduce_batch_totals,
     reduce_sequence_statistics,
 )
+from nemo_rs_plugin.core.is_levels import is_level
 from nemo_rs_plugin.core.masking import EPS, masked_sum
 
 __all__ = [
@@ -172,7 +173,7 @@ def batch_normalize_weights(
     already identical there. ``data_parallel``: also summed over ``groups.data_parallel``,
     the ranks holding the batch's other sequences.
     """
-    token_level = level == "token"
+    token_level = is_level(level).per_token
     if token_level:
         totals = torch.stack([masked_sum(weight, units), units.sum()])
     else:

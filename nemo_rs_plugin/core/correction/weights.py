@@ -1,9 +1,7 @@
 """IS weights at the chosen level, NeMo-RL's truncation, and the weight metrics.
 
-IS weight per level (``config.IS_LEVEL_FORMULAS``; ``n = sum_t m_t`` per sequence):
-``token``: ``w_t = exp(d_t)``; ``sequence``: ``w = exp(sum_t m_t d_t)``;
-``sequence_mean``: ``w = exp(sum_t m_t d_t / n)``.
-See: docs/guide.md#is-correction-level.
+IS weight per level: :data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS` (its formulas, and the
+log-weight of a sequence from its reduced statistics). See: docs/guide.md#is-correction-level.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from typing import Optional
 import torch
 
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
+from nemo_rs_plugin.core.is_levels import is_level
 from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, finite_exp, masked_sum, out_of_bounds
 from nemo_rs_plugin.core.metrics import MetricSet
 
@@ -42,16 +41,18 @@ def is_weights(
     seq_n: Optional[torch.Tensor],  # [B] n_i, reduced over ranks
     seq_nonfinite: Optional[torch.Tensor],  # [B] valid tokens with non-finite d, reduced over ranks
 ) -> torch.Tensor:
-    """Untruncated IS weight: ``[B, T]`` for ``token``, ``[B, 1]`` for the sequence levels.
+    """Untruncated IS weight of ``level`` (:data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS`).
 
-    ``token``: ``w_t = exp(d_t)``; ``sequence``: ``w = exp(sum_t m_t d_t)``;
-    ``sequence_mean``: ``w = exp(sum_t m_t d_t / n)``. A non-finite log-ratio gives weight 0
-    (its token, or its sequence).
+    ``[B, T]`` for a per-token level, ``[B, 1]`` for a per-sequence one (``exp`` of the entry's
+    ``sequence_log_weight``). A non-finite log-ratio gives weight 0 (its token, or its
+    sequence). An unknown level is a ``ValueError``.
     """
-    if level == "token":
+    entry = is_level(level)
+    if entry.per_token:
         weight = finite_exp(d)
         return weight if d_finite is None else weight * d_finite  # d is 0 where it was not finite: weight 0 there
-    seq_log_w = seq_d_sum if level == "sequence" else seq_d_sum / (seq_n + EPS)
+    assert entry.sequence_log_weight is not None
+    seq_log_w = entry.sequence_log_weight(seq_d_sum, seq_n)
     return finite_exp(seq_log_w).masked_fill(seq_nonfinite > 0, 0.0).unsqueeze(-1)
 
 

@@ -1,0 +1,76 @@
+"""The IS correction levels: one entry per level (``is_correction_level``), read by everything else.
+
+An entry says whether the level weighs each token or each sequence, its formula as text
+(``d = prev - gen`` per token, ``m`` the valid tokens of a sequence, ``n = sum_t m_t``), the
+log-weight of a sequence from its reduced statistics, and how a unit is worded. The loss
+(:func:`~nemo_rs_plugin.core.correction.weights.is_weights`), the metrics, batch
+normalisation, ``nemo-rs check``'s description, the configuration reference and the guide's
+table all read :data:`IS_LEVELS`; nothing else compares a level's name. A new level is one
+entry here (and its name in ``config.ISCorrectionLevel``, which a test holds equal to the keys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from nemo_rs_plugin.core.masking import EPS
+
+__all__ = ["IS_LEVELS", "ISLevel", "is_level", "is_levels_text"]
+
+
+@dataclass(frozen=True)
+class ISLevel:
+    """One IS correction level.
+
+    Attributes:
+        name: the ``is_correction_level`` value.
+        per_token: a weight per valid token (``[B, T]``), else one per sequence (``[B, 1]``).
+        formula: the weight, as the docs state it.
+        unit: how ``nemo-rs check`` words the unit a weight belongs to.
+        sequence_log_weight: per-sequence levels: ``(sum_t m_t d_t, n) -> log w`` (``[B]``),
+            from the statistics reduced over the ranks that split a sequence.
+    """
+
+    name: str
+    per_token: bool
+    formula: str
+    unit: str
+    sequence_log_weight: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+
+
+IS_LEVELS: dict[str, ISLevel] = {
+    level.name: level
+    for level in (
+        ISLevel("token", True, "w_t = exp(d_t)", "per token"),
+        ISLevel(
+            "sequence",
+            False,
+            "w = exp(sum_t m_t d_t)",
+            "per sequence (product)",
+            sequence_log_weight=lambda d_sum, n: d_sum,  # noqa: ARG005 - the product ignores n
+        ),
+        ISLevel(
+            "sequence_mean",
+            False,
+            "w = exp(sum_t m_t d_t / n)",
+            "per sequence (geometric mean)",
+            sequence_log_weight=lambda d_sum, n: d_sum / (n + EPS),
+        ),
+    )
+}
+
+
+def is_level(name: str) -> ISLevel:
+    """The entry of ``name``; an unknown name is an error, never a default."""
+    try:
+        return IS_LEVELS[name]
+    except KeyError:
+        raise ValueError(f"is_correction_level: got {name!r}; allowed: {', '.join(map(repr, IS_LEVELS))}") from None
+
+
+def is_levels_text() -> str:
+    """Every level and its formula, as the config's field description and docstrings state them."""
+    return "; ".join(f"``{lvl.name}``: ``{lvl.formula}``" for lvl in IS_LEVELS.values())
