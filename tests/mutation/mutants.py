@@ -28,7 +28,7 @@ L, P, D, M, MS, IN, IC = (
 CF, CW, CS, CP = (f"nemo_rs_plugin/core/correction/{m}.py" for m in ("filters", "weights", "statistics", "pipeline"))
 IL = "nemo_rs_plugin/core/is_levels.py"
 # The NeMo-RL glue under the per-sequence packing wrapper.
-GLUE, PACK = "nemo_rs_plugin/nemo_rl/loss_fn.py", "nemo_rs_plugin/nemo_rl/packing.py"
+GLUE, PACK, REC = (f"nemo_rs_plugin/nemo_rl/{m}.py" for m in ("loss_fn", "packing", "recording"))
 
 MUTANTS: list[Mutant] = [
     # ---- filter bounds are inclusive (docs/guide.md#rejection-sampling): the one bound check
@@ -662,5 +662,24 @@ MUTANTS: list[Mutant] = [
         "return next_token_logprobs.new_zeros((), dtype=dtype), {}",
         "return next_token_logprobs.new_zeros(()), {}",
         "the wrapper sums into a zero of the log-probs' dtype, not the loss's (float32 for a float64 loss)",
+    ),
+    # ---- recording for calibration (nemo_rs_plugin/nemo_rl/recording.py)
+    Mutant(
+        REC,
+        "if self.step % self.every:",
+        "if False:",
+        "every optimizer step recorded, not every record_every-th",
+    ),
+    Mutant(
+        REC,
+        "if self._last is not None and mask is not None and self._last() is mask:",
+        "if False:",
+        "the per-sequence wrapper's microbatch recorded once per sequence",
+    ),
+    Mutant(
+        GLUE,
+        "if packed is not None and is_microbatch(packed.microbatch, packed.sequences):",
+        "if False:",
+        "a per-call (logit input) packed sequence recorded as its own microbatch",
     ),
 ]
