@@ -309,6 +309,17 @@ def setting_warnings(cfg: Any) -> list[str]:
             "seq-mask-tis): nothing is rejected, so the denominators never shrink; add a filter, or "
             "remove rejection_denominator"
         )
+    elif (
+        cfg.rejection_denominator == "kept"
+        and not zeroes_sequences
+        and all(f.applies_to == "policy_gradient" for f in cfg.rejection_sampling)
+    ):
+        # Such a filter removes a token's policy-gradient term only: the token stays kept, in every count.
+        w.append(
+            "rejection_denominator: got 'kept' with only applies_to: policy_gradient filters (and no icepop or "
+            "seq-mask-tis): they keep every token in the denominators, which never shrink; add a filter with "
+            "applies_to: loss, or remove rejection_denominator"
+        )
     for i, f in enumerate(cfg.rejection_sampling):
         w += filter_bound_extremes(i, f) + filter_bound_warnings(i, f)
     if not cfg.record_logprobs:

@@ -261,13 +261,31 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+class _RepeatedKey(ValueError):
+    """A JSON object that gives one key twice (``json.loads`` would keep the last silently)."""
+
+
+def _unique_keys(pairs: list) -> dict:
+    """``object_pairs_hook`` for :func:`json.loads`: refuse a key given twice."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(key)
+        out[key] = value
+    return out
+
+
 def _jsonl_record(p: Path, lineno: int, line: str) -> tuple[dict, int, float]:
     """One validated JSONL record: ``(record, number of tokens, advantage)``."""
     where = f"{p}:{lineno}"
     try:
-        rec = json.loads(line)
+        rec = json.loads(line, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise BatchFormatError(f"{where}: record is not valid JSON ({exc.msg})") from None
+    except _RepeatedKey as exc:
+        raise BatchFormatError(
+            f"{where}: field {exc.args[0]!r} is given twice (JSON would keep only the last); keep one"
+        ) from None
     if not isinstance(rec, dict):
         raise BatchFormatError(f"{where}: record must be a JSON object")
     unknown = [k for k in rec if k not in _JSONL_FIELDS]

@@ -56,6 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let the band come out narrower than the template's (default: calibration only widens it)",
     )
+    p.add_argument(
+        "--allow-few",
+        action="store_true",
+        help="print the band even where a stage has fewer than 20 units (default: an error; such a band is "
+        "not a calibration)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
 
 
@@ -63,10 +69,9 @@ def _templates(args: argparse.Namespace, problems: list[str]) -> list[dict]:
     from nemo_rs_plugin.core.presets import FILTERS
 
     if args.recipe:
-        from nemo_rs_plugin.tools.check import CheckReport
-        from nemo_rs_plugin.tools.recipe_loading import load_recipe
+        from nemo_rs_plugin.tools.recipe_loading import LoadedRecipe, load_recipe
 
-        report = CheckReport()
+        report = LoadedRecipe()
         cfg = load_recipe(args.recipe, [], None, report)
         if cfg is None:
             problems.extend(f"--recipe: {e}" for e in report.errors or [f"{args.recipe}: could not be read"])
@@ -137,6 +142,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INVALID
+    few = [] if args.allow_few else _too_few(stages)
+    if few:  # no band printed (or written) as if it were calibrated
+        for line in few:
+            print(f"error: {line}", file=sys.stderr)
+        return EXIT_INVALID
     _print(args, filters, stages, as_written, batch)
     for line in _warnings(args.target, filters, stages):
         print(f"warning: {line}", file=sys.stderr)
@@ -148,6 +158,16 @@ def run(args: argparse.Namespace) -> int:
 
 #: Fewer units than this in a stage and its quantiles are not a calibration (a band from 1 sequence).
 MIN_UNITS = 20
+
+
+def _too_few(stages: list) -> list[str]:
+    """Stages with fewer than :data:`MIN_UNITS` units: an error unless ``--allow-few``."""
+    return [
+        f"stage {i}: only {st.units} units in --from; at least {MIN_UNITS} are needed to set a band from the "
+        "data (from fewer it is not a calibration): dump more of the run, or pass --allow-few to print it anyway"
+        for i, st in enumerate(stages)
+        if st.units < MIN_UNITS
+    ]
 
 
 def _warnings(target: float, filters: list, stages: list) -> list[str]:

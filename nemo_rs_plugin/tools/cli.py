@@ -4,7 +4,8 @@ Subcommands:
 
 * ``nemo-rs simulate``: run correction configurations through the real loss on a synthetic
   training/inference mismatch (default: NeMo-RL PR #2269's 9k tokens at 2%) or on
-  log-probs saved from a run (``--from``); prints a table, can write CSV/JSON/PNG.
+  log-probs saved from a run (``--from``), with a recipe's loss section as a row (``--recipe``);
+  prints a table, can write CSV/JSON/PNG.
 * ``nemo-rs check RECIPE [overrides]``: validate the loss section, print the pipeline in
   words, warn about legal but likely wrong settings. Exit 2 on errors, one line each; exit 3
   when no error was found but something could not be checked (``not checked:`` lines).
@@ -23,11 +24,26 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-__all__ = ["main", "EXIT_INVALID", "EXIT_UNCHECKED"]
+from nemo_rs_plugin.tools.report import EXIT_INTERRUPTED, interrupted
+
+__all__ = ["main", "EXIT_INVALID", "EXIT_UNCHECKED", "EXIT_INTERRUPTED", "interrupted"]
 
 EXIT_INVALID = 2  # bad input: one ``error:`` line each
 EXIT_UNCHECKED = 3  # check: no errors found, but part of the recipe could not be checked
 
+
+#: ``simulate``'s built-in configurations, named here for ``--help`` without importing torch
+#: (tests/tools/test_cli_simulate_recipe.py holds them equal to ``simulate.DEFAULT_CONFIGS``).
+DEFAULT_CONFIG_NAMES = (
+    "uncorrected",
+    "token",
+    "token+tis2",
+    "sequence",
+    "sequence+tis2",
+    "sequence_mean",
+    "seqmean+geo-rs+veto",
+    "geo-rs+token-mis",
+)
 
 # Options that shape the synthetic batch: (flag, default); none of them applies to --from.
 SYNTHETIC_OPTIONS = {
@@ -118,6 +134,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             )
         configs = {c: configs[c] for c in args.configs if c in configs}
     problems += _simulate_problems(args)
+    if args.recipe is not None:
+        recipe = sim.recipe_row(args.recipe, args.overrides, taken=tuple(sim.DEFAULT_CONFIGS))
+        problems += recipe.problems
+        if recipe.config is not None:
+            # Next to the uncorrected loss (when shown), before the built-in configurations.
+            first = {k: v for k, v in configs.items() if k == "uncorrected"}
+            configs = {**first, recipe.label: recipe.config, **configs}
     if not problems and args.from_file:
         try:
             batches = [sim.load_batch(args.from_file)]
@@ -145,8 +168,21 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             f"{args.outlier_rate:g}, staleness {args.staleness:g}, seed {args.seed}"
         )
     print(source)
-    rows = sim.run(configs, batches, progress=ProgressBar())
-    print(sim.format_table(rows))
+    if args.recipe is not None:
+        for line in recipe.warnings:
+            print(f"warning: {line}", file=sys.stderr)
+    import warnings
+
+    from nemo_rs_plugin.core.config import ConfigWarning
+
+    with warnings.catch_warnings():  # the recipe's, printed above once; the loss would repeat them
+        warnings.simplefilter("ignore", ConfigWarning)
+        rows = sim.run(configs, batches, progress=ProgressBar())
+    if sim.no_gradient(batches):  # e.g. every group's rewards were equal: one line, not nan in every row
+        print(f"note: {sim.NO_GRADIENT}", file=sys.stderr)
+        print(sim.format_table(rows, tuple(c for c in sim.COLUMNS if c != "grad_norm_ratio")))
+    else:
+        print(sim.format_table(rows))
     writers = (
         ("--csv", args.csv, lambda path: sim.write_csv(rows, path)),
         ("--json", args.json, lambda path: sim.write_json(rows, source, path)),
@@ -221,9 +257,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     # With --json, stdout is the JSON object alone: anything NeMo-RL prints while loading goes to stderr.
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    from nemo_rs_plugin.tools.doctor import worker_links_now, wrote_worker_links
+
+    links = worker_links_now()
     with warnings.catch_warnings(record=True) as caught, quiet:
         warnings.simplefilter("always", ConfigWarning)
         report = check_recipe(args.recipe, args.overrides, args.nemo_rl, args.mismatch, args.response_tokens)
+    # Importing NeMo-RL's GRPO module activates the plugin, which links itself for the Ray workers.
+    wrote = wrote_worker_links(links)
+    if wrote is not None:
+        report.notes.append(wrote)
     # The config's own warnings (settings that do nothing), once each, before check's.
     said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
     report.warnings[:0] = [line for i, line in enumerate(said) if line not in said[:i]]
@@ -236,6 +279,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         return code
     for line in report.errors:
         print(f"error: {line}", file=sys.stderr)
+    if report.errors and wrote is not None:  # the notes below are not printed then
+        print(f"note: {wrote}", file=sys.stderr)
     for line in report.unchecked:
         print(f"not checked: {line}", file=sys.stderr)
     if report.errors:
@@ -337,7 +382,19 @@ def _add_simulate_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--staleness", type=float, help="per-sequence log-ratio shift scale, async (default 0)")
     s.add_argument("--steps", type=int, help="batches to average over (default 4)")
     s.add_argument("--seed", type=int, help="seed of the synthetic batches (default 0)")
-    s.add_argument("--configs", nargs="+", metavar="NAME", help="subset of the built-in configurations")
+    s.add_argument(
+        "--configs",
+        nargs="+",
+        metavar="NAME",
+        help=f"subset of the built-in configurations: {', '.join(DEFAULT_CONFIG_NAMES)} (default: all)",
+    )
+    s.add_argument(
+        "--recipe",
+        metavar="YAML",
+        help="add this recipe's loss_fn as a row, labelled by its file name; Hydra-style overrides "
+        "(loss_fn.rejection_sampling.0.upper=1.02) may follow",
+    )
+    s.set_defaults(overrides=[])
     s.add_argument("--csv", metavar="FILE", help="write the table as CSV")
     s.add_argument(
         "--json", metavar="FILE", help="write the table as strict JSON (non-finite values as the strings NaN, Infinity)"
@@ -358,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="validate a recipe's loss_fn and explain it")
     c.add_argument("recipe")
-    c.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. loss_fn.ratio_clip_max=0.28")
+    # default=[]: optional (argparse would otherwise list it as required when RECIPE is missing)
+    c.add_argument("overrides", nargs="*", default=[], help="Hydra-style overrides, e.g. loss_fn.ratio_clip_max=0.28")
     c.add_argument("--nemo-rl", metavar="PATH", help="NeMo-RL checkout, to load the recipe with its loader")
     c.add_argument(
         "--mismatch",
@@ -400,31 +458,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The shell's exit status for a process ended by Ctrl-C (128 + SIGINT).
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``nemo-rs`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["lab"]:  # the lab parses its own flags (docs/lab.md)
+    if argv[:1] == ["lab"]:  # the lab parses its own flags (docs/lab.md); it handles Ctrl-C itself
         from nemo_rs_plugin.tools import lab
 
         return lab.main(argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    # Hydra-style overrides may come after options (check RECIPE --nemo-rl X a.b=1).
-    # An option spelt with '=' (--loss_fn.x=1, --foo=bar) is not an override: refused, not ignored.
-    overrides = [a for a in extra if ("=" in a or a.startswith("~")) and not a.startswith("-")]
+    # Hydra-style overrides may come after options (check RECIPE --nemo-rl X a.b=1). Where the
+    # command takes them, any word without a dash is one (`key` alone gets the loader's own
+    # "expected key=value" line, wherever it stands). An option spelt with '=' (--loss_fn.x=1,
+    # --foo=bar) is not an override: refused, not ignored.
+    takes_overrides = args.command == "check" or (args.command == "simulate" and args.recipe is not None)
+    if takes_overrides:
+        overrides = [a for a in extra if not a.startswith("-")]
+    else:
+        overrides = [a for a in extra if ("=" in a or a.startswith("~")) and not a.startswith("-")]
     unknown = [a for a in extra if a not in overrides]
     if any(a.startswith("-") and "=" in a for a in unknown):
         parser.error(
             f"unrecognized arguments: {' '.join(unknown)} (Hydra-style overrides are written without dashes: "
             "loss_fn.ratio_clip_max=0.28)"
         )
-    if unknown or (overrides and args.command != "check"):
-        parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if overrides and not takes_overrides:
+        hint = " (overrides apply to a recipe: add --recipe FILE)" if args.command == "simulate" else ""
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}{hint}")
     if overrides:
         args.overrides = list(args.overrides) + overrides
     try:
         status = int(args.func(args) or 0)
         sys.stdout.flush()  # a full disk or a closed pipe shows here, not as a traceback at exit
+    except KeyboardInterrupt:
+        return interrupted()
     except OSError as exc:
         # The commands report their own files; what reaches here without a file name and with
         # a full disk or a closed pipe is the output stream. Anything else is not ours to word.

@@ -298,10 +298,34 @@ def _project(report: _Report, nemo_rl: Any) -> None:
         )
 
 
+def worker_links_now() -> dict[str, str]:
+    """The worker-path folder's entries and where their links point (to tell when a command wrote there)."""
+    base = worker_links.worker_path_base()
+    try:
+        entries = sorted(os.listdir(base))
+    except OSError:
+        return {}
+    return {e: os.path.realpath(os.path.join(base, e, worker_links.LINK_NAME)) for e in entries}
+
+
+def wrote_worker_links(before: dict[str, str]) -> Optional[str]:
+    """The note to print when the worker-path folder changed since ``before`` (a link made or removed)."""
+    if worker_links_now() == before:
+        return None
+    return (
+        f"the plugin's worker-path link was written under {worker_links.worker_path_base()} (as training writes "
+        f"it; {worker_links.WORKER_PATH_ENV} chooses the folder; README: Ray workers)"
+    )
+
+
 def _worker_path(report: _Report, hook: Any) -> Optional[str]:
+    before = worker_links_now()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         shim = worker_links.expose_to_workers()
+    wrote = wrote_worker_links(before)
+    if wrote is not None:
+        report.line("note", "worker path", wrote)
     if shim is None:
         detail = "; ".join(str(w.message) for w in caught) or "the package location is unknown"
         report.fail("worker path", detail)
@@ -361,8 +385,10 @@ def run_checks(
     if venvs is not None and not workers:
         report.warn("workers", f"--venvs {venvs} does nothing with --no-workers (the worker check is skipped)")
     elif venvs is not None and not os.path.isdir(venvs):
-        # Named up front: the worker check that reads it runs only once NeMo-RL is found.
+        # Named up front: the worker check that reads it runs only once NeMo-RL is found. It is
+        # then skipped: its "no worker venvs there yet" warning would repeat this failure.
         report.fail("workers", f"--venvs {venvs}: no such directory (NeMo-RL's worker venvs, e.g. <NeMo-RL>/venvs)")
+        workers = False
     recipe_loads = True
     try:
         if recipe:

@@ -92,7 +92,7 @@ from nemo_rs_plugin.tools.lab_report import (
     write_summary_csv,
 )
 from nemo_rs_plugin.tools.lab_stats import SIGNIFICANCE
-from nemo_rs_plugin.tools.report import ProgressBar
+from nemo_rs_plugin.tools.report import ProgressBar, interrupted
 
 __all__ = [
     "LabSettings",
@@ -331,7 +331,18 @@ def write_outputs(rows: list, s: LabSettings, out: str, run_facts: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the experiment; write the CSVs, the table and the figure under ``--out``."""
+    """Run the experiment; write the CSVs, the table and the figure under ``--out``.
+
+    Ctrl-C stops it with one ``interrupted`` line on stderr and exit status 130 (no traceback;
+    nothing of the unfinished run is written).
+    """
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return interrupted()
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.report is not None:
         return report_main(args.report)

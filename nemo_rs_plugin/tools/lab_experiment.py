@@ -376,6 +376,13 @@ def _run_one(name: str, seed: int, s: LabSettings, tick: Optional[Callable[[], N
 
 
 # ---------------------------------------------------------------------------- many runs
+def _leave_ctrl_c_to_the_parent() -> None:
+    """A worker ignores SIGINT: Ctrl-C reaches the whole process group, and each worker would print a traceback."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _worker(args):
     name, seed, settings, queue = args
     tick = (lambda: queue.put(1)) if queue is not None else None
@@ -429,17 +436,28 @@ def run_all(
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
         ctx = mp.get_context("spawn")
-        with ctx.Manager() as manager, ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        with (
+            ctx.Manager() as manager,
+            ProcessPoolExecutor(workers, mp_context=ctx, initializer=_leave_ctrl_c_to_the_parent) as pool,
+        ):
             queue = manager.Queue()
             pending = {pool.submit(_worker, (c, seed, settings[lag], queue)) for c, seed, lag in jobs}
-            while pending:
-                finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-                while not queue.empty():
-                    queue.get()
-                    done += 1
-                    if progress:
-                        progress(done, total)
-                for f in finished:
-                    rows += f.result()
+            try:
+                while pending:
+                    finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                    while not queue.empty():
+                        queue.get()
+                        done += 1
+                        if progress:
+                            progress(done, total)
+                    for f in finished:
+                        rows += f.result()
+            except KeyboardInterrupt:
+                # Stop the running jobs now (the public API only cancels those not started), so the
+                # pool's exit does not wait for them; the caller prints one "interrupted" line.
+                for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                    proc.terminate()
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
     order = {c: i for i, c in enumerate(s.configs)}
     return sorted(rows, key=lambda r: (order[r["config"]], r["lag"], r["seed"], r["step"]))

@@ -16,6 +16,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import yaml
@@ -28,6 +29,7 @@ __all__ = [
     "HOW_TO_CHECK",
     "INHERITED_NOT_FOUND",
     "LoadReport",
+    "LoadedRecipe",
     "OverrideError",
     "flatten",
     "load_recipe",
@@ -63,6 +65,16 @@ class LoadReport(Protocol):
     notes: list[str]
     unchecked: list[str]
     nemo_rl: bool
+
+
+@dataclass
+class LoadedRecipe:
+    """A :class:`LoadReport` for the commands that load a recipe without checking it (simulate, calibrate)."""
+
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)
+    nemo_rl: bool = False
 
 
 def with_cause(exc: BaseException, strip: str = "") -> str:

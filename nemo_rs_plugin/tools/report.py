@@ -191,3 +191,14 @@ class ProgressBar:
         if done == total:
             stream.write("\n")
         stream.flush()
+
+
+#: The shell's exit status after Ctrl-C (128 + SIGINT).
+EXIT_INTERRUPTED = 130
+
+
+def interrupted() -> int:
+    """Ctrl-C: one line on stderr instead of a traceback, and the shell's status for it."""
+    # After a progress bar redrawn in place, start a line of its own.
+    print("\ninterrupted" if sys.stderr.isatty() else "interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -45,6 +45,7 @@ __all__ = [
     "write_json",
     "write_plot",
     "plot_figure",
+    "recipe_row",
 ]
 
 _NO_KL = {"reference_policy_kl_penalty": 0.0}
@@ -239,10 +240,27 @@ LEGEND = (
 )
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """A fixed-width table of :func:`run`'s rows, with a legend."""
-    lines = report.fixed_width_table(rows, "config", COLUMNS, label_width=22, width=16, spec=".4g")
+def format_table(rows: list[dict[str, Any]], columns: tuple[str, ...] = COLUMNS) -> str:
+    """A fixed-width table of :func:`run`'s rows, with a legend (a recipe's file name may be long)."""
+    label_width = max([22, *(len(str(r["config"])) + 2 for r in rows)])
+    lines = report.fixed_width_table(rows, "config", columns, label_width=label_width, width=16, spec=".4g")
     return "\n".join([*lines, LEGEND])
+
+
+NO_GRADIENT = (
+    "no gradient: every advantage on a valid token is 0, so every configuration's gradient is 0 and "
+    "grad_norm_ratio is not defined (left out of the table; nan in --csv and --json); the other columns do not "
+    "depend on the advantages"
+)
+
+
+def no_gradient(batches: list[dict[str, torch.Tensor]]) -> bool:
+    """Whether every advantage on a valid token of every batch is 0 (the loss has no gradient at all)."""
+    for b in batches:
+        valid = (b["token_mask"][:, 1:] * b["sample_mask"][:, None]) != 0
+        if bool((b["advantages"][:, 1:][valid] != 0).any()):  # [B, S], as the batches are built
+            return False
+    return True
 
 
 def write_csv(rows: list[dict[str, Any]], path: str) -> None:
@@ -324,3 +342,79 @@ def write_plot(rows: list[dict[str, Any]], path: str) -> None:
     fig = plot_figure(rows)
     fig.savefig(path, dpi=110)
     report.pyplot(PLOT_HELP).close(fig)
+
+
+@dataclass
+class RecipeRow:
+    """A recipe's loss section as a row of the table (:func:`recipe_row`)."""
+
+    label: str = ""
+    config: Optional[dict] = None
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def recipe_row(path: str, overrides: list[str], taken: tuple[str, ...] = ()) -> RecipeRow:
+    """The loss section of the recipe at ``path`` (with Hydra-style ``overrides``), ready to simulate.
+
+    Loaded as ``nemo-rs check`` and ``calibrate --recipe`` load it
+    (:func:`~nemo_rs_plugin.tools.recipe_loading.load_recipe`: ``defaults``, overrides,
+    interpolations) and validated with the config's own rules. The row is labelled by the
+    file name (``taken``: labels already in the table, which it must not replace). As every
+    built-in row, it runs without the reference KL penalty (the snapshot is on-policy, so its
+    gradient is 0) and never records log-probs. Problems (no loss section, an invalid one, an
+    override that does not fit) are one line each in ``problems``; nothing raises.
+    """
+    import warnings
+
+    from nemo_rs_plugin.core.config import ConfigError, ConfigWarning, RSClippedPGLossConfig, own_loss_problems
+    from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
+    from nemo_rs_plugin.tools.recipe_loading import INHERITED_NOT_FOUND, LoadedRecipe, flatten, load_recipe
+
+    label = os.path.basename(path) or path
+    if label in taken:
+        label = f"{label} (recipe)"
+    row = RecipeRow(label=label)
+    loaded = LoadedRecipe()
+    cfg = load_recipe(path, list(overrides), None, loaded)
+    if cfg is None:
+        row.problems = [f"--recipe: {flatten(e)}" for e in loaded.errors or [f"{path}: could not be read"]]
+        return row
+    inherited = [flatten(u) for u in loaded.unchecked if u.startswith(INHERITED_NOT_FOUND)]
+    loss = cfg.get("loss_fn")
+    if loss is None:
+        where = f" (it may come from defaults that were not found: {'; '.join(inherited)})" if inherited else ""
+        row.problems.append(
+            f"--recipe {path}: no loss_fn section{where}; simulate runs a recipe's loss section: add one, e.g. "
+            f"loss_fn: {{name: {PLUGIN_LOSS_NAME}, use_importance_sampling_correction: true, "
+            "is_correction_level: sequence_mean}"
+        )
+        return row
+    if isinstance(loss, str):
+        loss = {"name": loss}
+    if not isinstance(loss, dict):
+        row.problems.append(f"--recipe {path}: loss_fn: got a {type(loss).__name__}; expected a mapping")
+        return row
+    name = loss.get("name")
+    if name is None or name == "clipped_pg":  # NeMo-RL's own loss: the plugin's fields would be ignored
+        row.problems += [f"--recipe {path}: loss_fn.{p}" for p in own_loss_problems(loss, name)]
+    elif name != PLUGIN_LOSS_NAME:
+        row.problems.append(
+            f"--recipe {path}: loss_fn.name: got {name!r}; simulate runs {PLUGIN_LOSS_NAME} or NeMo-RL's clipped_pg"
+        )
+    if row.problems:
+        return row
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigWarning)
+        try:
+            config = RSClippedPGLossConfig.from_any({k: v for k, v in loss.items() if k != "name"})
+        except ConfigError as exc:
+            row.problems += [f"--recipe {path}: {flatten(p)}" for p in exc.problems]
+            return row
+    said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    row.warnings += [f"--recipe {path}: {w}" for i, w in enumerate(said) if w not in said[:i]]
+    row.warnings += [f"--recipe {path}: {line}; the loss section is simulated without them" for line in inherited]
+    fields = config.model_dump()
+    fields.update(name=None, reference_policy_kl_penalty=0.0, sharded_logits_input=False, record_logprobs=False)
+    row.config = fields
+    return row

@@ -50,7 +50,7 @@ def test_calibrate_json_is_checked_before_the_work(capsys, dump, tmp_path):
 
 
 def test_a_directory_given_as_the_dump(capsys, tmp_path):
-    one_error(capsys, ["simulate", "--from", str(tmp_path)], "is a directory; name a JSONL or torch file")
+    one_error(capsys, ["simulate", "--from", str(tmp_path)], "a folder without records (stepNNNNNN-dpRRR-mbMMM.pt)")
 
 
 def test_recipes_flags_that_did_nothing(capsys):
