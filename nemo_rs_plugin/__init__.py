@@ -17,7 +17,7 @@ The names below resolve on first use, so that ``import nemo_rs_plugin`` itself c
 
 import importlib
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _PUBLIC = {
     "ConfigError": "nemo_rs_plugin.core.config",

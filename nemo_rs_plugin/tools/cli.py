@@ -402,11 +402,50 @@ def _add_simulate_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--plot", metavar="FILE.png", help="bar charts; the suffix names the format (needs matplotlib)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def version_line() -> str:
+    """``nemo-rs-plugin X.Y.Z``, and ``(commit <sha>[-dirty])`` when the package is a git checkout's.
+
+    Installed from a checkout (``pip install -e .``) the version alone does not say which code
+    runs; the commit does. From a wheel there is no checkout, and only the version is printed.
+    """
+    import subprocess
+
     import nemo_rs_plugin  # the package itself, not a layer: its __init__ imports nothing
 
+    line = f"nemo-rs-plugin {nemo_rs_plugin.__version__}"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(nemo_rs_plugin.__file__)))
+    if not os.path.exists(os.path.join(root, ".git")):
+        return line
+    try:
+        out = subprocess.run(
+            ["git", "-C", root, "describe", "--always", "--dirty", "--abbrev=12", "--exclude", "*"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):  # no git here: the version alone
+        return line
+    commit = out.stdout.strip()
+    return f"{line} (commit {commit}, {root})" if out.returncode == 0 and commit else line
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: :func:`version_line`, computed only when asked (git runs then, not per command)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
+
     parser = argparse.ArgumentParser(prog="nemo-rs", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=f"nemo-rs-plugin {nemo_rs_plugin.__version__}")
+    parser.add_argument(
+        "--version", action=_VersionAction, help="the plugin's version (and its commit, installed from a checkout)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("simulate", help="run corrections through the real loss on a mismatch")

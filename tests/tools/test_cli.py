@@ -261,3 +261,27 @@ def test_doctor_is_a_nemo_rs_subcommand(capsys, monkeypatch):
     assert main(["doctor", "--no-workers"]) == 1
     out = capsys.readouterr().out
     assert "NeMo-RL: not importable here" in out and "will not train with the plugin's loss" in out
+
+
+def test_version_is_one_definition_cited_with_its_commit_and_dated_in_the_changelog(capsys, monkeypatch):
+    """``nemo-rs --version``: the package's version (what pip's metadata says too), the commit when
+    run from a checkout, and a dated CHANGELOG entry for that version."""
+    import importlib.metadata
+    import re
+    import shutil
+
+    import nemo_rs_plugin
+    from nemo_rs_plugin.tools import cli
+
+    version = nemo_rs_plugin.__version__
+    assert importlib.metadata.version("nemo-rs-plugin") == version  # pyproject reads it (dynamic)
+    assert 'dynamic = ["version"]' in (REPO / "pyproject.toml").read_text()
+    assert re.search(rf"^## {re.escape(version)} \(\d{{4}}-\d{{2}}-\d{{2}}\)$", (REPO / "CHANGELOG.md").read_text(), re.M)
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"nemo-rs-plugin {version}")
+    if (REPO / ".git").exists() and shutil.which("git"):  # a checkout (CI clones one)
+        assert re.search(r"\(commit [0-9a-f]{12}(-dirty)?, ", line), line
+    monkeypatch.setattr(cli.os.path, "exists", lambda p: False)  # as installed from a wheel: no checkout
+    assert cli.version_line() == f"nemo-rs-plugin {version}"
