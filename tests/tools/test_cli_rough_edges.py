@@ -52,9 +52,10 @@ def error_lines(err):
 
 # --------------------------------------------------------------------------- 1. --version
 def test_version_prints_the_package_version(capsys):
+    """One line, the version first (and its commit from a checkout: tests/tools/test_cli.py)."""
     code, out, err = run(capsys, "--version")
     assert code == 0, err
-    assert out == f"nemo-rs-plugin {nemo_rs_plugin.__version__}\n"
+    assert out.startswith(f"nemo-rs-plugin {nemo_rs_plugin.__version__}") and out.count("\n") == 1
 
 
 # --------------------------------------------------------------------------- 2. check DIR
