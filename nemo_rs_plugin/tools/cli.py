@@ -207,6 +207,13 @@ CHECK_EXIT_CODES = {
 }
 
 
+def _how_to_check(unchecked: Sequence[str]) -> Optional[str]:
+    """The remedy for the 'not checked' lines that need NeMo-RL's environment, said once (or ``None``)."""
+    from nemo_rs_plugin.tools.recipe_loading import HOW_TO_CHECK, HOW_TO_CHECK_IN_NEMO_RL
+
+    return HOW_TO_CHECK_IN_NEMO_RL if any(HOW_TO_CHECK in line for line in unchecked) else None
+
+
 def _check_json(recipe: str, code: int, report: Any = None, errors: Sequence[str] = ()) -> None:
     """``nemo-rs check --json``: one JSON object on stdout (docs/cli.md#nemo-rs-check-recipe-overrides)."""
     import json
@@ -220,6 +227,7 @@ def _check_json(recipe: str, code: int, report: Any = None, errors: Sequence[str
                 "exit_codes": {str(k): f"{result}: {meaning}" for k, (result, meaning) in CHECK_EXIT_CODES.items()},
                 "errors": list(report.errors if report is not None else errors),
                 "unchecked": list(report.unchecked if report is not None else ()),
+                "how_to_check": _how_to_check(report.unchecked if report is not None else ()),
                 "warnings": list(report.warnings if report is not None else ()),
                 "notes": list(report.notes if report is not None else ()),
                 "pipeline": list(report.pipeline if report is not None else ()),
@@ -283,6 +291,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"note: {wrote}", file=sys.stderr)
     for line in report.unchecked:
         print(f"not checked: {line}", file=sys.stderr)
+    remedy = _how_to_check(report.unchecked)
+    if remedy is not None:  # said once, not per line
+        print(remedy, file=sys.stderr)
     if report.errors:
         return EXIT_INVALID
     if report.unchecked:

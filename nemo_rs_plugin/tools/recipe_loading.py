@@ -27,6 +27,7 @@ from nemo_rs_plugin.tools.recipe_overrides import OverrideError, apply_override,
 
 __all__ = [
     "HOW_TO_CHECK",
+    "HOW_TO_CHECK_IN_NEMO_RL",
     "INHERITED_NOT_FOUND",
     "LoadReport",
     "LoadedRecipe",
@@ -41,10 +42,15 @@ __all__ = [
 #: How an unchecked line about parents not found starts (check.py reads it to tell a missing loss_fn
 #: from one that may be inherited).
 INHERITED_NOT_FOUND = "fields inherited through defaults:"
-HOW_TO_CHECK = (
-    "to check it, run nemo-rs check in NeMo-RL's own environment (where `import "
-    "nemo_rl.algorithms.grpo` works, e.g. `uv run nemo-rs check ...` in the NeMo-RL checkout "
-    "with nemo-rs-plugin installed there)"
+#: What ends a 'not checked' line that only NeMo-RL's own environment can check; the remedy itself,
+#: :data:`HOW_TO_CHECK_IN_NEMO_RL`, is said once after those lines (``nemo-rs check`` prints it).
+HOW_TO_CHECK = "needs NeMo-RL's environment (how: below)"
+HOW_TO_CHECK_IN_NEMO_RL = (
+    "how to check what needs NeMo-RL's environment: run nemo-rs check in NeMo-RL's own environment "
+    "(where `import nemo_rl.algorithms.grpo` works, e.g. `uv run nemo-rs check ...` in the NeMo-RL "
+    "checkout with nemo-rs-plugin installed there); a checkout named by --nemo-rl outside it also needs "
+    "what NeMo-RL's modules import, listed in nemo-rs-plugin's .ci/nemo-rl-host-requirements.txt "
+    "(pip install -r it)"
 )
 
 

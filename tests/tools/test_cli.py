@@ -276,7 +276,9 @@ def test_version_is_one_definition_cited_with_its_commit_and_dated_in_the_change
     version = nemo_rs_plugin.__version__
     assert importlib.metadata.version("nemo-rs-plugin") == version  # pyproject reads it (dynamic)
     assert 'dynamic = ["version"]' in (REPO / "pyproject.toml").read_text()
-    assert re.search(rf"^## {re.escape(version)} \(\d{{4}}-\d{{2}}-\d{{2}}\)$", (REPO / "CHANGELOG.md").read_text(), re.M)
+    assert re.search(
+        rf"^## {re.escape(version)} \(\d{{4}}-\d{{2}}-\d{{2}}\)$", (REPO / "CHANGELOG.md").read_text(), re.M
+    )
     with pytest.raises(SystemExit):
         cli.main(["--version"])
     line = capsys.readouterr().out.strip()

@@ -95,7 +95,8 @@ def test_check_as_a_user_runs_it_never_says_valid_without_checking(host, tmp_pat
         # 3 (or 2 where not even NeMo-RL's loss imports: v0.6.0's rules could not be applied).
         assert result["code"] in ((3,) if data["api"] else (2, 3)) and ": valid" not in result["out"], result
         assert any("MasterConfig" in line for line in not_checked(result)), result
-        assert all("NeMo-RL's own environment" in line for line in not_checked(result))
+        assert all("needs NeMo-RL's environment (how: below)" in line for line in not_checked(result))
+        assert result["err"].count("run nemo-rs check in NeMo-RL's own environment") == 1  # the remedy once
     else:
         assert result["code"] == 0 and f"{recipe}: valid" in result["out"], result
     assert left_behind(tmp_path) == []  # the temporary copy of the recipe is gone
