@@ -282,14 +282,24 @@ def settings_problems(s: LabSettings, args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def _write_settings(path: str, settings: dict, run_facts: dict) -> None:
+    """A run's settings, facts (time, workers) and library versions, as JSON next to its outputs."""
+    import transformers
+
+    with open(path, "w") as fh:
+        json.dump(
+            {**settings, **run_facts, "torch": torch.__version__, "transformers": transformers.__version__},
+            fh,
+            indent=2,
+        )
+
+
 def write_outputs(rows: list, s: LabSettings, out: str, run_facts: dict) -> str:
     """Write the step, seed, summary and comparison CSVs, the table, the settings and the figures.
 
     ``run_facts`` (workers, wall time) go into ``lab_settings.json`` beside the settings and the
     versions. Returns the table (summary, then the pairwise comparisons).
     """
-    import transformers
-
     outcomes = seed_outcomes(rows, s)
     summary = summarize(outcomes, s)
     comparisons = compare(outcomes, default_pairs(s.configs))
@@ -303,17 +313,7 @@ def write_outputs(rows: list, s: LabSettings, out: str, run_facts: dict) -> str:
         write_summary_csv(comparisons, os.path.join(out, "lab_comparisons.csv"))
     with open(os.path.join(out, "lab_summary.md"), "w") as fh:
         fh.write(table + "\n")
-    with open(os.path.join(out, "lab_settings.json"), "w") as fh:
-        json.dump(
-            {
-                **dataclasses.asdict(s),
-                **run_facts,
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-            },
-            fh,
-            indent=2,
-        )
+    _write_settings(os.path.join(out, "lab_settings.json"), dataclasses.asdict(s), run_facts)
     try:
         write_plot(
             rows,
@@ -387,8 +387,6 @@ def write_dose_outputs(rows: list, s: LabSettings, lags: list[int], out: str, ru
     Every table is rendered from ``lab_dose_seeds.csv`` as written, so ``--report`` on it
     prints the same text.
     """
-    import transformers
-
     write_csv(rows, os.path.join(out, "lab_dose_steps.csv"))
     seeds_csv = os.path.join(out, SEEDS_CSV)
     write_seed_csv(dose_outcomes(rows, s), seeds_csv)
@@ -401,18 +399,7 @@ def write_dose_outputs(rows: list, s: LabSettings, lags: list[int], out: str, ru
     with open(os.path.join(out, "lab_dose.md"), "w") as fh:
         fh.write(blocks)
     settings = {k: v for k, v in dataclasses.asdict(s).items() if k != "lag"}
-    with open(os.path.join(out, "lab_dose_settings.json"), "w") as fh:
-        json.dump(
-            {
-                **settings,
-                "lags": list(lags),
-                **run_facts,
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-            },
-            fh,
-            indent=2,
-        )
+    _write_settings(os.path.join(out, "lab_dose_settings.json"), {**settings, "lags": list(lags)}, run_facts)
     try:
         write_dose_plot(
             outcomes,
