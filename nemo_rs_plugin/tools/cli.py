@@ -414,30 +414,20 @@ def _add_simulate_arguments(s: argparse.ArgumentParser) -> None:
 
 
 def version_line() -> str:
-    """``nemo-rs-plugin X.Y.Z``, and ``(commit <sha>[-dirty])`` when the package is a git checkout's.
+    """``nemo-rs-plugin X.Y.Z``, and ``(commit <sha>[-dirty], <checkout>)`` when the package is a git checkout's.
 
     Installed from a checkout (``pip install -e .``) the version alone does not say which code
     runs; the commit does. From a wheel there is no checkout, and only the version is printed.
     """
-    import subprocess
-
     import nemo_rs_plugin  # the package itself, not a layer: its __init__ imports nothing
+    from nemo_rs_plugin.tools.report import git_commit
 
     line = f"nemo-rs-plugin {nemo_rs_plugin.__version__}"
     root = os.path.dirname(os.path.dirname(os.path.abspath(nemo_rs_plugin.__file__)))
     if not os.path.exists(os.path.join(root, ".git")):
         return line
-    try:
-        out = subprocess.run(
-            ["git", "-C", root, "describe", "--always", "--dirty", "--abbrev=12", "--exclude", "*"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):  # no git here: the version alone
-        return line
-    commit = out.stdout.strip()
-    return f"{line} (commit {commit}, {root})" if out.returncode == 0 and commit else line
+    commit = git_commit(root)
+    return f"{line} (commit {commit}, {root})" if commit else line
 
 
 class _VersionAction(argparse.Action):

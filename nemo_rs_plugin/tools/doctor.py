@@ -157,9 +157,32 @@ def _nemo_rl(report: _Report) -> Any:
     except ImportError as exc:
         report.fail("NeMo-RL", str(exc), stop=True)
     report.ok(
-        "NeMo-RL", f"{getattr(nemo_rl, '__version__', 'unknown')} at {os.path.dirname(nemo_rl.__file__)} ({api} config)"
+        "NeMo-RL",
+        f"{getattr(nemo_rl, '__version__', 'unknown')}, {nemo_rl_commit(nemo_rl)}, at "
+        f"{os.path.dirname(nemo_rl.__file__)} ({api} config)",
     )
     return nemo_rl
+
+
+def nemo_rl_commit(nemo_rl: Any) -> str:
+    """Which NeMo-RL code runs: its checkout's commit, else the one pip or uv recorded, else say so.
+
+    NeMo-RL's ``__version__`` does not tell main from a release (main's says 0.6.0).
+    """
+    from nemo_rs_plugin.tools.report import git_commit
+
+    commit = git_commit(os.path.dirname(os.path.abspath(nemo_rl.__file__)))
+    if commit:
+        return f"commit {commit}"
+    try:  # installed from git by pip / uv: PEP 610's direct_url.json names the commit
+        import importlib.metadata
+        import json
+
+        direct = json.loads(importlib.metadata.distribution("nemo-rl").read_text("direct_url.json") or "{}")
+        recorded = direct.get("vcs_info", {}).get("commit_id")
+    except Exception:  # noqa: BLE001 - no distribution, no record: the commit is unknown
+        recorded = None
+    return f"commit {recorded[:12]} (recorded at install)" if recorded else "commit unknown (not a git checkout)"
 
 
 def _module_exists(name: str) -> bool:

@@ -202,3 +202,24 @@ def interrupted() -> int:
     # After a progress bar redrawn in place, start a line of its own.
     print("\ninterrupted" if sys.stderr.isatty() else "interrupted", file=sys.stderr)
     return EXIT_INTERRUPTED
+
+
+def git_commit(path: str) -> Optional[str]:
+    """``<sha>[-dirty]`` (12 hex digits) of the git checkout holding ``path``, or ``None``.
+
+    For a package run from a checkout: its version alone does not say which code runs (NeMo-RL
+    main's ``package_info`` says 0.6.0). ``None`` where ``path`` is in no checkout or git is absent.
+    """
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "-C", path, "describe", "--always", "--dirty", "--abbrev=12", "--exclude", "*"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and commit else None

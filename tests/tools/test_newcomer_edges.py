@@ -251,3 +251,26 @@ def test_every_lab_flag_is_in_the_cli_page():
     section = page[page.index("## `nemo-rs lab`") : page.index("## `nemo-rs calibrate`")]
     flags = {o for a in lab_parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
     assert {f for f in flags if f not in section} == set()
+
+
+def test_doctor_names_the_nemo_rl_commit_a_version_cannot_tell(tmp_path):
+    """NeMo-RL main's ``__version__`` says 0.6.0: the doctor names the checkout's commit instead."""
+    import shutil
+    import subprocess
+    import types
+
+    from nemo_rs_plugin.tools.doctor import nemo_rl_commit
+
+    package = tmp_path / "RL" / "nemo_rl"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("__version__ = '0.6.0'\n")
+    fake = types.SimpleNamespace(__file__=str(package / "__init__.py"))
+    assert nemo_rl_commit(fake).startswith("commit unknown")  # an unpacked archive: no checkout
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed here")
+    git = ["git", "-C", str(tmp_path / "RL"), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    sha = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert nemo_rl_commit(fake) == f"commit {sha[:12]}"
