@@ -424,8 +424,6 @@ def version_line() -> str:
 
     line = f"nemo-rs-plugin {nemo_rs_plugin.__version__}"
     root = os.path.dirname(os.path.dirname(os.path.abspath(nemo_rs_plugin.__file__)))
-    if not os.path.exists(os.path.join(root, ".git")):
-        return line
     commit = git_commit(root)
     return f"{line} (commit {commit}, {root})" if commit else line
 
@@ -496,9 +494,6 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_arguments(k)
     k.set_defaults(func=calibrate.run)
     return parser
-
-
-#: The shell's exit status for a process ended by Ctrl-C (128 + SIGINT).
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

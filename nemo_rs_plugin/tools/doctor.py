@@ -171,7 +171,7 @@ def nemo_rl_commit(nemo_rl: Any) -> str:
     """
     from nemo_rs_plugin.tools.report import git_commit
 
-    commit = git_commit(os.path.dirname(os.path.abspath(nemo_rl.__file__)))
+    commit = git_commit(os.path.dirname(os.path.dirname(os.path.abspath(nemo_rl.__file__))))  # its checkout
     if commit:
         return f"commit {commit}"
     try:  # installed from git by pip / uv: PEP 610's direct_url.json names the commit

@@ -16,7 +16,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
-from nemo_rs_plugin.tools.recipe_loading import LoadReport, recipe_value
+from nemo_rs_plugin.tools.recipe_loading import HOW_TO_CHECK, LoadReport, recipe_value
 
 __all__ = ["GRPO_SETUP_RULES", "NEMO_RL_VERSIONS", "SetupReport", "grpo_setup_problems"]
 
@@ -90,8 +90,7 @@ def _unresolved(report: SetupReport, rule: str, fields: list[str]) -> None:
     verb = "is" if len(fields) == 1 else "are"
     report.unchecked.append(
         f"{rule}: {', '.join(fields)} {verb} not set here (not in the recipe, or in defaults that were not "
-        "found), so NeMo-RL's GRPO start-up rule on it was not checked; set it in the recipe, or let the "
-        "recipe's defaults resolve (--nemo-rl PATH, or nemo-rs check in NeMo-RL's own environment)"
+        f"found), so NeMo-RL's GRPO start-up rule on it was not checked; set it in the recipe, or {HOW_TO_CHECK}"
     )
 
 

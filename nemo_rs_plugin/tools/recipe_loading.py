@@ -49,8 +49,8 @@ HOW_TO_CHECK_IN_NEMO_RL = (
     "how to check what needs NeMo-RL's environment: run nemo-rs check in NeMo-RL's own environment "
     "(where `import nemo_rl.algorithms.grpo` works, e.g. `uv run nemo-rs check ...` in the NeMo-RL "
     "checkout with nemo-rs-plugin installed there); a checkout named by --nemo-rl outside it also needs "
-    "what NeMo-RL's modules import, listed in nemo-rs-plugin's .ci/nemo-rl-host-requirements.txt "
-    "(pip install -r it)"
+    "what NeMo-RL's modules import, listed in .ci/nemo-rl-host-requirements.txt of nemo-rs-plugin's "
+    "source (its sdist and git tree; pip install -r it)"
 )
 
 
@@ -316,8 +316,8 @@ def _load_without_nemo_rl(load_path: str, path: str, overrides: list[str], repor
         return None
     for parent in dict.fromkeys(missing):
         report.unchecked.append(
-            f"{INHERITED_NOT_FOUND} {parent} not found next to the recipe; pass "
-            "--nemo-rl PATH (a NeMo-RL checkout), or check the recipe where it sits in one"
+            f"{INHERITED_NOT_FOUND} {parent} not found next to the recipe; run where the recipe sits in a "
+            "NeMo-RL checkout (nemo-rs check also takes --nemo-rl PATH)"
         )
     for o in overrides:
         try:

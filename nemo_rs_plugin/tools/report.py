@@ -204,17 +204,21 @@ def interrupted() -> int:
     return EXIT_INTERRUPTED
 
 
-def git_commit(path: str) -> Optional[str]:
-    """``<sha>[-dirty]`` (12 hex digits) of the git checkout holding ``path``, or ``None``.
+def git_commit(root: str) -> Optional[str]:
+    """``<sha>[-dirty]`` (12 hex digits) of the git checkout whose top folder is ``root``, or ``None``.
 
-    For a package run from a checkout: its version alone does not say which code runs (NeMo-RL
-    main's ``package_info`` says 0.6.0). ``None`` where ``path`` is in no checkout or git is absent.
+    For a package run from its checkout: its version alone does not say which code runs (NeMo-RL
+    main's ``package_info`` says 0.6.0). Only ``root`` itself counts (it holds ``.git``): a
+    package installed into a virtual environment inside some other repository is not that
+    repository's code. ``None`` otherwise, or where git is absent.
     """
     import subprocess
 
+    if not os.path.exists(os.path.join(root, ".git")):
+        return None
     try:
         out = subprocess.run(
-            ["git", "-C", path, "describe", "--always", "--dirty", "--abbrev=12", "--exclude", "*"],
+            ["git", "-C", root, "describe", "--always", "--dirty", "--abbrev=12", "--exclude", "*"],
             capture_output=True,
             text=True,
             timeout=10,

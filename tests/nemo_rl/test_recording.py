@@ -96,13 +96,17 @@ def test_steps_that_do_not_record_dispatch_no_operator(tmp_path):
     assert Count.calls == 0 and len(recorder.written) == 1
 
 
-def test_pickled_without_this_process_tensors(tmp_path):
-    recorder = LogprobRecorder(str(tmp_path), every=2)  # the default writer: one process, rank 0
-    _steps(recorder, 1)
-    assert os.listdir(tmp_path) == [record_name(0, 0, 0), record_name(0, 0, 1)]
-    clone = pickle.loads(pickle.dumps(recorder))
-    # each worker decides who it is; nothing of this process's tensors travels
-    assert clone.step == 0 and clone._step_counts is None and clone._last is None and clone._who is None
+def test_the_count_survives_the_loss_nemo_rl_sends_again_every_step(tmp_path):
+    """NeMo-RL pickles the driver's loss to its workers with every ``policy.train`` call: a worker
+    unpickles a fresh recorder each GRPO step, and the step count must go on, not restart."""
+    driver = LogprobRecorder(str(tmp_path), every=3)  # the default writer: one process, rank 0
+    sent = pickle.dumps(driver)
+    for step in range(7):  # one GRPO step = one optimizer step here, two microbatches
+        worker = pickle.loads(sent)
+        counts = torch.tensor(100.0 + step)
+        for k in range(2):
+            worker.observe(counts, _microbatch(10 * step + k))
+    assert sorted(os.listdir(tmp_path)) == [record_name(s, 0, k) for s in (0, 3, 6) for k in (0, 1)]
 
 
 def test_calibrate_reads_the_records_to_the_in_memory_numbers(tmp_path):

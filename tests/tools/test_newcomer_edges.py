@@ -274,3 +274,9 @@ def test_doctor_names_the_nemo_rl_commit_a_version_cannot_tell(tmp_path):
     subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
     sha = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     assert nemo_rl_commit(fake) == f"commit {sha[:12]}"
+    # installed into a virtual environment inside that repository: not that repository's code
+    installed = tmp_path / "RL" / ".venv" / "lib" / "site-packages" / "nemo_rl"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("__version__ = '0.6.0'\n")
+    inside = types.SimpleNamespace(__file__=str(installed / "__init__.py"))
+    assert nemo_rl_commit(inside).startswith("commit unknown")
