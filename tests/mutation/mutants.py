@@ -666,13 +666,13 @@ MUTANTS: list[Mutant] = [
     # ---- recording for calibration (nemo_rs_plugin/nemo_rl/recording.py)
     Mutant(
         REC,
-        "if self.step % self.every:",
+        "if state.step % self.every:",
         "if False:",
         "every optimizer step recorded, not every record_every-th",
     ),
     Mutant(
         REC,
-        "if self._last is not None and mask is not None and self._last() is mask:",
+        "if state.last is not None and mask is not None and state.last() is mask:",
         "if False:",
         "the per-sequence wrapper's microbatch recorded once per sequence",
     ),
