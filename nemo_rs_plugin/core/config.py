@@ -41,13 +41,12 @@ from nemo_rs_plugin.core.config_problems import (
     without_coercions,
     without_locations,
 )
-from nemo_rs_plugin.core.is_levels import IS_LEVELS, ISLevel, is_level, is_levels_text
+from nemo_rs_plugin.core.is_levels import ISLevel, is_level, is_levels_text
 from nemo_rs_plugin.core.rejection_filter import RejectionFilter
 
 __all__ = [
     "ConfigError",
     "ConfigWarning",
-    "IS_LEVEL_FORMULAS",
     "ISCorrectionLevel",
     "RejectionFilter",
     "RSClippedPGLossConfig",
@@ -57,9 +56,6 @@ __all__ = [
 ]
 
 ISCorrectionLevel = Literal["token", "sequence", "sequence_mean"]
-#: The IS weight of each ``is_correction_level``, read off :data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS`
-#: (the one statement of the levels; ``ISCorrectionLevel`` names the same keys, tested).
-IS_LEVEL_FORMULAS = {name: level.formula for name, level in IS_LEVELS.items()}
 TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
 BatchNormalization = Literal["microbatch", "data_parallel"]
 

@@ -217,9 +217,6 @@ class TotalsCache:
     def __init__(self) -> None:
         self._entry: Optional[tuple[Any, tuple, MicrobatchTotals]] = None
 
-    def clear(self) -> None:
-        self._entry = None
-
     def get(self, full: Any, compute: Callable[[], MicrobatchTotals]) -> MicrobatchTotals:
         """The totals of ``full``: cached by weak reference and :func:`microbatch_key`, else ``compute()``."""
         key = microbatch_key(full)
