@@ -35,6 +35,15 @@ not timed (it settles the allocator after the other candidate: bench_loss.time_l
 call gets a fresh leaf and a fresh ``BatchedDataDict`` (the plugin caches the per-sequence
 wrapper's microbatch totals per data dict: a new microbatch per call, as in training).
 
+``--device cuda`` runs the same tables on a GPU, every input on the device (the wrapper's
+``cu_seqlens`` too, as NeMo-RL's Megatron worker holds them), and times each call three ways
+(the median over the timed calls): **host**, wall time from the call until it returns (its
+Python, dispatch and launches, and its waits: the plugin's one metric transfer, NeMo-RL's
+``.item()`` calls, the wrapper's per-sequence ``.item()``); **GPU span**, CUDA events around
+the call, from its first queued work to its last finished (what the step waits for); **kernel
+time**, the kernels' own durations summed (torch.profiler, one call), the GPU's actual work;
+and **kernels**, how many it launches.
+
 ``--profile [CONFIG]`` profiles the plugin's B = 1 call of one configuration (a label or a
 unique part of one; default "IS + token TIS") instead of the tables, to attribute the fixed
 per-call cost: the unprofiled time split into forward and backward (plugin and NeMo-RL);
@@ -43,7 +52,7 @@ phases) and the self time per source file (Python vs the torch calls it makes); 
 top operators by self CPU time, and the aten calls per call (compute vs views/aliases) and
 their time against NeMo-RL's loss on the same configuration (NeMo-RL's plain for a recipe).
 
-Usage: PYTHONPATH=<NeMo-RL checkout> python benchmarks/bench_packing.py [--large] [--only plain]
+Usage: PYTHONPATH=<NeMo-RL checkout> python benchmarks/bench_packing.py [--large] [--only plain] [--device cuda]
        PYTHONPATH=<NeMo-RL checkout> python benchmarks/bench_packing.py --profile "IS + token TIS" [--top 25]
 """
 
@@ -55,6 +64,7 @@ import functools
 import io
 import os
 import pstats
+import statistics
 import sys
 import time
 import warnings
@@ -112,10 +122,25 @@ def host():
 
 
 def build(section: dict, plugin: bool):
-    """The loss GRPO builds for ``section``: the plugin's ``rs_clipped_pg`` or NeMo-RL's ``clipped_pg``."""
-    from tests.support.packing_host import _build
+    """The loss GRPO builds for ``section``: the plugin's ``rs_clipped_pg`` or NeMo-RL's ``clipped_pg``.
 
-    return _build({**section, "name": "rs_clipped_pg" if plugin else "clipped_pg"})
+    The class the registry gives for the name, from NeMo-RL's config class (the selector that
+    stands in for ``ClippedPGLossFn`` in GRPO's module does the same; importing GRPO itself
+    needs Ray and more, which a GPU image may lack). NeMo-RL's own loss gets its defaults.
+    """
+    from nemo_rl.algorithms import loss as host_loss
+
+    from nemo_rs_plugin.core.config import NeMoRLLossFields
+    from nemo_rs_plugin.nemo_rl.registry import get_loss_class
+
+    cfg_cls = host_loss.ClippedPGLossConfig
+    pydantic_cfg = hasattr(cfg_cls, "model_validate")
+    if plugin:
+        section = {**section, "name": "rs_clipped_pg"}
+        return get_loss_class("rs_clipped_pg")(cfg_cls(**section) if pydantic_cfg else section)
+    defaults = {k: v for k, v in NeMoRLLossFields().model_dump().items() if k != "name"}
+    full = {**defaults, **section}
+    return host_loss.ClippedPGLossFn(cfg_cls(**full) if pydantic_cfg else full)
 
 
 def takes_logits(loss_fn) -> bool:
@@ -180,9 +205,9 @@ def packed_logits(mb: dict, pad_multiple: int) -> tuple[torch.Tensor, torch.Tens
     V = logits.shape[-1]
     parts = []
     for i, (n, p) in enumerate(zip(lengths, padded)):
-        parts += [logits[i, :n], torch.zeros(p - n, V)]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    cu_padded = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+        parts += [logits[i, :n], torch.zeros(p - n, V, device=logits.device)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=logits.device)
+    cu_padded = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32, device=logits.device)
     return torch.cat(parts).unsqueeze(0).contiguous(), cu, cu_padded
 
 
@@ -198,7 +223,7 @@ def single_call(loss_fn, batch, logits_in: bool, V: int, backward: bool = True) 
     logits0 = None
     if logits_in:
         B, S = data["input_ids"].shape
-        logits0 = torch.randn(B, S, V, generator=torch.Generator().manual_seed(1))
+        logits0 = torch.randn(B, S, V, generator=torch.Generator().manual_seed(1)).to(lp0.device)
 
     def setup():
         batch_dict = BatchedDataDict(dict(data))
@@ -249,6 +274,17 @@ def packed_call(loss_fn, mb: dict, pad_multiple: int) -> Setup:
     return setup
 
 
+def to_device(tree, device: torch.device):
+    """``tree`` (tensors in dicts, lists and tuples) with every tensor on ``device``."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: to_device(v, device) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_device(v, device) for v in tree)
+    return tree
+
+
 # ----------------------------------------------------------------------------- timing
 def time_calls(candidates: dict[str, Setup], rounds: int, block: int) -> dict[str, float]:
     """Minimum thread CPU time (s) of one call per candidate, over ``rounds`` x (``block`` - 1) calls.
@@ -268,13 +304,76 @@ def time_calls(candidates: dict[str, Setup], rounds: int, block: int) -> dict[st
     return {name: min(v) for name, v in samples.items()}
 
 
+#: What ``--device cuda`` reports per call: (label, unit, scale from seconds or a count).
+CUDA_MEASURES = (
+    ("host", "ms", 1e3),
+    ("GPU span", "ms", 1e3),
+    ("kernel time", "ms", 1e3),
+    ("kernels", "", 1.0),
+)
+
+
+def time_calls_cuda(candidates: dict[str, Setup], rounds: int, block: int) -> dict[str, dict[str, float]]:
+    """Per candidate, the median host time and GPU span (s) of one call, and one call's kernels.
+
+    Host: wall time from the call until it returns (the stream idle before it starts). GPU span:
+    CUDA events recorded before and after the call, so from its first queued work to its last
+    finished. Rounds and blocks as :func:`time_calls`. Kernel time and count: one more call
+    under torch.profiler (its kernel events; memcpy / memset left out).
+    """
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    host: dict[str, list[float]] = {name: [] for name in candidates}
+    span: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, setup in candidates.items():
+            for call in range(max(block, 2)):
+                run = setup()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                start.record()
+                run()
+                end.record()
+                dt = time.perf_counter() - t0
+                torch.cuda.synchronize()
+                if call:
+                    host[name].append(dt)
+                    span[name].append(start.elapsed_time(end) / 1e3)
+    out = {}
+    for name, setup in candidates.items():
+        run = setup()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        kernels = [
+            e
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and "memcpy" not in e.name.lower()
+            and "memset" not in e.name.lower()
+        ]
+        out[name] = {
+            "host": statistics.median(host[name]),
+            "GPU span": statistics.median(span[name]),
+            "kernel time": sum(e.device_time_total for e in kernels) / 1e6,  # us -> s
+            "kernels": float(len(kernels)),
+        }
+    return out
+
+
 # ----------------------------------------------------------------------------- the tables
-def compare(plugin, nemo_rl, args, mb: dict, large) -> dict[str, tuple[float, float]]:
-    """``{case: (plugin s, NeMo-RL s)}`` for the B = 1, packed and (with ``--large``) 8 x 32k calls."""
+def compare(plugin, nemo_rl, args, mb: dict, large) -> dict[str, dict[str, tuple[float, float]]]:
+    """``{measure: {case: (plugin, NeMo-RL)}}`` for the B = 1, packed and (``--large``) 8 x 32k calls.
+
+    The measure is thread CPU time (s) on the CPU, :data:`CUDA_MEASURES` on a GPU.
+    """
     logits_in = takes_logits(plugin)
     pad_multiple = 2 if logits_in else 1  # sharded_logits_input: sequences of even length (2 * cp)
-    out = {}
-    single = make_batch(1, args.length)
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    single = to_device(make_batch(1, args.length), args.device)
     cases = {
         "B=1": ([single_call(fn, single, logits_in, args.vocab) for fn in (plugin, nemo_rl)], args.rounds, args.block),
         "packed": ([packed_call(fn, mb, pad_multiple) for fn in (plugin, nemo_rl)], args.packed_rounds, args.block),
@@ -286,8 +385,13 @@ def compare(plugin, nemo_rl, args, mb: dict, large) -> dict[str, tuple[float, fl
             args.block,
         )
     for case, ((p, h), rounds, block) in cases.items():
-        times = time_calls({"plugin": p, "NeMo-RL": h}, rounds, block)
-        out[case] = (times["plugin"], times["NeMo-RL"])
+        if args.device.type == "cuda":
+            measured = time_calls_cuda({"plugin": p, "NeMo-RL": h}, rounds, block)
+            for measure, _unit, _scale in CUDA_MEASURES:
+                out.setdefault(measure, {})[case] = (measured["plugin"][measure], measured["NeMo-RL"][measure])
+        else:
+            times = time_calls({"plugin": p, "NeMo-RL": h}, rounds, block)
+            out.setdefault("thread CPU time", {})[case] = (times["plugin"], times["NeMo-RL"])
     return out
 
 
@@ -295,37 +399,47 @@ def _label(name: str, plugin) -> str:
     return name + LOGITS_MARK if takes_logits(plugin) else name
 
 
-def print_table(title: str, reference: str, rows: dict[str, dict], n_seqs: int) -> None:
-    width = max([len(title), *map(len, rows)])
-    cases = list(next(iter(rows.values())))
-    head = f"{title:<{width}}"
-    for case in cases:
-        head += f" | {case + ' plugin':>14} | {reference:>{max(len(reference), 10)}} | {'ratio':>5}"
-        if case == "packed":
-            head += f" | {'+ms/seq':>7}"
-    print_header(head)
-    for name, times in rows.items():
-        line = f"{name:<{width}}"
+def print_tables(title: str, reference: str, rows: dict[str, dict], n_seqs: int) -> None:
+    """One table per measure; ``rows`` is ``{configuration: compare(...)}``."""
+    units = {measure: (unit, scale) for measure, unit, scale in CUDA_MEASURES}
+    for measure in next(iter(rows.values())):
+        unit, scale = units.get(measure, ("ms", 1e3))
+        ref = f"{reference} {unit}".strip() if unit else reference.removesuffix(" ms")
+        suffix = f"+{unit}/seq" if unit else "+/seq"
+        width = max([len(title), *map(len, rows)])
+        cases = list(next(iter(rows.values()))[measure])
+        print(f"{measure}:")
+        head = f"{title:<{width}}"
         for case in cases:
-            p, h = times[case]
-            line += f" | {p * 1e3:14.3f} | {h * 1e3:{max(len(reference), 10)}.3f} | {p / h:4.2f}x"
+            head += f" | {case + ' plugin':>14} | {ref:>{max(len(ref), 10)}} | {'ratio':>5}"
             if case == "packed":
-                line += f" | {(p - h) * 1e3 / n_seqs:7.3f}"
-        print(line)
-    print()
+                head += f" | {suffix:>7}"
+        print_header(head)
+        for name, measures in rows.items():
+            line = f"{name:<{width}}"
+            for case in cases:
+                p, h = measures[measure][case]
+                line += f" | {p * scale:14.3f} | {h * scale:{max(len(ref), 10)}.3f} | {p / max(h, 1e-12):4.2f}x"
+                if case == "packed":
+                    line += f" | {(p - h) * scale / n_seqs:7.3f}"
+            print(line)
+        print()
 
 
 def run_tables(args) -> None:
     _, _, about = host()
     configs = {name: cfg for name, cfg in NEMO_RL_CONFIGS.items() if args.only.lower() in name.lower()}
     recipes = {name: cfg for name, cfg in recipe_sections().items() if args.only.lower() in name.lower()}
-    mb = packed_microbatch(args.sequences, args.min_len, args.max_len, args.vocab, args.seed)
-    large = make_batch(8, 32768) if args.large else None
+    mb = to_device(packed_microbatch(args.sequences, args.min_len, args.max_len, args.vocab, args.seed), args.device)
+    large = to_device(make_batch(8, 32768), args.device) if args.large else None
     timed = args.rounds * (max(args.block, 2) - 1)
     packed_timed = args.packed_rounds * (max(args.block, 2) - 1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {about}")
+    if args.device.type == "cuda":
+        print(f"device {torch.cuda.get_device_name(args.device)}: host time and GPU span are medians, kernels one call")
     print(
-        f"forward + backward, thread CPU time, minimum of {timed} calls (B=1) / {packed_timed} calls "
+        f"forward + backward, {'median' if args.device.type == 'cuda' else 'thread CPU time, minimum'} of "
+        f"{timed} calls (B=1) / {packed_timed} calls "
         f"(packed{', 8x32k' if large is not None else ''}), first call of each block of {max(args.block, 2)} untimed"
     )
     print(
@@ -341,14 +455,14 @@ def run_tables(args) -> None:
         for name, cfg in configs.items():
             plugin = build(cfg, True)
             rows[_label(name, plugin)] = compare(plugin, build(cfg, False), args, mb, large)
-        print_table("NeMo-RL configuration", "NeMo-RL ms", rows, len(mb["lengths"]))
+        print_tables("NeMo-RL configuration", "NeMo-RL", rows, len(mb["lengths"]))
     if recipes:
         rows = {}
         for name, cfg in recipes.items():
             plugin = build(cfg, True)
             rows[_label(name, plugin)] = compare(plugin, build(NEMO_RL_CONFIGS[PLAIN], False), args, mb, large)
         print("Shipped recipes, plugin only (NeMo-RL has no equivalent): ratio to NeMo-RL's plain configuration")
-        print_table("recipe loss_fn (plugin only)", "plain ms", rows, len(mb["lengths"]))
+        print_tables("recipe loss_fn (plugin only)", "plain", rows, len(mb["lengths"]))
         if any(name.endswith(LOGITS_MARK) for name in rows):
             print(
                 f"{LOGITS_MARK.strip()}: sharded_logits_input, a LOGIT-input loss: its B=1 and 8x32k calls and "
@@ -496,6 +610,7 @@ def main() -> None:
     ap.add_argument("--large", action="store_true", help="also one call at 8 x 32k (slow)")
     ap.add_argument("--only", default="", help="only the configurations whose label contains this")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads")
+    ap.add_argument("--device", type=torch.device, default=torch.device("cpu"), help="cpu, or cuda: see above")
     ap.add_argument(
         "--profile",
         nargs="?",
@@ -508,6 +623,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(max(1, args.threads))
     host()
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_packing: --device cuda, but torch sees no CUDA device")
+    if args.profile and args.device.type != "cpu":
+        sys.exit("bench_packing: --profile runs on the CPU")
     if args.profile:
         profile(args)
     else:

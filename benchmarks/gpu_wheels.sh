@@ -47,8 +47,8 @@ for w in dest.glob("*.whl"):
             if line.startswith("Requires-Dist:") and "extra ==" not in line:
                 name = norm(re.split(r"[ ;<>=!~\[(]", line.split(":", 1)[1].strip())[0])
                 marker = line.replace("'", '"')
-                if 'sys_platform == "win32"' in marker or 'python_version < "3.1' in marker:
-                    continue  # Windows only, or Python < 3.10/3.11 (exceptiongroup, tomli)
+                if any(m in marker for m in ('sys_platform == "win32"', 'python_version < "3.1', 'implementation_name == "pypy"')):
+                    continue  # Windows only, Python < 3.10/3.11 (exceptiongroup, tomli), or PyPy only (cffi)
                 if name not in have:
                     missing.add(f"{name} (needed by {w.name})")
 print(f"{len(list(dest.glob('*.whl')))} wheels in {dest}/")
