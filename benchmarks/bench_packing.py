@@ -44,6 +44,10 @@ the call, from its first queued work to its last finished (what the step waits f
 time**, the kernels' own durations summed (torch.profiler, one call), the GPU's actual work;
 and **kernels**, how many it launches.
 
+``--compiled`` adds a table: the B = 1 call of each NeMo-RL configuration with ``compile: true``
+(the compiled core, nemo_rs_plugin/core/compiled.py; its compilation, the first call, untimed)
+against NeMo-RL's, the same timing.
+
 ``--profile [CONFIG]`` profiles the plugin's B = 1 call of one configuration (a label or a
 unique part of one; default "IS + token TIS") instead of the tables, to attribute the fixed
 per-call cost: the unprofiled time split into forward and backward (plugin and NeMo-RL);
@@ -470,6 +474,23 @@ def run_tables(args) -> None:
                 "sequences padded to even lengths"
             )
             print()
+    if args.compiled and configs:
+        print("compile: true, one lone B=1 call (the compiled core; compilation in the first, untimed call)")
+        rows = {}
+        for name, cfg in configs.items():
+            compiled = build({**cfg, "compile": True}, True)
+            single = to_device(make_batch(1, args.length), args.device)
+            setups = [single_call(fn, single, False, args.vocab) for fn in (compiled, build(cfg, False))]
+            setups[0]()()  # compiles, untimed
+            if args.device.type == "cuda":
+                measured = time_calls_cuda({"plugin": setups[0], "NeMo-RL": setups[1]}, args.rounds, args.block)
+                rows[name] = {
+                    m: {"B=1": (measured["plugin"][m], measured["NeMo-RL"][m])} for m, _unit, _scale in CUDA_MEASURES
+                }
+            else:
+                times = time_calls({"plugin": setups[0], "NeMo-RL": setups[1]}, args.rounds, args.block)
+                rows[name] = {"thread CPU time": {"B=1": (times["plugin"], times["NeMo-RL"])}}
+        print_tables("NeMo-RL configuration, compiled", "NeMo-RL", rows, len(mb["lengths"]))
     print(f"({time.perf_counter() - start:.0f} s; on a busy machine rerun and compare: ratios move by ~10%)")
 
 
@@ -608,6 +629,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=64, help="vocabulary of the packed (and logits-in) calls")
     ap.add_argument("--seed", type=int, default=0, help="seed of the packed microbatch")
     ap.add_argument("--large", action="store_true", help="also one call at 8 x 32k (slow)")
+    ap.add_argument("--compiled", action="store_true", help="also the B = 1 call with compile: true (slow: compiles)")
     ap.add_argument("--only", default="", help="only the configurations whose label contains this")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads")
     ap.add_argument("--device", type=torch.device, default=torch.device("cpu"), help="cpu, or cuda: see above")
