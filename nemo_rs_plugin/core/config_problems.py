@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS
 from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
 from nemo_rs_plugin.core.rejection_filter import RejectionFilter
 
@@ -96,30 +97,19 @@ def without_coercions(raw: dict, fields: Mapping[str, Any]) -> tuple[dict, list[
     return clean, problems, bad
 
 
-# The range of each filter statistic over one token (probabilities clamped to [1e-6, 1 - 1e-6]),
-# and so of its mean, max and min over a sequence's tokens: (lowest, highest).
-_STATISTIC_RANGE = {
-    "ratio": (0.0, math.inf),
-    "kl_k1": (-math.inf, math.inf),
-    "kl_k2": (0.0, math.inf),
-    "kl_k3": (0.0, math.inf),
-    "mult_prob_error": (1.0, math.inf),
-    "binary_kl": (0.0, math.inf),
-    "total_variation": (0.0, 1.0),
-    "prob_diff": (-1.0, 1.0),
-}
+def statistic_range(f: RejectionFilter) -> tuple[float, float, bool, bool]:
+    """Where ``f``'s statistic can lie: ``(lowest, highest, lowest reached, highest reached)``.
 
-
-def statistic_range(f: RejectionFilter) -> tuple[float, float]:
-    """Where ``f``'s statistic can lie.
-
-    A sum over tokens has no upper limit, and its lower one only where the token's is >= 0 (the
-    ratio's ``sum`` is the product: the ratio's range).
+    A token's range is its statistic's entry (:data:`~nemo_rs_plugin.core.filter_statistics.FILTER_STATISTICS`),
+    and so is that of its mean, max and min over a sequence's tokens. A sum over tokens has no
+    upper limit, and its lower one only where the token's is >= 0 (the ratio's ``sum`` is the
+    product: the ratio's range).
     """
-    lo, hi = _STATISTIC_RANGE[f.metric]
-    if f.aggregation == "sum" and f.metric != "ratio":
-        return (lo if lo >= 0 else -math.inf), math.inf
-    return lo, hi
+    entry = FILTER_STATISTICS[f.metric]
+    (lo, hi), (reaches_lo, reaches_hi) = entry.value_range, entry.reaches
+    if f.aggregation == "sum" and not entry.log_space:
+        return (lo if lo >= 0 else -math.inf), math.inf, reaches_lo, True
+    return lo, hi, reaches_lo, reaches_hi
 
 
 def filter_bound_extremes(i: int, f: RejectionFilter) -> list[str]:
@@ -128,7 +118,7 @@ def filter_bound_extremes(i: int, f: RejectionFilter) -> list[str]:
     A warning, not an error: legal (the loss is then 0, its metrics finite), but the run trains on
     nothing.
     """
-    lo, hi = statistic_range(f)
+    lo, hi, reaches_lo, reaches_hi = statistic_range(f)
     what = f"{f.metric}" + (f" ({f.aggregation} over a sequence)" if f.aggregation else " (per token)")
     if f.applies_to == "policy_gradient":
         consequence = "only the penalty terms train"
@@ -137,12 +127,12 @@ def filter_bound_extremes(i: int, f: RejectionFilter) -> list[str]:
     else:
         consequence = "the loss trains on nothing"
     p = []
-    if f.upper is not None and f.upper < lo:
+    if f.upper is not None and (f.upper < lo or (not reaches_lo and f.upper <= lo)):
         p.append(
             f"rejection_sampling.{i}: upper: got {f.upper} with metric {f.metric!r}, but {what} is never "
             f"below {lo:g}: the filter rejects every unit and {consequence}; set an upper bound >= {lo:g}"
         )
-    if f.lower is not None and (f.lower > hi or (f.metric == "total_variation" and f.lower >= hi)):
+    if f.lower is not None and (f.lower > hi or (not reaches_hi and f.lower >= hi)):
         p.append(
             f"rejection_sampling.{i}: lower: got {f.lower} with metric {f.metric!r}, but {what} is below "
             f"{hi:g}: the filter rejects every unit and {consequence}; set a lower bound < {hi:g}"
@@ -152,18 +142,19 @@ def filter_bound_extremes(i: int, f: RejectionFilter) -> list[str]:
 
 def filter_bound_warnings(i: int, f: RejectionFilter) -> list[str]:
     """A bound that can never reject: harmless, but not what was meant."""
-    lo, hi = statistic_range(f)
+    entry = FILTER_STATISTICS[f.metric]
+    lo, hi, reaches_lo, _ = statistic_range(f)
     what = "a token's" if f.level == "token" else f"a sequence's {f.aggregation}"
-    clamped = f"; below {hi:g} with the probabilities clamped" if f.metric in ("total_variation", "binary_kl") else ""
+    clamped = f"; below {hi:g} with the probabilities clamped" if entry.clamped else ""
     w = []
     if f.upper is not None and f.upper >= hi:
         w.append(
             f"rejection_sampling.{i}.upper: got {f.upper} with metric {f.metric!r}, which is at most {hi:g} "
             f"({what}{clamped}): this bound never rejects; set an upper bound below {hi:g}, or remove it"
         )
-    # prob_diff reaches -1 only at p_a = 0, p_b = 1 (exactly), so a lower bound of -1 never rejects either
-    never_below = f.lower is not None and (f.lower < lo or (f.metric == "prob_diff" and f.lower <= lo))
-    if never_below and f.metric != "ratio":
+    # An unreached lowest value (prob_diff's -1: p_a = 0, p_b = 1 exactly) as a lower bound never rejects either
+    never_below = f.lower is not None and (f.lower < lo or (not reaches_lo and f.lower <= lo))
+    if never_below and not entry.log_space:
         w.append(
             f"rejection_sampling.{i}.lower: got {f.lower} with metric {f.metric!r}, which is never below "
             f"{lo:g}: this bound never rejects; set a lower bound above {lo:g}, or remove it"

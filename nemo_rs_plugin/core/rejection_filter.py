@@ -9,33 +9,25 @@ from __future__ import annotations
 import math
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS, filter_statistics_text
 
 __all__ = ["AGGS_FOR_METRIC", "RejectionFilter"]
 
 FilterLevel = Literal["token", "sequence"]
 FilterMetric = Literal[
-    "ratio", "kl_k1", "kl_k2", "kl_k3", "mult_prob_error", "binary_kl", "total_variation", "prob_diff"
+    "ratio", "kl_k1", "kl_k2", "kl_k3", "mult_prob_error", "chi2", "binary_kl", "total_variation", "prob_diff"
 ]
 FilterAgg = Literal["mean", "sum", "max", "min", "any"]
 FilterLogRatio = Literal["prev-gen", "gen-prev", "curr-gen", "curr-prev"]
 AdvantageSign = Literal["positive", "negative"]
 FilterScope = Literal["loss", "policy_gradient"]
 
-# Aggregations allowed per metric: ratios aggregate in log space, so min/max/any are
-# well defined; every other statistic aggregates arithmetically (mean, sum, max), as in
-# VERL/AReaL/OpenRLHF/NeMo-RL.
-_ARITHMETIC_AGGS = ("mean", "sum", "max")
-AGGS_FOR_METRIC: dict[str, tuple[str, ...]] = {
-    "ratio": ("mean", "sum", "max", "min", "any"),
-    "kl_k1": _ARITHMETIC_AGGS,
-    "kl_k2": _ARITHMETIC_AGGS,
-    "kl_k3": _ARITHMETIC_AGGS,
-    "mult_prob_error": _ARITHMETIC_AGGS,
-    "binary_kl": _ARITHMETIC_AGGS,
-    "total_variation": _ARITHMETIC_AGGS,
-    "prob_diff": _ARITHMETIC_AGGS,
-}
+# Aggregations allowed per metric (the registry's): ratios aggregate in log space, so
+# min/max/any are well defined; every other statistic aggregates arithmetically (mean, sum,
+# max), as in VERL/AReaL/OpenRLHF/NeMo-RL.
+AGGS_FOR_METRIC: dict[str, tuple[str, ...]] = {name: s.aggregations for name, s in FILTER_STATISTICS.items()}
 
 
 class RejectionFilter(BaseModel):
@@ -48,25 +40,13 @@ class RejectionFilter(BaseModel):
     Rejected units get weight 0 in the whole loss (policy-gradient, KL and NLL terms);
     denominators do not change.
 
-    Statistics (``m`` = valid-token mask of the stage, ``n = sum_t m``, ``r = exp(d)``,
-    ``p_a = exp(log pi_a)``, ``p_b = exp(log pi_b)`` clamped to ``[1e-6, 1 - 1e-6]``):
+    Statistics: one entry each in :data:`~nemo_rs_plugin.core.filter_statistics.FILTER_STATISTICS`
+    (its per-token formula, aggregations and range; the ``metric`` field's description lists them).
+    ``ratio`` is compared in log space: a sequence's ``mean`` is ``exp(sum_t m d / n)`` (the geometric
+    mean, "Geo-RS"), ``sum`` = ``exp(sum_t m d)`` (product), ``max``/``min`` the extreme token ratio,
+    ``any`` rejects when any valid token ratio is outside the bounds (outlier-token veto).
 
-    * ``ratio`` (log space): token ``r``; sequence ``mean`` = ``exp(sum_t m d / n)``
-      (geometric mean, "Geo-RS"), ``sum`` = ``exp(sum_t m d)`` (product), ``max``/``min`` =
-      extreme token ratio, ``any`` = reject when any valid token ratio is outside the bounds
-      (outlier-token veto).
-    * ``kl_k1 = -d``, ``kl_k2 = d^2 / 2``, ``kl_k3 = exp(d) - 1 - d`` (estimators of
-      KL(pi_b || pi_a) under samples of pi_b; with ``prev-gen`` VERL's direction, with
-      ``gen-prev`` AReaL's: its ``kl_k1 = log r``, ``kl_k3 = 1/r - 1 + log r``).
-    * ``mult_prob_error = exp(|d|) = max(r, 1/r)`` (NeMo-RL's ``token_mult_prob_error``;
-      ``agg: mean`` is its ``grpo.seq_logprob_error_threshold`` statistic).
-    * ``binary_kl = p_b log(p_b / p_a) + (1 - p_b) log((1 - p_b) / (1 - p_a))`` and
-      ``total_variation = |p_b - p_a|``: the sampled token's probabilities as a Bernoulli
-      pair (OpenRLHF's ``binary_kl`` / ``tv`` gating, its clamp included).
-    * ``prob_diff = p_a - p_b``, signed and unclamped: with ``log_ratio: curr-gen`` it is
-      ``p_curr - p_gen``, prime-rl's DPPO / IPO trust-region statistic.
-
-    Every statistic but ``ratio`` aggregates arithmetically by ``mean``, ``sum`` or ``max``.
+    Every other statistic aggregates arithmetically by ``mean``, ``sum`` or ``max``.
     With ``negative_advantages_only`` (or ``advantage_sign: negative``) the filter rejects
     only tokens whose advantage is negative (TRL's and slime's off-policy sequence masking,
     OPSM); with ``advantage_sign: positive`` (token filters) only tokens whose advantage is
@@ -78,9 +58,13 @@ class RejectionFilter(BaseModel):
 
     level: FilterLevel
     """``token`` rejects single tokens; ``sequence`` rejects whole sequences."""
-    metric: FilterMetric = "ratio"
-    """Statistic compared with the bounds: ``ratio``, ``kl_k1``, ``kl_k2``, ``kl_k3``,
-    ``mult_prob_error``, ``binary_kl``, ``total_variation`` or ``prob_diff`` (formulas above)."""
+    metric: FilterMetric = Field(
+        default="ratio",
+        description=(
+            "Statistic compared with the bounds, per token from ``d = log pi_a - log pi_b`` (``log_ratio``; "
+            f"``p = exp(log pi)``): {filter_statistics_text()}."
+        ),
+    )
     agg: Optional[FilterAgg] = None
     """Sequence filters only: how token values are aggregated (default ``mean``)."""
     lower: Optional[float] = None
@@ -164,7 +148,7 @@ def _filter_problems(f: RejectionFilter) -> list[str]:
             problems.append(f"{side}: got nan; allowed: a number")
     if f.lower is not None and f.upper is not None and f.lower > f.upper:
         problems.append(f"lower > upper: got lower={f.lower}, upper={f.upper}; need lower <= upper")
-    if f.metric == "ratio":
+    if FILTER_STATISTICS[f.metric].log_space:
         for side, v in (("lower", f.lower), ("upper", f.upper)):
             if v is not None and v < 0:
                 problems.append(f"{side}: got {v}; a ratio bound must be >= 0")

@@ -28,6 +28,7 @@ from nemo_rs_plugin.core.config import (
     RSClippedPGLossConfig,
     own_loss_problems,
 )
+from nemo_rs_plugin.core.filter_statistics import filter_statistic_entry
 from nemo_rs_plugin.core.microbatch import current_policy_problems, needs_microbatch_totals
 from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
 from nemo_rs_plugin.nemo_rl.host import (
@@ -357,7 +358,7 @@ def _warn(
     if config.rejection_sampling or config.truncated_importance_sampling_type == "seq-mask-tis":
         _warn_rejection(report, config, mismatch, tokens if isinstance(tokens, int) else 4096)
     if recipe_value(cfg, "grpo.async_grpo.enabled", False) and any(
-        f.level == "sequence" and f.metric == "ratio" and f.aggregation in ("mean", "sum")
+        f.level == "sequence" and filter_statistic_entry(f.metric).log_space and f.aggregation in ("mean", "sum")
         for f in config.rejection_sampling
     ):
         report.notes.append(

@@ -372,9 +372,14 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def _cmd_reference(args: argparse.Namespace) -> int:
-    from nemo_rs_plugin.tools.reference import render_metrics_table, render_reference
+    from nemo_rs_plugin.tools.reference import render_metrics_table, render_reference, render_statistics_table
 
-    sys.stdout.write(render_metrics_table() + "\n" if args.metrics else render_reference())
+    if args.metrics:
+        sys.stdout.write(render_metrics_table() + "\n")
+    elif args.statistics:
+        sys.stdout.write(render_statistics_table() + "\n")
+    else:
+        sys.stdout.write(render_reference())
     return 0
 
 
@@ -477,7 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_cmd_recipes)
 
     f = sub.add_parser("reference", help="print the configuration reference (Markdown)")
-    f.add_argument("--metrics", action="store_true", help="print the guide's table of the metrics the plugin adds")
+    which = f.add_mutually_exclusive_group()
+    which.add_argument("--metrics", action="store_true", help="print the guide's table of the metrics the plugin adds")
+    which.add_argument("--statistics", action="store_true", help="print the guide's table of the filter statistics")
     f.set_defaults(func=_cmd_reference)
 
     sub.add_parser("lab", help="GRPO on a tiny MoE with a real sampler/trainer mismatch (docs/lab.md)", add_help=False)

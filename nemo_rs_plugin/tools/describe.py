@@ -3,26 +3,9 @@
 from __future__ import annotations
 
 from nemo_rs_plugin.core.config import RejectionFilter, RSClippedPGLossConfig
+from nemo_rs_plugin.core.filter_statistics import filter_statistic_entry
 
 __all__ = ["describe_pipeline", "describe_filter"]
-
-_AGG_WORDS = {
-    "mean": "the geometric mean of its token ratios (Geo-RS)",
-    "sum": "the product of its token ratios",
-    "max": "its largest token ratio",
-    "min": "its smallest token ratio",
-    "any": "every one of its token ratios (outlier-token veto)",
-}
-_STATISTIC_WORDS = {
-    "kl_k1": "its KL estimate k1 = -d",
-    "kl_k2": "its KL estimate k2 = d^2/2",
-    "kl_k3": "its KL estimate k3 = exp(d)-1-d",
-    "mult_prob_error": "its multiplicative probability error exp(|d|)",
-    "binary_kl": "the binary KL of its sampled-token probabilities",
-    "total_variation": "the total variation |p_b - p_a| of its sampled-token probabilities",
-    # {a}, {b}: the filter's two log-prob sources (format() leaves the other entries as they are)
-    "prob_diff": "its probability difference p_{a} - p_{b} (probabilities of the sampled token)",
-}
 
 
 def _bounds(f: RejectionFilter) -> str:
@@ -34,23 +17,11 @@ def _bounds(f: RejectionFilter) -> str:
 def describe_filter(f: RejectionFilter) -> str:
     """One filter as a sentence, e.g. 'reject a sequence unless the geometric mean ... is in [..]'."""
     a, b = f.log_ratio.split("-")
-    if f.level == "token":
-        if f.metric == "ratio":
-            what = f"its ratio pi_{a}/pi_{b}"
-        else:
-            what = _STATISTIC_WORDS[f.metric].format(a=a, b=b)
-        unit = "a token"
-    else:
-        agg = f.aggregation
-        if f.metric == "ratio":
-            what = _AGG_WORDS[agg]
-        elif f.metric == "prob_diff":
-            what = f"the {agg} over its tokens of p_{a} - p_{b} (probabilities of the sampled token)"
-        else:
-            what = f"the {agg} over its tokens of {_STATISTIC_WORDS[f.metric].replace('its ', 'the ', 1)}"
-        unit = "a sequence"
-    sentence = f"reject {unit} unless {what} is in {_bounds(f)}"
-    if f.log_ratio != "prev-gen" and not (f.metric == "prob_diff" or (f.level == "token" and f.metric == "ratio")):
+    statistic = filter_statistic_entry(f.metric)
+    aggregation = f.aggregation if f.level == "sequence" else None
+    unit = "a token" if aggregation is None else "a sequence"
+    sentence = f"reject {unit} unless {statistic.describe(aggregation, a, b)} is in {_bounds(f)}"
+    if f.log_ratio != "prev-gen" and not statistic.names_its_sources(aggregation):
         sentence += f", with d = {a} - {b}"
     if f.advantage_condition is not None:
         sentence += f" (only its tokens with a {f.advantage_condition} advantage)"

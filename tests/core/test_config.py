@@ -7,6 +7,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 from nemo_rs_plugin import ConfigError, CorrectedPGLoss, RSClippedPGLossConfig
+from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS
 
 IS_ON = {"use_importance_sampling_correction": True}
 
@@ -160,20 +161,40 @@ def test_name_field_is_accepted():
     assert RSClippedPGLossConfig.from_any({"name": "rs_clipped_pg"}).name == "rs_clipped_pg"
 
 
-def test_every_filter_metric_has_its_entry_in_every_table():
-    """The metric list is the ``FilterMetric`` type; each table keyed by metric covers exactly it."""
+def test_the_filter_statistics_registry_is_the_metric_type_and_the_references_dispatch():
+    """One entry per ``FilterMetric`` value; the naive reference writes each formula again."""
     from typing import get_args
+
+    from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS, filter_statistic_entry
+    from nemo_rs_plugin.core.rejection_filter import AGGS_FOR_METRIC, FilterMetric
+    from tests.support.naive_reference import TOKEN_STATISTICS
+
+    metrics = list(get_args(FilterMetric))
+    assert list(FILTER_STATISTICS) == metrics and list(AGGS_FOR_METRIC) == metrics
+    assert set(TOKEN_STATISTICS) == set(metrics)
+    with pytest.raises(ValueError, match="metric: got 'kl_k4'; allowed: ratio, kl_k1"):
+        filter_statistic_entry("kl_k4")  # an unknown name is an error, never a default
+
+
+@pytest.mark.parametrize("metric", list(FILTER_STATISTICS))
+def test_each_statistic_equals_the_references_formula_and_lies_in_its_range(metric):
+    """The registry's token function against the reference's, on log-probs far apart and close."""
+    import math
 
     import torch
 
-    from nemo_rs_plugin.core.config_problems import _STATISTIC_RANGE
     from nemo_rs_plugin.core.correction.filters import token_filter_statistic
-    from nemo_rs_plugin.core.rejection_filter import AGGS_FOR_METRIC, FilterMetric
-    from nemo_rs_plugin.tools.describe import _STATISTIC_WORDS
+    from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS
+    from tests.support.naive_reference import token_statistic
 
-    metrics = set(get_args(FilterMetric))
-    assert set(AGGS_FOR_METRIC) == metrics and set(_STATISTIC_RANGE) == metrics
-    assert set(_STATISTIC_WORDS) == metrics - {"ratio"}  # ratio is worded per aggregation
-    d = torch.zeros(1, 2)
-    for metric in metrics:  # every metric is computed (none falls through to the error)
-        assert token_filter_statistic(d, metric, target=d - 0.1, behaviour=d - 0.2).shape == d.shape
+    entry = FILTER_STATISTICS[metric]
+    target = torch.tensor([-0.01, -0.7, -3.0, -1e-9, -12.0], dtype=torch.float64)
+    behaviour = torch.tensor([-0.02, -0.1, -5.0, -20.0, -1e-9], dtype=torch.float64)
+    d = target - behaviour
+    got = token_filter_statistic(d, metric, target=target, behaviour=behaviour)
+    want = [token_statistic(metric, float(x), float(a), float(b)) for x, a, b in zip(d, target, behaviour)]
+    if entry.log_space:
+        got = got.exp()  # the ratio is computed as its log
+    assert got.tolist() == pytest.approx(want, rel=1e-12, abs=1e-15)
+    lo, hi = entry.value_range
+    assert all(lo <= v <= hi for v in want) and all(map(math.isfinite, want))

@@ -21,6 +21,7 @@ import torch
 import nemo_rs_plugin.core.loss as loss_module
 from nemo_rs_plugin import CorrectedPGLoss
 from nemo_rs_plugin.core.distributed import SequenceGroups
+from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS
 from nemo_rs_plugin.core.loss import LossInputs
 from tests.support.naive_reference import reference, sequence_statistic, token_statistic, with_unique_labels
 from tests.support.threaded_world import ThreadGroup, run_ranks
@@ -29,15 +30,8 @@ RTOL, ATOL = 1e-6, 1e-9
 MIN_MARGIN = 1e-7  # statistics this close to a bound could fall either side by rounding
 BAD = [math.nan, math.inf, -math.inf]
 
-AGGS = {
-    "ratio": ["mean", "sum", "max", "min", "any"],
-    "kl_k1": ["mean", "sum", "max"],
-    "kl_k2": ["mean", "sum", "max"],
-    "kl_k3": ["mean", "sum", "max"],
-    "mult_prob_error": ["mean", "sum", "max"],
-    "binary_kl": ["mean", "sum", "max"],
-    "total_variation": ["mean", "sum", "max"],
-}
+#: Every statistic of the registry with its aggregations (prob_diff included).
+AGGS = {name: list(s.aggregations) for name, s in FILTER_STATISTICS.items()}
 BOUND_KINDS = ["lower", "upper", "both"]
 FILTER_KINDS = [("token", m, None, b) for m in AGGS for b in BOUND_KINDS] + [
     ("sequence", m, a, b) for m in AGGS for a in AGGS[m] for b in BOUND_KINDS
@@ -150,7 +144,7 @@ def draw_filter(
     else:
         values = [sequence_statistic(metric, agg, row, rp) for row, rp in zip(ds, pairs) if row]
         qs = ((0.05, 0.45), (0.55, 0.95))
-    lo, hi = _split(values, rng, *qs, log_space=metric == "ratio")
+    lo, hi = _split(values, rng, *qs, log_space=FILTER_STATISTICS[metric].log_space)
     f = {"level": level, "metric": metric}
     if agg is not None:
         f["agg"] = agg

@@ -27,6 +27,7 @@ L, P, D, M, MS, IN, IC = (
 # reductions, the plan -> reduce -> apply pipeline.
 CF, CW, CS, CP = (f"nemo_rs_plugin/core/correction/{m}.py" for m in ("filters", "weights", "statistics", "pipeline"))
 IL = "nemo_rs_plugin/core/is_levels.py"
+FS = "nemo_rs_plugin/core/filter_statistics.py"
 # The NeMo-RL glue under the per-sequence packing wrapper.
 GLUE, PACK, REC = (f"nemo_rs_plugin/nemo_rl/{m}.py" for m in ("loss_fn", "packing", "recording"))
 
@@ -52,10 +53,10 @@ MUTANTS: list[Mutant] = [
     ),
     # ---- filter statistics: KL(gen || prev) estimators from d = prev - gen
     Mutant(
-        CF,
-        "return kl_estimate(d, metric[3:])",
-        "return kl_estimate(-d, metric[3:])",
-        "filters' KL statistics in the reverse direction (AReaL's k3 where VERL's is meant)",
+        FS,
+        'lambda d, target, behaviour: kl_estimate(d, "k3")',
+        'lambda d, target, behaviour: kl_estimate(-d, "k3")',
+        "filters' k3 statistic in the reverse direction (AReaL's k3 where VERL's is meant)",
     ),
     # ---- sequence aggregations
     Mutant(
@@ -396,14 +397,14 @@ MUTANTS: list[Mutant] = [
     ),
     # ---- the peer modes: peer statistics, log-ratio choice, advantage condition, batch normalisation
     Mutant(
-        CF,
-        "return torch.exp(d.abs())",
-        "return torch.exp(d)",
+        FS,
+        "lambda d, target, behaviour: torch.exp(d.abs())",
+        "lambda d, target, behaviour: torch.exp(d)",
         "mult_prob_error reads exp(d), not exp(|d|) (NeMo-RL's seq_logprob_error)",
     ),
-    Mutant(CF, "return (p_b - p_a).abs()", "return p_b - p_a", "total_variation signed"),
+    Mutant(FS, "return (p_b - p_a).abs()", "return p_b - p_a", "total_variation signed"),
     Mutant(
-        CF,
+        FS,
         "return p_b * (p_b / p_a).log() + (1.0 - p_b) * ((1.0 - p_b) / (1.0 - p_a)).log()",
         "return p_b * (p_b / p_a).log()",
         "binary_kl without its (1 - p) term",
@@ -537,9 +538,9 @@ MUTANTS: list[Mutant] = [
         "policy-gradient-only filters also remove the penalty toward the sampler (prime-rl keeps it)",
     ),
     Mutant(
-        CF,
-        "return target.exp() - behaviour.exp()",
-        "return behaviour.exp() - target.exp()",
+        FS,
+        "return _given(target).exp() - _given(behaviour).exp()",
+        "return _given(behaviour).exp() - _given(target).exp()",
         "prob_diff reads p_b - p_a (p_gen - p_curr): DPPO's trust region on the wrong side",
     ),
     # ---- the eager CPU form's host reads (finite inputs used as given), the integer token_mask check
@@ -681,5 +682,24 @@ MUTANTS: list[Mutant] = [
         "if packed is not None and is_microbatch(packed.microbatch, packed.sequences):",
         "if False:",
         "a per-call (logit input) packed sequence recorded as its own microbatch",
+    ),
+    # ---- issue 32: the filter-statistic registry (one entry per statistic)
+    Mutant(
+        FS,
+        "lambda d, target, behaviour: torch.expm1(d).square()",
+        "lambda d, target, behaviour: torch.expm1(-d).square()",
+        "chi2 of the reverse ratio: (1/r - 1)^2 instead of (r - 1)^2",
+    ),
+    Mutant(
+        FS,
+        "            reaches=(True, False),\n            needs_probabilities=True,\n            clamped=True,",
+        "            needs_probabilities=True,\n            clamped=True,",
+        "total_variation's upper end counted as reached: a lower bound of 1 is not flagged as rejecting all",
+    ),
+    Mutant(
+        FS,
+        "            sequence_words=_RATIO_SEQUENCE_WORDS,\n            log_space=True,",
+        "            sequence_words=_RATIO_SEQUENCE_WORDS,",
+        "ratio bounds compared as ratios, not as logs (the registry's log_space flag)",
     ),
 ]

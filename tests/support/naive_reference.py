@@ -103,27 +103,44 @@ def with_unique_labels(filters: list[dict]) -> list[dict]:
 PROBABILITY_CLAMP = 1e-6  # OpenRLHF's clamp of the sampled token's probabilities
 
 
+def _probabilities(a: float, b: float) -> tuple[float, float]:
+    """The sampled token's probabilities under the target ``a`` and the behaviour ``b``, clamped."""
+    clamp = lambda p: min(max(p, PROBABILITY_CLAMP), 1 - PROBABILITY_CLAMP)  # noqa: E731
+    return clamp(math.exp(a)), clamp(math.exp(b))
+
+
+def _binary_kl(d: float, a: float, b: float) -> float:
+    pa, pb = _probabilities(a, b)
+    return pb * math.log(pb / pa) + (1 - pb) * math.log((1 - pb) / (1 - pa))
+
+
+def _total_variation(d: float, a: float, b: float) -> float:
+    pa, pb = _probabilities(a, b)
+    return abs(pb - pa)
+
+
+#: Each filter statistic, written again from its formula (not read from the plugin's registry, so
+#: that a wrong formula there is caught); ``tests/core/test_reference.py`` holds the keys equal to
+#: the registry's.
+TOKEN_STATISTICS: dict = {
+    "ratio": lambda d, a, b: math.exp(d),
+    "kl_k1": lambda d, a, b: -d,
+    "kl_k2": lambda d, a, b: d * d / 2,
+    "kl_k3": lambda d, a, b: math.exp(d) - 1 - d,
+    "mult_prob_error": lambda d, a, b: math.exp(abs(d)),
+    "chi2": lambda d, a, b: (math.exp(d) - 1) ** 2,
+    "binary_kl": _binary_kl,
+    "total_variation": _total_variation,
+    "prob_diff": lambda d, a, b: math.exp(a) - math.exp(b),  # unclamped (prime-rl)
+}
+
+
 def token_statistic(metric: str, d: float, a: Optional[float] = None, b: Optional[float] = None) -> float:
     """Per-token statistic from ``d = a - b`` (log-probs of the target ``a`` and behaviour ``b``):
-    the ratio ``exp(d)`` itself, a KL(b || a) estimator, ``exp(|d|)``, or the sampled token's
-    binary KL / total variation (probabilities clamped to [1e-6, 1 - 1e-6])."""
-    if metric == "ratio":
-        return math.exp(d)
-    if metric == "kl_k1":
-        return -d
-    if metric == "kl_k2":
-        return d * d / 2
-    if metric == "kl_k3":
-        return math.exp(d) - 1 - d
-    if metric == "mult_prob_error":
-        return math.exp(abs(d))
-    pa = min(max(math.exp(a), PROBABILITY_CLAMP), 1 - PROBABILITY_CLAMP)
-    pb = min(max(math.exp(b), PROBABILITY_CLAMP), 1 - PROBABILITY_CLAMP)
-    if metric == "total_variation":
-        return abs(pb - pa)
-    if metric == "binary_kl":
-        return pb * math.log(pb / pa) + (1 - pb) * math.log((1 - pb) / (1 - pa))
-    raise ValueError(metric)
+    the ratio ``exp(d)`` itself, a KL(b || a) estimator, ``exp(|d|)``, the sampled token's
+    binary KL / total variation (probabilities clamped to [1e-6, 1 - 1e-6]) or its probability
+    difference ``p_a - p_b``. An unknown metric is a ``KeyError``."""
+    return TOKEN_STATISTICS[metric](d, a, b)
 
 
 def sequence_statistic(metric: str, agg: str, ds: list[float], pairs: Optional[list] = None) -> Optional[float]:

@@ -11,7 +11,12 @@ from pathlib import Path
 import torch
 
 from nemo_rs_plugin.tools.cli import main
-from nemo_rs_plugin.tools.reference import METRIC_ROWS, declared_metrics, render_metrics_table
+from nemo_rs_plugin.tools.reference import (
+    METRIC_ROWS,
+    declared_metrics,
+    render_metrics_table,
+    render_statistics_table,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,3 +34,15 @@ def test_every_added_metric_has_a_row():
     added = set().union(*(set(d) for d in declared_metrics())) - upstream
     assert added - covered == set(), "metrics without a row in METRIC_ROWS"
     assert covered - added == set(), "rows for metrics the loss does not declare"
+
+
+def test_the_guides_filter_statistics_table_is_the_registry(capsys):
+    """docs/guide.md's table of filter statistics is rendered from the registry, one row per entry."""
+    from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS
+    from nemo_rs_plugin.tools.cli import main
+
+    table = render_statistics_table()
+    assert table in (REPO / "docs" / "guide.md").read_text()
+    assert main(["reference", "--statistics"]) == 0
+    assert capsys.readouterr().out == table + "\n"
+    assert [line.split("`")[1] for line in table.splitlines()[3:-1]] == list(FILTER_STATISTICS)

@@ -49,6 +49,7 @@ from nemo_rs_plugin.core.correction.filters import (
     plan_token_filter,
     sequence_filter_statistic,
 )
+from nemo_rs_plugin.core.filter_statistics import filter_statistic_entry
 from nemo_rs_plugin.core.masking import TokenMasks, log_ratio, out_of_bounds
 
 __all__ = [
@@ -113,7 +114,7 @@ def band_for_rejection(
 
 def _sides(f: RejectionFilter) -> tuple[bool, bool]:
     """Which bounds to calibrate: a ratio's set bounds; a divergence's upper (else its lower)."""
-    if f.metric == "ratio":
+    if filter_statistic_entry(f.metric).log_space:
         return f.lower is not None, f.upper is not None
     return f.upper is None, f.upper is not None
 
@@ -153,7 +154,7 @@ def calibrate_filters(
     """
 
     def calibrate(f: RejectionFilter, low: torch.Tensor, high: torch.Tensor) -> RejectionFilter:
-        lower, upper = band_for_rejection(low, high, target, _sides(f), f.metric == "ratio")
+        lower, upper = band_for_rejection(low, high, target, _sides(f), filter_statistic_entry(f.metric).log_space)
         if widen_only:
             lower = lower if lower is None or f.lower is None else min(lower, f.lower)
             upper = upper if upper is None or f.upper is None else max(upper, f.upper)
@@ -211,7 +212,11 @@ def _stages(filters, prev, gen, mask, choose) -> list[CalibratedStage]:
         else:
             rejected = _sequence_rejected_frac(f, low, high)
         values = low if low is high else torch.cat([low, high])
-        out.append(CalibratedStage(f, int(low.numel()), rejected, _quantiles(values, f.metric == "ratio")))
+        out.append(
+            CalibratedStage(
+                f, int(low.numel()), rejected, _quantiles(values, filter_statistic_entry(f.metric).log_space)
+            )
+        )
     return out
 
 

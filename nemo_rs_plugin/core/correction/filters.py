@@ -22,10 +22,9 @@ from nemo_rs_plugin.core.correction.statistics import (
     StageStatistics,
     TokenStageStatistics,
 )
+from nemo_rs_plugin.core.filter_statistics import PROBABILITY_CLAMP, filter_statistic_entry
 from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, nonfinite, out_of_bounds, sanitize
 from nemo_rs_plugin.core.metrics import MetricSet
-from nemo_rs_plugin.core.policy_loss import kl_estimate
-from nemo_rs_plugin.core.rejection_filter import AGGS_FOR_METRIC
 
 __all__ = [
     "PROBABILITY_CLAMP",
@@ -44,12 +43,6 @@ __all__ = [
 
 # Private metrics (never reported): sequences dropped and sequences with a valid token, raw counts.
 DROPPED_SEQUENCES, VALID_SEQUENCES = "_rs_seq_dropped", "_rs_seq_valid"
-
-# Probability-space statistics clamp the sampled token's probabilities to [1e-6, 1 - 1e-6]
-# (OpenRLHF's clamp), which keeps both logs of the binary KL finite.
-PROBABILITY_CLAMP = 1e-6
-# prob_diff is a plain difference of probabilities and takes no clamp (prime-rl's statistic).
-_PROBABILITY_METRICS = ("binary_kl", "total_variation", "prob_diff")
 
 
 @dataclass
@@ -72,33 +65,13 @@ def token_filter_statistic(
     target: Optional[torch.Tensor] = None,
     behaviour: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Per-token statistic of a filter, from ``d = target - behaviour`` (log-probs).
+    """Per-token statistic ``metric`` of a filter, from ``d = target - behaviour`` (log-probs).
 
-    ``ratio`` is returned in log space (``d`` itself; bounds are compared as ``log``);
-    ``kl_k1 = -d``, ``kl_k2 = d^2/2``, ``kl_k3 = exp(d) - 1 - d`` estimate
-    KL(behaviour || target); ``mult_prob_error = exp(|d|)``. The probability-space
-    statistics read ``p_a = exp(target)`` and ``p_b = exp(behaviour)``, both clamped to
-    ``[1e-6, 1 - 1e-6]``: ``binary_kl = p_b log(p_b/p_a) + (1-p_b) log((1-p_b)/(1-p_a))``,
-    ``total_variation = |p_b - p_a|``; ``prob_diff = p_a - p_b`` reads them unclamped
-    (prime-rl's ``exp(trainer_logprobs) - exp(inference_logprobs)``).
+    The entry of :data:`~nemo_rs_plugin.core.filter_statistics.FILTER_STATISTICS` computes it
+    (its formula is there); ``ratio`` is returned in log space (``d`` itself: bounds are compared
+    as logs). The probability-space statistics read ``target`` and ``behaviour`` themselves.
     """
-    if metric == "ratio":
-        return d
-    if metric in ("kl_k1", "kl_k2", "kl_k3"):
-        return kl_estimate(d, metric[3:])
-    if metric == "mult_prob_error":
-        return torch.exp(d.abs())
-    if metric in _PROBABILITY_METRICS:
-        if target is None or behaviour is None:
-            raise ValueError(f"metric {metric!r} needs the target and behaviour log-probs")
-        if metric == "prob_diff":
-            return target.exp() - behaviour.exp()
-        p_a = target.exp().clamp(PROBABILITY_CLAMP, 1.0 - PROBABILITY_CLAMP)
-        p_b = behaviour.exp().clamp(PROBABILITY_CLAMP, 1.0 - PROBABILITY_CLAMP)
-        if metric == "total_variation":
-            return (p_b - p_a).abs()
-        return p_b * (p_b / p_a).log() + (1.0 - p_b) * ((1.0 - p_b) / (1.0 - p_a)).log()
-    raise ValueError(f"metric: got {metric!r}; allowed: {', '.join(AGGS_FOR_METRIC)}")
+    return filter_statistic_entry(metric).token_value(d, target, behaviour)
 
 
 def filter_log_ratio(
@@ -141,7 +114,7 @@ def _log_bound(v: Optional[float]) -> Optional[float]:
 
 def filter_bounds(f: RejectionFilter) -> tuple[Optional[float], Optional[float]]:
     """Bounds in the space the statistic lives in (log space for ratios)."""
-    if f.metric == "ratio":
+    if filter_statistic_entry(f.metric).log_space:
         return _log_bound(f.lower), _log_bound(f.upper)
     return f.lower, f.upper
 
@@ -189,11 +162,12 @@ def filter_statistic(
     f: RejectionFilter, d: torch.Tensor, masks: TokenMasks, log_probs: Optional[PolicyLogProbs]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, T]`` the filter's statistic (finite) and the 0/1 mask of where its log-ratio was finite."""
+    entry = filter_statistic_entry(f.metric)
     fd, f_finite, target, behaviour = filter_log_ratio(
-        f.log_ratio, d, masks.d_finite, log_probs, f.metric in _PROBABILITY_METRICS
+        f.log_ratio, d, masks.d_finite, log_probs, entry.needs_probabilities
     )
-    stat = token_filter_statistic(fd, f.metric, target, behaviour)
-    if f.metric != "ratio":  # fd is finite; the statistics can overflow: keep them finite
+    stat = entry.token_value(fd, target, behaviour)
+    if not entry.log_space:  # fd is finite (the ratio's log is fd); the others can overflow: keep them finite
         big = torch.finfo(d.dtype).max
         stat = torch.nan_to_num(stat, nan=0.0, posinf=big, neginf=-big)
     return stat, f_finite
