@@ -10,7 +10,7 @@ metrics, are in :mod:`nemo_rs_plugin.core.input_checks`. See: docs/guide.md#non-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import torch
 
@@ -24,6 +24,11 @@ __all__ = [
     "nonfinite_metrics",
     "sanitize_inputs",
 ]
+
+
+#: Where each checked input is not finite: ``None`` (all finite), a ``[K, B, T]`` 0/1 tensor (the
+#: batched form) or a list of ``K`` ``[B, T]`` ones (the CPU form).
+NonFinite = Union[None, torch.Tensor, list[torch.Tensor]]
 
 
 @dataclass
@@ -209,7 +214,9 @@ class SanitizedInputs:
     advantages: torch.Tensor
     d: torch.Tensor  # [B, T] prev - gen, 0 where not finite
     masks: TokenMasks
-    nonfinite: Any  # [K, B, T] (or K [B, T]) 0/1 non-finite entries of each input (None: all finite), rows named by
+    nonfinite: (
+        NonFinite  # [K, B, T] (or K [B, T]) 0/1 non-finite entries of each input (None: all finite), rows named by
+    )
     input_names: tuple  # the K input names (keys of _NONFINITE_COUNTS)
     stacked: Optional[torch.Tensor] = None  # [K, B, T] the sanitised inputs, rows input_names (GPU form only)
 
@@ -241,46 +248,76 @@ def sanitize_inputs(
     as_given = host_reads and _finite_on_host([rows[name] for name in checked])
     clean_of = _as_given if as_given else sanitize
     curr = clean_of(x.curr)
-    sanitized = None
     if as_given:
-        clean = {name: t.detach() for name, t in rows.items()}
-        bad = None  # every count 0
-        masks = TokenMasks.build(x.token_mask, x.sample_mask, None, None, dtype=curr.dtype)
+        form = _used_as_given(rows, x, curr.dtype)
+    elif batched:
+        form = _sanitized_stacked(rows, x, n_logprob)
     else:
-        if batched:  # two kernels for all inputs (batched_evaluation: the GPU form)
-            stacked = torch.stack([t.detach() for t in rows.values()])  # [K, B, T]
-            sanitized = sanitize(stacked)
-            clean = dict(zip(rows, sanitized))
-            bad = nonfinite(stacked)  # [K, B, T] 0/1
-            any_bad = bad[:n_logprob].amax(0)
-        else:  # per input, no copy into a stack, and only what is read
-            # curr and curr_unfiltered are sanitised on their own (they carry the gradient); prev
-            # and gen reach the loss, and its checks, through d.
-            clean = {n: sanitize(t.detach()) for n, t in rows.items() if n not in ("curr", "curr_unfiltered")}
-            bad = [nonfinite(rows[name]) for name in checked]
-            any_bad = torch.maximum(bad[0], bad[1])  # curr and d come first: n_logprob >= 2
-            for row in bad[2:n_logprob]:
-                any_bad = torch.maximum(any_bad, row, out=any_bad)  # no new [B, T] per input
-        d_finite = 1.0 - bad[1]
-        inputs_finite = any_bad.neg_().add_(1.0)  # 1 - any_bad, in place: any_bad is a fresh tensor
-        masks = TokenMasks.build(x.token_mask, x.sample_mask, d_finite, inputs_finite)
+        form = _sanitized_per_input(rows, x, n_logprob, checked)
     unfiltered = None
     if with_reference:
         unfiltered = clean_of(x.curr_unfiltered) if x.curr_unfiltered is not None else curr
     return SanitizedInputs(
         curr=curr,
-        prev=curr.detach() if force_on_policy else clean["prev"],
+        prev=curr.detach() if force_on_policy else form.clean["prev"],
         prev_raw=prev_raw,
-        gen=clean["gen"],
-        reference=clean.get("reference"),
+        gen=form.clean["gen"],
+        reference=form.clean.get("reference"),
         curr_unfiltered=unfiltered,
-        advantages=clean["advantages"],
-        d=clean["d"],
-        masks=masks,
-        nonfinite=bad,
+        advantages=form.clean["advantages"],
+        d=form.clean["d"],
+        masks=form.masks,
+        nonfinite=form.nonfinite,
         input_names=checked,
-        stacked=sanitized,
+        stacked=form.stacked,
     )
+
+
+class _CleanForm(NamedTuple):
+    """What one form of :func:`sanitize_inputs` gives: the rows cleaned, their non-finite masks, the token masks."""
+
+    clean: dict[str, torch.Tensor]  # every row, detached (sanitised unless used as given)
+    nonfinite: NonFinite  # None (every count 0), a [K, B, T] 0/1 tensor or a list of [B, T] ones
+    masks: TokenMasks
+    stacked: Optional[torch.Tensor]  # the [K, B, T] sanitised stack of the batched form
+
+
+def _used_as_given(rows: dict[str, torch.Tensor], x: LossInputs, dtype: torch.dtype) -> _CleanForm:
+    """Every input read finite on the host (eager CPU): no copy, no mask, every count 0."""
+    clean = {name: t.detach() for name, t in rows.items()}
+    return _CleanForm(clean, None, TokenMasks.build(x.token_mask, x.sample_mask, None, None, dtype=dtype), None)
+
+
+def _sanitized_stacked(rows: dict[str, torch.Tensor], x: LossInputs, n_logprob: int) -> _CleanForm:
+    """The GPU form (``batched_evaluation``): two kernels for all inputs, through one ``[K, B, T]`` stack."""
+    stacked = torch.stack([t.detach() for t in rows.values()])  # [K, B, T]
+    sanitized = sanitize(stacked)
+    bad = nonfinite(stacked)  # [K, B, T] 0/1
+    any_bad = bad[:n_logprob].amax(0)
+    return _CleanForm(dict(zip(rows, sanitized)), bad, _masks(x, bad[1], any_bad), sanitized)
+
+
+def _sanitized_per_input(
+    rows: dict[str, torch.Tensor], x: LossInputs, n_logprob: int, checked: tuple[str, ...]
+) -> _CleanForm:
+    """The CPU form: per input, no copy into a stack, and only what is read.
+
+    ``curr`` and ``curr_unfiltered`` are sanitised on their own (they carry the gradient); ``prev``
+    and ``gen`` reach the loss, and its checks, through ``d``.
+    """
+    clean = {n: sanitize(t.detach()) for n, t in rows.items() if n not in ("curr", "curr_unfiltered")}
+    bad = [nonfinite(rows[name]) for name in checked]
+    any_bad = torch.maximum(bad[0], bad[1])  # curr and d come first: n_logprob >= 2
+    for row in bad[2:n_logprob]:
+        any_bad = torch.maximum(any_bad, row, out=any_bad)  # no new [B, T] per input
+    return _CleanForm(clean, bad, _masks(x, bad[1], any_bad), None)
+
+
+def _masks(x: LossInputs, d_bad: torch.Tensor, any_bad: torch.Tensor) -> TokenMasks:
+    """The token masks from where ``d`` and where any log-prob input is not finite (``any_bad``, consumed)."""
+    d_finite = 1.0 - d_bad
+    inputs_finite = any_bad.neg_().add_(1.0)  # 1 - any_bad, in place: any_bad is a fresh tensor
+    return TokenMasks.build(x.token_mask, x.sample_mask, d_finite, inputs_finite)
 
 
 def _finite_on_host(rows: list[torch.Tensor]) -> bool:
@@ -312,7 +349,7 @@ _NONFINITE_COUNTS = {
 }
 
 
-def nonfinite_metrics(metrics: MetricSet, masks: TokenMasks, nonfinite: Any, inputs: tuple) -> None:
+def nonfinite_metrics(metrics: MetricSet, masks: TokenMasks, nonfinite: NonFinite, inputs: tuple) -> None:
     """Valid tokens with a non-finite input, one count per input kind (summed over CP ranks).
 
     In the GPU form all counts are one matrix-vector product of the stacked non-finite masks

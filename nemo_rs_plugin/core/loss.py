@@ -28,7 +28,7 @@ import torch
 from nemo_rs_plugin.core.compiled import core_fn, free_host_reads, metrics_form
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction import CorrectionResult, PolicyLogProbs, apply_correction, plan_correction
-from nemo_rs_plugin.core.correction.filters import DROPPED_SEQUENCES, VALID_SEQUENCES
+from nemo_rs_plugin.core.correction.filters import sequence_counts
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
 from nemo_rs_plugin.core.health import RejectionMonitor
 from nemo_rs_plugin.core.input_checks import check_global_counts, check_logprob_signs
@@ -221,8 +221,10 @@ class CorrectedPGLoss:
         host_reads = free_host_reads(self, core, x.curr.device, groups, batched)
         loss, metrics = core(self, x, global_valid_seqs, global_valid_toks, groups, batched, host_reads, microbatch)
         reported = metrics.finalize(groups)
-        if self.rejection_monitor is not None and DROPPED_SEQUENCES in metrics.private:
-            self.rejection_monitor.observe(metrics.private[DROPPED_SEQUENCES], metrics.private[VALID_SEQUENCES])
+        if self.rejection_monitor is not None:
+            counts = sequence_counts(metrics.private)  # None where no filter ran
+            if counts is not None:
+                self.rejection_monitor.observe(*counts)
         return loss, reported
 
     def _tensors(

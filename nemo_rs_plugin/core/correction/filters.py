@@ -37,12 +37,23 @@ __all__ = [
     "plan_filters",
     "plan_sequence_filter",
     "plan_token_filter",
+    "sequence_counts",
     "sequence_filter_statistic",
     "token_filter_statistic",
 ]
 
 # Private metrics (never reported): sequences dropped and sequences with a valid token, raw counts.
 DROPPED_SEQUENCES, VALID_SEQUENCES = "_rs_seq_dropped", "_rs_seq_valid"
+
+
+def sequence_counts(private: dict[str, float]) -> Optional[tuple[float, float]]:
+    """``(dropped, valid)`` sequences of this call; ``None`` where no filter ran.
+
+    Read from the metric set's private values after its one host transfer (``MetricSet.private``).
+    """
+    if DROPPED_SEQUENCES not in private:
+        return None
+    return private[DROPPED_SEQUENCES], private[VALID_SEQUENCES]
 
 
 @dataclass
