@@ -14,9 +14,9 @@ default ``inductor``; ``aot_eager`` traces the same graph without generating ker
 
 Inductor runs with ``force_pointwise_cat`` (:data:`INDUCTOR_OPTIONS`): the core ends in one
 ``[M]`` vector of a few dozen metrics, and by default each ``cat``/``stack`` input is a copy
-kernel of its own (always on CPU, past eight inputs on CUDA), which made 44 of the 53 kernels
-of the plain configuration on CPU. As one pointwise kernel the vector costs one kernel
-(``benchmarks/bench_kernels.py``).
+kernel of its own (always on CPU, past eight inputs on CUDA), most of the plain
+configuration's kernels. As one pointwise kernel the vector costs one kernel (the counts:
+``benchmarks/bench_kernels.py``, docs/performance.md#torchcompile).
 
 Left eager, whatever the field says:
 
@@ -73,8 +73,8 @@ def metrics_form(loss: Any, core: Callable, device: torch.device) -> bool:
     Eager: by device (:func:`~nemo_rs_plugin.core.metrics.batched_evaluation`). Compiled: row
     by row on every device, unless ``loss.batched_metrics`` forces a form: inductor fuses the
     per-row reductions into one multi-output reduction, where stacking the rows for a
-    matrix-vector product adds copies and a matmul (on CPU 17 kernels instead of 10 for the
-    plain configuration, ``benchmarks/bench_kernels.py``).
+    matrix-vector product adds copies and a matmul (the counts: ``benchmarks/bench_kernels.py``,
+    docs/performance.md#torchcompile).
     """
     forced = loss.batched_metrics
     if forced is None and core is not type(loss)._tensors:
