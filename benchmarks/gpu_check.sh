@@ -57,7 +57,7 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.
 PY
 if [[ -d "$NEMO_RL/nemo_rl" ]]; then echo "NeMo-RL: $NEMO_RL"; else echo "NeMo-RL: no checkout at $NEMO_RL; its comparison will be skipped"; fi
 PYTEST=($PY -m pytest -q -p no:cacheprovider -rs)
-TESTS=(tests/core/test_cuda_sync.py tests/core/test_peer_modes_2026.py tests/core/test_parity.py tests/core/test_compile.py)
+TESTS=(tests/core/test_cuda_sync.py tests/core/test_peer_modes_prime_rl_ms_swift.py tests/core/test_parity.py tests/core/test_compile.py)
 
 if [[ $DRY -eq 1 ]]; then
   # Everything but CUDA: the GPU tests import and collect; the benchmark runs on CPU, the

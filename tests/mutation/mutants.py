@@ -517,7 +517,7 @@ MUTANTS: list[Mutant] = [
         "batch_normalize_weights' fresh torch.stack; reduce_sequence_statistics "
         "returns the reduced tensor either way",
     ),
-    # ---- issue 20: prime-rl's DPPO / IPO (tests/core/test_peer_modes_2026.py)
+    # ---- issue 20: prime-rl's DPPO / IPO (tests/core/test_peer_modes_prime_rl_ms_swift.py)
     Mutant(
         CP,
         "positive = (clean_advantages > 0).to(d.dtype)",

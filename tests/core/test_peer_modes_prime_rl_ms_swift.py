@@ -1,11 +1,11 @@
-"""The 2026 peers: prime-rl's DPPO and IPO losses, ms-swift's rollout importance sampling.
+"""prime-rl's DPPO and IPO losses and ms-swift's rollout importance sampling, against their own code.
 
 prime-rl (trust region in probability space + penalty toward the sampler), checked two ways:
 
 1. prime-rl's own ``compute_loss`` with ``default_loss_fn`` (DPPO + KL) and ``ipo_loss_fn``
-   (IPO + KL), run unchanged outside this repository by ``tests/data/record_peer_modes_2026.py``
+   (IPO + KL), run unchanged outside this repository by ``tests/data/record_peer_modes_prime_rl_ms_swift.py``
    on the shared peer batch (row 6 empty, row 0 a masked sample, outliers):
-   ``tests/data/peer_modes_2026.json`` holds per mode the loss, its gradient, the
+   ``tests/data/peer_modes_prime_rl_ms_swift.json`` holds per mode the loss, its gradient, the
    policy-gradient mask (read back from the gradient) and prime-rl's per-row metrics. The
    plugin's configuration of each mode must give the same loss and gradient (float64: 1e-9, the
    loss's ``N + 1e-8`` denominator; float32: its rounding), the same mask, and the token-weighted means of prime-rl's
@@ -38,7 +38,7 @@ from nemo_rs_plugin.core import presets
 from nemo_rs_plugin.core.config import ConfigError, RSClippedPGLossConfig
 from tests.core.test_peer_modes import correction, effective_coefficients
 
-RECORDED = json.loads((Path(__file__).resolve().parents[1] / "data" / "peer_modes_2026.json").read_text())
+RECORDED = json.loads((Path(__file__).resolve().parents[1] / "data" / "peer_modes_prime_rl_ms_swift.json").read_text())
 BATCH = RECORDED["batch"]
 MODES = {m["name"]: m for m in RECORDED["modes"]}
 

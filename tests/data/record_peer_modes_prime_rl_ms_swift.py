@@ -1,10 +1,10 @@
-"""Record ``peer_modes_2026.json``: prime-rl's and ms-swift's own functions on the shared peer batch.
+"""Record ``peer_modes_prime_rl_ms_swift.json``: prime-rl's and ms-swift's own functions on the shared peer batch.
 
 Usage (outside the repository's environment; the peers are not dependencies of this project)::
 
-    python tests/data/record_peer_modes_2026.py --prime-rl /path/to/prime-rl-checkout \
+    python tests/data/record_peer_modes_prime_rl_ms_swift.py --prime-rl /path/to/prime-rl-checkout \
         --prime-rl-commit <sha> --ms-swift /path/to/unpacked/ms_swift-4.6.0-wheel \
-        > tests/data/peer_modes_2026.json
+        > tests/data/peer_modes_prime_rl_ms_swift.json
 
 ``--prime-rl`` is a checkout of https://github.com/PrimeIntellect-ai/prime-rl; this script
 imports ``src/prime_rl/trainer/rl/loss.py`` from it, unchanged, and calls its
@@ -225,13 +225,13 @@ def main(argv=None) -> int:
         )
     about = (
         "Outputs of prime-rl's own loss functions (src/prime_rl/trainer/rl/loss.py, unchanged, run outside "
-        "this repository by tests/data/record_peer_modes_2026.py) on peer_modes.json's batch plus a sample "
+        "this repository by tests/data/record_peer_modes_prime_rl_ms_swift.py) on peer_modes.json's batch plus a sample "
         f"mask that masks row {MASKED_SAMPLE}, in float64. Per mode: the loss, its gradient with respect to "
         "the current log-probs [B, T], prime-rl's per-row metrics (each a mean over that row's loss tokens, "
         "0 for a row without any) and the loss tokens per row. 'weight_modes': ms-swift's rollout importance "
         "sampling (GRPOTrainer methods compiled unchanged from its wheel) on the same batch without the sample "
         "mask: its per-token weight times the completion mask, and its metrics. "
-        "Read by tests/core/test_peer_modes_2026.py."
+        "Read by tests/core/test_peer_modes_prime_rl_ms_swift.py."
     )
     json.dump({"about": about, "batch": batch, "modes": modes, "weight_modes": weight_modes}, sys.stdout)
     sys.stdout.write("\n")
