@@ -36,13 +36,13 @@ call gets a fresh leaf and a fresh ``BatchedDataDict`` (the plugin caches the pe
 wrapper's microbatch totals per data dict: a new microbatch per call, as in training).
 
 ``--device cuda`` runs the same tables on a GPU, every input on the device (the wrapper's
-``cu_seqlens`` too, as NeMo-RL's Megatron worker holds them), and times each call three ways
-(the median over the timed calls): **host**, wall time from the call until it returns (its
-Python, dispatch and launches, and its waits: the plugin's one metric transfer, NeMo-RL's
-``.item()`` calls, the wrapper's per-sequence ``.item()``); **GPU span**, CUDA events around
-the call, from its first queued work to its last finished (what the step waits for); **kernel
-time**, the kernels' own durations summed (torch.profiler, one call), the GPU's actual work;
-and **kernels**, how many it launches.
+``cu_seqlens`` too, as NeMo-RL's Megatron worker holds them), and reports four measures per
+call: **host** (median), wall time from the call until it returns (its Python, dispatch and
+launches, and its waits: the plugin's one metric transfer, NeMo-RL's ``.item()`` calls, the
+wrapper's per-sequence ``.item()``); **GPU span** (median), CUDA events recorded on the idle
+stream before the call and after it, so from the call's start on the host to its last GPU work
+finished (what the step waits for); **kernel time**, the kernels' own durations summed over one
+profiled call (torch.profiler), the GPU's actual work; and **kernels**, how many that call launches.
 
 ``--compiled`` adds a table: the B = 1 call of each NeMo-RL configuration with ``compile: true``
 (the compiled core, nemo_rs_plugin/core/compiled.py; its compilation, the first call, untimed)
@@ -321,9 +321,9 @@ def time_calls_cuda(candidates: dict[str, Setup], rounds: int, block: int) -> di
     """Per candidate, the median host time and GPU span (s) of one call, and one call's kernels.
 
     Host: wall time from the call until it returns (the stream idle before it starts). GPU span:
-    CUDA events recorded before and after the call, so from its first queued work to its last
-    finished. Rounds and blocks as :func:`time_calls`. Kernel time and count: one more call
-    under torch.profiler (its kernel events; memcpy / memset left out).
+    CUDA events recorded on the idle stream before and after the call, so from the call's start
+    on the host to its last GPU work finished. Rounds and blocks as :func:`time_calls`. Kernel
+    time and count: one more call under torch.profiler (its kernel events; memcpy / memset left out).
     """
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile

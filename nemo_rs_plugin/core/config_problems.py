@@ -103,13 +103,13 @@ def statistic_range(f: RejectionFilter) -> tuple[float, float, bool, bool]:
     A token's range is its statistic's entry (:data:`~nemo_rs_plugin.core.filter_statistics.FILTER_STATISTICS`),
     and so is that of its mean, max and min over a sequence's tokens. A sum over tokens has no
     upper limit, and its lower one only where the token's is >= 0 (the ratio's ``sum`` is the
-    product: the ratio's range).
+    product: the ratio's range). An infinite end is never reached (the statistics are finite).
     """
     entry = FILTER_STATISTICS[f.metric]
     (lo, hi), (reaches_lo, reaches_hi) = entry.value_range, entry.reaches
     if f.aggregation == "sum" and not entry.log_space:
-        return (lo if lo >= 0 else -math.inf), math.inf, reaches_lo, True
-    return lo, hi, reaches_lo, reaches_hi
+        lo, hi = (lo if lo >= 0 else -math.inf), math.inf
+    return lo, hi, reaches_lo and math.isfinite(lo), reaches_hi and math.isfinite(hi)
 
 
 def filter_bound_extremes(i: int, f: RejectionFilter) -> list[str]:
@@ -127,12 +127,20 @@ def filter_bound_extremes(i: int, f: RejectionFilter) -> list[str]:
     else:
         consequence = "the loss trains on nothing"
     p = []
-    if f.upper is not None and (f.upper < lo or (not reaches_lo and f.upper <= lo)):
+    # Bounds are inclusive: a bound at an end of the range rejects every unit only where no unit reaches that end.
+    for side, bound in (("upper", f.upper), ("lower", f.lower)):
+        if bound is not None and not math.isfinite(bound) and (bound < 0) == (side == "upper"):
+            p.append(
+                f"rejection_sampling.{i}: {side}: got {bound}: no value of {what} is on the kept side of it, so "
+                f"the filter rejects every unit and {consequence}; set a finite {side} bound"
+            )
+            return p
+    if f.upper is not None and (f.upper < lo or (f.upper == lo and not reaches_lo)):
         p.append(
             f"rejection_sampling.{i}: upper: got {f.upper} with metric {f.metric!r}, but {what} is never "
             f"below {lo:g}: the filter rejects every unit and {consequence}; set an upper bound >= {lo:g}"
         )
-    if f.lower is not None and (f.lower > hi or (not reaches_hi and f.lower >= hi)):
+    if f.lower is not None and (f.lower > hi or (f.lower == hi and not reaches_hi)):
         p.append(
             f"rejection_sampling.{i}: lower: got {f.lower} with metric {f.metric!r}, but {what} is below "
             f"{hi:g}: the filter rejects every unit and {consequence}; set a lower bound < {hi:g}"
@@ -143,7 +151,7 @@ def filter_bound_extremes(i: int, f: RejectionFilter) -> list[str]:
 def filter_bound_warnings(i: int, f: RejectionFilter) -> list[str]:
     """A bound that can never reject: harmless, but not what was meant."""
     entry = FILTER_STATISTICS[f.metric]
-    lo, hi, reaches_lo, _ = statistic_range(f)
+    lo, hi, _, _ = statistic_range(f)
     what = "a token's" if f.level == "token" else f"a sequence's {f.aggregation}"
     clamped = f"; below {hi:g} with the probabilities clamped" if entry.clamped else ""
     w = []
@@ -152,8 +160,9 @@ def filter_bound_warnings(i: int, f: RejectionFilter) -> list[str]:
             f"rejection_sampling.{i}.upper: got {f.upper} with metric {f.metric!r}, which is at most {hi:g} "
             f"({what}{clamped}): this bound never rejects; set an upper bound below {hi:g}, or remove it"
         )
-    # An unreached lowest value (prob_diff's -1: p_a = 0, p_b = 1 exactly) as a lower bound never rejects either
-    never_below = f.lower is not None and (f.lower < lo or (not reaches_lo and f.lower <= lo))
+    # Bounds are inclusive: a lower bound at the lowest value keeps every unit (for a ratio, lower: 0 is
+    # the documented way to write "no lower bound").
+    never_below = f.lower is not None and f.lower <= lo
     if never_below and not entry.log_space:
         w.append(
             f"rejection_sampling.{i}.lower: got {f.lower} with metric {f.metric!r}, which is never below "

@@ -55,7 +55,9 @@ class FilterStatistic:
         value_range: ``(lowest, highest)`` value of one token's statistic, and so of its mean, max
             and min over a sequence (a ratio's: of the ratio, not its log).
         reaches: whether a token's statistic can equal the lowest / highest value (the clamp keeps
-            the total variation below 1; ``prob_diff`` reaches -1 only at probabilities 0 and 1).
+            the total variation below 1; ``prob_diff``, unclamped, reaches -1 and 1 where ``exp``
+            rounds a probability to 0 or 1). Bounds are inclusive: an upper bound at an unreached
+            lowest value rejects every unit.
         token_words: a token's statistic in ``nemo-rs check``'s sentence; ``{a}`` / ``{b}``: the
             filter's two log-prob sources (a wording without them gets ", with d = a - b").
         sequence_words: per aggregation, a sequence's statistic in words where the default ("the
@@ -79,20 +81,20 @@ class FilterStatistic:
     clamped: bool = False
     log_space: bool = False
 
+    def _words(self, aggregation: Optional[str]) -> str:
+        if aggregation is None:
+            return self.token_words
+        return self.sequence_words.get(aggregation) or (
+            f"the {aggregation} over its tokens of " + self.token_words.replace("its ", "the ", 1)
+        )
+
     def describe(self, aggregation: Optional[str], a: str, b: str) -> str:
         """The statistic of a token (``aggregation`` None) or a sequence, in words."""
-        if aggregation is None:
-            template = self.token_words
-        else:
-            template = self.sequence_words.get(aggregation) or (
-                f"the {aggregation} over its tokens of " + self.token_words.replace("its ", "the ", 1)
-            )
-        return template.format(a=a, b=b, agg=aggregation)
+        return self._words(aggregation).format(a=a, b=b, agg=aggregation)
 
     def names_its_sources(self, aggregation: Optional[str]) -> bool:
         """Whether :meth:`describe` names the two log-prob sources itself."""
-        template = self.token_words if aggregation is None else self.sequence_words.get(aggregation, "")
-        return "{a}" in template
+        return "{a}" in self._words(aggregation)
 
 
 def _clamped_probabilities(target: torch.Tensor, behaviour: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +226,6 @@ FILTER_STATISTICS: dict[str, FilterStatistic] = {
             ARITHMETIC_AGGREGATIONS,
             (-1.0, 1.0),
             "its probability difference p_{a} - p_{b} " + _SAMPLED,
-            reaches=(False, True),
             sequence_words={
                 agg: "the {agg} over its tokens of p_{a} - p_{b} " + _SAMPLED for agg in ("mean", "sum", "max")
             },

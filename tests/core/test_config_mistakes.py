@@ -102,10 +102,11 @@ def test_curr_prev_filter_with_a_forced_on_policy_ratio_is_an_error():
         ({"level": "token", "metric": "total_variation", "upper": -0.1}, "upper: got -0.1"),
         ({"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "upper": 0.9}, "upper: got 0.9"),
         ({"level": "token", "metric": "total_variation", "lower": 1.5}, "lower: got 1.5"),
-        # the range's unreached ends (the registry's `reaches`): the clamp keeps a total variation
-        # below 1, and prob_diff is -1 only at probabilities 0 and 1
+        # an unreached end of the range (the registry's `reaches`): the clamp keeps a total variation below 1
         ({"level": "token", "metric": "total_variation", "lower": 1.0}, "lower: got 1.0"),
-        ({"level": "token", "metric": "prob_diff", "upper": -1.0}, "upper: got -1.0"),
+        # infinite bounds: nothing is on the kept side (a sum's range has no upper end)
+        ({"level": "sequence", "metric": "total_variation", "agg": "sum", "lower": float("inf")}, "lower: got inf"),
+        ({"level": "token", "metric": "kl_k1", "upper": float("-inf")}, "upper: got -inf"),
     ],
 )
 def test_a_bound_that_rejects_everything_warns(flt, start):
@@ -116,18 +117,30 @@ def test_a_bound_that_rejects_everything_warns(flt, start):
 
 
 def test_a_bound_at_a_reached_end_of_the_range_rejects_something():
-    """The ends a statistic reaches (a total variation of 0, a prob_diff of 1) are kept by such a bound."""
+    """The ends a statistic reaches are kept by such a bound (bounds are inclusive): a total variation
+    or k3 of 0, a probability error of 1, a prob_diff of -1 or 1 (exp rounds a probability to 0 or 1)."""
     for flt in (
         {"level": "token", "metric": "total_variation", "upper": 0.0},
         {"level": "token", "metric": "prob_diff", "lower": 1.0},
+        {"level": "token", "metric": "prob_diff", "upper": -1.0},
         {"level": "token", "metric": "kl_k3", "upper": 0.0},
+        {"level": "sequence", "metric": "mult_prob_error", "agg": "max", "upper": 1.0},
     ):
         assert not [w for w in warnings_of({"rejection_sampling": [flt]}) if "rejects every unit" in w], flt
 
 
-def test_prob_diff_lower_bound_at_minus_one_never_rejects():
-    [w] = warnings_of({"rejection_sampling": [{"level": "token", "metric": "prob_diff", "lower": -1.0}]})
-    assert w.startswith("loss_fn.rejection_sampling.0.lower: got -1.0 with metric 'prob_diff'") and "never" in w, w
+@pytest.mark.parametrize(
+    "flt",
+    [
+        {"level": "token", "metric": "prob_diff", "lower": -1.0},
+        {"level": "token", "metric": "kl_k3", "lower": 0.0},  # inclusive: a k3 of 0 is kept
+        {"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "lower": 1.0},
+    ],
+)
+def test_a_lower_bound_at_the_lowest_value_never_rejects(flt):
+    [w] = warnings_of({"rejection_sampling": [flt]})
+    assert w.startswith(f"loss_fn.rejection_sampling.0.lower: got {flt['lower']} with metric {flt['metric']!r}"), w
+    assert "never rejects" in w, w
 
 
 def test_ratio_clip_min_above_one_warns():
