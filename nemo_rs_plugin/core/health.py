@@ -3,9 +3,10 @@
 A rejection filter is healthy while it removes a small share of the batch: the sequences it
 drops are the far tail of the mismatch. When it drops a large share, the gradient rests on
 the few survivors (AdamW rescales a small gradient to a full-size step) and learning slows
-or stops: in the lab (docs/lab.md), Geo-RS ``[0.99, 1.01]`` under staleness rejected 46 to 95%
-of the sequences and learned at or near chance. ``UNHEALTHY_SEQ_REJECTION`` is the line the
-docs, ``nemo-rs check --mismatch`` and this warning share: more than 20% of sequences rejected.
+or stops: in the lab, Geo-RS ``[0.99, 1.01]`` under staleness rejected most of the sequences
+and lost final reward against no correction (the numbers: docs/lab.md#dose-response).
+``UNHEALTHY_SEQ_REJECTION`` is the line the docs, ``nemo-rs check --mismatch`` and this warning
+share: more than 20% of sequences rejected.
 
 :class:`RejectionMonitor` counts, per loss instance, the sequences the filters dropped and
 the sequences with a valid token, over windows of at least ``window`` sequences, from numbers

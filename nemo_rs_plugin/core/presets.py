@@ -6,10 +6,10 @@ first") and docs/lab.md. ``nemo-rs simulate`` and ``nemo-rs lab`` build their co
 from these.
 
 * ``GEO_RS``: Geo-RS, the geometric mean of the sequence's ratios kept within ``[0.99, 1.01]``:
-  a band for *precision* mismatch (about 1e-3 nats per token, NeMo-RL PR #2269; in the lab
-  at precision-only mismatch it rejects nothing). Under staleness it eats the batch (the lab's
-  stale regime: about a tenth of the sequences kept, every seed at chance): there, set the band
-  with ``nemo-rs calibrate`` (:mod:`nemo_rs_plugin.core.correction.calibration`).
+  a band for *precision* mismatch (about 1e-3 nats per token, NeMo-RL PR #2269; in the lab's
+  synchronous runs it rejects nothing). Under staleness it eats the batch and costs reward
+  (docs/lab.md#dose-response): there, set the band with ``nemo-rs calibrate``
+  (:mod:`nemo_rs_plugin.core.correction.calibration`).
 * ``OUTLIER_VETO``: reject a sequence with any token ratio outside ``[1e-4, 1e4]``.
 * ``TOKEN_MIS``: token-level masked IS, tokens with a ratio outside ``[0.5, 2]`` rejected.
 * ``TIS_CAP``: the truncation cap of token/sequence TIS (``truncated_importance_sampling_ratio``).

@@ -1,8 +1,8 @@
 """Rejection bounds set from the mismatch a run measures, for a target rejection rate.
 
 A fixed band is a guess about the mismatch. Geo-RS ``[0.99, 1.01]`` fits precision
-mismatch (about 1e-3 nats per token); under staleness (0.1 to 0.7 nats per token) the same
-band rejects most of the batch (docs/lab.md). :func:`calibrate_filters` reads per-token
+mismatch (about 1e-3 nats per token, NeMo-RL PR #2269); under staleness the same band rejects
+most of the batch (docs/lab.md#dose-response). :func:`calibrate_filters` reads per-token
 log-probs of the user's own run (``prev`` from the trainer, ``gen`` from the sampler),
 computes each filter's statistic exactly as the loss does (same functions, same stage
 order: a filter sees the tokens the token filters listed before it kept), and returns the
@@ -146,8 +146,7 @@ def calibrate_filters(
             widens a band that rejects more than ``target`` (the default). Without it the
             band is the quantile band, however narrow: on a near-zero mismatch it is then
             narrower than any mismatch that matters, and rejects ``target`` of data that
-            needs no correction (in the lab, at precision-only mismatch, a 5% band set on
-            the first steps rejected a quarter of the batch once the policy sharpened).
+            needs no correction (docs/guide.md#calibrate-from-your-run: what the lab measured).
 
     A later stage is calibrated on the tokens the calibrated earlier token stages keep, as
     the loss evaluates it.
