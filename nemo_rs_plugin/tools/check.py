@@ -364,7 +364,7 @@ def _warn(
         report.notes.append(
             "async GRPO with a sequence ratio band: staleness shifts whole sequences by far more than "
             "precision mismatch (docs/lab.md#dose-response: two batches stale, Geo-RS [0.99, 1.01] kept "
-            "21% of the sequences and lost 0.33 final reward against no correction); set the band from your own run's "
+            "21% of the sequences and lost 0.33 final eval against no correction); set the band from your own run's "
             "log-probs (loss_fn.record_logprobs: true for a few steps): nemo-rs calibrate --from <record_dir> "
             "--recipe <this recipe>"
         )
