@@ -28,7 +28,7 @@ See docs/performance.md#torchcompile.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -43,7 +43,7 @@ INDUCTOR_OPTIONS = {"force_pointwise_cat": True}
 
 
 def _compile(fn: Callable, backend: str) -> Callable:
-    options = None
+    options: Optional[dict[str, Union[str, int, bool, Callable[..., Any]]]] = None
     if backend == "inductor":
         from torch._inductor import config as inductor_config
 

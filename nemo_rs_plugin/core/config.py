@@ -431,7 +431,9 @@ def as_plain_dict(cfg: Any) -> dict[str, Any]:
         from omegaconf import DictConfig, OmegaConf
 
         if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+            container = OmegaConf.to_container(cfg, resolve=True)  # a DictConfig gives a dict
+            if isinstance(container, dict):
+                return {str(k): v for k, v in container.items()}
     except ImportError:
         pass
     if hasattr(cfg, "__dict__"):

@@ -21,7 +21,7 @@ Entry points:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, overload
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,18 @@ class SequenceGroups(NamedTuple):
 
 
 NO_GROUPS = SequenceGroups()
+
+
+@overload
+def reduce_sequence_statistics(
+    sums: torch.Tensor, maxima: torch.Tensor, groups: SequenceGroups = ...
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def reduce_sequence_statistics(
+    sums: torch.Tensor, maxima: None, groups: SequenceGroups = ...
+) -> tuple[torch.Tensor, None]: ...
 
 
 def reduce_sequence_statistics(

@@ -11,6 +11,7 @@ sync (tests/core/test_cuda_sync.py counts them on a GPU). See: docs/troubleshoot
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 import torch
 
@@ -54,8 +55,9 @@ def check_logprob_signs(metrics: MetricSet, clean: SanitizedInputs, force_on_pol
     skip = ("prev",) if force_on_policy else ()  # prev is curr then: one warning, for the input given
     sources = {field: key for field, key in _LOGPROB_SOURCES if field not in skip}
     dtype = clean.masks.valid_bin.dtype
+    rows: Iterable[torch.Tensor]
     if clean.stacked is not None:  # GPU form: one comparison over the stacked inputs, one matvec
-        present = [(sources[row], None) for row in clean.input_names if row in sources]
+        keys = [sources[row] for row in clean.input_names if row in sources]
         names = [
             f"_positive_{sources[row]}_count" if row in sources else f"_positive_{row}" for row in clean.input_names
         ]
@@ -73,10 +75,10 @@ def check_logprob_signs(metrics: MetricSet, clean: SanitizedInputs, force_on_pol
             above = [i for i, value in enumerate(largest) if value > POSITIVE_LOGPROB_SLACK]
             present, names = [present[i] for i in above], [names[i] for i in above]
         rows = ((t.detach() > POSITIVE_LOGPROB_SLACK).to(dtype) for _, t in present)  # one at a time
+        keys = [key for key, _ in present]
     metrics.add_masked_totals(names, rows, clean.masks.valid_bin, "none", "sum")
     # The closure below keeps the input names only: a tensor it held would outlive the call (and
     # a compiled core would return it as a graph output, gradient and all).
-    keys = [key for key, _ in present]
 
     def positive_inputs(out: dict) -> list[str]:
         return [

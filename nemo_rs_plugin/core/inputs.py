@@ -10,7 +10,7 @@ metrics, are in :mod:`nemo_rs_plugin.core.input_checks`. See: docs/guide.md#non-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, Optional, Union
+from typing import Any, Mapping, NamedTuple, Optional, Union, overload
 
 import torch
 
@@ -18,6 +18,7 @@ from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, sanitize
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
 
 __all__ = [
+    "KLInputs",
     "LossInputs",
     "SanitizedInputs",
     "global_counts",
@@ -124,35 +125,29 @@ class LossInputs:
 
         Integer and boolean masks stay as they are; ``rewards`` is only compared with 0.
         """
-
-        def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            if t is None or not t.is_floating_point() or t.dtype == dtype:
-                return t
-            return t.to(dtype)
-
         return LossInputs(
-            curr=cast(self.curr),
-            prev=cast(self.prev),
-            generation=cast(self.generation),
-            reference=cast(self.reference),
-            advantages=cast(self.advantages),
-            token_mask=cast(self.token_mask),
-            sample_mask=cast(self.sample_mask),
+            curr=_cast(self.curr, dtype),
+            prev=_cast(self.prev, dtype),
+            generation=_cast(self.generation, dtype),
+            reference=_cast(self.reference, dtype),
+            advantages=_cast(self.advantages, dtype),
+            token_mask=_cast(self.token_mask, dtype),
+            sample_mask=_cast(self.sample_mask, dtype),
             rewards=self.rewards,
-            curr_unfiltered=cast(self.curr_unfiltered),
+            curr_unfiltered=_cast(self.curr_unfiltered, dtype),
         )
 
     def validate(self) -> None:
         """Raise a clear error on shape or dtype mismatches (mixed float dtypes are fine)."""
-        for name, t in (("next_token_logprobs", self.curr), ("sample_mask", self.sample_mask)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: got {type(t).__name__}; expected a torch.Tensor")
+        for name, required in (("next_token_logprobs", self.curr), ("sample_mask", self.sample_mask)):
+            if not isinstance(required, torch.Tensor):
+                raise TypeError(f"{name}: got {type(required).__name__}; expected a torch.Tensor")
         if self.curr.dim() != 2:
             raise ValueError(f"next_token_logprobs: expected [B, T], got shape {tuple(self.curr.shape)}")
         if not self.curr.is_floating_point():
             raise TypeError(f"next_token_logprobs: expected a float tensor, got {self.curr.dtype}")
         shape = self.curr.shape
-        named = {
+        named: dict[str, Optional[torch.Tensor]] = {
             "prev_logprobs": self.prev,
             "generation_logprobs": self.generation,
             "reference_policy_logprobs": self.reference,
@@ -176,16 +171,31 @@ class LossInputs:
             if name != "token_mask" and not t.is_floating_point():
                 raise TypeError(f"{name}: expected a float tensor, got {t.dtype}")
         # rewards left out: read only by the NLL term, and a host may keep them elsewhere otherwise
-        for name, t in (*named.items(), ("sample_mask", self.sample_mask)):
-            if isinstance(t, torch.Tensor) and t.device != self.curr.device:  # else torch's error names no input
+        for name, given in (*named.items(), ("sample_mask", self.sample_mask)):
+            if isinstance(given, torch.Tensor) and given.device != self.curr.device:  # else torch's error names none
                 raise ValueError(
-                    f"{name}: on {t.device}, next_token_logprobs on {self.curr.device}; move the data dict to the "
+                    f"{name}: on {given.device}, next_token_logprobs on {self.curr.device}; move the data dict to the "
                     "log-probs' device (data.to(device))"
                 )
         if self.sample_mask.shape != shape[:1]:
             raise ValueError(f"sample_mask: shape {tuple(self.sample_mask.shape)} does not match batch size {shape[0]}")
         if self.rewards is not None and self.rewards.shape[:1] != shape[:1]:
             raise ValueError(f"rewards: shape {tuple(self.rewards.shape)} does not match batch size {shape[0]}")
+
+
+@overload
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+@overload
+def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]: ...
+
+
+def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """A float tensor in ``dtype`` (differentiably); integer and boolean masks, and ``None``, as they are."""
+    if t is None or not t.is_floating_point() or t.dtype == dtype:
+        return t
+    return t.to(dtype)
 
 
 def _required(data: Mapping[str, Any], key: str) -> torch.Tensor:
@@ -195,6 +205,13 @@ def _required(data: Mapping[str, Any], key: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"data[{key!r}]: got {type(t).__name__}; expected a torch.Tensor")
     return t
+
+
+class KLInputs(NamedTuple):
+    """The KL penalty's inputs, sanitised: present together, exactly when the KL term is on."""
+
+    reference: torch.Tensor  # [B, T] the reference policy's log-probs
+    curr_unfiltered: torch.Tensor  # [B, T] the KL's curr (curr unless the caller passed one)
 
 
 @dataclass
@@ -209,8 +226,7 @@ class SanitizedInputs:
     prev: torch.Tensor  # [B, T] detached (curr's value under a forced on-policy ratio)
     prev_raw: torch.Tensor  # [B, T] as given
     gen: torch.Tensor
-    reference: Optional[torch.Tensor]  # None without the KL term
-    curr_unfiltered: Optional[torch.Tensor]  # the KL's curr (curr unless the caller passed one)
+    kl: Optional[KLInputs]  # the KL penalty's two inputs (None without the KL term)
     advantages: torch.Tensor
     d: torch.Tensor  # [B, T] prev - gen, 0 where not finite
     masks: TokenMasks
@@ -219,6 +235,11 @@ class SanitizedInputs:
     )
     input_names: tuple  # the K input names (keys of _NONFINITE_COUNTS)
     stacked: Optional[torch.Tensor] = None  # [K, B, T] the sanitised inputs, rows input_names (GPU form only)
+
+    @property
+    def reference(self) -> Optional[torch.Tensor]:
+        """The sanitised reference log-probs (``None`` without the KL term)."""
+        return self.kl.reference if self.kl is not None else None
 
 
 def sanitize_inputs(
@@ -232,13 +253,13 @@ def sanitize_inputs(
     input, nothing is copied or masked: the inputs are used as given and ``nonfinite`` is
     ``None`` (every count 0). The values are the same either way.
     """
-    prev_raw = x.curr.detach() if force_on_policy else x.prev
+    prev_raw = x.curr.detach() if force_on_policy else _present(x.prev, "prev_logprobs", "force_on_policy_ratio is off")
     # The first rows are the log-prob inputs a token's loss reads (any non-finite one makes
     # the token unusable); the others are sanitised and counted only. Each row's name is the
     # metric counting its non-finite valid tokens (hidden when another metric covers it).
     rows = {"curr": x.curr, "d": prev_raw - x.generation}
     if with_reference:
-        rows["reference"] = x.reference
+        rows["reference"] = _present(x.reference, "reference_policy_logprobs", "the KL penalty is on")
         if x.curr_unfiltered is not None:
             rows["curr_unfiltered"] = x.curr_unfiltered
     n_logprob = len(rows)
@@ -254,16 +275,16 @@ def sanitize_inputs(
         form = _sanitized_stacked(rows, x, n_logprob)
     else:
         form = _sanitized_per_input(rows, x, n_logprob, checked)
-    unfiltered = None
+    kl = None
     if with_reference:
         unfiltered = clean_of(x.curr_unfiltered) if x.curr_unfiltered is not None else curr
+        kl = KLInputs(reference=form.clean["reference"], curr_unfiltered=unfiltered)
     return SanitizedInputs(
         curr=curr,
         prev=curr.detach() if force_on_policy else form.clean["prev"],
         prev_raw=prev_raw,
         gen=form.clean["gen"],
-        reference=form.clean.get("reference"),
-        curr_unfiltered=unfiltered,
+        kl=kl,
         advantages=form.clean["advantages"],
         d=form.clean["d"],
         masks=form.masks,
@@ -285,7 +306,7 @@ class _CleanForm(NamedTuple):
 def _used_as_given(rows: dict[str, torch.Tensor], x: LossInputs, dtype: torch.dtype) -> _CleanForm:
     """Every input read finite on the host (eager CPU): no copy, no mask, every count 0."""
     clean = {name: t.detach() for name, t in rows.items()}
-    return _CleanForm(clean, None, TokenMasks.build(x.token_mask, x.sample_mask, None, None, dtype=dtype), None)
+    return _CleanForm(clean, None, TokenMasks.build_all_finite(x.token_mask, x.sample_mask, dtype), None)
 
 
 def _sanitized_stacked(rows: dict[str, torch.Tensor], x: LossInputs, n_logprob: int) -> _CleanForm:
@@ -318,6 +339,13 @@ def _masks(x: LossInputs, d_bad: torch.Tensor, any_bad: torch.Tensor) -> TokenMa
     d_finite = 1.0 - d_bad
     inputs_finite = any_bad.neg_().add_(1.0)  # 1 - any_bad, in place: any_bad is a fresh tensor
     return TokenMasks.build(x.token_mask, x.sample_mask, d_finite, inputs_finite)
+
+
+def _present(t: Optional[torch.Tensor], key: str, because: str) -> torch.Tensor:
+    """``t``, an input the configuration reads; a clear error when the caller left it out."""
+    if t is None:
+        raise KeyError(f"data[{key!r}] is missing; the rs_clipped_pg loss reads it ({because})")
+    return t
 
 
 def _finite_on_host(rows: list[torch.Tensor]) -> bool:

@@ -27,34 +27,36 @@ class ISLevel:
 
     Attributes:
         name: the ``is_correction_level`` value.
-        per_token: a weight per valid token (``[B, T]``), else one per sequence (``[B, 1]``).
         formula: the weight, as the docs state it.
         unit: how ``nemo-rs check`` words the unit a weight belongs to.
         sequence_log_weight: per-sequence levels: ``(sum_t m_t d_t, n) -> log w`` (``[B]``),
-            from the statistics reduced over the ranks that split a sequence.
+            from the statistics reduced over the ranks that split a sequence; ``None`` for a
+            per-token level (its weight is ``exp(d_t)`` itself).
     """
 
     name: str
-    per_token: bool
     formula: str
     unit: str
     sequence_log_weight: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+
+    @property
+    def per_token(self) -> bool:
+        """A weight per valid token (``[B, T]``), else one per sequence (``[B, 1]``)."""
+        return self.sequence_log_weight is None
 
 
 IS_LEVELS: dict[str, ISLevel] = {
     level.name: level
     for level in (
-        ISLevel("token", True, "w_t = exp(d_t)", "per token"),
+        ISLevel("token", "w_t = exp(d_t)", "per token"),
         ISLevel(
             "sequence",
-            False,
             "w = exp(sum_t m_t d_t)",
             "per sequence (product)",
             sequence_log_weight=lambda d_sum, n: d_sum,  # noqa: ARG005 - the product ignores n
         ),
         ISLevel(
             "sequence_mean",
-            False,
             "w = exp(sum_t m_t d_t / n)",
             "per sequence (geometric mean)",
             sequence_log_weight=lambda d_sum, n: d_sum / (n + EPS),

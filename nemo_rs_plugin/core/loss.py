@@ -27,7 +27,13 @@ import torch
 
 from nemo_rs_plugin.core.compiled import core_fn, free_host_reads, metrics_form
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
-from nemo_rs_plugin.core.correction import CorrectionResult, PolicyLogProbs, apply_correction, plan_correction
+from nemo_rs_plugin.core.correction import (
+    CorrectionResult,
+    PolicyLogProbs,
+    SequenceCounts,
+    apply_correction,
+    plan_correction,
+)
 from nemo_rs_plugin.core.correction.filters import sequence_counts
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
 from nemo_rs_plugin.core.health import RejectionMonitor
@@ -40,7 +46,7 @@ from nemo_rs_plugin.core.inputs import (
     sanitize_inputs,
 )
 from nemo_rs_plugin.core.masking import EPS, TokenMasks, masked_sum
-from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet, batched_evaluation
+from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet, Normalization, batched_evaluation
 from nemo_rs_plugin.core.microbatch import MicrobatchTotals, missing_totals
 from nemo_rs_plugin.core.policy_loss import (
     KLOptions,
@@ -309,12 +315,14 @@ class CorrectedPGLoss:
         cfg = self.cfg
         kept_tokens = kept_seqs = correct_count = None
         if cfg.rejection_denominator == "kept":
-            n_valid = corr.seq_token_count.sum()
-            n_seqs = masks.sample_mask @ torch.sign(corr.seq_token_count)
-            kept_tokens = corr.kept_token_count / n_valid.clamp_min(EPS)
-            kept_seqs = corr.kept_seq_count / n_seqs.clamp_min(EPS)
+            seqs = _sequence_counts(corr)
+            n_valid = seqs.token_count.sum()
+            n_seqs = masks.sample_mask @ torch.sign(seqs.token_count)
+            kept_tokens = seqs.kept_tokens / n_valid.clamp_min(EPS)
+            kept_seqs = seqs.kept_sequences / n_seqs.clamp_min(EPS)
         if cfg.positive_example_nll_weight > 0 and rewards is not None:
-            correct_count = corr.seq_token_count @ (rewards > 0).to(corr.seq_token_count.dtype)
+            token_count = _sequence_counts(corr).token_count
+            correct_count = token_count @ (rewards > 0).to(token_count.dtype)
         return MicrobatchTotals(kept_tokens, kept_seqs, corr.batch_norm_factor, correct_count)
 
     def _aggregation(
@@ -326,22 +334,22 @@ class CorrectedPGLoss:
         totals: MicrobatchTotals,
     ) -> "_Aggregation":
         """The mask and the denominators every loss term is averaged with."""
-        cfg = self.cfg
         keep = corr.keep  # [B, T]
         loss_tokens = corr.loss_tokens  # [B, T] tokens that contribute to the loss
         token_mask, sample_mask = masks.token_mask, masks.sample_mask
         # NeMo-RL's sequence-level aggregation averages each row over token_mask.
         agg_mask = loss_tokens if self.token_level_loss else token_mask * keep
         token_denominator, seq_denominator = counts.tokens, counts.sequences
-        if cfg.rejection_denominator == "kept":
+        kept_tokens, kept_seqs = totals.kept_token_fraction, totals.kept_sequence_fraction
+        if kept_tokens is not None and kept_seqs is not None:  # set exactly with rejection_denominator: kept
             # VERL's decoupled semantics: shrink the global denominators by the kept fraction
             # of this microbatch (over all ranks that split its sequences).
-            token_denominator = counts.tokens * totals.kept_token_fraction
-            seq_denominator = counts.sequences * totals.kept_sequence_fraction
+            token_denominator = counts.tokens * kept_tokens
+            seq_denominator = counts.sequences * kept_seqs
         return _Aggregation(
             mask=agg_mask,
             sample_mask=sample_mask,
-            seq_mask_count=corr.seq_mask_count,
+            seq_mask_count=None if self.token_level_loss else _sequence_counts(corr).mask_count,
             seq_denominator=seq_denominator,
             token_denominator=token_denominator,
             groups=groups,
@@ -359,9 +367,15 @@ class CorrectedPGLoss:
         cfg = self.cfg
         # ---- policy-gradient term ----
         # Tokens with a non-finite input take no part in the GSPO sequence ratio either.
-        ratio_mask = corr.ratio_mask if cfg.sequence_level_importance_ratios else clean.masks.token_mask
+        ratio = corr.ratio  # the GSPO ratio's tokens, set exactly with sequence_level_importance_ratios
+        ratio_mask = ratio.mask if ratio is not None else clean.masks.token_mask
         ratios, ratios_clamped = policy_ratios(
-            clean.curr, clean.prev, ratio_mask, self.ratio_options, groups=agg.groups, row_count=corr.ratio_token_count
+            clean.curr,
+            clean.prev,
+            ratio_mask,
+            self.ratio_options,
+            groups=agg.groups,
+            row_count=ratio.count if ratio is not None else None,
         )
         pg = clipped_objective(
             clean.advantages,
@@ -388,19 +402,20 @@ class CorrectedPGLoss:
 
         # ---- KL penalty ----
         kl = None
-        if self.kl_coef != 0:
+        if clean.kl is not None:  # sanitised exactly when the KL term is on (kl_coef != 0)
             kl_tok = self.kl_coef * kl_penalty_per_token(
-                clean.curr_unfiltered, clean.reference, clean.gen, self.kl_options
+                clean.kl.curr_unfiltered, clean.kl.reference, clean.gen, self.kl_options
             )
             kl = self._aggregate(kl_tok, agg)
             loss = loss + kl
 
         # ---- VAPO positive-example NLL ----
         nll = None
-        if cfg.positive_example_nll_weight > 0 and rewards is not None:
+        correct_count = totals.correct_token_count  # set exactly when the NLL term is on and rewards given
+        if cfg.positive_example_nll_weight > 0 and rewards is not None and correct_count is not None:
             correct = (rewards > 0).to(clean.curr.dtype)  # [B]
             # valid tokens of correct samples in the whole microbatch (also when this call holds one sequence)
-            nll = positive_example_nll(clean.curr, corr.loss_tokens, correct, totals.correct_token_count)
+            nll = positive_example_nll(clean.curr, corr.loss_tokens, correct, correct_count)
             loss = loss + cfg.positive_example_nll_weight * nll
         return _LossTerms(loss, kl, nll, ratios, ratios_clamped, sampler_kl)
 
@@ -414,7 +429,7 @@ class CorrectedPGLoss:
         Rejected tokens are zero in the numerators only; the per-row denominator is the
         row's full ``token_mask`` count (reduced over ``groups``), as NeMo-RL's.
         """
-        if self.token_level_loss:
+        if agg.seq_mask_count is None:  # token-level loss
             return masked_sum(per_token, agg.mask.to(per_token.dtype)) / (agg.token_denominator + EPS)
         row_sum = all_reduce_sum_with_grad((per_token * agg.mask).sum(-1), agg.groups)  # [B]
         row_mean = row_sum / (agg.seq_mask_count + EPS)
@@ -439,7 +454,7 @@ class CorrectedPGLoss:
         Token means are masked totals over ``usable`` (:class:`MetricSet` evaluates them).
         """
         cfg = self.cfg
-        grad_norm = "tokens" if self.token_level_loss else "sequences"
+        grad_norm: Normalization = "tokens" if self.token_level_loss else "sequences"
         d = clean.d
         with torch.no_grad():
             kl, nll = terms.kl, terms.nll
@@ -520,13 +535,27 @@ class CorrectedPGLoss:
             metrics.add_masked_total("sampling_importance_ratio", w_seq, sample_mask, "sequences", "replicated")
 
 
+def _sequence_counts(corr: CorrectionResult) -> SequenceCounts:
+    """``corr``'s per-sequence counts, for a term the configuration turns on that reads them.
+
+    :func:`~nemo_rs_plugin.core.correction.needs_sequence_statistics` holds for every such
+    configuration, so the correction computed them; a reader it forgot fails here, by name.
+    """
+    if corr.sequences is None:
+        raise RuntimeError(
+            "the loss reads per-sequence counts the correction did not compute: "
+            "needs_sequence_statistics(cfg) must hold for this configuration"
+        )
+    return corr.sequences
+
+
 @dataclass
 class _Aggregation:
     """How a per-token loss term becomes a number: its mask and denominators."""
 
     mask: torch.Tensor  # [B, T] valid (token-level) or token_mask (sequence-level), kept
     sample_mask: torch.Tensor  # [B]
-    seq_mask_count: Optional[torch.Tensor]  # [B] token_mask count per row, all ranks
+    seq_mask_count: Optional[torch.Tensor]  # [B] token_mask count per row, all ranks (None: token-level loss)
     seq_denominator: torch.Tensor  # global_valid_seqs (or its kept share)
     token_denominator: torch.Tensor  # global_valid_toks (or its kept share)
     groups: SequenceGroups

@@ -126,29 +126,46 @@ class TokenMasks:
         cls,
         token_mask: torch.Tensor,
         sample_mask: torch.Tensor,
-        d_finite: Optional[torch.Tensor],
-        inputs_finite: Optional[torch.Tensor],
+        d_finite: torch.Tensor,
+        inputs_finite: torch.Tensor,
         valid: Optional[torch.Tensor] = None,
-        dtype: Optional[torch.dtype] = None,
     ) -> "TokenMasks":
-        """The masks from the caller's two (``valid``: their product, when the caller has it).
+        """The masks from the caller's two and the finite masks (``valid``: their product, when the caller has it).
 
-        ``d_finite = inputs_finite = None``: every input is finite; the masks are then in
-        ``dtype`` (``d_finite``'s otherwise).
+        The masks are in ``d_finite``'s dtype.
         """
-        all_finite = d_finite is None and inputs_finite is None
-        dtype = dtype if all_finite else d_finite.dtype
-        sample_mask = sample_mask.to(dtype)
-        if valid is None:
-            valid = token_mask * sample_mask.unsqueeze(-1)
-        if valid.dtype != dtype:
-            valid = valid.to(dtype)
-        valid_bin = torch.sign(valid)
-        if all_finite:  # ones as a broadcast view: nothing allocated, and no in-place write can hit it
-            d_finite = inputs_finite = valid_bin.new_ones(()).expand(valid_bin.shape)
-            usable_bin = valid_bin
-        else:
-            usable_bin = valid_bin * inputs_finite
+        sample_mask, valid, valid_bin = _valid_masks(token_mask, sample_mask, valid, d_finite.dtype)
+        return cls._with(token_mask, sample_mask, valid, valid_bin, d_finite, inputs_finite, valid_bin * inputs_finite)
+
+    @classmethod
+    def build_all_finite(
+        cls,
+        token_mask: torch.Tensor,
+        sample_mask: torch.Tensor,
+        dtype: torch.dtype,
+        valid: Optional[torch.Tensor] = None,
+    ) -> "TokenMasks":
+        """The masks when every input is known finite (read on the host): in ``dtype``, ``usable_bin = valid_bin``.
+
+        The two finite masks are a broadcast view of a single 1: nothing allocated, and no
+        in-place write can hit it.
+        """
+        sample_mask, valid, valid_bin = _valid_masks(token_mask, sample_mask, valid, dtype)
+        ones = valid_bin.new_ones(()).expand(valid_bin.shape)
+        return cls._with(token_mask, sample_mask, valid, valid_bin, ones, ones, valid_bin, all_finite=True)
+
+    @classmethod
+    def _with(
+        cls,
+        token_mask: torch.Tensor,
+        sample_mask: torch.Tensor,
+        valid: torch.Tensor,
+        valid_bin: torch.Tensor,
+        d_finite: torch.Tensor,
+        inputs_finite: torch.Tensor,
+        usable_bin: torch.Tensor,
+        all_finite: bool = False,
+    ) -> "TokenMasks":
         return cls(
             token_mask=token_mask,
             sample_mask=sample_mask,
@@ -170,3 +187,15 @@ class TokenMasks:
         if self.all_finite:
             return torch.zeros_like(self.sample_mask)
         return (self.valid_bin * (1.0 - self.d_finite)).sum(-1)
+
+
+def _valid_masks(
+    token_mask: torch.Tensor, sample_mask: torch.Tensor, valid: Optional[torch.Tensor], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sample_mask``, ``valid = token_mask * sample_mask`` (unless given) and ``valid_bin``, in ``dtype``."""
+    sample_mask = sample_mask.to(dtype)
+    if valid is None:
+        valid = token_mask * sample_mask.unsqueeze(-1)
+    if valid.dtype != dtype:
+        valid = valid.to(dtype)
+    return sample_mask, valid, torch.sign(valid)

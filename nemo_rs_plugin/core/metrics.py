@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal, Optional
+from typing import Callable, Iterable, Literal, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -57,6 +57,17 @@ def batched_evaluation(device: torch.device, forced: Optional[bool] = None) -> b
 
 Normalization = Literal["tokens", "sequences", "none"]
 Reduction = Literal["sum", "replicated", "max", "min"]
+#: How a declared metric is reduced: a :data:`Reduction`, or computed on the host after the reduction.
+_Declared = Union[Reduction, Literal["derived"]]
+
+
+class _Extreme(NamedTuple):
+    """One masked extreme pair awaiting :meth:`MetricSet.stack` (GPU form)."""
+
+    min_name: str
+    max_name: str
+    values: torch.Tensor
+    penalty: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,7 @@ class GlobalCounts:
     tokens: torch.Tensor
     sequences: torch.Tensor
 
-    def of(self, normalization: str) -> Optional[torch.Tensor]:
+    def of(self, normalization: Normalization) -> Optional[torch.Tensor]:
         """The count a ``normalization`` divides by (``None`` for ``none``)."""
         return {"tokens": self.tokens, "sequences": self.sequences}.get(normalization)
 
@@ -105,12 +116,12 @@ class MetricSet:
         self.batched = batched
         self.host_reads = host_reads
         self.computes_per_call = compute_per_call
-        self._declared: dict[str, tuple[str, str]] = {}  # name -> (normalization, reduction)
+        self._declared: dict[str, tuple[Normalization, _Declared]] = {}  # name -> (normalization, reduction)
         self._per_call: set[str] = set()  # names of per-call metrics (see the module docstring)
         self._values: dict[str, torch.Tensor] = {}  # final 0-dim values
-        self._totals: dict[str, list[tuple[str, torch.Tensor]]] = {}  # normalization -> totals
-        self._masked: list[tuple[torch.Tensor, str, list]] = []  # (mask, normalization, [(names, rows)])
-        self._extrema: dict[tuple, list] = {}  # (rank, dtype) -> [(min name, max name, values, penalty)]
+        self._totals: dict[Normalization, list[tuple[list[str], torch.Tensor]]] = {}  # normalization -> (names, totals)
+        self._masked: list[tuple[torch.Tensor, Normalization, list]] = []  # (mask, normalization, [(names, rows)])
+        self._extrema: dict[tuple[int, torch.dtype], list[_Extreme]] = {}  # (rank, dtype) -> its extremes
         self._derived: list[tuple[str, str, Callable[[dict[str, float]], float]]] = []
         self._checks: list[tuple[Callable[[dict[str, float]], bool], Callable[[dict[str, float]], Exception]]] = []
         self._warnings: list[tuple[Callable[[dict[str, float]], list[str]], type[Warning]]] = []
@@ -118,7 +129,7 @@ class MetricSet:
         self.private: dict[str, float] = {}  # the ``_``-prefixed entries, set by finalize()
 
     # ------------------------------------------------------------------ declaring
-    def _declare(self, name: str, normalization: str, reduction: str, per_call: bool = False) -> None:
+    def _declare(self, name: str, normalization: Normalization, reduction: _Declared, per_call: bool = False) -> None:
         if name in self._declared:
             raise KeyError(f"metric {name!r} declared twice")
         if self._stacked is not None:
@@ -131,11 +142,13 @@ class MetricSet:
         """Whether a metric declared with ``per_call`` is left uncomputed (see ``__init__``)."""
         return per_call and not self.computes_per_call
 
-    def _declare_all(self, names: list[str], normalization: str, reduction: str) -> None:
+    def _declare_all(self, names: list[str], normalization: Normalization, reduction: Reduction) -> None:
         for name in names:
             self._declare(name, normalization, reduction)
 
-    def add(self, name: str, value: torch.Tensor, normalization: str, reduction: str, per_call: bool = False) -> None:
+    def add(
+        self, name: str, value: torch.Tensor, normalization: Normalization, reduction: Reduction, per_call: bool = False
+    ) -> None:
         """Record a final 0-dim value (never synced here); ``per_call``: see the module docstring.
 
         ``min``/``max`` entries may hold ``+-finfo.max`` for "no unit" (see
@@ -147,16 +160,16 @@ class MetricSet:
             return
         self._values[name] = value.detach().reshape(())
 
-    def add_total(self, name: str, total: torch.Tensor, normalization: str, reduction: str) -> None:
+    def add_total(self, name: str, total: torch.Tensor, normalization: Normalization, reduction: Reduction) -> None:
         """Record a 0-dim sum; its value is ``total / (count + 1e-8)`` for the count of ``normalization``."""
         if normalization == "none":
             self.add(name, total, normalization, reduction)
             return
         self._declare(name, normalization, reduction)
-        self._totals.setdefault(normalization, []).append((name, total.detach().reshape(())))
+        self._totals.setdefault(normalization, []).append(([name], total.detach().reshape(())))
 
     def add_masked_total(
-        self, name: str, values: torch.Tensor, mask: torch.Tensor, normalization: str, reduction: str
+        self, name: str, values: torch.Tensor, mask: torch.Tensor, normalization: Normalization, reduction: Reduction
     ) -> None:
         """Record ``sum(values * mask)`` (divided as in :meth:`add_total`); ``values`` broadcasts to ``mask``.
 
@@ -167,7 +180,12 @@ class MetricSet:
         self.add_masked_totals([name], [values], mask, normalization, reduction)
 
     def add_masked_totals(
-        self, names: list[str], rows: Iterable[torch.Tensor], mask: torch.Tensor, normalization: str, reduction: str
+        self,
+        names: list[str],
+        rows: Iterable[torch.Tensor],
+        mask: torch.Tensor,
+        normalization: Normalization,
+        reduction: Reduction,
     ) -> None:
         """:meth:`add_masked_total` for each row of ``rows``.
 
@@ -222,17 +240,17 @@ class MetricSet:
         # Same rank and dtype stack together (their shapes agree: one microbatch). Not the
         # shape itself: hashing a symbolic size would pin it in a compiled graph.
         key = (values.dim(), values.dtype)
-        self._extrema.setdefault(key, []).append((min_name, max_name, values.detach(), penalty))
+        self._extrema.setdefault(key, []).append(_Extreme(min_name, max_name, values.detach(), penalty))
 
     def derive(
-        self, name: str, normalization: str, fn: Callable[[dict[str, float]], float], per_call: bool = False
+        self, name: str, normalization: Normalization, fn: Callable[[dict[str, float]], float], per_call: bool = False
     ) -> None:
         """Declare a metric :meth:`finalize` computes on the host from the reduced values."""
         self._declare(name, normalization, "derived", per_call)
         if not self._skips(per_call):
             self._derived.append((name, normalization, fn))
 
-    def add_zero(self, name: str, normalization: str) -> None:
+    def add_zero(self, name: str, normalization: Normalization) -> None:
         """Declare a metric that is 0 by construction (a term that is off, a count known to be 0): no tensor."""
         self.derive(name, normalization, _zero)
 
@@ -297,16 +315,15 @@ class MetricSet:
             if not entries:
                 continue
             flat = [t.reshape(-1) for _, t in entries]
-            for n, _ in entries:
-                names += [n] if isinstance(n, str) else n
+            for entry_names, _ in entries:
+                names += entry_names
             count = self.counts.of(norm) if self.counts is not None else None
             if count is None:
                 raise ValueError(f"metrics normalized by {norm!r} need the global counts (MetricSet(counts))")
             parts.append((torch.cat(flat) if len(flat) > 1 else flat[0]) / (count + EPS))
-        for entries in self._extrema.values():
-            values, penalties = [v for *_, v, _ in entries], [p for *_, p in entries]
-            lows, highs = _masked_extrema(values, penalties)
-            names += [lo for lo, *_ in entries] + [hi for _, hi, *_ in entries]
+        for extremes in self._extrema.values():
+            lows, highs = _masked_extrema([e.values for e in extremes], [e.penalty for e in extremes])
+            names += [e.min_name for e in extremes] + [e.max_name for e in extremes]
             parts += [lows, highs]
         if not parts:
             self._stacked = ([], torch.zeros(0))
@@ -430,7 +447,7 @@ def _masked_extrema(values: list[torch.Tensor], penalties: list[torch.Tensor]) -
     return (v + p).amin(-1), (v - p).amax(-1)
 
 
-def _reduce(values: torch.Tensor, reductions: list[str], groups: SequenceGroups) -> torch.Tensor:
+def _reduce(values: torch.Tensor, reductions: Sequence[str], groups: SequenceGroups) -> torch.Tensor:
     """``values`` reduced over ``groups`` by each entry's reduction, in one SUM and one MAX collective."""
     is_sum = torch.tensor([r == "sum" for r in reductions], device=values.device)
     is_max = torch.tensor([r == "max" for r in reductions], device=values.device)

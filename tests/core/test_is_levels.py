@@ -147,7 +147,7 @@ def test_the_is_level_formulas_are_stated_once_and_everywhere_alike():
     d, n = D[0], 3
     expected = {"token": d.exp(), "sequence": d.sum().exp(), "sequence_mean": (d.sum() / n).exp()}
     for level, w in expected.items():
-        got = weights.is_weights(level, D, torch.ones_like(D), D.sum(1), torch.tensor([3.0, 2.0]), torch.zeros(2))
+        got = weights.is_weights(level, D, torch.ones_like(D), _statistics())
         torch.testing.assert_close(got[0].expand_as(d), w.expand_as(d))
 
 
@@ -155,4 +155,19 @@ def test_an_unknown_is_level_is_an_error_not_a_default():
     from nemo_rs_plugin.core.correction import weights
 
     with pytest.raises(ValueError, match="is_correction_level: got 'geometric'; allowed: 'token', 'sequence'"):
-        weights.is_weights("geometric", D, None, D.sum(1), torch.tensor([3.0, 2.0]), torch.zeros(2))
+        weights.is_weights("geometric", D, None, _statistics())
+
+
+def test_a_per_sequence_level_without_statistics_is_an_error():
+    from nemo_rs_plugin.core.correction import weights
+
+    with pytest.raises(ValueError, match="'sequence_mean': a per-sequence weight needs the reduced per-sequence"):
+        weights.is_weights("sequence_mean", D, None, None)
+
+
+def _statistics():
+    """The reduced per-sequence statistics of ``D`` (3 and 2 valid tokens, all finite)."""
+    from nemo_rs_plugin.core.correction import SequenceStatistics
+
+    valid = torch.tensor([3.0, 2.0])
+    return SequenceStatistics(d_sum=D.sum(1), valid=valid, token_mask=valid, nonfinite=torch.zeros(2), kept=valid)

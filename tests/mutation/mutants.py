@@ -61,8 +61,8 @@ MUTANTS: list[Mutant] = [
     # ---- sequence aggregations
     Mutant(
         CF,
-        "stat = s.total / (s.count + EPS)",
-        "stat = s.total / (s.count + 1.0)",
+        'stat = s.total if f.aggregation == "sum" else s.total / (s.count + EPS)',
+        'stat = s.total if f.aggregation == "sum" else s.total / (s.count + 1.0)',
         "agg mean (Geo-RS) divides the log-ratio sum by n + 1",
     ),
     Mutant(
@@ -136,7 +136,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         CW,
-        "return finite_exp(seq_log_w).masked_fill(seq_nonfinite > 0, 0.0).unsqueeze(-1)",
+        "return finite_exp(seq_log_w).masked_fill(stats.nonfinite > 0, 0.0).unsqueeze(-1)",
         "return finite_exp(seq_log_w).unsqueeze(-1)",
         "sequence IS weight not 0 when a token's log-ratio is not finite",
     ),
@@ -161,8 +161,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         CW,
-        'seq_mean_log_ratio = seq_d_sum / (seq_ntok + EPS) if kind == "seq-mask-tis" else None',
-        'seq_mean_log_ratio = seq_d_sum if kind == "seq-mask-tis" else None',
+        "seq_mean_log_ratio = stats.d_sum / (stats.token_mask + EPS)",
+        "seq_mean_log_ratio = stats.d_sum",
         "seq-mask-tis decides on the product, not the geometric mean",
     ),
     Mutant(
@@ -205,13 +205,13 @@ MUTANTS: list[Mutant] = [
     # ---- the loss: denominators, IS weights, metrics
     Mutant(
         L,
-        "kept_seqs = corr.kept_seq_count / n_seqs.clamp_min(EPS)",
-        "kept_seqs = corr.kept_token_count / n_valid.clamp_min(EPS)",
+        "kept_seqs = seqs.kept_sequences / n_seqs.clamp_min(EPS)",
+        "kept_seqs = seqs.kept_tokens / n_valid.clamp_min(EPS)",
         "rejection_denominator kept, token_level_loss false: sequences shrink by the kept token fraction",
     ),
     Mutant(
         L,
-        "token_denominator = counts.tokens * totals.kept_token_fraction",
+        "token_denominator = counts.tokens * kept_tokens",
         "token_denominator = counts.tokens",
         "rejection_denominator kept leaves the token denominator unchanged",
     ),
@@ -453,9 +453,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         CP,
-        "units = masks.valid if cfg.is_level_entry.per_token else sample_mask * has_tokens",
-        "units = masks.valid if cfg.is_level_entry.per_token else sample_mask",
-        "sequence batch mean counts empty sequences (slime's, not VERL's)",
+        "weight_units = sample_mask * has_tokens",
+        "weight_units = sample_mask",
+        "per-sequence IS units count empty sequences (the batch mean slime's, not VERL's; the weight metrics too)",
     ),
     Mutant(
         CS,
@@ -617,8 +617,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         L,
-        "correct_count = corr.seq_token_count @ (rewards > 0).to(corr.seq_token_count.dtype)",
-        "correct_count = corr.seq_token_count.sum()",
+        "correct_count = token_count @ (rewards > 0).to(token_count.dtype)",
+        "correct_count = token_count.sum()",
         "the NLL divides by every valid token instead of the correct samples' tokens",
     ),
     Mutant(

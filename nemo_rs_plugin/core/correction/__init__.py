@@ -40,6 +40,8 @@ from nemo_rs_plugin.core.correction.filters import (
 from nemo_rs_plugin.core.correction.pipeline import (
     CorrectionPlan,
     CorrectionResult,
+    RatioTokens,
+    SequenceCounts,
     apply_correction,
     compute_correction,
     needs_sequence_statistics,
@@ -55,6 +57,8 @@ __all__ = [
     "CorrectionResult",
     "PolicyLogProbs",
     "PROBABILITY_CLAMP",
+    "RatioTokens",
+    "SequenceCounts",
     "SequenceStatistics",
     "apply_correction",
     "batch_normalize_weights",

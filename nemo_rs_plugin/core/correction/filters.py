@@ -17,10 +17,14 @@ import torch
 
 from nemo_rs_plugin.core.config import RejectionFilter
 from nemo_rs_plugin.core.correction.statistics import (
-    SequenceStageStatistics,
+    MaximumStageStatistics,
+    MinimumStageStatistics,
+    RangeStageStatistics,
+    SequenceStage,
     SequenceStatistics,
     StageStatistics,
     TokenStageStatistics,
+    TotalStageStatistics,
 )
 from nemo_rs_plugin.core.filter_statistics import PROBABILITY_CLAMP, filter_statistic_entry
 from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, nonfinite, out_of_bounds, sanitize
@@ -100,6 +104,8 @@ def filter_log_ratio(
     ``d``; the others read :class:`PolicyLogProbs`.
     """
     target_name, behaviour_name = log_ratio.split("-")
+    target: Optional[torch.Tensor] = None
+    behaviour: Optional[torch.Tensor] = None
     if log_ratio != "prev-gen" or needs_log_probs:
         if log_probs is None:
             raise ValueError(
@@ -109,8 +115,6 @@ def filter_log_ratio(
         target_raw = getattr(log_probs, target_name).detach()
         behaviour_raw = getattr(log_probs, behaviour_name).detach()
         target, behaviour = sanitize(target_raw), sanitize(behaviour_raw)
-    else:
-        target = behaviour = None
     if log_ratio == "prev-gen":
         return d, d_finite, target, behaviour
     d_raw = target_raw - behaviour_raw
@@ -147,9 +151,10 @@ def plan_filters(
     policy-gradient term no ``applies_to: policy_gradient`` filter removed (``None`` when
     there is no such filter).
     """
-    stages = []
+    stages: list[StageStatistics] = []
     alive = masks.valid_bin  # [B, T] valid tokens kept by the token filters so far
     policy_gradient_alive = None  # [B, T] 1 where no policy-gradient-only filter rejected the token
+    stage: StageStatistics
     for f in filters:
         stat, f_finite = filter_statistic(f, d, masks, log_probs)
         if f.level == "token" and f.applies_to == "policy_gradient":
@@ -216,19 +221,27 @@ def plan_sequence_filter(
     alive: torch.Tensor,  # [B, T] 0/1 valid tokens the earlier token filters kept
     negative: Optional[torch.Tensor],  # [B, T] 0/1
     big: float,  # finfo(d.dtype).max: the maximum of a row without a token is -big
-) -> SequenceStageStatistics:
-    """The sequence filter's partial per-row statistics over the tokens alive at its stage."""
+) -> SequenceStage:
+    """The sequence filter's partial per-row statistics over the tokens alive at its stage (its ``agg``'s shape)."""
     alive_fin = alive * f_finite
     agg = f.aggregation
     masked = stat * alive_fin  # [B, T], 0 off the stage's tokens
-    penalty = extrema_penalty(alive_fin) if agg in ("max", "min", "any") else None  # pushes other tokens out
-    return SequenceStageStatistics(
-        count=alive.sum(-1),
-        nonfinite=(alive - alive_fin).sum(-1),
-        negative=(alive * negative).sum(-1) if negative is not None else None,
-        total=masked.sum(-1) if agg in ("mean", "sum") else None,
-        maximum=_row_max(masked - penalty, -big) if agg in ("max", "any") else None,
-        negated_minimum=_row_max(-masked - penalty, -big) if agg in ("min", "any") else None,
+    count, nonfinite_count = alive.sum(-1), (alive - alive_fin).sum(-1)
+    negative_count = (alive * negative).sum(-1) if negative is not None else None
+    if agg in ("mean", "sum"):
+        return TotalStageStatistics(count, nonfinite_count, negative_count, total=masked.sum(-1))
+    penalty = extrema_penalty(alive_fin)  # pushes the other tokens out of the extremes
+    if agg == "max":
+        return MaximumStageStatistics(count, nonfinite_count, negative_count, maximum=_row_max(masked - penalty, -big))
+    negated_minimum = _row_max(-masked - penalty, -big)
+    if agg == "min":
+        return MinimumStageStatistics(count, nonfinite_count, negative_count, negated_minimum=negated_minimum)
+    return RangeStageStatistics(  # any
+        count,
+        nonfinite_count,
+        negative_count,
+        maximum=_row_max(masked - penalty, -big),
+        negated_minimum=negated_minimum,
     )
 
 
@@ -243,7 +256,7 @@ def _row_max(x: torch.Tensor, empty: float) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ decisions (reduced statistics)
-def _sequence_rejects(f: RejectionFilter, s: SequenceStageStatistics) -> torch.Tensor:
+def _sequence_rejects(f: RejectionFilter, s: SequenceStage) -> torch.Tensor:
     """``[B]`` bool: the sequence filter rejects the row, decided on reduced statistics."""
     lo, hi = filter_bounds(f)
     low, high = sequence_filter_statistic(f, s)
@@ -256,21 +269,18 @@ def _sequence_rejects(f: RejectionFilter, s: SequenceStageStatistics) -> torch.T
     return reject & (s.count > 0)
 
 
-def sequence_filter_statistic(f: RejectionFilter, s: SequenceStageStatistics) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_filter_statistic(f: RejectionFilter, s: SequenceStage) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B]`` (statistic compared with ``lower``, statistic compared with ``upper``), reduced rows.
 
     The aggregation of the filter over the stage's tokens, in the bounds' space (log space
     for ``ratio``): ``mean`` = total / count, ``sum`` = total, ``max``, ``min``; the same
     tensor on both sides, except ``any`` = (row minimum, row maximum).
     """
-    agg = f.aggregation
-    if agg == "mean":
-        stat = s.total / (s.count + EPS)
-    elif agg == "sum":
-        stat = s.total
-    elif agg == "max":
+    if isinstance(s, TotalStageStatistics):
+        stat = s.total if f.aggregation == "sum" else s.total / (s.count + EPS)
+    elif isinstance(s, MaximumStageStatistics):
         stat = s.maximum
-    elif agg == "min":
+    elif isinstance(s, MinimumStageStatistics):
         stat = -s.negated_minimum
     else:  # any
         return -s.negated_minimum, s.maximum
@@ -300,7 +310,6 @@ def apply_filters(
     all ranks and cost O(batch). A stage's metrics count only what it removed from the
     loss: units an earlier stage had already removed are not counted again.
     """
-    conditioned = any(f.advantage_condition == "negative" for f in filters)
     seq_kept = torch.ones_like(sample_mask)  # [B] 0/1 rows no sequence filter rejected so far
     conditional = torch.zeros_like(sample_mask)  # [B] rows an advantage-conditioned filter rejected
     conditional_touched = torch.zeros_like(sample_mask)  # [B] ... and that lost a token to it
@@ -309,7 +318,7 @@ def apply_filters(
         live = seq_kept * sample_mask  # rows still alive at this stage, weighted like valid
         if isinstance(s, TokenStageStatistics):
             rejected = s.rejected  # tokens this filter rejected per row
-            if conditioned:  # not those an earlier conditional rejection removed
+            if s.rejected_negative is not None:  # a filter is advantage-conditioned: not those it removed
                 rejected = rejected - conditional * s.rejected_negative
             metrics.add_total(f"{key}/token_rejected_frac", rejected @ live, "tokens", "replicated")
             touched = torch.sign(rejected)
@@ -318,10 +327,10 @@ def apply_filters(
         rejects = _sequence_rejects(f, s)  # [B] bool
         rejected = torch.where(rejects, live, 0.0)  # [B]
         in_loss = s.count  # the tokens those rows still have at this stage
-        if conditioned:
-            in_loss = in_loss - conditional * s.negative
-        if f.advantage_condition == "negative":  # sequence filters take no other sign
-            negative_alive = s.negative  # [B]
+        negative_alive = s.negative  # [B] set exactly when some filter is advantage-conditioned
+        if negative_alive is not None:
+            in_loss = in_loss - conditional * negative_alive
+        if f.advantage_condition == "negative" and negative_alive is not None:  # no other sign here
             # Rows that lose negative-advantage tokens now (not already removed earlier).
             newly = rejected * (1.0 - conditional) * torch.sign(negative_alive)
             conditional = torch.maximum(conditional, torch.sign(rejected))
@@ -332,7 +341,7 @@ def apply_filters(
         seq_kept = seq_kept.masked_fill(rejects, 0.0)
         metrics.add_total(f"{key}/seq_rejected_frac", rejected.sum(), "sequences", "replicated")
         metrics.add_total(f"{key}/token_rejected_frac", rejected @ in_loss, "tokens", "replicated")
-    outcome = _outcome(stats, seq_kept, conditional if conditioned else None, conditional_touched)
+    outcome = _outcome(stats, seq_kept, conditional, conditional_touched)
     metrics.add_total("rs_token_rejected_frac", stats.valid.sum() - outcome.kept_tokens.sum(), "tokens", "replicated")
     dropped = torch.maximum(1.0 - seq_kept, conditional_touched)
     metrics.add_total("rs_seq_rejected_frac", dropped @ sample_mask, "sequences", "replicated")
@@ -345,16 +354,18 @@ def apply_filters(
 def _outcome(
     stats: SequenceStatistics,
     seq_kept: torch.Tensor,  # [B] 0/1 no unconditional sequence filter rejected the row
-    conditional: Optional[torch.Tensor],  # [B] 0/1 rows a conditioned filter rejected (None: no such filter)
+    conditional: torch.Tensor,  # [B] 0/1 rows an advantage-conditioned filter rejected
     conditional_touched: torch.Tensor,  # [B] 0/1 ... and that lost a token to it
 ) -> RejectionOutcome:
     """The tokens and sequences still in the loss after every filter."""
     kept_tokens = stats.kept  # [B] valid tokens every token filter kept (weighted)
     sequence_in_loss = seq_kept
-    if conditional is not None:  # some filter is advantage-conditioned
+    conditional_rows = None
+    if stats.kept_negative is not None:  # set exactly when some filter is advantage-conditioned
         kept_tokens = kept_tokens - conditional * stats.kept_negative
         # A conditionally rejected row that has no token left leaves as a whole sequence.
         emptied = conditional_touched * (kept_tokens <= 0).to(seq_kept.dtype)
         sequence_in_loss = seq_kept * (1.0 - emptied)
+        conditional_rows = conditional
     kept_tokens = kept_tokens * seq_kept
-    return RejectionOutcome(seq_kept, conditional, kept_tokens, sequence_in_loss)
+    return RejectionOutcome(seq_kept, conditional_rows, kept_tokens, sequence_in_loss)

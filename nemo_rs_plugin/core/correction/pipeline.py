@@ -30,11 +30,44 @@ from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet, batched_evaluat
 __all__ = [
     "CorrectionPlan",
     "CorrectionResult",
+    "RatioTokens",
+    "SequenceCounts",
     "apply_correction",
     "compute_correction",
     "needs_sequence_statistics",
     "plan_correction",
 ]
+
+
+@dataclass
+class SequenceCounts:
+    """Per-sequence counts over all ranks: present exactly when :func:`needs_sequence_statistics` holds.
+
+    Attributes:
+        token_count: ``[B]`` valid tokens per sequence (``sum_t m``).
+        mask_count: ``[B]`` ``token_mask`` tokens per sequence.
+        kept_tokens: ``[]`` kept valid tokens (for ``kept`` denominators).
+        kept_sequences: ``[]`` kept valid sequences.
+    """
+
+    token_count: torch.Tensor
+    mask_count: torch.Tensor
+    kept_tokens: torch.Tensor
+    kept_sequences: torch.Tensor
+
+
+@dataclass
+class RatioTokens:
+    """The tokens GSPO's sequence ratio averages over: present exactly with the GSPO ratio.
+
+    Attributes:
+        mask: ``[B, T]`` ``token_mask`` tokens with finite inputs, less valid tokens a token
+            filter rejected (with no token filter it is NeMo-RL's mask).
+        count: ``[B]`` ``mask`` tokens per sequence over all ranks: the ratio's denominator.
+    """
+
+    mask: torch.Tensor
+    count: torch.Tensor
 
 
 @dataclass
@@ -45,21 +78,14 @@ class CorrectionResult:
         is_weight: ``[B, T]`` or ``[B, 1]`` IS weight after truncation (1 where unused).
         keep: ``[B, T]`` float, 1 for units kept by rejection sampling and finite inputs.
         loss_tokens: ``[B, T]`` ``valid * keep``, the tokens that reach the loss.
-        seq_token_count: ``[B]`` valid tokens per sequence over all ranks (``sum_t m``);
-            ``None`` when :func:`needs_sequence_statistics` is false, like the next three.
-        seq_mask_count: ``[B]`` ``token_mask`` tokens per sequence over all ranks.
-        kept_token_count: ``[]`` kept valid tokens over all ranks (for ``kept`` denominators).
-        kept_seq_count: ``[]`` kept valid sequences.
-        ratio_mask: ``[B, T]`` the tokens the GSPO ratio averages over: ``token_mask`` tokens
-            with finite inputs, less valid tokens a token filter rejected (``None`` without
-            the GSPO ratio; with no token filter it is NeMo-RL's mask).
-        ratio_token_count: ``[B]`` ``ratio_mask`` tokens per sequence over all ranks: the GSPO
-            ratio's denominator.
+        metrics: the :class:`~nemo_rs_plugin.core.metrics.MetricSet` the correction declared its
+            metrics in.
+        sequences: the per-sequence counts (``None`` exactly when
+            :func:`needs_sequence_statistics` is false: nothing reads them).
+        ratio: the GSPO ratio's tokens (``None`` without the GSPO ratio).
         policy_gradient_keep: ``[B, T]`` 0/1, the tokens whose policy-gradient term no filter
             with ``applies_to: policy_gradient`` removed (``None`` without such a filter); the
             loss multiplies its policy-gradient term by it, on top of ``keep``.
-        metrics: the :class:`~nemo_rs_plugin.core.metrics.MetricSet` the correction declared its
-            metrics in.
         batch_norm_factor: ``[]`` the mean the weights were divided by (``None`` without
             ``is_batch_normalization``).
     """
@@ -67,13 +93,9 @@ class CorrectionResult:
     is_weight: torch.Tensor
     keep: torch.Tensor
     loss_tokens: torch.Tensor
-    seq_token_count: Optional[torch.Tensor]
-    seq_mask_count: Optional[torch.Tensor]
-    kept_token_count: Optional[torch.Tensor]
-    kept_seq_count: Optional[torch.Tensor]
-    ratio_token_count: Optional[torch.Tensor]
-    ratio_mask: Optional[torch.Tensor]
     metrics: MetricSet
+    sequences: Optional[SequenceCounts]
+    ratio: Optional[RatioTokens] = None
     policy_gradient_keep: Optional[torch.Tensor] = None
     batch_norm_factor: Optional[torch.Tensor] = None
 
@@ -178,24 +200,18 @@ def plan_correction(
 def _apply_rejection(
     cfg: RSClippedPGLossConfig,
     plan: CorrectionPlan,
-    stats: Optional[SequenceStatistics],
+    stats: SequenceStatistics,
     metrics: MetricSet,
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(keep, seq_in_loss, kept_token_count)``: sequence decisions, the combined mask, per-stage metrics."""
     masks = plan.masks
-    seq_in_loss = torch.ones_like(masks.sample_mask)
-    keep = masks.inputs_finite  # [B, T]
-    kept_token_count = None
-    if cfg.rejection_sampling:
-        outcome = apply_filters(cfg.rejection_sampling, stats, masks.sample_mask, metrics)
-        keep = masks.where_inputs_finite(plan.alive * outcome.sequence_kept.unsqueeze(-1))
-        if outcome.conditional_rows is not None:
-            keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1) * plan.negative)
-        seq_in_loss = outcome.sequence_in_loss
-        kept_token_count = outcome.kept_tokens.sum()
-    elif stats is not None:
-        kept_token_count = stats.kept.sum()
-    return keep, seq_in_loss, kept_token_count
+    if not cfg.rejection_sampling or plan.alive is None:  # alive: set with the statistics
+        return masks.inputs_finite, torch.ones_like(masks.sample_mask), stats.kept.sum()
+    outcome = apply_filters(cfg.rejection_sampling, stats, masks.sample_mask, metrics)
+    keep = masks.where_inputs_finite(plan.alive * outcome.sequence_kept.unsqueeze(-1))
+    if outcome.conditional_rows is not None and plan.negative is not None:  # set together
+        keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1) * plan.negative)
+    return keep, outcome.sequence_in_loss, outcome.kept_tokens.sum()
 
 
 def apply_correction(
@@ -208,59 +224,61 @@ def apply_correction(
 ) -> CorrectionResult:
     """Step 3: sequence decisions, the combined mask, IS weights, truncation, batch normalisation.
 
-    Reads only ``stats`` (reduced over ``groups`` by :meth:`CorrectionPlan.reduce`) and local
-    token values, so every rank of a group decides alike. Declares the correction's metrics
-    in ``metrics``. ``groups`` is used only by ``is_batch_normalization`` (one more SUM of
-    two numbers), unless ``batch_norm_factor`` gives the mean to divide by (computed on the
-    whole microbatch when this call sees one of its sequences:
+    Reads only ``stats`` (reduced over ``groups`` by :meth:`CorrectionPlan.reduce`; ``None``
+    exactly when :func:`needs_sequence_statistics` is false) and local token values, so every
+    rank of a group decides alike. Declares the correction's metrics in ``metrics``.
+    ``groups`` is used only by ``is_batch_normalization`` (one more SUM of two numbers),
+    unless ``batch_norm_factor`` gives the mean to divide by (computed on the whole
+    microbatch when this call sees one of its sequences:
     :mod:`nemo_rs_plugin.core.microbatch`); then nothing is reduced.
 
     IS weight per level: :data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS`.
     """
     masks = plan.masks
     sample_mask = masks.sample_mask
-    seq_d_sum = seq_valid = seq_ntok = seq_nonfinite = has_tokens = None
-    if stats is not None:
-        seq_d_sum, seq_valid, seq_ntok, seq_nonfinite = stats.d_sum, stats.valid, stats.token_mask, stats.nonfinite
-        has_tokens = (seq_valid > 0).to(seq_valid.dtype)  # [B] 0/1
-
-    keep, seq_in_loss, kept_token_count = _apply_rejection(cfg, plan, stats, metrics)
-    # [B, T] valid tokens that reach the loss (without filters keep is inputs_finite)
-    loss_tokens = masks.valid * keep if cfg.rejection_sampling else masks.where_inputs_finite(masks.valid)
-    kept_seq_count = ratio_token_count = None
-    if stats is not None:
-        if cfg.sequence_level_importance_ratios:
-            ratio_token_count = stats.ratio_tokens
+    sequences = ratio = None
+    if stats is None:  # token level, token-level loss, no filter: nothing reads a sequence
+        keep, seq_in_loss, has_tokens = masks.inputs_finite, torch.ones_like(sample_mask), None
+        loss_tokens = masks.where_inputs_finite(masks.valid)
+    else:
+        keep, seq_in_loss, kept_token_count = _apply_rejection(cfg, plan, stats, metrics)
+        # [B, T] valid tokens that reach the loss (without filters keep is inputs_finite)
+        loss_tokens = masks.valid * keep if cfg.rejection_sampling else masks.where_inputs_finite(masks.valid)
+        has_tokens = (stats.valid > 0).to(stats.valid.dtype)  # [B] 0/1
         kept_seq_count = (seq_in_loss * sample_mask) @ has_tokens
+        sequences = SequenceCounts(stats.valid, stats.token_mask, kept_token_count, kept_seq_count)
+        if plan.ratio_mask is not None and stats.ratio_tokens is not None:  # the GSPO ratio's, set together
+            ratio = RatioTokens(plan.ratio_mask, stats.ratio_tokens)
 
     # ---- IS weights at the chosen level, truncation, batch normalisation ----
     level = cfg.effective_is_level
     d_finite = None if masks.all_finite else masks.d_finite
-    raw_weight = is_weights(level, plan.d, d_finite, seq_d_sum, seq_valid, seq_nonfinite)
-    weight = apply_truncation(cfg, raw_weight, seq_d_sum, seq_ntok, masks, metrics)
+    raw_weight = is_weights(level, plan.d, d_finite, stats)
+    weight = apply_truncation(cfg, raw_weight, stats, masks, metrics)
+    # The units a weight belongs to: valid tokens, or sequences with a valid token (a
+    # per-sequence level always has statistics: is_weights raised otherwise).
+    if cfg.is_level_entry.per_token or has_tokens is None:
+        weight_units = masks.valid
+    else:
+        weight_units = sample_mask * has_tokens
     factor = None
     if cfg.is_batch_normalization is not None:
         if batch_norm_factor is not None:
             weight, factor = weight / batch_norm_factor, batch_norm_factor
         else:
-            units = masks.valid if cfg.is_level_entry.per_token else sample_mask * has_tokens
-            weight, factor = batch_normalize_weights(weight, units, level, cfg.is_batch_normalization, groups)
+            weight, factor = batch_normalize_weights(weight, weight_units, level, cfg.is_batch_normalization, groups)
         metrics.add("is_batch_norm_factor", factor, "none", "replicated", per_call=True)
     if cfg.is_level_entry.per_token:
         record_token_weight_metrics(metrics, raw_weight, weight, masks, loss_tokens)
     else:
-        record_sequence_weight_metrics(metrics, raw_weight, weight, sample_mask * has_tokens, seq_in_loss)
+        record_sequence_weight_metrics(metrics, raw_weight, weight, weight_units, seq_in_loss)
     return CorrectionResult(
         is_weight=weight,
         keep=keep,
         loss_tokens=loss_tokens,
-        seq_token_count=seq_valid,
-        seq_mask_count=seq_ntok,
-        kept_token_count=kept_token_count,
-        kept_seq_count=kept_seq_count,
-        ratio_token_count=ratio_token_count,
-        ratio_mask=plan.ratio_mask,
         metrics=metrics,
+        sequences=sequences,
+        ratio=ratio,
         policy_gradient_keep=plan.policy_gradient_keep,
         batch_norm_factor=factor,
     )

@@ -31,10 +31,15 @@ from nemo_rs_plugin.core.masking import EPS, masked_sum
 
 __all__ = [
     "BATCH_MEAN_FLOOR",
+    "MaximumStageStatistics",
+    "MinimumStageStatistics",
+    "RangeStageStatistics",
+    "SequenceStage",
     "SequenceStageStatistics",
     "SequenceStatistics",
     "StageStatistics",
     "TokenStageStatistics",
+    "TotalStageStatistics",
     "batch_normalize_weights",
 ]
 
@@ -56,18 +61,50 @@ class TokenStageStatistics:
 
 @dataclass(frozen=True)
 class SequenceStageStatistics:
-    """``[B]`` rows of one sequence filter, over the valid tokens alive at its stage."""
+    """``[B]`` rows of one sequence filter, over the valid tokens alive at its stage.
+
+    One subclass per shape of the aggregate a filter's ``agg`` needs, each with exactly its
+    rows: :class:`TotalStageStatistics` (``mean``, ``sum``), :class:`MaximumStageStatistics`
+    (``max``), :class:`MinimumStageStatistics` (``min``), :class:`RangeStageStatistics` (``any``).
+    """
 
     count: torch.Tensor  # tokens alive at this stage
     nonfinite: torch.Tensor  # of those, with a non-finite log-ratio
-    # Of those, the negative-advantage ones (only when some filter is advantage-conditioned).
-    negative: Optional[torch.Tensor] = None
-    total: Optional[torch.Tensor] = None  # agg mean, sum: sum of the statistic
-    maximum: Optional[torch.Tensor] = field(default=None, metadata=_MAX)  # agg max, any: max of the statistic
-    negated_minimum: Optional[torch.Tensor] = field(default=None, metadata=_MAX)  # agg min, any: max of -statistic
+    # Of those, the negative-advantage ones (set exactly when some filter is advantage-conditioned).
+    negative: Optional[torch.Tensor]
 
 
-StageStatistics = Union[TokenStageStatistics, SequenceStageStatistics]
+@dataclass(frozen=True)
+class TotalStageStatistics(SequenceStageStatistics):
+    """``agg`` ``mean`` or ``sum``: the row's sum of the statistic."""
+
+    total: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MaximumStageStatistics(SequenceStageStatistics):
+    """``agg`` ``max``: the row's maximum of the statistic (reduced by MAX)."""
+
+    maximum: torch.Tensor = field(metadata=_MAX)
+
+
+@dataclass(frozen=True)
+class MinimumStageStatistics(SequenceStageStatistics):
+    """``agg`` ``min``: the row's maximum of the negated statistic (reduced by MAX)."""
+
+    negated_minimum: torch.Tensor = field(metadata=_MAX)
+
+
+@dataclass(frozen=True)
+class RangeStageStatistics(SequenceStageStatistics):
+    """``agg`` ``any``: the row's maximum and the maximum of its negation (both reduced by MAX)."""
+
+    maximum: torch.Tensor = field(metadata=_MAX)
+    negated_minimum: torch.Tensor = field(metadata=_MAX)
+
+
+SequenceStage = Union[TotalStageStatistics, MaximumStageStatistics, MinimumStageStatistics, RangeStageStatistics]
+StageStatistics = Union[TokenStageStatistics, SequenceStage]
 
 
 @dataclass(frozen=True)
@@ -100,10 +137,10 @@ class SequenceStatistics:
             return _detached(self, stages=stages)
         sums = [row for part in parts for row in _rows(part, False)]
         maxima = [row for part in parts for row in _rows(part, True)]
+        stacked_sums = torch.stack(sums)  # [K, B]
+        # [J, B]; without a MAX row an empty [0, B] view, for which no collective is issued
         summed, maxed = reduce_sequence_statistics(
-            torch.stack(sums),  # [K, B]
-            torch.stack(maxima) if maxima else None,  # [J, B]
-            groups,
+            stacked_sums, torch.stack(maxima) if maxima else stacked_sums[:0], groups
         )
         cursor = {False: 0, True: 0}
         stages = tuple(_rebuilt(stage, summed, maxed, cursor) for stage in self.stages)
@@ -116,7 +153,17 @@ def _tensor_fields(cls: type) -> tuple[tuple[str, bool], ...]:
 
 
 # Computed once at import: the traced (optionally compiled) code reads constant names only.
-_FIELDS = {cls: _tensor_fields(cls) for cls in (SequenceStatistics, TokenStageStatistics, SequenceStageStatistics)}
+_FIELDS = {
+    cls: _tensor_fields(cls)
+    for cls in (
+        SequenceStatistics,
+        TokenStageStatistics,
+        TotalStageStatistics,
+        MaximumStageStatistics,
+        MinimumStageStatistics,
+        RangeStageStatistics,
+    )
+}
 
 
 def _rows(part: Any, maxima: bool) -> list[torch.Tensor]:
@@ -138,7 +185,7 @@ def _detached(part: Any, **extra: Any) -> Any:
     return type(part)(**values)
 
 
-def _rebuilt(part: Any, summed: torch.Tensor, maxed: Optional[torch.Tensor], cursor: dict, **extra: Any) -> Any:
+def _rebuilt(part: Any, summed: torch.Tensor, maxed: torch.Tensor, cursor: dict, **extra: Any) -> Any:
     """``part`` with its set rows replaced by the next reduced ones, read in :func:`_rows` order."""
     values = dict(extra)
     for is_max in (False, True):

@@ -11,9 +11,10 @@ from typing import Optional
 import torch
 
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
+from nemo_rs_plugin.core.correction.statistics import SequenceStatistics
 from nemo_rs_plugin.core.is_levels import is_level
 from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, finite_exp, masked_sum, out_of_bounds
-from nemo_rs_plugin.core.metrics import MetricSet
+from nemo_rs_plugin.core.metrics import MetricSet, Normalization, Reduction
 
 __all__ = [
     "WEIGHT_TAIL",
@@ -37,30 +38,32 @@ def is_weights(
     level: str,
     d: torch.Tensor,  # [B, T]
     d_finite: Optional[torch.Tensor],  # [B, T] float 0/1 (None: every entry finite)
-    seq_d_sum: Optional[torch.Tensor],  # [B] sum_t m d, reduced over ranks
-    seq_n: Optional[torch.Tensor],  # [B] n_i, reduced over ranks
-    seq_nonfinite: Optional[torch.Tensor],  # [B] valid tokens with non-finite d, reduced over ranks
+    stats: Optional[SequenceStatistics],  # reduced over ranks; a per-sequence level reads it
 ) -> torch.Tensor:
     """Untruncated IS weight of ``level`` (:data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS`).
 
     ``[B, T]`` for a per-token level, ``[B, 1]`` for a per-sequence one (``exp`` of the entry's
-    ``sequence_log_weight``). A non-finite log-ratio gives weight 0 (its token, or its
-    sequence). An unknown level is a ``ValueError``.
+    ``sequence_log_weight`` of ``(stats.d_sum, stats.valid)``). A non-finite log-ratio gives
+    weight 0 (its token, or its sequence). An unknown level is a ``ValueError``; so is a
+    per-sequence level without ``stats``.
     """
     entry = is_level(level)
-    if entry.per_token:
+    if entry.sequence_log_weight is None:  # per token
         weight = finite_exp(d)
         return weight if d_finite is None else weight * d_finite  # d is 0 where it was not finite: weight 0 there
-    assert entry.sequence_log_weight is not None
-    seq_log_w = entry.sequence_log_weight(seq_d_sum, seq_n)
-    return finite_exp(seq_log_w).masked_fill(seq_nonfinite > 0, 0.0).unsqueeze(-1)
+    if stats is None:
+        raise ValueError(
+            f"is_correction_level {level!r}: a per-sequence weight needs the reduced per-sequence statistics"
+        )
+    seq_log_w = entry.sequence_log_weight(stats.d_sum, stats.valid)
+    return finite_exp(seq_log_w).masked_fill(stats.nonfinite > 0, 0.0).unsqueeze(-1)
 
 
 def truncate_weights(
     raw_weight: torch.Tensor,  # [B, T] or [B, 1]
     kind: Optional[str],
     lower: Optional[float],
-    upper: float,
+    upper: Optional[float],
     seq_mean_log_ratio: Optional[torch.Tensor] = None,  # [B] sum_t token_mask d / n (seq-mask-tis)
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """NeMo-RL's truncation ``kind`` on the chosen level: ``(weight, out_of_bounds)``.
@@ -71,7 +74,7 @@ def truncate_weights(
     rule: the mean runs over ``token_mask``, non-finite log-ratios counted as 0).
     ``out_of_bounds`` is the float 0/1 mask of the units whose raw weight (or geometric mean)
     lies outside: ``w``'s shape for ``tis``/``icepop``, ``[B]`` for ``seq-mask-tis``, ``None``
-    without truncation.
+    without truncation. A ``None`` bound is open (the configuration sets ``upper`` with a kind).
     """
     if kind is None:
         return raw_weight, None
@@ -82,21 +85,27 @@ def truncate_weights(
     if kind == "icepop":
         oob = out_of_bounds(raw_weight, lower, upper)
         return raw_weight.masked_fill(oob, 0.0), oob.to(raw_weight.dtype)
-    oob = out_of_bounds(torch.exp(seq_mean_log_ratio), lower, upper)  # seq-mask-tis, [B]
+    if kind != "seq-mask-tis" or seq_mean_log_ratio is None:
+        raise ValueError(
+            f"truncated_importance_sampling_type: got {kind!r}; allowed: 'tis', 'icepop', "
+            "'seq-mask-tis' (which needs seq_mean_log_ratio)"
+        )
+    oob = out_of_bounds(torch.exp(seq_mean_log_ratio), lower, upper)  # [B]
     return raw_weight.masked_fill(oob.unsqueeze(-1), 0.0), oob.to(raw_weight.dtype)
 
 
 def apply_truncation(
     cfg: RSClippedPGLossConfig,
     raw_weight: torch.Tensor,  # [B, T] or [B, 1]
-    seq_d_sum: Optional[torch.Tensor],  # [B] sum_t m d, reduced (None without statistics)
-    seq_ntok: Optional[torch.Tensor],  # [B] token_mask tokens, reduced (None without statistics)
+    stats: Optional[SequenceStatistics],  # reduced (None without statistics); seq-mask-tis reads it
     masks: TokenMasks,
     metrics: MetricSet,
 ) -> torch.Tensor:
     """:func:`truncate_weights` as ``cfg`` asks, and its ``is_oob_ratio`` metric."""
     kind = cfg.truncated_importance_sampling_type
-    seq_mean_log_ratio = seq_d_sum / (seq_ntok + EPS) if kind == "seq-mask-tis" else None
+    seq_mean_log_ratio = None
+    if kind == "seq-mask-tis" and stats is not None:  # needs_sequence_statistics holds for seq-mask-tis
+        seq_mean_log_ratio = stats.d_sum / (stats.token_mask + EPS)
     weight, oob = truncate_weights(
         raw_weight,
         kind,
@@ -104,9 +113,11 @@ def apply_truncation(
         cfg.truncated_importance_sampling_ratio,
         seq_mean_log_ratio,
     )
+    if oob is None:
+        return weight
     if kind == "seq-mask-tis":
         metrics.add_masked_total("is_oob_ratio", oob, masks.sample_mask, "sequences", "replicated")
-    elif kind is not None:
+    else:
         metrics.add_masked_total("is_oob_ratio", oob, masks.valid, "tokens", "sum")
     return weight
 
@@ -168,7 +179,11 @@ def record_sequence_weight_metrics(
 
 
 def _record_tails(
-    metrics: MetricSet, raw_weight: torch.Tensor, penalty: torch.Tensor, normalization: str, reduction: str
+    metrics: MetricSet,
+    raw_weight: torch.Tensor,
+    penalty: torch.Tensor,
+    normalization: Normalization,
+    reduction: Reduction,
 ) -> None:
     """``is_weight_raw_{low,high}_frac``: shares of the units whose raw weight is below ``1/C``, above ``C``.
 
