@@ -32,12 +32,15 @@ class ISLevel:
         sequence_log_weight: per-sequence levels: ``(sum_t m_t d_t, n) -> log w`` (``[B]``),
             from the statistics reduced over the ranks that split a sequence; ``None`` for a
             per-token level (its weight is ``exp(d_t)`` itself).
+        grows_with_length: the log-weight is a sum over the response's tokens, so its spread
+            grows like ``sqrt(length)`` (``nemo-rs check`` warns on long responses).
     """
 
     name: str
     formula: str
     unit: str
     sequence_log_weight: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    grows_with_length: bool = False
 
     @property
     def per_token(self) -> bool:
@@ -54,6 +57,7 @@ IS_LEVELS: dict[str, ISLevel] = {
             "w = exp(sum_t m_t d_t)",
             "per sequence (product)",
             sequence_log_weight=lambda d_sum, n: d_sum,  # noqa: ARG005 - the product ignores n
+            grows_with_length=True,
         ),
         ISLevel(
             "sequence_mean",

@@ -344,16 +344,16 @@ def _warn(
     )
     if (
         config.use_importance_sampling_correction
-        and config.effective_is_level == "sequence"
+        and config.is_level_entry.grows_with_length
         and isinstance(tokens, int)
         and tokens > LONG_RESPONSE_TOKENS
     ):
         spread = mismatch * math.sqrt(tokens)
+        level = f"{config.effective_is_level} ({config.is_level_entry.formula})"
         report.warnings.append(
-            f"is_correction_level is sequence (exp of the summed log-ratio) with responses up to "
-            f"{tokens} tokens: at {mismatch:g} per-token mismatch the log-weight spreads by "
-            f"~{spread:.2g} nats, so most weights collapse towards 0 and the learning rate "
-            "shrinks silently; use is_correction_level: sequence_mean"
+            f"is_correction_level is {level} with responses up to {tokens} tokens: at {mismatch:g} "
+            f"per-token mismatch the log-weight spreads by ~{spread:.2g} nats, so most weights collapse "
+            "towards 0 and the learning rate shrinks silently; use is_correction_level: sequence_mean"
         )
     if config.rejection_sampling or config.truncated_importance_sampling_type == "seq-mask-tis":
         _warn_rejection(report, config, mismatch, tokens if isinstance(tokens, int) else 4096)

@@ -102,7 +102,7 @@ def _batch_normalization_line(cfg: RSClippedPGLossConfig) -> str:
     scope = {"microbatch": "this microbatch", "data_parallel": "the microbatches of all data-parallel ranks"}[
         cfg.is_batch_normalization
     ]
-    units = "valid tokens" if cfg.effective_is_level == "token" else "sequences"
+    units = "valid tokens" if cfg.is_level_entry.per_token else "sequences"
     return f"batch normalisation: weights divided by their mean over the {units} of {scope}"
 
 

@@ -167,7 +167,7 @@ def _applied_weights(cfg: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     valid = tm * sm[:, None]
     masks = TokenMasks.build(tm, sm, d_finite, d_finite, valid=valid)
     out = compute_correction(c, d, masks, GlobalCounts(tokens=valid.sum(), sequences=sm.sum()))
-    if c.effective_is_level == "token":
+    if c.is_level_entry.per_token:
         # A token with a non-finite log-ratio leaves the loss (docs/guide.md#non-finite-inputs):
         # no weight is applied to it, so it is no unit here (a 0 would pull the mean below the min).
         units = (valid != 0) & (d_finite != 0)
