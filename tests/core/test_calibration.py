@@ -16,6 +16,7 @@ from nemo_rs_plugin.core import presets
 from nemo_rs_plugin.core.config import RejectionFilter
 from nemo_rs_plugin.core.correction.calibration import band_for_rejection, calibrate_filters, rejected_fractions
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
+from tests.support.logprobs import at_most_zero
 
 
 def _sequences_with_mean_log_ratio(means: list[float], tokens: int = 8):
@@ -96,6 +97,7 @@ def test_calibrated_band_rejects_what_the_loss_rejects():
     B, T = 40, 16
     gen = -torch.rand(B, T) * 2
     prev = gen + torch.randn(B, 1) * 0.05 + torch.randn(B, T) * 0.1
+    gen, prev = at_most_zero(gen, prev)  # log-probs <= 0, the log-ratios unchanged
     mask = torch.ones(B, T)
     (stage,) = calibrate_filters([RejectionFilter(**presets.GEO_RS)], prev, gen, mask, 0.2)
     loss_fn = CorrectedPGLoss(

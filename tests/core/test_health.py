@@ -15,6 +15,7 @@ import torch
 from nemo_rs_plugin.core import presets
 from nemo_rs_plugin.core.health import UNHEALTHY_SEQ_REJECTION, RejectionMonitor
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
+from tests.support.logprobs import at_most_zero
 
 
 def test_window_threshold_and_rate_limit():
@@ -45,6 +46,7 @@ def _batch(B=32, T=16, shift=0.3, seed=0):
     g = torch.Generator().manual_seed(seed)
     gen = -torch.rand(B, T, generator=g) * 2
     prev = gen + shift * torch.randn(B, 1, generator=g)  # whole sequences shifted: staleness
+    gen, prev = at_most_zero(gen, prev)  # log-probs <= 0, the log-ratios unchanged
     pad = torch.zeros(B, 1)
     data = {
         "advantages": torch.randn(B, 1, generator=g).expand(B, T + 1).contiguous(),

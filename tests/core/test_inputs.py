@@ -13,6 +13,7 @@ from nemo_rs_plugin.core import presets
 from nemo_rs_plugin.core.compiled import free_host_reads
 from nemo_rs_plugin.core.distributed import NO_GROUPS
 from tests.conftest import make_batch
+from tests.support.logprobs import at_most_zero
 
 FULL = {
     "use_importance_sampling_correction": True,
@@ -34,10 +35,11 @@ GSPO = {"sequence_level_importance_ratios": True, "token_level_loss": False, "us
 
 def batch(B=3, T=6):
     prev = -torch.rand(B, T)
+    curr, prev, gen = at_most_zero(prev + 0.05 * torch.randn(B, T), prev, prev + 0.1 * torch.randn(B, T))
     return make_batch(
-        prev + 0.05 * torch.randn(B, T),
+        curr,
         prev,
-        prev + 0.1 * torch.randn(B, T),
+        gen,
         advantages=torch.randn(B, T),
         rewards=torch.tensor([1.0, -1.0, 0.5])[:B],
     )
@@ -145,7 +147,7 @@ def test_metric_normalizations_list_exactly_the_returned_metrics(cfg):
 
 def test_sequence_level_metric_is_a_per_sequence_mean_not_a_broadcast():
     # B = 2, sequence weights w = [exp(0.1 * 5), exp(-0.1 * 5)]: mean over 2 sequences.
-    prev = torch.zeros(2, 5)
+    prev = torch.full((2, 5), -1.0)  # log-probs <= 0: gen = prev + 0.1 on row 1
     gen = prev - torch.tensor([[0.1], [-0.1]])
     lp, data, gvs, gvt = make_batch(prev, prev, gen)
     _, m = CorrectedPGLoss(
@@ -162,7 +164,7 @@ def test_sequence_level_metric_is_a_per_sequence_mean_not_a_broadcast():
 
 def test_sequence_level_metric_leaves_out_masked_samples():
     # Row 1 is sample-masked: its weight exp(2.0) must not enter the mean over 2 sequences.
-    prev = torch.zeros(3, 4)
+    prev = torch.full((3, 4), -1.0)  # log-probs <= 0: gen = prev + 0.125 on row 2
     gen = prev - torch.tensor([[0.5], [2.0], [-0.5]]) / 4  # sequence log-ratios 0.5, 2.0, -0.5
     lp, data, gvs, gvt = make_batch(prev, prev, gen, sample_mask=[1.0, 0.0, 1.0])
     for gspo in (False, True):
@@ -216,6 +218,7 @@ def test_each_metric_is_divided_by_the_denominator_it_declares(name):
     prev = -torch.rand(B, T, dtype=torch.float64)
     gen = prev + 0.05 * torch.randn(B, T, dtype=torch.float64)
     curr = prev + 0.1 * torch.randn(B, T, dtype=torch.float64)
+    prev, gen, curr = at_most_zero(prev, gen, curr)
     loss_fn = CorrectedPGLoss(cfg)
 
     def metrics(seq_scale, tok_scale):

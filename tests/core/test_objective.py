@@ -42,7 +42,8 @@ E20 = math.exp(20.0)
 def test_token_log_ratio_is_clamped_straight_through():
     # curr - prev = 25, A = -1: the unclipped branch -A r is the max; r = exp(clamp(25)) = e^20,
     # and d loss / d curr = r (the clamp passes the gradient; a hard clamp would give 0).
-    loss, grad, _ = run({"reference_policy_kl_penalty": 0.0}, [[-1.0 + 25.0]], [[-1.0]], advantages=[[-1.0]])
+    # (prev = -26, so that curr = -1 is a log-prob: a value above 0 draws an InputWarning.)
+    loss, grad, _ = run({"reference_policy_kl_penalty": 0.0}, [[-26.0 + 25.0]], [[-26.0]], advantages=[[-1.0]])
     assert loss == pytest.approx(E20, rel=1e-7)
     assert grad.item() == pytest.approx(E20, rel=1e-7)
 
@@ -51,7 +52,7 @@ def test_gspo_log_ratio_is_clamped_straight_through():
     # Both tokens at curr - prev = 25: the sequence ratio is exp(clamp(25)) = e^20; the
     # sequence-level loss is mean_t(-A r) = e^20, and d loss / d curr_t = r / 2 per token.
     cfg = {"reference_policy_kl_penalty": 0.0, "sequence_level_importance_ratios": True, "token_level_loss": False}
-    loss, grad, _ = run(cfg, [[24.0, 24.0]], [[-1.0, -1.0]], advantages=[[-1.0, -1.0]])
+    loss, grad, _ = run(cfg, [[-1.0, -1.0]], [[-26.0, -26.0]], advantages=[[-1.0, -1.0]])
     assert loss == pytest.approx(E20, rel=1e-7)
     torch.testing.assert_close(grad, torch.full((1, 2), E20 / 2, dtype=torch.float64), rtol=1e-7, atol=0)
 

@@ -12,9 +12,16 @@ from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction import compute_correction, token_filter_statistic
 from nemo_rs_plugin.core.masking import TokenMasks
 from nemo_rs_plugin.core.metrics import GlobalCounts
+from tests.support.config_warnings import DRAWN_CONFIG_WARNINGS
+from tests.support.logprobs import at_most_zero
 from tests.support.naive_reference import with_unique_labels
 
 BAD = [float("nan"), float("inf"), float("-inf")]
+
+# Every test here draws configurations at random, legal settings that do nothing included (an IS
+# level with the correction off, rejection_denominator 'kept' with no filter): their ConfigWarnings
+# are a side effect, not the subject.
+pytestmark = DRAWN_CONFIG_WARNINGS
 
 filters = st.one_of(
     st.builds(
@@ -101,6 +108,7 @@ def batches(draw):
     gen = prev + torch.randn(B, T, generator=g) * draw(st.sampled_from([0.0, 0.05, 0.5, 3.0]))
     curr = prev + torch.randn(B, T, generator=g) * 0.2
     ref = prev + torch.randn(B, T, generator=g) * 0.3
+    curr, prev, gen, ref = at_most_zero(curr, prev, gen, ref)  # log-probs <= 0, log-ratios unchanged
     lengths = [draw(st.integers(0, T)) for _ in range(B)]  # 0 = empty sequence
     starts = [draw(st.integers(0, T)) for _ in range(B)]
     token_mask = torch.zeros(B, T, dtype=torch.long)

@@ -223,6 +223,7 @@ def test_nemo_rl_own_loss_is_packing_invariant_where_the_plugin_claims_parity(ho
             assert diff == [], (name, mode)
 
 
+@pytest.mark.slow  # 10-12 s per host: a two-rank gloo world
 @pytest.mark.distributed
 @pytest.mark.parametrize("host", HOSTS, ids=host_label)
 def test_data_parallel_ranks_with_different_sequence_counts_finish_and_agree(host):

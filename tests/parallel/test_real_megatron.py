@@ -26,6 +26,7 @@ def _megatron_core():
         skip_or_fail("megatron-core is not installed (pip install megatron-core)")
 
 
+@pytest.mark.slow  # 30-60 s per host: a gloo world inside NeMo-RL's Megatron post-processing
 @pytest.mark.parametrize("host", HOSTS, ids=host_label)
 def test_sharded_path_equals_nemo_rl_gathered_path(host):
     """Also checks the premise: the gathered path sends rank r the whole dL/dz_r."""

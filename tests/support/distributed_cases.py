@@ -18,6 +18,7 @@ from nemo_rs_plugin.core.masking import TokenMasks
 from nemo_rs_plugin.core.metrics import GlobalCounts
 from nemo_rs_plugin.parallel.layout import cp_shard, shift_left
 from nemo_rs_plugin.parallel.sharded import sharded_loss, sharded_loss_inputs
+from tests.support.logprobs import at_most_zero
 
 IS = {"use_importance_sampling_correction": True}
 CONFIGS = {
@@ -164,12 +165,15 @@ def make_data(B: int, S: int, V: int, seed: int = 7):
     token_mask[-1] = 0  # an empty sequence
     sample_mask = torch.ones(B)
     sample_mask[1] = 0  # a fully masked sample
+    advantages = torch.randn(B, 1, generator=g).expand(B, S).contiguous()
+    ref = prev + 0.2 * torch.randn(B, S, generator=g)
+    prev, gen, ref = at_most_zero(prev, gen, ref)  # log-probs <= 0 (the noise put some above)
     data = {
         "input_ids": input_ids,
-        "advantages": torch.randn(B, 1, generator=g).expand(B, S).contiguous(),
+        "advantages": advantages,
         "prev_logprobs": prev * token_mask,
         "generation_logprobs": gen * token_mask,
-        "reference_policy_logprobs": (prev + 0.2 * torch.randn(B, S, generator=g)) * token_mask,
+        "reference_policy_logprobs": ref * token_mask,
         "token_mask": token_mask,
         "sample_mask": sample_mask,
         "rewards": torch.tensor([1.0, 0.0, -1.0, 1.0] * (B // 4 + 1))[:B],

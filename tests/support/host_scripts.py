@@ -104,16 +104,24 @@ def _batch():
     g = torch.Generator().manual_seed(0)
     B, S = 3, 9
     prev = -torch.rand(B, S, generator=g)
+    advantages = torch.randn(B, S, generator=g)
+    gen = prev + 0.05 * torch.randn(B, S, generator=g)
+    ref = prev + 0.1
+    lp = prev[:, 1:] + 0.02 * torch.randn(B, S - 1, generator=g)
+    # Log-probs <= 0 (the noise puts some above, an InputWarning): every input of a token moved
+    # down by the same amount, so the log-ratios between them stay as drawn.
+    curr = torch.cat([prev[:, :1], lp], 1)
+    shift = torch.stack([curr, prev, gen, ref]).amax(0).clamp_min(0)
+    prev, gen, ref, lp = prev - shift, gen - shift, ref - shift, (curr - shift)[:, 1:]
     data = {
         "input_ids": torch.zeros(B, S, dtype=torch.long),
-        "advantages": torch.randn(B, S, generator=g),
+        "advantages": advantages,
         "prev_logprobs": prev,
-        "generation_logprobs": prev + 0.05 * torch.randn(B, S, generator=g),
-        "reference_policy_logprobs": prev + 0.1,
+        "generation_logprobs": gen,
+        "reference_policy_logprobs": ref,
         "token_mask": torch.ones(B, S, dtype=torch.long),
         "sample_mask": torch.ones(B),
     }
-    lp = prev[:, 1:] + 0.02 * torch.randn(B, S - 1, generator=g)
     return lp, data, torch.tensor(3.0), torch.tensor(float(B * (S - 1)))
 
 

@@ -29,6 +29,7 @@ def _run(host: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # 9-12 s: a short benchmark run inside NeMo-RL
 @pytest.mark.parametrize("host", HOSTS[-1:], ids=[host_label(h) for h in HOSTS[-1:]])
 def test_the_tables_of_a_short_run(host):
     done = _run(

@@ -496,6 +496,7 @@ def checkout_of(host):
 
 
 @no_hosts_mark()
+@pytest.mark.slow  # 13-17 s per host
 @pytest.mark.parametrize("host", HOSTS, ids=host_label)
 def test_real_nemo_rl_refuses_what_check_refuses(host, tmp_path):
     root = checkout_of(host)

@@ -123,10 +123,13 @@ def test_check_estimates_at_the_recipes_own_length(tmp_path):
 
 def test_check_notes_an_async_sequence_band_but_not_a_veto(tmp_path):
     path = _recipe(tmp_path, (0.99, 1.01), 1000)
-    cfg = yaml.safe_load(open(path))
+    with open(path) as fh:
+        cfg = yaml.safe_load(fh)
     cfg["grpo"] = {"async_grpo": {"enabled": True}}
-    open(path, "w").write(yaml.safe_dump(cfg))
+    with open(path, "w") as fh:
+        fh.write(yaml.safe_dump(cfg))
     assert [n for n in check_recipe(path).notes if "nemo-rs calibrate" in n]
     cfg["loss_fn"]["rejection_sampling"][0]["agg"] = "any"
-    open(path, "w").write(yaml.safe_dump(cfg))
+    with open(path, "w") as fh:
+        fh.write(yaml.safe_dump(cfg))
     assert not [n for n in check_recipe(path).notes if "nemo-rs calibrate" in n]

@@ -123,6 +123,7 @@ print(json.dumps({"results": results, "run": run, "version": host_version(),
 )
 
 
+@pytest.mark.slow  # 9-14 s per host
 @pytest.mark.skipif(not nemo_rl_hosts() and not real_host_required(), reason="no NeMo-RL checkout")
 @pytest.mark.parametrize("host", nemo_rl_hosts(), ids=host_label)
 def test_real_nemo_rl_refuses_exactly_the_fields_it_lacks(host, tmp_path):

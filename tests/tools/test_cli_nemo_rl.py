@@ -86,6 +86,7 @@ def errors(result):
     return [line for line in result["err"].splitlines() if line.startswith("error: ")]
 
 
+@pytest.mark.slow  # 9-16 s per host
 @pytest.mark.parametrize("host", HOSTS, ids=host_label)
 def test_check_as_a_user_runs_it_never_says_valid_without_checking(host, tmp_path):
     root = checkout_of(host)
@@ -102,6 +103,7 @@ def test_check_as_a_user_runs_it_never_says_valid_without_checking(host, tmp_pat
     assert left_behind(tmp_path) == []  # the temporary copy of the recipe is gone
 
 
+@pytest.mark.slow  # 11-20 s per host
 @pytest.mark.parametrize("host", HOSTS, ids=host_label)
 def test_check_validates_fully_in_nemo_rl_s_environment(host, tmp_path):
     root = checkout_of(host)

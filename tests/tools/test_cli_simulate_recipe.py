@@ -57,7 +57,8 @@ def test_the_recipe_row_is_its_loss_section_next_to_uncorrected_and_the_presets(
     argv = ["simulate", "--recipe", str(recipe), *SMALL, "loss_fn.rejection_sampling.0.upper=1.001"]
     assert main([*argv, "--csv", str(out_csv), "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
-    labels = [r["config"] for r in csv.DictReader(out_csv.open())]
+    rows = list(csv.DictReader(out_csv.read_text().splitlines()))
+    labels = [r["config"] for r in rows]
     assert labels == ["uncorrected", "my.yaml", *[c for c in sim.DEFAULT_CONFIGS if c != "uncorrected"]]
     assert any(line.startswith("my.yaml ") for line in out.splitlines())
     assert [r["config"] for r in json.loads(out_json.read_text())["rows"]] == labels
@@ -72,7 +73,7 @@ def test_the_recipe_row_is_its_loss_section_next_to_uncorrected_and_the_presets(
     }
     model = sim.MismatchModel(responses=6, length=300)
     expected = sim.run({"by hand": by_hand}, [sim.synthetic_batch(model, 0)])[0]
-    got = next(r for r in csv.DictReader(out_csv.open()) if r["config"] == "my.yaml")
+    got = next(r for r in rows if r["config"] == "my.yaml")
     for column in sim.COLUMNS:
         assert float(got[column]) == pytest.approx(expected[column], rel=1e-6, abs=1e-9), column
     assert expected["seq_rejected"] > 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 import types
 import warnings
@@ -232,6 +233,9 @@ def test_an_output_stream_that_cannot_be_written_is_one_line(capsys, monkeypatch
 
     monkeypatch.setattr(sys, "stdout", Full())
     assert main(["reference"]) == 1
+    # main() leaves stdout on an open os.devnull (a process exits next); in this process, close it.
+    assert sys.stdout.name == os.devnull
+    sys.stdout.close()
     assert "error: cannot write the output: No space left on device" in capsys.readouterr().err
 
 

@@ -16,6 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~30 s: the whole GPU script, dry
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script for the Linux GPU machines")
 def test_gpu_check_dry_run_completes(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "NEMO_RL": str(tmp_path / "no-nemo-rl")}
@@ -72,6 +73,7 @@ print("ray stand-ins:", [n for n in nemo_rl_shims.stand_ins() if n.split(".")[0]
 """
 
 
+@pytest.mark.slow  # 10-14 s: a fresh interpreter importing NeMo-RL
 def test_nemo_rl_loss_runs_without_ray_for_the_gpu_comparison():
     """bench_gpu.py compares with NeMo-RL's own loss on a machine without ray (the lent GPU
     machine has none): NeMo-RL's loss module imports ray only for its cluster code, which the

@@ -489,7 +489,7 @@ def test_quick_dose_response_run(tmp_path):
     assert len(outcomes) == len(runs) and all(o["evals"] == 3 for o in outcomes)
     assert all(math.isfinite(o["final_eval"]) and math.isfinite(o["regret"]) for o in outcomes)
     assert (out / "lab_dose.md").read_text() == render_from_csv(out / "lab_dose_seeds.csv")
-    comparisons = list(csv.DictReader(open(out / "lab_dose_comparisons.csv")))
+    comparisons = list(csv.DictReader((out / "lab_dose_comparisons.csv").read_text().splitlines()))
     assert len(comparisons) == 2 + 4  # token-tis+veto vs none at 2 lags; 2 arms vs on-policy at 2 lags
 
     # A run of the dose-response is the single-lag run at that lag: the same numbers.
