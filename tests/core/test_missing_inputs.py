@@ -44,3 +44,12 @@ def test_missing_reference_logprobs_names_the_field_when_the_kl_term_is_on():
         _compute({"reference_policy_kl_penalty": 0.1}, _inputs(reference=None))
     loss, _ = _compute({"reference_policy_kl_penalty": 0.0}, _inputs(reference=None))  # off: never read
     assert torch.isfinite(loss)
+
+
+def test_a_reader_of_per_sequence_counts_outside_needs_sequence_statistics_fails_by_name(monkeypatch):
+    """The sequence-level loss reads the per-sequence counts: if the correction skipped them, the error says why."""
+    import nemo_rs_plugin.core.correction.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "needs_sequence_statistics", lambda cfg: False)
+    with pytest.raises(RuntimeError, match=r"needs_sequence_statistics\(cfg\) must hold"):
+        _compute({"reference_policy_kl_penalty": 0.0, "token_level_loss": False}, _inputs())

@@ -231,18 +231,15 @@ def plan_sequence_filter(
     if agg in ("mean", "sum"):
         return TotalStageStatistics(count, nonfinite_count, negative_count, total=masked.sum(-1))
     penalty = extrema_penalty(alive_fin)  # pushes the other tokens out of the extremes
-    if agg == "max":
-        return MaximumStageStatistics(count, nonfinite_count, negative_count, maximum=_row_max(masked - penalty, -big))
-    negated_minimum = _row_max(-masked - penalty, -big)
-    if agg == "min":
-        return MinimumStageStatistics(count, nonfinite_count, negative_count, negated_minimum=negated_minimum)
-    return RangeStageStatistics(  # any
-        count,
-        nonfinite_count,
-        negative_count,
-        maximum=_row_max(masked - penalty, -big),
-        negated_minimum=negated_minimum,
-    )
+    maximum = _row_max(masked - penalty, -big) if agg in ("max", "any") else None
+    negated_minimum = _row_max(-masked - penalty, -big) if agg in ("min", "any") else None
+    if maximum is not None and negated_minimum is not None:  # any
+        return RangeStageStatistics(count, nonfinite_count, negative_count, maximum, negated_minimum)
+    if maximum is not None:
+        return MaximumStageStatistics(count, nonfinite_count, negative_count, maximum)
+    if negated_minimum is not None:
+        return MinimumStageStatistics(count, nonfinite_count, negative_count, negated_minimum)
+    raise ValueError(f"rejection_sampling: agg {agg!r} has no sequence statistic; allowed: mean, sum, max, min, any")
 
 
 def _row_max(x: torch.Tensor, empty: float) -> torch.Tensor:
