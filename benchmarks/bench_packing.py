@@ -44,9 +44,10 @@ stream before the call and after it, so from the call's start on the host to its
 finished (what the step waits for); **kernel time**, the kernels' own durations summed over one
 profiled call (torch.profiler), the GPU's actual work; and **kernels**, how many that call launches.
 
-``--compiled`` adds a table: the B = 1 call of each NeMo-RL configuration with ``compile: true``
+``--compiled`` adds two tables: the B = 1 call of each NeMo-RL configuration with ``compile: true``
 (the compiled core, nemo_rs_plugin/core/compiled.py; its compilation, the first call, untimed)
-against NeMo-RL's, the same timing.
+against NeMo-RL's, the same timing, and of each shipped recipe's loss section against NeMo-RL's
+plain one (a recipe with ``sharded_logits_input`` stays eager: left out).
 
 ``--profile [CONFIG]`` profiles the plugin's B = 1 call of one configuration (a label or a
 unique part of one; default "IS + token TIS") instead of the tables, to attribute the fixed
@@ -474,13 +475,33 @@ def run_tables(args) -> None:
                 "sequences padded to even lengths"
             )
             print()
-    if args.compiled and configs:
-        print("compile: true, one lone B=1 call (the compiled core; compilation in the first, untimed call)")
+    if args.compiled:
+        compiled_tables(args, configs, recipes)
+    print(f"({time.perf_counter() - start:.0f} s; on a busy machine rerun and compare: ratios move by ~10%)")
+
+
+def compiled_tables(args, configs: dict[str, dict], recipes: dict[str, dict]) -> None:
+    """``--compiled``: the lone B = 1 call with ``compile: true``, NeMo-RL's configurations and the recipes'.
+
+    Each against NeMo-RL's same configuration (a recipe: NeMo-RL's plain, as in the eager
+    table). A recipe with ``sharded_logits_input`` is left out: its core stays eager
+    (nemo_rs_plugin/core/compiled.py). The compilation, the first call, is not timed.
+    """
+    plain = NEMO_RL_CONFIGS[PLAIN]
+    jobs = [("NeMo-RL configuration, compiled", "NeMo-RL", {n: (c, c) for n, c in configs.items()})]
+    unsharded = {n: (c, plain) for n, c in recipes.items() if not c.get("sharded_logits_input")}
+    if unsharded:
+        jobs.append(("recipe loss_fn, compiled (plugin only)", "plain", unsharded))
+    for title, reference, entries in jobs:
+        print(f"compile: true, one lone B=1 call (the compiled core; compilation in the first, untimed call): {title}")
         rows = {}
-        for name, cfg in configs.items():
+        for name, (cfg, host_cfg) in entries.items():
+            # One configuration at a time: each is a graph of its own (its floats are constants), and
+            # dynamo falls back to eager past 8 graphs of one function in a process.
+            torch._dynamo.reset()
             compiled = build({**cfg, "compile": True}, True)
             single = to_device(make_batch(1, args.length), args.device)
-            setups = [single_call(fn, single, False, args.vocab) for fn in (compiled, build(cfg, False))]
+            setups = [single_call(fn, single, False, args.vocab) for fn in (compiled, build(host_cfg, False))]
             setups[0]()()  # compiles, untimed
             if args.device.type == "cuda":
                 measured = time_calls_cuda({"plugin": setups[0], "NeMo-RL": setups[1]}, args.rounds, args.block)
@@ -490,8 +511,7 @@ def run_tables(args) -> None:
             else:
                 times = time_calls({"plugin": setups[0], "NeMo-RL": setups[1]}, args.rounds, args.block)
                 rows[name] = {"thread CPU time": {"B=1": (times["plugin"], times["NeMo-RL"])}}
-        print_tables("NeMo-RL configuration, compiled", "NeMo-RL", rows, len(mb["lengths"]))
-    print(f"({time.perf_counter() - start:.0f} s; on a busy machine rerun and compare: ratios move by ~10%)")
+        print_tables(title, reference, rows, args.sequences)
 
 
 # ----------------------------------------------------------------------------- --profile

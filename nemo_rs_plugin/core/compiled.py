@@ -101,21 +101,40 @@ def free_host_reads(loss: Any, core: Callable, device: torch.device, groups: Any
 
 
 def _without_duck_sizing(compiled: Callable) -> Callable:
-    """Run ``compiled`` with duck sizing off: sizes equal by chance get no equality guard.
+    """Run ``compiled`` with duck sizing off and Python floats specialised (tracing settings).
 
-    With duck sizing (torch's default) two dimensions that happen to be equal at the first
-    call share one symbol, and a later microbatch where they differ recompiles: e.g. the batch
-    size and the length of the global batch a ``rewards`` view was sliced from.
+    Duck sizing (torch's default) gives two dimensions that happen to be equal at the first
+    call one symbol, and a later microbatch where they differ recompiles: e.g. the batch
+    size and the length of the global batch a ``rewards`` view was sliced from. Unspecialised
+    floats (``specialize_float=False``, the default under ``dynamic=True``) make every Python
+    float the core reads (``EPS``, clip bounds, the KL coefficient: constants of a
+    configuration) a graph input that each call converts to a tensor on the host; specialised,
+    they are constants of the graph, guarded by value.
+
+    Both settings are read only while dynamo traces, which may happen on any call (a
+    recompilation), so they are set around each call: as plain attribute writes, since
+    ``config.patch`` builds a context-manager class per call (~16 us, a tenth of a small
+    call's time; benchmarks/bench_packing.py --compiled).
     """
     try:
+        from torch._dynamo import config as dynamo_config
         from torch.fx.experimental import _config as fx_config
-    except ImportError:  # pragma: no cover - older torch: keep its default
+    except ImportError:  # pragma: no cover - older torch: keep its defaults
         return compiled
-    if not hasattr(fx_config, "use_duck_shape"):  # pragma: no cover
-        return compiled
+    settings = [
+        (module, name, value)
+        for module, name, value in ((fx_config, "use_duck_shape", False), (dynamo_config, "specialize_float", True))
+        if hasattr(module, name)
+    ]
 
     def run(*args, **kwargs):
-        with fx_config.patch(use_duck_shape=False):
+        saved = [getattr(module, name) for module, name, _ in settings]
+        for module, name, value in settings:
+            setattr(module, name, value)
+        try:
             return compiled(*args, **kwargs)
+        finally:
+            for (module, name, _), old in zip(settings, saved):
+                setattr(module, name, old)
 
     return run

@@ -11,6 +11,7 @@ sync (tests/core/test_cuda_sync.py counts them on a GPU). See: docs/troubleshoot
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Iterable
 
 import torch
@@ -77,18 +78,19 @@ def check_logprob_signs(metrics: MetricSet, clean: SanitizedInputs, force_on_pol
         rows = ((t.detach() > POSITIVE_LOGPROB_SLACK).to(dtype) for _, t in present)  # one at a time
         keys = [key for key, _ in present]
     metrics.add_masked_totals(names, rows, clean.masks.valid_bin, "none", "sum")
-    # The closure below keeps the input names only: a tensor it held would outlive the call (and
-    # a compiled core would return it as a graph output, gradient and all).
+    # Bound to the input names only: a tensor it held would outlive the call (and a compiled core
+    # would return it as a graph output, gradient and all). A module-level function, not a
+    # closure: a compiled core rebuilds every closure it returns on each call.
+    metrics.warn(partial(_positive_input_messages, tuple(keys)), InputWarning)
 
-    def positive_inputs(out: dict) -> list[str]:
-        return [
-            f"{key}: log-probs above 0 on valid tokens; log-probs are <= 0 (were probabilities or negated "
-            "log-probs passed?): the importance weights and ratios built from them are meaningless"
-            for key in keys
-            if out[f"_positive_{key}_count"] > 0
-        ]
 
-    metrics.warn(positive_inputs, InputWarning)
+def _positive_input_messages(keys: tuple[str, ...], out: dict) -> list[str]:
+    return [
+        f"{key}: log-probs above 0 on valid tokens; log-probs are <= 0 (were probabilities or negated "
+        "log-probs passed?): the importance weights and ratios built from them are meaningless"
+        for key in keys
+        if out[f"_positive_{key}_count"] > 0
+    ]
 
 
 #: Relative slack of "global count >= the microbatch's own" (sums of fractional sample masks round).
@@ -123,23 +125,24 @@ def check_global_counts(metrics: MetricSet, counts: GlobalCounts, masks: TokenMa
         ("global_valid_toks", "_local_valid_toks", "valid tokens (token_mask * sample_mask)"),
         ("global_valid_seqs", "_local_valid_seqs", "valid sequences (sample_mask)"),
     ):
+        metrics.check(partial(_count_failed, name, local), partial(_count_error, name, local, unit))
 
-        def failed(out: dict, name: str = name, local: str = local) -> bool:
-            count = out[f"_{name}"]
-            own = out[local]
-            below_own = own > 0 and count < own * (1 - _COUNT_SLACK) and count != SPLIT_API_PLACEHOLDER
-            return not math.isfinite(count) or count < 0 or below_own
 
-        def error(out: dict, name: str = name, local: str = local, unit: str = unit) -> ValueError:
-            return ValueError(
-                f"{name}: got {out[f'_{name}']:g} while this microbatch has "
-                f"{out[local]:g} {unit}; expected the count of {unit} over the whole "
-                "global batch (all microbatches and data-parallel ranks): a finite number, at least "
-                "the microbatch's own (0 only for a fully masked global batch; 1 as the split API's "
-                "placeholder)"
-            )
+def _count_failed(name: str, local: str, out: dict) -> bool:
+    count = out[f"_{name}"]
+    own = out[local]
+    below_own = own > 0 and count < own * (1 - _COUNT_SLACK) and count != SPLIT_API_PLACEHOLDER
+    return not math.isfinite(count) or count < 0 or below_own
 
-        metrics.check(failed, error)
+
+def _count_error(name: str, local: str, unit: str, out: dict) -> ValueError:
+    return ValueError(
+        f"{name}: got {out[f'_{name}']:g} while this microbatch has "
+        f"{out[local]:g} {unit}; expected the count of {unit} over the whole "
+        "global batch (all microbatches and data-parallel ranks): a finite number, at least "
+        "the microbatch's own (0 only for a fully masked global batch; 1 as the split API's "
+        "placeholder)"
+    )
 
 
 def _check_token_mask(metrics: MetricSet, token_mask: torch.Tensor, dtype: torch.dtype) -> None:
@@ -156,12 +159,7 @@ def _check_token_mask(metrics: MetricSet, token_mask: torch.Tensor, dtype: torch
         metrics.add("_token_mask_min", lo, "none", "min")
         metrics.add("_token_mask_max", hi, "none", "max")
 
-        def integer_error(out: dict) -> ValueError:
-            lo, hi = out["_token_mask_min"], out["_token_mask_max"]
-            extremes = [f"smallest entry {lo:g}"] * (lo < 0) + [f"largest entry {hi:g}"] * (hi > 1)
-            return _token_mask_error(f"got entries other than 0 and 1 ({', '.join(extremes)})")
-
-        metrics.check(lambda out: out["_token_mask_min"] < 0 or out["_token_mask_max"] > 1, integer_error)
+        metrics.check(_integer_mask_failed, _integer_mask_error)
         return
     mask = token_mask if token_mask.dtype == dtype else token_mask.to(dtype)
     other = (mask != 0) & (mask != 1)
@@ -169,14 +167,28 @@ def _check_token_mask(metrics: MetricSet, token_mask: torch.Tensor, dtype: torch
     # the smallest and largest of those entries, for the message
     metrics.add("_token_mask_other_min", torch.where(other, mask, math.inf).amin(), "none", "min")
     metrics.add("_token_mask_other_max", torch.where(other, mask, -math.inf).amax(), "none", "max")
+    metrics.check(_float_mask_failed, _float_mask_error)
 
-    def float_error(out: dict) -> ValueError:
-        n = int(out["_token_mask_other"])
-        lo, hi = out["_token_mask_other_min"], out["_token_mask_other_max"]
-        values = f"{lo:g}" if lo == hi else f"from {lo:g} to {hi:g}"
-        return _token_mask_error(f"got {n} {'entry' if n == 1 else 'entries'} other than 0 and 1 ({values})")
 
-    metrics.check(lambda out: out["_token_mask_other"] > 0, float_error)
+def _integer_mask_failed(out: dict) -> bool:
+    return out["_token_mask_min"] < 0 or out["_token_mask_max"] > 1
+
+
+def _integer_mask_error(out: dict) -> ValueError:
+    lo, hi = out["_token_mask_min"], out["_token_mask_max"]
+    extremes = [f"smallest entry {lo:g}"] * (lo < 0) + [f"largest entry {hi:g}"] * (hi > 1)
+    return _token_mask_error(f"got entries other than 0 and 1 ({', '.join(extremes)})")
+
+
+def _float_mask_failed(out: dict) -> bool:
+    return out["_token_mask_other"] > 0
+
+
+def _float_mask_error(out: dict) -> ValueError:
+    n = int(out["_token_mask_other"])
+    lo, hi = out["_token_mask_other_min"], out["_token_mask_other_max"]
+    values = f"{lo:g}" if lo == hi else f"from {lo:g} to {hi:g}"
+    return _token_mask_error(f"got {n} {'entry' if n == 1 else 'entries'} other than 0 and 1 ({values})")
 
 
 def _token_mask_error(found: str) -> ValueError:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Mapping, Optional
 
 import torch
@@ -223,6 +224,11 @@ class CorrectedPGLoss:
         # leaves the device; the one host transfer stays here, eager.
         # The evaluation form is decided here, eagerly: a compiled core specialises on the bool.
         core = core_fn(self, groups)
+        if core is not type(self)._tensors:
+            # Counts given as Python numbers become tensors here: the compiled core specialises
+            # Python floats (compiled.py), and a count that changes every step would recompile.
+            as_tensors = global_counts(global_valid_seqs, global_valid_toks, x.compute_dtype(), x.curr.device)
+            global_valid_seqs, global_valid_toks = as_tensors.sequences, as_tensors.tokens
         batched = metrics_form(self, core, x.curr.device)
         host_reads = free_host_reads(self, core, x.curr.device, groups, batched)
         loss, metrics = core(self, x, global_valid_seqs, global_valid_toks, groups, batched, host_reads, microbatch)
@@ -247,7 +253,11 @@ class CorrectedPGLoss:
         x = x.to_dtype(x.compute_dtype())
         cfg = self.cfg
         counts = global_counts(global_valid_seqs, global_valid_toks, x.curr.dtype, x.curr.device)
-        metrics = MetricSet(counts, batched, host_reads, compute_per_call=self.per_call_metrics)
+        metrics = MetricSet(None, batched, host_reads, compute_per_call=self.per_call_metrics)
+        # Set, not passed: a compiled core rebuilds the objects it returns from their constructor's
+        # arguments, and the counts (views of the caller's tensors, dropped by stack()) would then
+        # be graph outputs, rebuilt as aliases of its inputs on every call.
+        metrics.counts = counts
         clean = sanitize_inputs(x, cfg.force_on_policy_ratio, self.kl_coef != 0, batched, host_reads)
         masks = clean.masks
         nonfinite_metrics(metrics, masks, clean.nonfinite, clean.input_names)
@@ -510,13 +520,11 @@ class CorrectedPGLoss:
         """
         cfg = self.cfg
         unclamped = cfg.force_on_policy_ratio or cfg.disable_ppo_ratio  # no clamp in these modes
-        lo, hi = 1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max
-
-        def clip(value: float) -> float:
-            return value if unclamped or not math.isfinite(value) else min(max(value, lo), hi)
-
-        metrics.derive("probs_ratio_clamped_min", "none", lambda out: clip(out["probs_ratio_min"]))
-        metrics.derive("probs_ratio_clamped_max", "none", lambda out: clip(out["probs_ratio_max"]))
+        lo, hi = (-math.inf, math.inf) if unclamped else (1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
+        # Module-level functions bound with partial, not closures: a compiled core rebuilds every
+        # closure it returns on each call.
+        metrics.derive("probs_ratio_clamped_min", "none", partial(_clipped_extreme, "probs_ratio_min", lo, hi))
+        metrics.derive("probs_ratio_clamped_max", "none", partial(_clipped_extreme, "probs_ratio_max", lo, hi))
 
     def _sequence_sampling_importance_ratio(
         self, metrics: MetricSet, is_weight: torch.Tensor, sample_mask: torch.Tensor
@@ -533,6 +541,12 @@ class CorrectedPGLoss:
             metrics.add_total("sampling_importance_ratio", w_seq.sum() * sample_mask.sum(), "sequences", "replicated")
         else:
             metrics.add_masked_total("sampling_importance_ratio", w_seq, sample_mask, "sequences", "replicated")
+
+
+def _clipped_extreme(source: str, lo: float, hi: float, out: dict[str, float]) -> float:
+    """``out[source]`` clipped to ``[lo, hi]``; the "no token" sentinels (+-inf) stay as they are."""
+    value = out[source]
+    return value if not math.isfinite(value) else min(max(value, lo), hi)
 
 
 def _sequence_counts(corr: CorrectionResult) -> SequenceCounts:

@@ -276,14 +276,25 @@ class MetricSet:
 
         ``per_call=False`` leaves out the per-call metrics, as :meth:`finalize` does.
         """
-        return {name: norm for name, (norm, _) in self._declared.items() if self._reported(name, per_call)}
+        return {name: self._declared[name][0] for name in self._public_and_private(per_call)[0]}
 
     def per_call_names(self) -> list[str]:
         """The public per-call metrics, in declaration order."""
         return [name for name in self._declared if name in self._per_call and not name.startswith("_")]
 
-    def _reported(self, name: str, per_call: bool) -> bool:
-        return not name.startswith("_") and (per_call or name not in self._per_call)
+    def _public_and_private(self, per_call: bool) -> tuple[list[str], list[str]]:
+        """The declared names reported (``per_call=False``: per-call ones left out) and the ``_``-prefixed ones.
+
+        Each in declaration order; one pass, as :meth:`finalize` runs on every loss call.
+        """
+        public, private = [], []
+        left_out = () if per_call else self._per_call
+        for name in self._declared:
+            if name.startswith("_"):
+                private.append(name)
+            elif name not in left_out:
+                public.append(name)
+        return public, private
 
     # ------------------------------------------------------------------ evaluating
     def stack(self) -> tuple[list[str], torch.Tensor]:
@@ -334,7 +345,10 @@ class MetricSet:
             self._stacked = (names, vector if vector.dtype == dtype else vector.to(dtype))
         # Drop the [B, T] rows, masks and penalties: only the [M] vector outlives the tensor
         # core (a compiled core would otherwise return every one of them as a graph output).
+        # The counts too: views of the caller's tensors, which as outputs of a compiled core
+        # are rebuilt as aliases of its inputs after every call.
         self._values, self._totals, self._masked, self._extrema = {}, {}, [], {}
+        self.counts = None
         return self._stacked
 
     def finalize(self, groups: SequenceGroups = NO_GROUPS, per_call: Optional[bool] = None) -> dict[str, float]:
@@ -369,8 +383,9 @@ class MetricSet:
             out[name] = fn(out)
         # Private entries (``_name``) ride on the same transfer for the loss's own bookkeeping
         # (the run-time rejection warning); NeMo-RL never sees them.
-        self.private = {n: out[n] for n in self._declared if n.startswith("_")}
-        return {n: out[n] for n in self._declared if self._reported(n, per_call)}
+        public, private = self._public_and_private(per_call)
+        self.private = {n: out[n] for n in private}
+        return {n: out[n] for n in public}
 
 
 def _zero(out: dict[str, float]) -> float:

@@ -49,6 +49,11 @@ from nemo_rs_plugin.tools.recipe_loading import (
 __all__ = ["CheckReport", "check_recipe", "load_recipe"]
 
 LONG_RESPONSE_TOKENS = 2048
+#: A lone B = 1 call against NeMo-RL's loss (benchmarks/bench_packing.py --compiled; docs/performance.md).
+ONE_SEQUENCE_CALL_COST = (
+    "1.5-1.6x NeMo-RL's loss per call eager, 0.57-0.67x with loss_fn.compile: true (forward + backward, "
+    "512 tokens, one CPU thread; not measured on a GPU)"
+)
 #: Sections of NeMo-RL's other algorithms' configs (examples/configs/{sft,dpo,rm,distillation}*.yaml).
 OTHER_ALGORITHMS = ("sft", "dpo", "rm", "distillation")
 # Sequences in the simulated batch of the rejection estimate (fewer at long lengths: same cost).
@@ -165,6 +170,7 @@ def _packing_problems(cfg: dict, config: RSClippedPGLossConfig, report: CheckRep
     has no fused wrapper): the loss is called once per sequence (docs/guide.md#sequence-packing).
     """
     if recipe_value(cfg, "policy.sequence_packing.enabled") is not True:
+        _one_sequence_calls_note(cfg, config, report)
         return []
     megatron = recipe_value(cfg, "policy.megatron_cfg.enabled")  # None: not set here (an unresolved `defaults`)
     fuse = recipe_value(cfg, "policy.sequence_packing.fuse_loss") is True
@@ -215,6 +221,23 @@ def _packing_problems(cfg: dict, config: RSClippedPGLossConfig, report: CheckRep
             )
         )
     return problems
+
+
+def _one_sequence_calls_note(cfg: dict, config: RSClippedPGLossConfig, report: CheckReport) -> None:
+    """Packing off with one sequence per microbatch: every loss call pays the loss's fixed cost.
+
+    Said where ``compile: true`` would help: the plugin's loss, eager, unsharded (the sharded
+    path stays eager whatever ``compile`` says).
+    """
+    if recipe_value(cfg, "policy.train_micro_batch_size") != 1 or recipe_value(cfg, "loss_fn.name") != PLUGIN_LOSS_NAME:
+        return
+    if config.compile or config.sharded_logits_input:
+        return
+    report.notes.append(
+        "policy.train_micro_batch_size: 1 without sequence packing: every loss call holds one sequence and "
+        f"pays the loss's fixed per-call cost, {ONE_SEQUENCE_CALL_COST}: set loss_fn.compile: true, or turn "
+        "policy.sequence_packing on (docs/performance.md#per-call-cost-under-packing)"
+    )
 
 
 def check_recipe(

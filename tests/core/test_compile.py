@@ -179,3 +179,77 @@ def test_the_metric_set_keeps_no_tensor_but_its_vector_after_stack(batched):
     # Through closures, dataclasses and bound methods alike: only 0-dim values and the [M] vector.
     held = [t for t in tensors_reachable(metrics) if t.dim() > 1]
     assert held == [], [tuple(t.shape) for t in held]
+
+
+def test_global_counts_given_as_python_numbers_do_not_recompile(compile_on_aot_eager):
+    """A caller passing the counts as Python numbers (the split API's placeholder 1, a simulator)
+    gets one graph: the compiled core specialises Python floats (compiled.py), so the loss turns
+    the counts into tensors before it, not inside it, where every new count would recompile."""
+    loss_fn = compiled_loss({}, compile_on_aot_eager)
+
+    def call(gvs, gvt):
+        lp, data, _, _ = batch(3, 6)
+        leaf = lp.detach().clone().requires_grad_(True)
+        loss, metrics = loss_fn(leaf, data, gvs, gvt)
+        loss.backward()
+        return loss, metrics, (lp, data)
+
+    call(3.0, 18.0)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises here
+        for gvs, gvt in [(4.0, 20.0), (7, 41), (1.0, 1.0)]:
+            loss, metrics, (lp, data) = call(gvs, gvt)
+            eager_loss, eager_metrics = CorrectedPGLoss({})(lp, data, gvs, gvt)
+            torch.testing.assert_close(loss, eager_loss)
+            assert metrics == pytest.approx(eager_metrics)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+@pytest.fixture
+def compile_on_aot_eager():
+    torch._dynamo.reset()
+    compiled._COMPILED.clear()
+    counters.clear()
+    yield "aot_eager"
+    torch._dynamo.reset()
+    compiled._COMPILED.clear()
+
+
+def _traced_graph(monkeypatch, cfg):
+    """``(example inputs, output nodes)`` of the graph dynamo traces for one call of ``cfg`` compiled."""
+    traced = {}
+
+    def recording_backend(gm, example_inputs):
+        traced["inputs"] = list(example_inputs)
+        traced["outputs"] = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        return gm.forward
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "_COMPILED", {})
+    loss_fn = CorrectedPGLoss({**cfg, "compile": True}, compile_backend=recording_backend)
+    lp, data, gvs, gvt = batch(3, 6)
+    loss_fn(lp.requires_grad_(True), data, gvs, gvt)
+    torch._dynamo.reset()
+    return traced["inputs"], traced["outputs"]
+
+
+def test_a_configurations_floats_are_constants_of_the_graph(monkeypatch):
+    """Clip bounds, the KL coefficient and the module constants (EPS, the slack of the sign
+    check) are compiled in, guarded by value: as graph inputs (dynamo's default under
+    ``dynamic=True``) each call converted every one of them to a tensor on the host, ~10% of a
+    lone B = 1 call (benchmarks/bench_packing.py --compiled)."""
+    cfg = {"reference_policy_kl_penalty": 0.02, "ratio_clip_min": 0.15, "ratio_clip_max": 0.25}
+    graph_inputs, _ = _traced_graph(monkeypatch, cfg)
+    scalars = [x for x in graph_inputs if not isinstance(x, (torch.Tensor, torch.SymInt, int))]
+    zero_dim = [x for x in graph_inputs if isinstance(x, torch.Tensor) and x.dim() == 0]
+    assert graph_inputs and not scalars, scalars
+    # the two global counts are the only 0-dim inputs (a float input would arrive as one)
+    assert len(zero_dim) == 2, [(x.dtype, x.item()) for x in zero_dim]
+
+
+@pytest.mark.parametrize("cfg", [{}, FULL], ids=["plain", "full"])
+def test_only_the_loss_and_the_metric_vector_leave_the_graph(monkeypatch, cfg):
+    """Every other output of a compiled core is work after the graph on each call: a tensor the
+    returned metric set still held (the global counts, views of the caller's: rebuilt as aliases
+    of the inputs) or one of the ``[B, T]`` rows (a copy kept alive, and a gradient input)."""
+    _, outputs = _traced_graph(monkeypatch, cfg)
+    assert len(outputs) == 2, outputs

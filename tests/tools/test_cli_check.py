@@ -459,3 +459,24 @@ def test_no_temporary_directory_is_left_behind(tmp_path, capsys, isolated):
     assert f"defaults resolved against {host}" in out, (out, err)
     assert code in (0, EXIT_INVALID)  # the stand-in's MasterConfig is not NeMo-RL's; cleanup is the point
     assert list(isolated.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "policy, loss, said",
+    [
+        ({"train_micro_batch_size": 1, "sequence_packing": {"enabled": False}}, LOSS, True),
+        ({"train_micro_batch_size": 1}, LOSS, True),  # packing not set: off
+        ({"train_micro_batch_size": 1}, {**LOSS, "compile": True}, False),
+        ({"train_micro_batch_size": 1, "sequence_packing": {"enabled": True}}, LOSS, False),  # gathered
+        ({"train_micro_batch_size": 4}, LOSS, False),
+        ({"train_micro_batch_size": 1}, {"name": "clipped_pg"}, False),  # NeMo-RL's own loss: no compile field
+    ],
+    ids=["packing-off", "packing-unset", "compiled", "packing-on", "four-per-microbatch", "own-loss"],
+)
+def test_one_sequence_per_call_suggests_the_compiled_core(tmp_path, capsys, no_nemo_rl, policy, loss, said):
+    """A lone B = 1 call pays the loss's fixed cost on every call (docs/performance.md)."""
+    recipe = write_recipe(tmp_path / "r.yaml", {"policy": policy, "loss_fn": loss})
+    _, out, err = run_check(capsys, recipe)
+    assert ("every loss call holds one sequence" in out + err) is said, out + err
+    if said:
+        assert "set loss_fn.compile: true" in out + err
