@@ -488,11 +488,17 @@ def compiled_tables(args, configs: dict[str, dict], recipes: dict[str, dict]) ->
     (nemo_rs_plugin/core/compiled.py). The compilation, the first call, is not timed.
     """
     plain = NEMO_RL_CONFIGS[PLAIN]
-    jobs = [("NeMo-RL configuration, compiled", "NeMo-RL", {n: (c, c) for n, c in configs.items()})]
-    unsharded = {n: (c, plain) for n, c in recipes.items() if not c.get("sharded_logits_input")}
-    if unsharded:
-        jobs.append(("recipe loss_fn, compiled (plugin only)", "plain", unsharded))
+    jobs = [
+        ("NeMo-RL configuration, compiled", "NeMo-RL", {n: (c, c) for n, c in configs.items()}),
+        (
+            "recipe loss_fn, compiled (plugin only)",
+            "plain",
+            {n: (c, plain) for n, c in recipes.items() if not c.get("sharded_logits_input")},
+        ),
+    ]
     for title, reference, entries in jobs:
+        if not entries:  # --only picked none of these
+            continue
         print(f"compile: true, one lone B=1 call (the compiled core; compilation in the first, untimed call): {title}")
         rows = {}
         for name, (cfg, host_cfg) in entries.items():

@@ -129,9 +129,9 @@ def _without_duck_sizing(compiled: Callable) -> Callable:
 
     def run(*args, **kwargs):
         saved = [getattr(module, name) for module, name, _ in settings]
-        for module, name, value in settings:
-            setattr(module, name, value)
         try:
+            for module, name, value in settings:
+                setattr(module, name, value)
             return compiled(*args, **kwargs)
         finally:
             for (module, name, _), old in zip(settings, saved):

@@ -51,7 +51,7 @@ __all__ = ["CheckReport", "check_recipe", "load_recipe"]
 LONG_RESPONSE_TOKENS = 2048
 #: A lone B = 1 call against NeMo-RL's loss (benchmarks/bench_packing.py --compiled; docs/performance.md).
 ONE_SEQUENCE_CALL_COST = (
-    "1.5-1.6x NeMo-RL's loss per call eager, 0.57-0.67x with loss_fn.compile: true (forward + backward, "
+    "1.5-1.6x NeMo-RL's loss per call eager, 0.54-0.67x with loss_fn.compile: true (forward + backward, "
     "512 tokens, one CPU thread; not measured on a GPU)"
 )
 #: Sections of NeMo-RL's other algorithms' configs (examples/configs/{sft,dpo,rm,distillation}*.yaml).
@@ -163,14 +163,16 @@ def _parallelism_problems(cfg: dict, config: RSClippedPGLossConfig, report: Chec
     return problems
 
 
-def _packing_problems(cfg: dict, config: RSClippedPGLossConfig, report: CheckReport) -> list[str]:
+def _packing_problems(
+    cfg: dict, config: RSClippedPGLossConfig, report: CheckReport, loss_name: Optional[str]
+) -> list[str]:
     """Which of NeMo-RL's packing wrappers the recipe takes, and what that wrapper cannot run.
 
     ``policy.sequence_packing.enabled`` without ``fuse_loss`` (or on the DTensor backend, which
     has no fused wrapper): the loss is called once per sequence (docs/guide.md#sequence-packing).
     """
     if recipe_value(cfg, "policy.sequence_packing.enabled") is not True:
-        _one_sequence_calls_note(cfg, config, report)
+        _one_sequence_calls_note(cfg, config, report, loss_name)
         return []
     megatron = recipe_value(cfg, "policy.megatron_cfg.enabled")  # None: not set here (an unresolved `defaults`)
     fuse = recipe_value(cfg, "policy.sequence_packing.fuse_loss") is True
@@ -223,13 +225,21 @@ def _packing_problems(cfg: dict, config: RSClippedPGLossConfig, report: CheckRep
     return problems
 
 
-def _one_sequence_calls_note(cfg: dict, config: RSClippedPGLossConfig, report: CheckReport) -> None:
+def _one_sequence_calls_note(
+    cfg: dict, config: RSClippedPGLossConfig, report: CheckReport, loss_name: Optional[str]
+) -> None:
     """Packing off with one sequence per microbatch: every loss call pays the loss's fixed cost.
 
-    Said where ``compile: true`` would help: the plugin's loss, eager, unsharded (the sharded
-    path stays eager whatever ``compile`` says).
+    Said only where both are known (packing explicitly off: NeMo-RL's base GRPO config turns it
+    on, so an unset value may be inherited; no dynamic batching, which sizes microbatches by
+    tokens instead) and where ``compile: true`` would help: the plugin's loss, eager,
+    unsharded (the sharded path stays eager whatever ``compile`` says).
     """
-    if recipe_value(cfg, "policy.train_micro_batch_size") != 1 or recipe_value(cfg, "loss_fn.name") != PLUGIN_LOSS_NAME:
+    if recipe_value(cfg, "policy.sequence_packing.enabled") is not False:
+        return
+    if recipe_value(cfg, "policy.dynamic_batching.enabled") is True:
+        return
+    if recipe_value(cfg, "policy.train_micro_batch_size") != 1 or loss_name != PLUGIN_LOSS_NAME:
         return
     if config.compile or config.sharded_logits_input:
         return
@@ -308,7 +318,7 @@ def _check(
         grpo_setup_problems(cfg, loss, report)
         return
     report.errors.extend(_parallelism_problems(cfg, config, report))
-    report.errors.extend(_packing_problems(cfg, config, report))
+    report.errors.extend(_packing_problems(cfg, config, report, name))
     if report.nemo_rl:
         report.errors.extend(_master_config_problems(cfg, report))
     grpo_setup_problems(cfg, loss, report)

@@ -253,3 +253,32 @@ def test_only_the_loss_and_the_metric_vector_leave_the_graph(monkeypatch, cfg):
     of the inputs) or one of the ``[B, T]`` rows (a copy kept alive, and a gradient input)."""
     _, outputs = _traced_graph(monkeypatch, cfg)
     assert len(outputs) == 2, outputs
+
+
+@pytest.mark.parametrize("cfg", [{}, FULL, {"token_mask_dtype": "float"}], ids=["plain", "full", "float-mask"])
+def test_the_metric_set_holds_no_closure(cfg):
+    """What a compiled core returns is rebuilt by dynamo's bytecode after the graph on every
+    call; a closure (a nested ``def`` or a ``lambda``) costs a function object and two wrapped
+    calls there (ten of them were ~5% of a lone B = 1 call). Checks, warnings and derived metrics
+    are module-level functions, bound to their data with ``functools.partial``."""
+    import functools
+
+    from nemo_rs_plugin.core.inputs import LossInputs
+
+    cfg = dict(cfg)
+    float_mask = cfg.pop("token_mask_dtype", None) == "float"
+    lp, data, gvs, gvt = batch(3, 6)
+    if float_mask:
+        data["token_mask"] = data["token_mask"].float()  # the float mask's own check
+    loss_fn = CorrectedPGLoss(cfg)
+    inputs = LossInputs.from_nemo_rl(lp, data, need_prev=True, need_reference=loss_fn.kl_coef != 0)
+    _, metrics = loss_fn._tensors(inputs, gvs, gvt, NO_GROUPS)
+    callables = [fn for _, _, fn in metrics._derived]
+    callables += [fn for pair in metrics._checks for fn in pair] + [fn for fn, _ in metrics._warnings]
+    assert len(metrics._checks) >= 3 and metrics._warnings and metrics._derived
+
+    def nested(fn):
+        fn = fn.func if isinstance(fn, functools.partial) else fn
+        return "<locals>" in fn.__qualname__ or "<lambda>" in fn.__qualname__
+
+    assert [fn for fn in callables if nested(fn)] == []

@@ -465,13 +465,33 @@ def test_no_temporary_directory_is_left_behind(tmp_path, capsys, isolated):
     "policy, loss, said",
     [
         ({"train_micro_batch_size": 1, "sequence_packing": {"enabled": False}}, LOSS, True),
-        ({"train_micro_batch_size": 1}, LOSS, True),  # packing not set: off
-        ({"train_micro_batch_size": 1}, {**LOSS, "compile": True}, False),
+        ({"train_micro_batch_size": 1, "sequence_packing": {"enabled": False}}, "rs_clipped_pg", True),
+        ({"train_micro_batch_size": 1}, LOSS, False),  # packing unset: may be inherited (NeMo-RL's base packs)
+        (
+            {
+                "train_micro_batch_size": 1,
+                "sequence_packing": {"enabled": False},
+                "dynamic_batching": {"enabled": True},
+            },
+            LOSS,
+            False,  # microbatches sized by tokens
+        ),
+        ({"train_micro_batch_size": 1, "sequence_packing": {"enabled": False}}, {**LOSS, "compile": True}, False),
         ({"train_micro_batch_size": 1, "sequence_packing": {"enabled": True}}, LOSS, False),  # gathered
-        ({"train_micro_batch_size": 4}, LOSS, False),
-        ({"train_micro_batch_size": 1}, {"name": "clipped_pg"}, False),  # NeMo-RL's own loss: no compile field
+        ({"train_micro_batch_size": 4, "sequence_packing": {"enabled": False}}, LOSS, False),
+        # NeMo-RL's own loss: no compile field
+        ({"train_micro_batch_size": 1, "sequence_packing": {"enabled": False}}, {"name": "clipped_pg"}, False),
     ],
-    ids=["packing-off", "packing-unset", "compiled", "packing-on", "four-per-microbatch", "own-loss"],
+    ids=[
+        "packing-off",
+        "loss-named-by-a-string",
+        "packing-unset",
+        "dynamic-batching",
+        "compiled",
+        "packing-on",
+        "four-per-microbatch",
+        "own-loss",
+    ],
 )
 def test_one_sequence_per_call_suggests_the_compiled_core(tmp_path, capsys, no_nemo_rl, policy, loss, said):
     """A lone B = 1 call pays the loss's fixed cost on every call (docs/performance.md)."""
