@@ -155,7 +155,10 @@ def _check_token_mask(metrics: MetricSet, token_mask: torch.Tensor, dtype: torch
     if token_mask.dtype == torch.bool or not token_mask.numel():
         return
     if not token_mask.is_floating_point():
-        lo, hi = torch.aminmax(token_mask)  # integers: MetricSet.stack promotes them
+        # Row by row, then over the rows: aminmax of the whole view NeMo-RL passes (token_mask[:, 1:],
+        # not contiguous) first copies it, a [B, T] int64 temporary; its rows are contiguous.
+        row_lo, row_hi = torch.aminmax(token_mask, dim=-1)
+        lo, hi = row_lo.amin(), row_hi.amax()  # integers: MetricSet.stack promotes them
         metrics.add("_token_mask_min", lo, "none", "min")
         metrics.add("_token_mask_max", hi, "none", "max")
 

@@ -185,7 +185,9 @@ def clipped_objective(
             target = ratios
             unclipped, clipped = neg_adv * ratios, neg_adv * ratios_clamped
             value = torch.maximum(unclipped, clipped)
-            slope = neg_adv * (unclipped >= clipped)
+            # The 0/1 mask cast first and multiplied in place: a float times a bool tensor casts the
+            # bool operand into a [B, T] temporary of its own.
+            slope = (unclipped >= clipped).to(neg_adv.dtype).mul_(neg_adv)
         if dual_clip_c is not None:
             bound = neg_adv * dual_clip_c
             binding = (value > bound).to(slope.dtype) + 0.5 * (value == bound)

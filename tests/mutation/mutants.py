@@ -259,7 +259,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         L,
-        "return value if unclamped or not math.isfinite(value) else min(max(value, lo), hi)",
+        "return value if not math.isfinite(value) else min(max(value, lo), hi)",
         "return value",
         "probs_ratio_clamped_min/max not clamped",
     ),
@@ -552,8 +552,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         IC,
-        'out["_token_mask_max"] > 1, integer_error',
-        'out["_token_mask_max"] > 2, integer_error',
+        'return out["_token_mask_min"] < 0 or out["_token_mask_max"] > 1',
+        'return out["_token_mask_min"] < 0 or out["_token_mask_max"] > 2',
         "an integer token_mask holding 2 passes",
     ),
     Mutant(
@@ -571,8 +571,8 @@ MUTANTS: list[Mutant] = [
     # ---- the closed-form gradients of the objective and the KL penalty (policy_loss.with_slope)
     Mutant(
         P,
-        "slope = neg_adv * (unclipped >= clipped)",
-        "slope = neg_adv * (unclipped > clipped)",
+        "slope = (unclipped >= clipped).to(neg_adv.dtype).mul_(neg_adv)",
+        "slope = (unclipped > clipped).to(neg_adv.dtype).mul_(neg_adv)",
         "PPO gradient lost inside the clip range (where both branches are equal)",
     ),
     Mutant(
@@ -623,20 +623,20 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         CW,
-        "low = ((raw_weight + penalty) < 1.0 / WEIGHT_TAIL).sum(dtype=raw_weight.dtype)",
-        "low = ((raw_weight + penalty) < WEIGHT_TAIL).sum(dtype=raw_weight.dtype)",
+        "low = torch.count_nonzero((raw_weight + penalty) < 1.0 / WEIGHT_TAIL)",
+        "low = torch.count_nonzero((raw_weight + penalty) < WEIGHT_TAIL)",
         "is_weight_raw_low_frac counts weights below C instead of below 1/C",
     ),
     Mutant(
         CW,
-        "high = ((raw_weight - penalty) > WEIGHT_TAIL).sum(dtype=raw_weight.dtype)",
-        "high = ((raw_weight + penalty) > WEIGHT_TAIL).sum(dtype=raw_weight.dtype)",
+        "high = torch.count_nonzero((raw_weight - penalty) > WEIGHT_TAIL)",
+        "high = torch.count_nonzero((raw_weight + penalty) > WEIGHT_TAIL)",
         "is_weight_raw_high_frac counts masked units (the penalty's sign)",
     ),
     Mutant(
         MS,
-        'return not name.startswith("_") and (per_call or name not in self._per_call)',
-        'return not name.startswith("_")',
+        "left_out = () if per_call else self._per_call",
+        "left_out = ()",
         "the NeMo-RL loss returns the per-call metrics, which NeMo-RL then sums",
     ),
     # ---- sequence packing: the wrapper's calls gathered into one (nemo_rs_plugin/nemo_rl/packing.py)

@@ -193,8 +193,9 @@ def _record_tails(
     (a separate masked sum costs a kernel of its own). Sums over units divided by the global
     count: they add up over calls, microbatches and ranks.
     """
-    low = ((raw_weight + penalty) < 1.0 / WEIGHT_TAIL).sum(dtype=raw_weight.dtype)
-    high = ((raw_weight - penalty) > WEIGHT_TAIL).sum(dtype=raw_weight.dtype)
+    # count_nonzero, not sum(dtype=...): a float sum of a bool tensor casts it into a [B, T] temporary.
+    low = torch.count_nonzero((raw_weight + penalty) < 1.0 / WEIGHT_TAIL).to(raw_weight.dtype)
+    high = torch.count_nonzero((raw_weight - penalty) > WEIGHT_TAIL).to(raw_weight.dtype)
     metrics.add_total("is_weight_raw_low_frac", low, normalization, reduction)
     metrics.add_total("is_weight_raw_high_frac", high, normalization, reduction)
 
