@@ -63,7 +63,7 @@ def core_fn(loss: Any, groups: Any) -> Callable:
     backend = loss.compile_backend
     compiled = _COMPILED.get((fn, backend))
     if compiled is None:
-        compiled = _COMPILED[(fn, backend)] = _without_duck_sizing(_compile(fn, backend))
+        compiled = _COMPILED[(fn, backend)] = _with_tracing_settings(_compile(fn, backend))
     return compiled
 
 
@@ -100,7 +100,7 @@ def free_host_reads(loss: Any, core: Callable, device: torch.device, groups: Any
     )
 
 
-def _without_duck_sizing(compiled: Callable) -> Callable:
+def _with_tracing_settings(compiled: Callable) -> Callable:
     """Run ``compiled`` with duck sizing off and Python floats specialised (tracing settings).
 
     Duck sizing (torch's default) gives two dimensions that happen to be equal at the first
@@ -109,12 +109,14 @@ def _without_duck_sizing(compiled: Callable) -> Callable:
     floats (``specialize_float=False``, the default under ``dynamic=True``) make every Python
     float the core reads (``EPS``, clip bounds, the KL coefficient: constants of a
     configuration) a graph input that each call converts to a tensor on the host; specialised,
-    they are constants of the graph, guarded by value.
+    they are constants of the graph, guarded by value (so a float that changes per call would
+    recompile: ``CorrectedPGLoss.compute`` turns Python-number global counts into tensors
+    before the core).
 
     Both settings are read only while dynamo traces, which may happen on any call (a
     recompilation), so they are set around each call: as plain attribute writes, since
-    ``config.patch`` builds a context-manager class per call (~16 us, a tenth of a small
-    call's time; benchmarks/bench_packing.py --compiled).
+    ``config.patch`` builds a context-manager class per call (~16 us, 3-4% of a lone B = 1
+    call; benchmarks/bench_packing.py --compiled).
     """
     try:
         from torch._dynamo import config as dynamo_config
