@@ -181,11 +181,12 @@ def test_the_metric_set_keeps_no_tensor_but_its_vector_after_stack(batched):
     assert held == [], [tuple(t.shape) for t in held]
 
 
-def test_global_counts_given_as_python_numbers_do_not_recompile(compile_on_aot_eager):
+@pytest.mark.parametrize("compile_on", ["aot_eager"], indirect=True)
+def test_global_counts_given_as_python_numbers_do_not_recompile(compile_on):
     """A caller passing the counts as Python numbers (the split API's placeholder 1, a simulator)
     gets one graph: the compiled core specialises Python floats (compiled.py), so the loss turns
     the counts into tensors before it, not inside it, where every new count would recompile."""
-    loss_fn = compiled_loss({}, compile_on_aot_eager)
+    loss_fn = compiled_loss({}, compile_on)
 
     def call(gvs, gvt):
         lp, data, _, _ = batch(3, 6)
@@ -202,16 +203,6 @@ def test_global_counts_given_as_python_numbers_do_not_recompile(compile_on_aot_e
             torch.testing.assert_close(loss, eager_loss)
             assert metrics == pytest.approx(eager_metrics)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-
-
-@pytest.fixture
-def compile_on_aot_eager():
-    torch._dynamo.reset()
-    compiled._COMPILED.clear()
-    counters.clear()
-    yield "aot_eager"
-    torch._dynamo.reset()
-    compiled._COMPILED.clear()
 
 
 def _traced_graph(monkeypatch, cfg):
