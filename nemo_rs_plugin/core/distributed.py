@@ -75,8 +75,11 @@ class SequenceGroups(NamedTuple):
 
     @property
     def active(self) -> bool:
-        """True when any reduction will actually be issued."""
-        return bool(self.groups)
+        """True when any reduction will actually be issued.
+
+        ``len``, not ``bool``: torch 2.11's dynamo cannot trace ``bool`` of a tuple (a graph break).
+        """
+        return len(self.groups) > 0
 
 
 NO_GROUPS = SequenceGroups()

@@ -31,6 +31,13 @@ SAMPLE = [
 ]
 BY_NAME = {c["name"]: c for c in CASES}
 BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+# Token-level IS with TIS and a sequence filter: the shipped async recipe's loss section.
+TOKEN_LEVEL_FILTER = {
+    "use_importance_sampling_correction": True,
+    "truncated_importance_sampling_type": "tis",
+    "truncated_importance_sampling_ratio": 2.0,
+    "rejection_sampling": [{"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4}],
+}
 
 
 @pytest.fixture
@@ -73,6 +80,11 @@ def test_compiled_equals_eager_on_parity_cases(compile_on):
         pytest.param(FULL, "aot_eager", id="full-aot_eager", marks=pytest.mark.slow),  # ~10 s
         pytest.param({}, "inductor", id="plain-inductor", marks=pytest.mark.slow),
         pytest.param(FULL, "inductor", id="full-inductor", marks=pytest.mark.slow),
+        # A token-level correction with a filter (the async recipe's shape) reaches code FULL's
+        # sequence level short-circuits: torch 2.11's dynamo (the GPU image) broke it into 15
+        # graphs on a ``bool`` of the filter tuple; torch 2.13 traces that, so only
+        # benchmarks/gpu_check.sh, which runs this file on that image, can fail it.
+        pytest.param(TOKEN_LEVEL_FILTER, "aot_eager", id="token-filter-aot_eager", marks=pytest.mark.slow),
     ],
     indirect=["compile_on"],
 )

@@ -104,12 +104,14 @@ def needs_sequence_statistics(cfg: RSClippedPGLossConfig) -> bool:
     """Whether anything in this configuration reads a per-sequence statistic.
 
     NeMo-RL's default (token IS level, token-level loss, no filter) reads none, and then no
-    per-sequence sum is computed or reduced at all.
+    per-sequence sum is computed or reduced at all. (``len`` of the stage tuple, not ``bool``:
+    dynamo in torch 2.11 cannot trace ``bool`` of a tuple, and that one call broke the compiled
+    core of every configuration with a filter into 15 graphs on a GPU.)
     """
     return (
         not cfg.is_level_entry.per_token
         or cfg.truncated_importance_sampling_type == "seq-mask-tis"
-        or bool(cfg.rejection_sampling)
+        or len(cfg.rejection_sampling) > 0
         or not cfg.token_level_loss
         or cfg.positive_example_nll_weight > 0
         or cfg.rejection_denominator == "kept"
