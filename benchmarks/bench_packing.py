@@ -47,7 +47,9 @@ profiled call (torch.profiler), the GPU's actual work; and **kernels**, how many
 ``--compiled`` adds two tables: the B = 1 call of each NeMo-RL configuration with ``compile: true``
 (the compiled core, nemo_rs_plugin/core/compiled.py; its compilation, the first call, untimed)
 against NeMo-RL's, the same timing, and of each shipped recipe's loss section against NeMo-RL's
-plain one (a recipe with ``sharded_logits_input`` stays eager: left out).
+plain one (a recipe with ``sharded_logits_input`` stays eager: left out), each table followed
+by how many graphs dynamo made of each configuration and its graph breaks (one and none is the
+design; torch 2.11 broke the filters' core into 15 graphs on a ``bool`` of a tuple).
 
 ``--profile [CONFIG]`` profiles the plugin's B = 1 call of one configuration (a label or a
 unique part of one; default "IS + token TIS") instead of the tables, to attribute the fixed
@@ -431,10 +433,15 @@ def print_tables(title: str, reference: str, rows: dict[str, dict], n_seqs: int)
         print()
 
 
+def chosen(label: str, only: str) -> bool:
+    """Whether ``--only`` picks ``label``: it contains one of the comma-separated parts (case-insensitive)."""
+    return any(part.strip().lower() in label.lower() for part in only.split(","))
+
+
 def run_tables(args) -> None:
     _, _, about = host()
-    configs = {name: cfg for name, cfg in NEMO_RL_CONFIGS.items() if args.only.lower() in name.lower()}
-    recipes = {name: cfg for name, cfg in recipe_sections().items() if args.only.lower() in name.lower()}
+    configs = {name: cfg for name, cfg in NEMO_RL_CONFIGS.items() if chosen(name, args.only)}
+    recipes = {name: cfg for name, cfg in recipe_sections().items() if chosen(name, args.only)}
     mb = to_device(packed_microbatch(args.sequences, args.min_len, args.max_len, args.vocab, args.seed), args.device)
     large = to_device(make_batch(8, 32768), args.device) if args.large else None
     timed = args.rounds * (max(args.block, 2) - 1)
@@ -487,6 +494,8 @@ def compiled_tables(args, configs: dict[str, dict], recipes: dict[str, dict]) ->
     table). A recipe with ``sharded_logits_input`` is left out: its core stays eager
     (nemo_rs_plugin/core/compiled.py). The compilation, the first call, is not timed.
     """
+    from torch._dynamo.utils import counters
+
     plain = NEMO_RL_CONFIGS[PLAIN]
     jobs = [
         ("NeMo-RL configuration, compiled", "NeMo-RL", {n: (c, c) for n, c in configs.items()}),
@@ -501,10 +510,12 @@ def compiled_tables(args, configs: dict[str, dict], recipes: dict[str, dict]) ->
             continue
         print(f"compile: true, one lone B=1 call (the compiled core; compilation in the first, untimed call): {title}")
         rows = {}
+        graphs = {}
         for name, (cfg, host_cfg) in entries.items():
             # One configuration at a time: each is a graph of its own (its floats are constants), and
             # dynamo falls back to eager past 8 graphs of one function in a process.
             torch._dynamo.reset()
+            counters.clear()
             compiled = build({**cfg, "compile": True}, True)
             single = to_device(make_batch(1, args.length), args.device)
             setups = [single_call(fn, single, False, args.vocab) for fn in (compiled, build(host_cfg, False))]
@@ -517,7 +528,13 @@ def compiled_tables(args, configs: dict[str, dict], recipes: dict[str, dict]) ->
             else:
                 times = time_calls({"plugin": setups[0], "NeMo-RL": setups[1]}, args.rounds, args.block)
                 rows[name] = {"thread CPU time": {"B=1": (times["plugin"], times["NeMo-RL"])}}
+            graphs[name] = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
         print_tables(title, reference, rows, args.sequences)
+        # One graph and no break is what the compiled core is built for; more means part of it runs
+        # eagerly between graphs (a dynamo version that cannot trace a construct), which the times show.
+        for name, (n_graphs, n_breaks) in graphs.items():
+            print(f"dynamo: {name}: {n_graphs} graph(s), {n_breaks} graph break(s)")
+        print()
 
 
 # ----------------------------------------------------------------------------- --profile
@@ -656,7 +673,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of the packed microbatch")
     ap.add_argument("--large", action="store_true", help="also one call at 8 x 32k (slow)")
     ap.add_argument("--compiled", action="store_true", help="also the B = 1 call with compile: true (slow: compiles)")
-    ap.add_argument("--only", default="", help="only the configurations whose label contains this")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="only the configurations whose label contains this (or one of several, comma-separated)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads")
     ap.add_argument("--device", type=torch.device, default=torch.device("cpu"), help="cpu, or cuda: see above")
     ap.add_argument(

@@ -3,8 +3,19 @@
 # tests, the parity fixtures on CUDA (eager and compiled) and bench_gpu.py's timings and peak
 # memory against NeMo-RL's loss. See docs/performance.md#on-a-gpu.
 #
-#   bash benchmarks/gpu_check.sh            # from the repository root, < 8 minutes
+#   bash benchmarks/gpu_check.sh            # from the repository root, < 10 minutes
 #   bash benchmarks/gpu_check.sh --dry-run  # any machine: skips the CUDA parts, proves it starts
+#   STEPS=tests,packing bash benchmarks/gpu_check.sh   # only some steps (always in the order below)
+#
+# Steps (STEPS, comma-separated; default all four, run in this order):
+#   tests             the CUDA tests (GPU_TESTS overrides the files): one host sync per call,
+#                     the parity fixtures on CUDA, compiled equal to eager
+#   bench_gpu         bench_gpu.py: 8 x 32k and 4 x 64k, CUDA events and peak memory vs NeMo-RL
+#   packing           bench_packing.py --device cuda --large: the calls NeMo-RL makes under
+#                     sequence packing (a lone B = 1 call, its per-sequence wrapper over 32
+#                     sequences, 8 x 32k), host time, GPU span, kernel time and kernels per call
+#   packing_compiled  the lone B = 1 call with compile: true, for the configurations whose label
+#                     contains one of PACKING_COMPILED_ONLY's parts (each compiles: ~1 min)
 #
 # Before (where pip works): bash benchmarks/gpu_wheels.sh fills .whl/; optionally
 #   mkdir -p .nemo-rl && tar -xzf ../shared/nemo-rl/nemo-rl-main.tar.gz -C .nemo-rl
@@ -18,6 +29,8 @@ DRY=0
 OUT=${OUT:-$REPO/gpu-check-out}
 NEMO_RL=${NEMO_RL:-$REPO/.nemo-rl/nemo-rl-main}
 PY=${PYTHON:-python3}
+STEPS=",${STEPS:-tests,bench_gpu,packing,packing_compiled},"
+PACKING_COMPILED_ONLY=${PACKING_COMPILED_ONLY:-token TIS,async-tokentis}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 exec > >(tee "$LOG") 2>&1
@@ -57,23 +70,37 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.
 PY
 if [[ -d "$NEMO_RL/nemo_rl" ]]; then echo "NeMo-RL: $NEMO_RL"; else echo "NeMo-RL: no checkout at $NEMO_RL; its comparison will be skipped"; fi
 PYTEST=($PY -m pytest -q -p no:cacheprovider -rs)
-TESTS=(tests/core/test_cuda_sync.py tests/core/test_peer_modes_prime_rl_ms_swift.py tests/core/test_parity.py tests/core/test_compile.py)
+# shellcheck disable=SC2206  # GPU_TESTS: a space-separated list of test files
+TESTS=(${GPU_TESTS:-tests/core/test_cuda_sync.py tests/core/test_peer_modes_prime_rl_ms_swift.py tests/core/test_parity.py tests/core/test_compile.py})
+wanted() { [[ $STEPS == *",$1,"* ]]; }
+# bench_packing imports NeMo-RL's SequencePackingLossWrapper: the checkout goes on PYTHONPATH.
+PACKING=(env "PYTHONPATH=$NEMO_RL:$PYTHONPATH" PYTHONUNBUFFERED=1 $PY benchmarks/bench_packing.py)
 
 if [[ $DRY -eq 1 ]]; then
-  # Everything but CUDA: the GPU tests import and collect; the benchmark runs on CPU, the
-  # compiled rows with the aot_eager backend (same graph, no kernel generation: seconds).
-  step "collect the GPU tests" 120 "${PYTEST[@]}" --collect-only "${TESTS[@]}"
-  step "bench_gpu on CPU (dry run)" 180 \
+  # Everything but CUDA: the GPU tests import and collect; the benchmarks run on CPU, briefly,
+  # bench_gpu's compiled rows with the aot_eager backend (same graph, no kernel generation: seconds).
+  wanted tests && step "collect the GPU tests" 120 "${PYTEST[@]}" --collect-only "${TESTS[@]}"
+  wanted bench_gpu && step "bench_gpu on CPU (dry run)" 180 \
     $PY benchmarks/bench_gpu.py --device cpu --sizes 2x1024 --repeats 2 --nemo-rl "$NEMO_RL" --compile-backend aot_eager \
     --json "$OUT/bench_gpu.json"
+  if [[ -d "$NEMO_RL/nemo_rl" ]]; then
+    wanted packing && step "bench_packing on CPU (dry run)" 180 \
+      "${PACKING[@]}" --only "plain, GSPO" --rounds 2 --packed-rounds 1 --sequences 4
+  else
+    wanted packing && echo "bench_packing skipped: it needs NeMo-RL's checkout"
+  fi
 else
   # CUDA tests: sync count (fp32/bf16, eager/compiled), 120 parity fixtures on CUDA, and the
   # compiled core vs eager with inductor (slow-marked cases included).
-  step "CUDA tests (sync count, parity on cuda, compiled vs eager)" 300 \
+  wanted tests && step "CUDA tests (sync count, parity on cuda, compiled vs eager)" 300 \
     env NEMO_RS_TEST_DEVICE=cuda "${PYTEST[@]}" -m "slow or not slow" "${TESTS[@]}"
-  step "bench_gpu (CUDA events, peak memory, 8x32k and 4x64k)" 240 \
+  wanted bench_gpu && step "bench_gpu (CUDA events, peak memory, 8x32k and 4x64k)" 240 \
     $PY benchmarks/bench_gpu.py --device cuda --sizes 8x32768,4x65536 --repeats 20 \
     --nemo-rl "$NEMO_RL" --json "$OUT/bench_gpu.json"
+  wanted packing && step "bench_packing on CUDA (B = 1, the per-sequence wrapper, 8 x 32k)" 240 \
+    "${PACKING[@]}" --device cuda --large
+  wanted packing_compiled && step "bench_packing on CUDA, compiled B = 1 ($PACKING_COMPILED_ONLY)" 240 \
+    "${PACKING[@]}" --device cuda --compiled --only "$PACKING_COMPILED_ONLY"
 fi
 echo "gpu_check: $((SECONDS - START)) s; failed steps: ${#FAILED[@]}${FAILED:+ (${FAILED[*]})}"
 [[ ${#FAILED[@]} -eq 0 ]] && echo "gpu_check: done" && exit 0

@@ -91,3 +91,32 @@ def test_nemo_rl_loss_runs_without_ray_for_the_gpu_comparison():
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "ray stand-ins: ['ray'" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow  # ~15 s: NeMo-RL imported in a fresh interpreter, a few packed calls
+@pytest.mark.skipif(sys.platform != "linux", reason="bash script for the Linux GPU machines")
+def test_gpu_check_dry_run_times_the_packing_wrapper_with_a_real_checkout(tmp_path):
+    """The ``packing`` step (bench_packing.py, NeMo-RL's real ``SequencePackingLossWrapper``)
+    starts and prints its table on the CPU with the checkout that GPU run would carry, and the
+    steps left out of ``STEPS`` do not run."""
+    from tests.support.nemo_rl_hosts import nemo_rl_hosts, skip_or_fail
+
+    hosts = [h for h in nemo_rl_hosts() if h]
+    if not hosts:
+        skip_or_fail("no NeMo-RL checkout")
+        return
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "NEMO_RL": hosts[-1], "STEPS": "packing"}
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    assert "=== bench_packing on CPU (dry run): rc=0" in log
+    assert "SequencePackingLossWrapper + prepare_loss_input over 4 sequences" in log
+    assert "\nplain " in log and "\nGSPO " in log  # --only "plain, GSPO": both rows, nothing else
+    assert "\nIS + token TIS " not in log
+    assert "collect the GPU tests" not in log and not (tmp_path / "bench_gpu.json").exists()
