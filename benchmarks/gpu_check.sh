@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (H100/H200, no network, a CUDA torch, no pydantic): the CUDA
-# tests, the parity fixtures on CUDA (eager and compiled) and bench_gpu.py's timings and peak
-# memory against NeMo-RL's loss. See docs/performance.md#on-a-gpu.
+# tests, the parity fixtures on CUDA (eager and compiled), bench_gpu.py's timings and peak
+# memory against NeMo-RL's loss, and bench_packing.py's cost per call under sequence packing.
+# See docs/performance.md#on-a-gpu.
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, < 10 minutes
 #   bash benchmarks/gpu_check.sh --dry-run  # any machine: skips the CUDA parts, proves it starts
@@ -36,6 +37,12 @@ LOG="$OUT/gpu_check.log"
 exec > >(tee "$LOG") 2>&1
 START=$SECONDS
 FAILED=()
+for name in ${STEPS//,/ }; do  # a misspelt step would otherwise run nothing, silently
+  case $name in
+    tests | bench_gpu | packing | packing_compiled) ;;
+    *) echo "gpu_check: unknown step '$name' in STEPS (allowed: tests, bench_gpu, packing, packing_compiled)"; exit 2 ;;
+  esac
+done
 
 step() {  # step NAME TIMEOUT_S CMD...: run, report rc and seconds, remember failures
   local name=$1 limit=$2; shift 2

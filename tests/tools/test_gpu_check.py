@@ -120,3 +120,19 @@ def test_gpu_check_dry_run_times_the_packing_wrapper_with_a_real_checkout(tmp_pa
     assert "\nplain " in log and "\nGSPO " in log  # --only "plain, GSPO": both rows, nothing else
     assert "\nIS + token TIS " not in log
     assert "collect the GPU tests" not in log and not (tmp_path / "bench_gpu.json").exists()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash script for the Linux GPU machines")
+def test_gpu_check_refuses_an_unknown_step(tmp_path):
+    """A misspelt step would run nothing and spend a lease on it: refused before any step, naming it."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "STEPS": "tests,packng"}
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "unknown step 'packng' in STEPS (allowed: tests, bench_gpu, packing, packing_compiled)" in proc.stdout
+    assert "=== " not in proc.stdout  # no step ran
