@@ -16,18 +16,24 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # ~30 s: the whole GPU script, dry
-@pytest.mark.skipif(sys.platform != "linux", reason="bash script for the Linux GPU machines")
-def test_gpu_check_dry_run_completes(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "NEMO_RL": str(tmp_path / "no-nemo-rl")}
+def dry_run(tmp_path, timeout=240, **env):
+    """``gpu_check.sh --dry-run`` with ``OUT`` in ``tmp_path`` and ``env`` added: the process and its log."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, **env}
     proc = subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run"],
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
     )
-    log = (tmp_path / "gpu_check.log").read_text()
+    log = tmp_path / "gpu_check.log"
+    return proc, log.read_text() if log.exists() else ""
+
+
+@pytest.mark.slow  # ~30 s: the whole GPU script, dry
+@pytest.mark.skipif(sys.platform != "linux", reason="bash script for the Linux GPU machines")
+def test_gpu_check_dry_run_completes(tmp_path):
+    proc, log = dry_run(tmp_path, NEMO_RL=str(tmp_path / "no-nemo-rl"))
     assert proc.returncode == 0, log[-4000:]
     assert "gpu_check: done" in log
     assert "NeMo-RL comparison skipped: no NeMo-RL checkout" in log
@@ -105,15 +111,7 @@ def test_gpu_check_dry_run_times_the_packing_wrapper_with_a_real_checkout(tmp_pa
     if not hosts:
         skip_or_fail("no NeMo-RL checkout")
         return
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "NEMO_RL": hosts[-1], "STEPS": "packing"}
-    proc = subprocess.run(
-        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    log = (tmp_path / "gpu_check.log").read_text()
+    proc, log = dry_run(tmp_path, NEMO_RL=hosts[-1], STEPS="packing")
     assert proc.returncode == 0, log[-4000:]
     assert "=== bench_packing on CPU (dry run): rc=0" in log
     assert "SequencePackingLossWrapper + prepare_loss_input over 4 sequences" in log
@@ -125,14 +123,7 @@ def test_gpu_check_dry_run_times_the_packing_wrapper_with_a_real_checkout(tmp_pa
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script for the Linux GPU machines")
 def test_gpu_check_refuses_an_unknown_step(tmp_path):
     """A misspelt step would run nothing and spend a lease on it: refused before any step, naming it."""
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "STEPS": "tests,packng"}
-    proc = subprocess.run(
-        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc, _ = dry_run(tmp_path, timeout=60, STEPS="tests,packng")
     assert proc.returncode == 2
     assert "unknown step 'packng' in STEPS (allowed: tests, bench_gpu, packing, packing_compiled)" in proc.stdout
     assert "=== " not in proc.stdout  # no step ran
