@@ -10,9 +10,10 @@ metrics, are in :mod:`nemo_rs_plugin.core.input_checks`. See: docs/guide.md#non-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, Optional, Union, overload
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union, overload
 
 import torch
+import torch.nn.functional as F
 
 from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, sanitize
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
@@ -98,6 +99,51 @@ class LossInputs:
             sample_mask=_required(data, "sample_mask"),
             rewards=data.get("rewards"),
             curr_unfiltered=unfiltered,
+        )
+
+    @classmethod
+    def stack_rows(cls, parts: Sequence["LossInputs"]) -> "LossInputs":
+        """One microbatch from the inputs of its sequences (NeMo-RL's per-sequence packing calls).
+
+        Part ``i`` holds ``[b_i, T_i]`` per-token fields; the result ``[sum b_i, max T_i]``, each
+        part's fields zero-padded on the right, so a padding position has ``token_mask`` 0 and
+        reads as no token: every per-sequence statistic (a masked sum over a row) and every
+        token term is the parts' own. ``sample_mask`` and ``rewards`` are concatenated. Padding
+        and concatenation are differentiable: ``curr``'s gradient reaches each part's tensor.
+
+        Raises:
+            ValueError: no part, or an optional field (``prev``, ``reference``, ``rewards``,
+                ``curr_unfiltered``) present in some parts only.
+        """
+        if not parts:
+            raise ValueError("LossInputs.stack_rows: no part to stack")
+        width = max(part.token_mask.shape[-1] for part in parts)
+
+        def rows(name: str, per_token: bool) -> Optional[torch.Tensor]:
+            values = [getattr(part, name) for part in parts]
+            if all(v is None for v in values):
+                return None
+            if any(v is None for v in values):
+                raise ValueError(f"LossInputs.stack_rows: {name} is given for some parts only")
+            if per_token:
+                values = [v if v.shape[-1] == width else F.pad(v, (0, width - v.shape[-1])) for v in values]
+            return values[0] if len(values) == 1 else torch.cat(values, 0)
+
+        def required(name: str, per_token: bool = True) -> torch.Tensor:
+            value = rows(name, per_token)
+            assert value is not None  # a required field of every part
+            return value
+
+        return cls(
+            curr=required("curr"),
+            prev=rows("prev", True),
+            generation=required("generation"),
+            reference=rows("reference", True),
+            advantages=required("advantages"),
+            token_mask=required("token_mask"),
+            sample_mask=required("sample_mask", per_token=False),
+            rewards=rows("rewards", False),
+            curr_unfiltered=rows("curr_unfiltered", True),
         )
 
     def compute_dtype(self) -> torch.dtype:

@@ -15,9 +15,10 @@ microbatch instead, and would silently change meaning per sequence:
 * ``positive_example_nll_weight``: the NLL is a mean over the microbatch's tokens of correct
   samples; per sequence each correct sample is averaged alone.
 
-With log-probs as input the NeMo-RL glue gathers the wrapper's calls into one call on the
-whole microbatch (:mod:`nemo_rs_plugin.nemo_rl.packing`), and none of this is needed. Where each
-call computes its own sequence (logits as input), the totals are: their inputs
+Where the wrapper's position is read (NeMo-RL v0.6.0 to main), the NeMo-RL glue gathers its calls
+into one call on the whole microbatch, log-probs or logits as input
+(:mod:`nemo_rs_plugin.nemo_rl.packing`), and none of this is needed. Where each call computes its
+own sequence (a wrapper whose position cannot be read), the totals are: their inputs
 (``prev_logprobs``, ``generation_logprobs``, the masks, the rewards) exist before the forward
 pass, so they are computed once from the whole microbatch
 (:meth:`CorrectedPGLoss.microbatch_totals <nemo_rs_plugin.core.loss.CorrectedPGLoss.microbatch_totals>`)

@@ -255,17 +255,15 @@ def training_time_filtering_problem(top_k: Any, top_p: Any) -> Optional[str]:
 def per_sequence_packing_problem(problems: list[str], *, logits_input: bool) -> str:
     """The one message for a configuration that NeMo-RL's per-sequence packing wrapper would change.
 
-    Read by the loss (on the wrapper's first call) and by ``nemo-rs check`` (from the recipe).
-    ``logits_input``: why each call computes its own sequence there: the loss takes logits
-    (``sharded_logits_input``), else the loss could not read which sequence a call is.
+    Read by the loss on the wrapper's first call, where the wrapper does not say which sequence
+    a call is (no ``seq_idx``): each call is then computed on its own sequence instead of being
+    gathered. ``logits_input``: the way out cannot be NeMo-RL's fused packing alone, which takes
+    log-probs only.
     """
+    why = "this wrapper does not say which sequence a call is (no seq_idx), so each call computes its own"
+    fixes = "policy.sequence_packing.fuse_loss: true (Megatron backend: one call per microbatch)"
     if logits_input:
-        why = "each call computes its own sequence where the loss takes logits (sharded_logits_input: true)"
-        # NeMo-RL's fused packing takes log-probs only: fuse_loss is no way out for logits
-        fixes = "sharded_logits_input: false (log-probs: the calls are gathered into one per microbatch)"
-    else:
-        why = "this wrapper does not say which sequence a call is (no seq_idx), so each call computes its own"
-        fixes = "policy.sequence_packing.fuse_loss: true (Megatron backend: one call per microbatch)"
+        fixes = f"sharded_logits_input: false with {fixes}"
     return (
         "policy.sequence_packing: enabled without fuse_loss, so NeMo-RL calls this loss once per sequence "
         f"(SequencePackingLossWrapper), {why}, and "

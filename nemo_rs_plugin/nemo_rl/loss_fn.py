@@ -150,17 +150,18 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         dp_group = batch_data_parallel_group(self.rs_config)
         packed = per_sequence_wrapper_call(self)
         microbatch = None
-        if packed is not None and (self.rs_config.sharded_logits_input or packed.index is None):
-            microbatch = self._per_sequence_totals(packed, dp_group)  # one sequence per call (module docstring)
+        if packed is not None and packed.index is None:
+            # position unreadable: one sequence computed per call (nemo_rs_plugin.nemo_rl.packing)
+            microbatch = self._per_sequence_totals(packed, dp_group)
+        if packed is None or packed.index is None:
+            self._gather.clear()  # nothing of a wrapper call that stopped part-way outlives it
         if not self.rs_config.sharded_logits_input:
             if next_token_logprobs is None:
                 raise TypeError(
                     "rs_clipped_pg: next_token_logprobs is required (input_type LOGPROB); set "
                     "sharded_logits_input: true to pass logits"
                 )
-            if packed is None or packed.index is None:
-                self._gather.clear()  # nothing of a wrapper call that stopped part-way outlives it
-            else:
+            if packed is not None and packed.index is not None:
                 gathered = self._gather.add(packed, next_token_logprobs, data)
                 if gathered is None:  # not the microbatch's last sequence: counted in the last call
                     dtype = self.core.loss_dtype(next_token_logprobs, data)  # the wrapper sums into this zero
@@ -181,9 +182,24 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         _refuse_training_time_filtering(_callers_sampling_params())
         if self._recorder is not None:
             self._recorder.observe(global_valid_toks, _whole_microbatch(packed, data))
-        from nemo_rs_plugin.parallel.sharded import sharded_loss
+        from nemo_rs_plugin.parallel.sharded import sharded_loss, sharded_loss_inputs, sharded_loss_of_inputs
 
         tp_group, cp_group = megatron_groups()
+        if packed is not None and packed.index is not None:
+            # Each call makes its sequence's CP-local inputs (the log-softmax over the local vocabulary
+            # shard, with its TP all-reduce); the last computes the stacked microbatch once.
+            inputs = sharded_loss_inputs(logits, data, cp_group=cp_group, tp_group=tp_group, pad_to_shard=True)
+            stacked = self._gather.add_inputs(packed, inputs)
+            if stacked is None:  # not the microbatch's last sequence: counted in the last call
+                return logits.new_zeros((), dtype=inputs.compute_dtype()), {}
+            return sharded_loss_of_inputs(
+                self.core,
+                stacked,
+                global_valid_seqs,
+                global_valid_toks,
+                cp_group=cp_group,
+                data_parallel_group=dp_group,
+            )
         return sharded_loss(
             self.core,
             logits,
@@ -200,7 +216,7 @@ class RSClippedPGLossFn(ClippedPGLossFn):
     def _per_sequence_totals(self, call: WrapperCall, dp_group: Any) -> Optional[MicrobatchTotals]:
         """The whole microbatch's totals for a per-sequence call computed on its own sequence.
 
-        Such a call (logit input, or a wrapper whose position cannot be read:
+        Such a call (a wrapper whose position cannot be read:
         :mod:`nemo_rs_plugin.nemo_rl.packing`) gets its sequence's slice of the microbatch; the
         wrapper's own ``data`` is the whole microbatch. The totals the configuration reads
         (:mod:`nemo_rs_plugin.core.microbatch`) are computed from it once per microbatch, so

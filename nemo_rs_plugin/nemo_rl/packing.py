@@ -20,10 +20,17 @@ microbatch instead of once per sequence. The position of a call is read from the
 frame (its ``seq_idx``, NeMo-RL v0.6.0 to main): exact, not counted; calls out of order are
 an error.
 
-Logit input (``sharded_logits_input``, or a wrapper whose position cannot be read): each
-call is computed on its own sequence, with the microbatch totals of
-:mod:`nemo_rs_plugin.core.microbatch` read from the wrapper's ``data`` (:class:`TotalsCache`);
-the settings whose totals need the current policy of other sequences are refused there.
+Logit input (``sharded_logits_input``): each call turns its own sequence's local logits
+shard into its CP-local inputs (the vocab-parallel log-softmax, its TP all-reduce issued once
+per sequence on every rank of the group, all holding the same sequences), which
+:meth:`SequenceGather.add_inputs` keeps; the last call stacks them
+(``LossInputs.stack_rows``) and the sharded loss runs once on the microbatch, as above. The
+logits themselves are never copied.
+
+A wrapper whose position cannot be read: each call is computed on its own sequence, with the
+microbatch totals of :mod:`nemo_rs_plugin.core.microbatch` read from the wrapper's ``data``
+(:class:`TotalsCache`); the settings whose totals need the current policy of other sequences
+are refused there.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from nemo_rs_plugin.core.inputs import LossInputs
 from nemo_rs_plugin.core.microbatch import MicrobatchTotals
 
 __all__ = [
@@ -111,8 +119,7 @@ def is_microbatch(data: Any, sequences: int) -> bool:
 class _Pending(NamedTuple):
     frame_id: int
     microbatch: Any
-    logprobs: list
-    data: list
+    rows: list  # per sequence: (log-probs, data), or its LossInputs (logit input)
 
 
 class SequenceGather:
@@ -135,21 +142,7 @@ class SequenceGather:
                 wrapper call, or the same sequence twice).
             ValueError: a sequence's log-probs are not ``[1, L - 1]`` for its ``L`` data columns.
         """
-        assert call.index is not None
-        if call.index == 0:
-            self._pending = _Pending(call.frame_id, call.microbatch, [None] * call.sequences, [None] * call.sequences)
-        pending = self._pending
-        if (
-            pending is None
-            or pending.frame_id != call.frame_id
-            or pending.microbatch is not call.microbatch
-            or pending.logprobs[call.index] is not None
-        ):
-            self._pending = None
-            raise RuntimeError(
-                f"rs_clipped_pg: SequencePackingLossWrapper called the loss for sequence {call.index} of "
-                f"{call.sequences} out of order (expected 0, 1, ..., {call.sequences - 1} within one wrapper call)"
-            )
+        pending = self._admit(call)
         width = data["token_mask"].shape[-1]
         if logprobs.dim() != 2 or logprobs.shape[0] != 1 or logprobs.shape[1] != width - 1:
             self._pending = None
@@ -157,12 +150,43 @@ class SequenceGather:
                 f"rs_clipped_pg: sequence {call.index} of the packed microbatch has next_token_logprobs of shape "
                 f"{tuple(logprobs.shape)} for {width} token_mask columns; expected (1, {width - 1})"
             )
-        pending.logprobs[call.index] = logprobs
-        pending.data[call.index] = data
+        return self._keep(call, pending, (logprobs, data), _stacked)
+
+    def add_inputs(self, call: WrapperCall, inputs: LossInputs) -> Optional[LossInputs]:
+        """Keep call ``call.index``'s inputs (logit input: its sequence's CP-local ``LossInputs``).
+
+        On the last call the microbatch's, stacked (``LossInputs.stack_rows``); ``None`` before.
+        Raises ``RuntimeError`` for a call out of the wrapper's order, as :meth:`add`.
+        """
+        pending = self._admit(call)
+        return self._keep(call, pending, inputs, lambda done: LossInputs.stack_rows(done.rows))
+
+    def _admit(self, call: WrapperCall) -> _Pending:
+        """The microbatch ``call`` belongs to: new at sequence 0, else the one its earlier calls began."""
+        assert call.index is not None
+        if call.index == 0:
+            self._pending = _Pending(call.frame_id, call.microbatch, [None] * call.sequences)
+        pending = self._pending
+        if (
+            pending is None
+            or pending.frame_id != call.frame_id
+            or pending.microbatch is not call.microbatch
+            or pending.rows[call.index] is not None
+        ):
+            self._pending = None
+            raise RuntimeError(
+                f"rs_clipped_pg: SequencePackingLossWrapper called the loss for sequence {call.index} of "
+                f"{call.sequences} out of order (expected 0, 1, ..., {call.sequences - 1} within one wrapper call)"
+            )
+        return pending
+
+    def _keep(self, call: WrapperCall, pending: _Pending, row: Any, stack: Callable[[_Pending], Any]) -> Any:
+        assert call.index is not None
+        pending.rows[call.index] = row
         if call.index < call.sequences - 1:
             return None
         self._pending = None
-        return _stacked(pending)
+        return stack(pending)
 
 
 def _stacked(pending: _Pending) -> tuple[torch.Tensor, Mapping[str, Any]]:
@@ -174,18 +198,20 @@ def _stacked(pending: _Pending) -> tuple[torch.Tensor, Mapping[str, Any]]:
     """
     full = pending.microbatch
     width = full["token_mask"].shape[-1]
+    kept_logprobs = [logprobs for logprobs, _ in pending.rows]
+    kept_data = [data for _, data in pending.rows]
 
     def stack(rows: list[torch.Tensor], row_width: Callable[[torch.Tensor, int], int]) -> torch.Tensor:
         return torch.cat([F.pad(r, (0, row_width(r, i) - r.shape[-1])) for i, r in enumerate(rows)], 0)
 
-    logprobs = stack(pending.logprobs, lambda r, i: width - 1)
+    logprobs = stack(kept_logprobs, lambda r, i: width - 1)
     added = {
         k: stack(
-            [_per_token(d, k) for d in pending.data],
+            [_per_token(d, k) for d in kept_data],
             # as long as the sequence's token_mask is short of the microbatch's
-            lambda r, i: r.shape[-1] + width - pending.data[i]["token_mask"].shape[-1],
+            lambda r, i: r.shape[-1] + width - kept_data[i]["token_mask"].shape[-1],
         )
-        for k, v in pending.data[-1].items()
+        for k, v in kept_data[-1].items()
         if k not in full and isinstance(v, torch.Tensor) and v.dim() == 2
     }
     return logprobs, ({**full, **added} if added else full)

@@ -40,7 +40,7 @@ from nemo_rs_plugin.core.microbatch import MicrobatchTotals
 from nemo_rs_plugin.parallel.layout import cp_shard, shift_left
 from nemo_rs_plugin.parallel.vocab_parallel import target_logprobs
 
-__all__ = ["sharded_loss", "sharded_loss_inputs"]
+__all__ = ["sharded_loss", "sharded_loss_inputs", "sharded_loss_of_inputs"]
 
 _ALIGNED_KEYS = {
     "prev": "prev_logprobs",
@@ -163,6 +163,34 @@ def sharded_loss(
     ``microbatch`` as in :meth:`CorrectedPGLoss.compute` (``data`` one sequence of it).
     """
     inputs = sharded_loss_inputs(logits, data, cp_group=cp_group, tp_group=tp_group, pad_to_shard=pad_to_shard)
+    return sharded_loss_of_inputs(
+        loss_fn,
+        inputs,
+        global_valid_seqs,
+        global_valid_toks,
+        cp_group=cp_group,
+        data_parallel_group=data_parallel_group,
+        microbatch=microbatch,
+    )
+
+
+def sharded_loss_of_inputs(
+    loss_fn: CorrectedPGLoss,
+    inputs: LossInputs,
+    global_valid_seqs: Any,
+    global_valid_toks: Any,
+    *,
+    cp_group: Any = None,
+    data_parallel_group: Any = None,
+    microbatch: Optional[MicrobatchTotals] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`sharded_loss` from inputs :func:`sharded_loss_inputs` already made (CP-local rows).
+
+    For NeMo-RL's per-sequence packing wrapper the glue makes each sequence's inputs in its own
+    call and computes the stacked rows (``LossInputs.stack_rows``) once, in the last call: the
+    per-sequence statistics are masked row sums, so the CP SUM of stacked rows is each
+    sequence's, and the one CP all-reduce of the loss share sums over the same ranks.
+    """
     # Only CP splits a sequence's tokens here: TP splits the vocabulary, and Megatron gathers
     # sequence-parallel activations before the output layer.
     groups = SequenceGroups.of(cp_group, data_parallel=data_parallel_group)

@@ -29,11 +29,9 @@ from nemo_rs_plugin.core.config import (
     own_loss_problems,
 )
 from nemo_rs_plugin.core.filter_statistics import filter_statistic_entry
-from nemo_rs_plugin.core.microbatch import current_policy_problems, needs_microbatch_totals
 from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
 from nemo_rs_plugin.nemo_rl.host import (
     fused_sharded_problem,
-    per_sequence_packing_problem,
     training_time_filtering_problem,
 )
 from nemo_rs_plugin.tools.grpo_setup import grpo_setup_problems
@@ -196,31 +194,15 @@ def _packing_problems(
             "sequence packing with fuse_loss: one loss call per microbatch on the Megatron backend "
             "(policy.megatron_cfg.enabled is not set here; on the DTensor backend one call per sequence)"
         )
-    if not config.sharded_logits_input:
-        if not fuse or megatron is False:
-            report.notes.append(
-                "sequence packing without fuse_loss: NeMo-RL calls the loss once per sequence; the loss keeps "
-                "each sequence's log-probs and computes the whole microbatch in the last call, as unpacked "
-                "(docs/guide.md#sequence-packing)"
-            )
-        return problems
-    unfit = current_policy_problems(config)
-    if unfit:
-        # certain only where the backend is known not to fuse
-        (problems if not fuse or megatron is False else report.warnings).append(
-            per_sequence_packing_problem(unfit, logits_input=True)
-        )
-        return problems
     if not fuse or megatron is False:
         report.notes.append(
-            "sequence packing without fuse_loss, logits as input: NeMo-RL calls the loss once per sequence and "
-            "each call computes its own sequence; "
+            "sequence packing without fuse_loss: NeMo-RL calls the loss once per sequence; the loss keeps "
             + (
-                "its microbatch totals (batch normalisation, kept denominators, the NLL's count) are read from "
-                "the whole microbatch, as unpacked"
-                if needs_microbatch_totals(config)
-                else "nothing in this loss section reads more than one sequence"
+                "each sequence's log-probs, made from its logits shard in that call,"
+                if config.sharded_logits_input
+                else "each sequence's log-probs"
             )
+            + " and computes the whole microbatch in the last call, as unpacked (docs/guide.md#sequence-packing)"
         )
     return problems
 

@@ -489,3 +489,81 @@ def test_finite_inputs_are_used_as_given_where_the_host_can_read():
     huge = {**data, "advantages": torch.full_like(data["advantages"], 3e38)}  # finite; its sum is inf
     clean = sanitize_inputs(_loss_inputs(lp, huge), False, True, batched=False, host_reads=True)
     assert clean.nonfinite is not None and torch.equal(clean.advantages, huge["advantages"][:, 1:])
+
+
+def _part(T, seed, with_rewards=True):
+    from nemo_rs_plugin.core.inputs import LossInputs
+
+    g = torch.Generator().manual_seed(seed)
+
+    def lp():
+        return -torch.rand(1, T, generator=g, dtype=torch.float64)
+
+    return LossInputs(
+        curr=lp().requires_grad_(True),
+        prev=lp(),
+        generation=lp(),
+        reference=None,
+        advantages=torch.randn(1, T, generator=g, dtype=torch.float64),
+        token_mask=torch.ones(1, T, dtype=torch.float64),
+        sample_mask=torch.ones(1, dtype=torch.float64),
+        rewards=torch.ones(1, dtype=torch.float64) if with_rewards else None,
+    )
+
+
+def test_stacked_sequences_give_the_loss_of_one_call_on_the_microbatch():
+    """``LossInputs.stack_rows`` (the sharded path's per-sequence packing calls, gathered): rows of
+    different lengths padded with masked zeros give the loss, gradient and metrics of the same rows
+    laid out in one [B, T] batch by hand."""
+    from nemo_rs_plugin.core.inputs import LossInputs
+
+    # batch-level quantities included: the batch-normalised weights and the kept denominator
+    loss_fn = CorrectedPGLoss(
+        {
+            "use_importance_sampling_correction": True,
+            "is_correction_level": "sequence_mean",
+            "is_batch_normalization": "microbatch",
+            "rejection_sampling": [{"level": "token", "metric": "ratio", "lower": 0.9, "upper": 1.1}],
+            "rejection_denominator": "kept",
+            "reference_policy_kl_penalty": 0.0,
+        }
+    )
+    parts = [_part(T, seed) for seed, T in enumerate((5, 9, 3))]
+    stacked = LossInputs.stack_rows(parts)
+    assert stacked.curr.shape == (3, 9) and stacked.sample_mask.shape == (3,) and stacked.reference is None
+    assert stacked.token_mask[2, 3:].eq(0).all() and stacked.token_mask[2, :3].eq(1).all()
+
+    def by_hand(name):
+        rows = [getattr(p, name).detach() for p in parts]
+        return torch.stack([torch.nn.functional.pad(r[0], (0, 9 - r.shape[-1])) for r in rows])
+
+    leaf = by_hand("curr").requires_grad_(True)
+    manual = LossInputs(
+        curr=leaf,
+        prev=by_hand("prev"),
+        generation=by_hand("generation"),
+        reference=None,
+        advantages=by_hand("advantages"),
+        token_mask=by_hand("token_mask"),
+        sample_mask=torch.ones(3, dtype=torch.float64),
+        rewards=torch.ones(3, dtype=torch.float64),
+    )
+    counts = torch.tensor(3.0, dtype=torch.float64), torch.tensor(17.0, dtype=torch.float64)
+    loss, metrics = loss_fn.compute(stacked, *counts, NO_GROUPS)
+    want_loss, want_metrics = loss_fn.compute(manual, *counts, NO_GROUPS)
+    loss.backward()
+    want_loss.backward()
+    torch.testing.assert_close(loss, want_loss)
+    for row, part in enumerate(parts):  # each part's own curr gets its row of the gradient
+        T = part.curr.shape[-1]
+        torch.testing.assert_close(part.curr.grad[0], leaf.grad[row, :T])
+    assert metrics == pytest.approx(want_metrics)
+
+
+def test_stacking_refuses_an_optional_field_some_parts_lack():
+    from nemo_rs_plugin.core.inputs import LossInputs
+
+    with pytest.raises(ValueError, match="rewards is given for some parts only"):
+        LossInputs.stack_rows([_part(4, 0), _part(4, 1, with_rewards=False)])
+    with pytest.raises(ValueError, match="no part to stack"):
+        LossInputs.stack_rows([])

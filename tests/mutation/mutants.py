@@ -642,9 +642,27 @@ MUTANTS: list[Mutant] = [
     # ---- sequence packing: the wrapper's calls gathered into one (nemo_rs_plugin/nemo_rl/packing.py)
     Mutant(
         PACK,
-        "logprobs = stack(pending.logprobs, lambda r, i: width - 1)",
-        "logprobs = stack(pending.logprobs[::-1], lambda r, i: width - 1)",
+        "logprobs = stack(kept_logprobs, lambda r, i: width - 1)",
+        "logprobs = stack(kept_logprobs[::-1], lambda r, i: width - 1)",
         "the gathered sequences' log-probs stacked in the wrong rows",
+    ),
+    Mutant(
+        PACK,
+        "lambda done: LossInputs.stack_rows(done.rows))",
+        "lambda done: LossInputs.stack_rows(done.rows[-1:]))",
+        "logits as input: the gathered microbatch holds only its last sequence",
+    ),
+    Mutant(
+        IN,
+        "values = [v if v.shape[-1] == width else F.pad(v, (0, width - v.shape[-1])) for v in values]",
+        "values = [v if v.shape[-1] == width else F.pad(v, (0, width - v.shape[-1]), value=1.0) for v in values]",
+        "stacked sequences padded with ones: the padding counts as tokens of weight 1",
+    ),
+    Mutant(
+        GLUE,
+        "if packed is not None and packed.index is not None:\n            # Each call makes",
+        "if False:\n            # Each call makes",
+        "logits as input: every per-sequence call computed alone with the microbatch totals (the old path)",
     ),
     Mutant(
         PACK,

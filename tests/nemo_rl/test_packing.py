@@ -104,20 +104,19 @@ def differences(got, want, tol):
 
 
 #: The cases whose totals need the current policy of every sequence (written out, not derived from
-#: the rule under test). With log-probs as input the wrapper's calls are gathered into one: they run.
+#: the rule under test). Where the wrapper's position is read its calls are gathered into one, log-probs
+#: or logits as input: they run.
 CURRENT_POLICY_TOTALS = {
     "rejection_denominator=kept/curr-gen",
     "is_batch_normalization=microbatch/force_on_policy_ratio",
     "sharded_logits_input=true/rejection_denominator=kept/curr-gen",
     "sharded_logits_input=true/is_batch_normalization=microbatch/force_on_policy_ratio",
 }
-#: ... with logits as input each call computes its own sequence: refused per sequence.
-REFUSED_PER_SEQUENCE = {name for name in CURRENT_POLICY_TOTALS if name.startswith("sharded_logits_input=true/")}
 
 
 def refusal_expected(name, mode) -> bool:
-    """Refused where each call computes its own sequence: logits as input, or its position unread."""
-    return name in (CURRENT_POLICY_TOTALS if mode == "per_sequence_unindexed" else REFUSED_PER_SEQUENCE)
+    """Refused where each call computes its own sequence: a wrapper whose position is not read."""
+    return mode == "per_sequence_unindexed" and name in CURRENT_POLICY_TOTALS
 
 
 def test_the_matrix_covers_the_configuration():

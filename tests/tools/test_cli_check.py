@@ -268,15 +268,14 @@ def test_sharded_input_on_megatron_without_filtering_passes(tmp_path, capsys, no
 
 
 # --------------------------------------------------------------------------- sequence packing
-#: Needs every sequence's current log-probs for its totals: runs gathered (log-probs), refused per call (logits).
+#: Needs every sequence's current log-probs for its totals: runs where the calls are gathered, log-probs or logits.
 CURRENT_POLICY_TOTALS = {
     **LOSS,
     "is_correction_level": "token",
     "is_batch_normalization": "microbatch",
     "force_on_policy_ratio": True,
 }
-PER_SEQUENCE_REFUSED = {**CURRENT_POLICY_TOTALS, "sharded_logits_input": True}
-MICROBATCH_TOTALS = {**LOSS, "is_batch_normalization": "data_parallel", "rejection_denominator": "kept"}
+CURRENT_POLICY_TOTALS_LOGITS = {**CURRENT_POLICY_TOTALS, "sharded_logits_input": True}
 
 
 def _packing(fuse=None, megatron=True):
@@ -285,15 +284,16 @@ def _packing(fuse=None, megatron=True):
 
 
 @pytest.mark.parametrize("policy", [_packing(), _packing(fuse=False)])
-def test_per_sequence_packing_refuses_logits_input_that_needs_every_sequence_current_policy(
-    tmp_path, capsys, no_nemo_rl, policy
-):
-    recipe = write_recipe(tmp_path / "r.yaml", {"policy": policy, "loss_fn": PER_SEQUENCE_REFUSED})
-    code, _, err = run_check(capsys, recipe)
-    assert code == EXIT_INVALID
-    [line] = error_lines(err)
-    assert line.startswith("error: policy.sequence_packing: enabled without fuse_loss")
-    assert "force_on_policy_ratio" in line and "sharded_logits_input: false" in line
+def test_per_sequence_packing_gathers_logits_input_too(tmp_path, capsys, no_nemo_rl, policy):
+    """Each call makes its sequence's log-probs from its logits shard; the last computes the microbatch:
+    settings that read every sequence's current policy run (tests/nemo_rl/test_packing.py runs them)."""
+    recipe = write_recipe(tmp_path / "r.yaml", {"policy": policy, "loss_fn": CURRENT_POLICY_TOTALS_LOGITS})
+    code, out, err = run_check(capsys, recipe)
+    assert code == EXIT_UNCHECKED and not error_lines(err), err
+    assert (
+        "the loss keeps each sequence's log-probs, made from its logits shard in that call, and computes the "
+        "whole microbatch in the last call, as unpacked"
+    ) in " ".join((out + err).split())
 
 
 @pytest.mark.parametrize("policy", [_packing(), _packing(fuse=True, megatron=False)])
@@ -302,23 +302,15 @@ def test_per_sequence_packing_gathers_log_prob_input(tmp_path, capsys, no_nemo_r
     code, out, err = run_check(capsys, recipe)
     assert code == EXIT_UNCHECKED and not error_lines(err), err
     assert "computes the whole microbatch in the last call, as unpacked" in out + err
+    assert "logits shard" not in out + err
 
 
 @pytest.mark.parametrize("policy", [_packing(fuse=True), {"sequence_packing": {"enabled": False}}])
 def test_fused_or_no_packing_runs_it(tmp_path, capsys, no_nemo_rl, policy):
-    loss = CURRENT_POLICY_TOTALS if policy["sequence_packing"].get("fuse_loss") else PER_SEQUENCE_REFUSED
+    loss = CURRENT_POLICY_TOTALS if policy["sequence_packing"].get("fuse_loss") else CURRENT_POLICY_TOTALS_LOGITS
     recipe = write_recipe(tmp_path / "r.yaml", {"policy": policy, "loss_fn": loss})
     code, _, err = run_check(capsys, recipe)
     assert code == EXIT_UNCHECKED and not error_lines(err), err
-
-
-def test_per_sequence_packing_with_logits_says_what_it_reads_from_the_microbatch(tmp_path, capsys, no_nemo_rl):
-    recipe = write_recipe(
-        tmp_path / "r.yaml", {"policy": _packing(), "loss_fn": {**MICROBATCH_TOTALS, "sharded_logits_input": True}}
-    )
-    code, out, err = run_check(capsys, recipe)
-    assert code == EXIT_UNCHECKED and not error_lines(err), err
-    assert "each call computes its own sequence; its microbatch totals" in out + err
 
 
 def test_fused_packing_refuses_the_sharded_input(tmp_path, capsys, no_nemo_rl):
