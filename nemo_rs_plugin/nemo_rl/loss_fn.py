@@ -106,7 +106,8 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         self.core = CorrectedPGLoss(config, per_call_metrics=False)
         self._needs_microbatch_totals = needs_microbatch_totals(config)
         # Under NeMo-RL's per-sequence packing wrapper (nemo_rs_plugin.nemo_rl.packing): the
-        # sequences gathered into one call, or (logit input) the microbatch totals per call.
+        # sequences gathered into one call, or, where the wrapper's position cannot be read, the
+        # microbatch totals per call.
         self._gather = SequenceGather()
         self._totals = TotalsCache()
         # record_logprobs: what `nemo-rs calibrate --from DIR` reads (nemo_rs_plugin.nemo_rl.recording)
@@ -188,7 +189,11 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         if packed is not None and packed.index is not None:
             # Each call makes its sequence's CP-local inputs (the log-softmax over the local vocabulary
             # shard, with its TP all-reduce); the last computes the stacked microbatch once.
-            inputs = sharded_loss_inputs(logits, data, cp_group=cp_group, tp_group=tp_group, pad_to_shard=True)
+            try:
+                inputs = sharded_loss_inputs(logits, data, cp_group=cp_group, tp_group=tp_group, pad_to_shard=True)
+            except Exception:
+                self._gather.clear()  # the kept sequences (and their logits' graphs) go with the failed call
+                raise
             stacked = self._gather.add_inputs(packed, inputs)
             if stacked is None:  # not the microbatch's last sequence: counted in the last call
                 return logits.new_zeros((), dtype=inputs.compute_dtype()), {}

@@ -10,10 +10,10 @@ microbatches each, metrics combined by NeMo-RL's driver rule. Here:
 
 * every configuration gives, per sequence and fused, the unpacked call's loss, gradient and
   metrics (to float64 rounding per sequence; fused to NeMo-RL's float32 log-softmax); per
-  sequence with log-probs the loss gathers the wrapper's calls into one
-  (``nemo_rs_plugin.nemo_rl.packing``); with logits, or under a wrapper whose position the
-  loss cannot read (``per_sequence_unindexed``, this suite's own loop), each call computes its
-  own sequence with the microbatch totals;
+  sequence the loss gathers the wrapper's calls into one, log-probs or logits as input
+  (``nemo_rs_plugin.nemo_rl.packing``); under a wrapper whose position the loss cannot read
+  (``per_sequence_unindexed``, this suite's own loop) each call computes its own sequence with
+  the microbatch totals;
 * there, a configuration that cannot be made invariant is refused on the wrapper's first call
   with the one message that names ``policy.sequence_packing``; which ones is
   :func:`~nemo_rs_plugin.core.microbatch.current_policy_problems`' decision;

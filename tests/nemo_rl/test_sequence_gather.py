@@ -104,3 +104,43 @@ def test_added_data_that_is_not_per_token_is_a_clear_error():
         gather.add(WrapperCall(1, 3, full, i), _logprobs(i), {**_sequence(full, i), "extra": torch.zeros(1, 9)})
     with pytest.raises(ValueError, match=r"'extra', added to the packed sequences' data .* is \(1, 9\)"):
         gather.add(WrapperCall(1, 3, full, 2), _logprobs(2), {**_sequence(full, 2), "extra": torch.zeros(1, 9)})
+
+
+def _inputs(i, with_reference=True):
+    """Sequence ``i``'s ``LossInputs`` as the sharded path makes them per call (``[1, L_i - 1]``)."""
+    from nemo_rs_plugin.core.inputs import LossInputs
+
+    n = LENGTHS[i] - 1
+    return LossInputs(
+        curr=_logprobs(i),
+        prev=torch.full((1, n), -0.5, dtype=torch.float64),
+        generation=torch.full((1, n), -0.5, dtype=torch.float64),
+        reference=torch.full((1, n), -0.7, dtype=torch.float64) if with_reference else None,
+        advantages=torch.ones(1, n, dtype=torch.float64),
+        token_mask=torch.ones(1, n, dtype=torch.float64),
+        sample_mask=torch.ones(1, dtype=torch.float64),
+    )
+
+
+def test_logit_input_calls_are_kept_and_the_last_returns_their_inputs_stacked():
+    full, gather = _microbatch(), SequenceGather()
+    parts = [_inputs(i) for i in range(3)]
+    for i in range(2):
+        assert gather.add_inputs(WrapperCall(4, 3, full, i), parts[i]) is None
+    stacked = gather.add_inputs(WrapperCall(4, 3, full, 2), parts[2])
+    assert stacked.curr.shape == stacked.reference.shape == stacked.token_mask.shape == (3, 4)
+    assert stacked.token_mask[1].tolist() == [1.0, 1.0, 0.0, 0.0]  # sequence 1's two positions, then padding
+    assert stacked.reference[1].tolist() == [-0.7, -0.7, 0.0, 0.0]
+    assert stacked.sample_mask.shape == (3,) and stacked.rewards is None
+    (stacked.curr * torch.arange(1.0, 5.0, dtype=torch.float64)).sum().backward()
+    assert parts[1].curr.grad.tolist() == [[1.0, 2.0]]
+
+
+def test_logit_input_calls_out_of_order_are_refused_and_a_call_0_starts_over():
+    full, gather = _microbatch(), SequenceGather()
+    with pytest.raises(RuntimeError, match="sequence 1 of 3 out of order"):
+        gather.add_inputs(WrapperCall(1, 3, full, 1), _inputs(1))
+    gather.add_inputs(WrapperCall(1, 3, full, 0), _inputs(0))  # ... and that wrapper call stopped here
+    for i in range(2):
+        assert gather.add_inputs(WrapperCall(2, 3, full, i), _inputs(i)) is None
+    assert gather.add_inputs(WrapperCall(2, 3, full, 2), _inputs(2)) is not None

@@ -121,7 +121,7 @@ def _field_cases() -> dict[str, dict[str, Any]]:
         "is_batch_normalization": "microbatch",
         "force_on_policy_ratio": True,
     }
-    # the two above with logits as input: called per sequence on their own there (refused)
+    # the two above with logits as input: gathered per sequence too (refused only where a wrapper's position is unread)
     for name in ("rejection_denominator=kept/curr-gen", "is_batch_normalization=microbatch/force_on_policy_ratio"):
         cases[f"sharded_logits_input=true/{name}"] = {**cases[name], "sharded_logits_input": True}
     return cases
