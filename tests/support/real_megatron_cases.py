@@ -61,6 +61,19 @@ CONFIGS = {
             {"level": "sequence", "metric": "kl_k1", "agg": "sum", "lower": -3.0, "upper": 3.0},
         ],
     },
+    # Totals that need every sequence's current policy: under the per-sequence packing wrapper with
+    # logits as input these were refused until its calls were gathered (nemo_rl/packing.py).
+    "token-loss/token-IS/on-policy-batch-norm/curr-gen-filter-kept": {
+        **IS,
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 2.0,
+        "is_batch_normalization": "microbatch",
+        "force_on_policy_ratio": True,
+        "rejection_denominator": "kept",
+        "rejection_sampling": [
+            {"level": "sequence", "metric": "kl_k1", "agg": "mean", "upper": 0.05, "log_ratio": "curr-gen"}
+        ],
+    },
 }
 
 
