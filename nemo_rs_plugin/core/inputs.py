@@ -25,6 +25,7 @@ __all__ = [
     "global_counts",
     "nonfinite_metrics",
     "sanitize_inputs",
+    "stack_padded",
 ]
 
 
@@ -125,9 +126,7 @@ class LossInputs:
                 return None
             if any(v is None for v in values):
                 raise ValueError(f"LossInputs.stack_rows: {name} is given for some parts only")
-            if per_token:
-                values = [v if v.shape[-1] == width else F.pad(v, (0, width - v.shape[-1])) for v in values]
-            return values[0] if len(values) == 1 else torch.cat(values, 0)
+            return stack_padded(values, [width] * len(values) if per_token else None)
 
         def required(name: str, per_token: bool = True) -> torch.Tensor:
             value = rows(name, per_token)
@@ -227,6 +226,18 @@ class LossInputs:
             raise ValueError(f"sample_mask: shape {tuple(self.sample_mask.shape)} does not match batch size {shape[0]}")
         if self.rewards is not None and self.rewards.shape[:1] != shape[:1]:
             raise ValueError(f"rewards: shape {tuple(self.rewards.shape)} does not match batch size {shape[0]}")
+
+
+def stack_padded(rows: Sequence[torch.Tensor], widths: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """``rows`` concatenated along dim 0, row ``i`` first zero-padded on the right to ``widths[i]``.
+
+    The one rule for stacking a packed microbatch's sequences into rows (padding reads as
+    masked: 0). ``widths=None``: concatenated as they are (``[b_i]`` per-sequence fields). A
+    single row that needs no padding is returned as it is; both steps are differentiable.
+    """
+    if widths is not None:
+        rows = [r if r.shape[-1] == w else F.pad(r, (0, w - r.shape[-1])) for r, w in zip(rows, widths)]
+    return rows[0] if len(rows) == 1 else torch.cat(list(rows), 0)
 
 
 @overload

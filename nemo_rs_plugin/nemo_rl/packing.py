@@ -40,9 +40,8 @@ import weakref
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 
-from nemo_rs_plugin.core.inputs import LossInputs
+from nemo_rs_plugin.core.inputs import LossInputs, stack_padded
 from nemo_rs_plugin.core.microbatch import MicrobatchTotals
 
 __all__ = [
@@ -202,7 +201,7 @@ def _stacked(pending: _Pending) -> tuple[torch.Tensor, Mapping[str, Any]]:
     kept_data = [data for _, data in pending.rows]
 
     def stack(rows: list[torch.Tensor], row_width: Callable[[torch.Tensor, int], int]) -> torch.Tensor:
-        return torch.cat([F.pad(r, (0, row_width(r, i) - r.shape[-1])) for i, r in enumerate(rows)], 0)
+        return stack_padded(rows, [row_width(r, i) for i, r in enumerate(rows)])
 
     logprobs = stack(kept_logprobs, lambda r, i: width - 1)
     added = {

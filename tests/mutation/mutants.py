@@ -654,8 +654,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         IN,
-        "values = [v if v.shape[-1] == width else F.pad(v, (0, width - v.shape[-1])) for v in values]",
-        "values = [v if v.shape[-1] == width else F.pad(v, (0, width - v.shape[-1]), value=1.0) for v in values]",
+        "rows = [r if r.shape[-1] == w else F.pad(r, (0, w - r.shape[-1])) for r, w in zip(rows, widths)]",
+        "rows = [r if r.shape[-1] == w else F.pad(r, (0, w - r.shape[-1]), value=1.0) for r, w in zip(rows, widths)]",
         "stacked sequences padded with ones: the padding counts as tokens of weight 1",
     ),
     Mutant(
