@@ -699,7 +699,7 @@ MUTANTS: list[Mutant] = [
         GLUE,
         "if packed is not None and is_microbatch(packed.microbatch, packed.sequences):",
         "if False:",
-        "a per-call (logit input) packed sequence recorded as its own microbatch",
+        "each packed sequence's call recorded as its own microbatch (killed by the slow test_recording case)",
     ),
     # ---- issue 32: the filter-statistic registry (one entry per statistic)
     Mutant(

@@ -167,7 +167,7 @@ print(sorted(os.listdir({out!r})))
 
 @pytest.mark.slow  # 9-12 s per host and input form: NeMo-RL's packing wrapper in a fresh interpreter
 @no_hosts_mark()
-@pytest.mark.parametrize("sharded", [False, True], ids=["log-probs, gathered", "logits, per call"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["log-probs, gathered", "logits, gathered"])
 @pytest.mark.parametrize("host", nemo_rl_hosts(), ids=host_label)
 def test_the_nemo_rl_loss_records_under_per_sequence_packing(host, sharded, tmp_path):
     out = tmp_path / "records"
