@@ -54,6 +54,7 @@ from nemo_rs_plugin.nemo_rl.packing import (
     per_sequence_wrapper_call,
 )
 from nemo_rs_plugin.nemo_rl.recording import LogprobRecorder
+from nemo_rs_plugin.parallel.vocab_parallel import chunk_size_problem
 
 __all__ = ["RSClippedPGLossFn", "batch_data_parallel_group", "megatron_groups"]
 
@@ -180,7 +181,9 @@ class RSClippedPGLossFn(ClippedPGLossFn):
             )
         if logits is None:
             raise TypeError("rs_clipped_pg with sharded_logits_input: logits are required")
-        _refuse_training_time_filtering(_callers_sampling_params())
+        prepare = _callers_prepare_keywords()
+        _refuse_training_time_filtering(prepare.get("sampling_params"))
+        chunk_size = _logprob_chunk_size(prepare)
         if self._recorder is not None:
             self._recorder.observe(global_valid_toks, _whole_microbatch(packed, data))
         from nemo_rs_plugin.parallel.sharded import sharded_loss, sharded_loss_inputs, sharded_loss_of_inputs
@@ -190,7 +193,9 @@ class RSClippedPGLossFn(ClippedPGLossFn):
             # Each call makes its sequence's CP-local inputs (the log-softmax over the local vocabulary
             # shard, with its TP all-reduce); the last computes the stacked microbatch once.
             try:
-                inputs = sharded_loss_inputs(logits, data, cp_group=cp_group, tp_group=tp_group, pad_to_shard=True)
+                inputs = sharded_loss_inputs(
+                    logits, data, cp_group=cp_group, tp_group=tp_group, pad_to_shard=True, chunk_size=chunk_size
+                )
             except Exception:
                 self._gather.clear()  # the kept sequences (and their logits' graphs) go with the failed call
                 raise
@@ -216,6 +221,7 @@ class RSClippedPGLossFn(ClippedPGLossFn):
             pad_to_shard=True,
             data_parallel_group=dp_group,
             microbatch=microbatch,
+            chunk_size=chunk_size,
         )
 
     def _per_sequence_totals(self, call: WrapperCall, dp_group: Any) -> Optional[MicrobatchTotals]:
@@ -268,15 +274,15 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         return self._totals.get(full, compute)
 
 
-def _callers_sampling_params(max_depth: int = 4) -> Any:
-    """The ``sampling_params`` NeMo-RL bound into the ``prepare_fn`` that is calling the loss.
+def _callers_prepare_keywords(max_depth: int = 4) -> dict:
+    """The keywords NeMo-RL bound into the ``prepare_fn`` that is calling the loss (``{}`` if none).
 
-    NeMo-RL hands a LOGIT-input loss the raw logits and applies its training-time top-k/top-p
-    filtering only to LOGPROB-input losses, so the loss never sees those settings. They are
-    bound (``functools.partial``) into the ``prepare_fn`` of the wrapper that calls the loss
-    (``wrap_loss_fn_with_input_preparation``'s argument, ``SequencePackingLossWrapper.
-    prepare_fn``): read them from the calling frames. ``tests/parallel/test_real_megatron.py`` checks,
-    at every supported NeMo-RL, that this finds them.
+    NeMo-RL hands a LOGIT-input loss the raw logits: its training-time top-k/top-p filtering
+    (``sampling_params``) and its ``policy.logprob_chunk_size`` (``chunk_size``, v0.7.0 on)
+    reach only its own log-prob preparation. Both are bound (``functools.partial``) into the
+    ``prepare_fn`` of the wrapper that calls the loss (``wrap_loss_fn_with_input_preparation``'s
+    argument, ``SequencePackingLossWrapper.prepare_fn``): read them from the calling frames.
+    ``tests/parallel/test_real_megatron.py`` checks, at every supported NeMo-RL, that this finds them.
     """
     import functools
 
@@ -286,8 +292,22 @@ def _callers_sampling_params(max_depth: int = 4) -> Any:
         if candidate is None and "self" in local:
             candidate = getattr(local["self"], "prepare_fn", None)
         if isinstance(candidate, functools.partial) and "sampling_params" in candidate.keywords:
-            return candidate.keywords["sampling_params"]
-    return None
+            return dict(candidate.keywords)
+    return {}
+
+
+def _logprob_chunk_size(prepare_keywords: Mapping[str, Any]) -> Optional[int]:
+    """NeMo-RL's ``policy.logprob_chunk_size`` as its log-prob preparation would use it (``None``: unset).
+
+    ``None`` (unset, or NeMo-RL v0.6.0, which does not pass it to training's preparation) takes
+    the plugin's default; a value that is not a positive integer is refused by name here, where
+    NeMo-RL's own chunked path would divide by it.
+    """
+    value = prepare_keywords.get("chunk_size")
+    problem = chunk_size_problem(value)
+    if problem is not None:
+        raise ConfigError([problem])
+    return value
 
 
 def _whole_microbatch(packed: Optional[WrapperCall], data: Any) -> Any:

@@ -64,6 +64,7 @@ def sharded_loss_inputs(
     cp_group: Any = None,
     tp_group: Any = None,
     pad_to_shard: bool = False,
+    chunk_size: Optional[int] = None,
 ) -> LossInputs:
     """Aligned local inputs from a logits shard and NeMo-RL's full-sequence data dict.
 
@@ -76,6 +77,9 @@ def sharded_loss_inputs(
         pad_to_shard: zero-pad (mask) the data to ``S/cp * cp`` positions when it is
             shorter, as when NeMo-RL's packing wrapper passes one padded sequence's logits
             with that sequence's unpadded data.
+        chunk_size: positions per chunk of the log-prob computation (NeMo-RL's
+            ``policy.logprob_chunk_size``; ``None``: the default of
+            :func:`~nemo_rs_plugin.parallel.vocab_parallel.target_logprobs`).
 
     Position ``t`` of every returned tensor holds the prediction of token ``t + 1`` of the
     full sequence (data shifted left *before* sharding); the last position of each sequence
@@ -98,7 +102,7 @@ def sharded_loss_inputs(
     def shard(x: torch.Tensor) -> torch.Tensor:
         return cp_shard(x, cp, cp_rank)
 
-    curr = target_logprobs(logits, shard(targets), tp_group)
+    curr = target_logprobs(logits, shard(targets), tp_group, chunk_size)
     parts = {name: shard(t) for name, t in aligned.items()}
     return LossInputs(
         curr=curr,
@@ -141,8 +145,8 @@ def _pad_sequences(data: Mapping[str, Any], length: int) -> dict:
     return out
 
 
-# 9 parameters: NeMo-RL's loss call (logits, data, two global counts) plus the keyword-only
-# process groups and padding flag its callers (nemo_rl.loss_fn, the tests) pass by name.
+# 10 parameters: NeMo-RL's loss call (logits, data, two global counts) plus the keyword-only
+# process groups, padding flag and chunk size its callers (nemo_rl.loss_fn, the tests) pass by name.
 def sharded_loss(
     loss_fn: CorrectedPGLoss,
     logits: torch.Tensor,
@@ -155,14 +159,18 @@ def sharded_loss(
     pad_to_shard: bool = False,
     data_parallel_group: Any = None,
     microbatch: Optional[MicrobatchTotals] = None,
+    chunk_size: Optional[int] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The full loss on every rank (gradients summed over the ranks) and the group-identical metrics.
 
     See the module docstring for why NeMo-RL's ``/ cp`` then gives its gathered path's gradients.
     ``data_parallel_group`` is read only by ``is_batch_normalization: data_parallel``;
-    ``microbatch`` as in :meth:`CorrectedPGLoss.compute` (``data`` one sequence of it).
+    ``microbatch`` as in :meth:`CorrectedPGLoss.compute` (``data`` one sequence of it);
+    ``chunk_size`` as in :func:`sharded_loss_inputs`.
     """
-    inputs = sharded_loss_inputs(logits, data, cp_group=cp_group, tp_group=tp_group, pad_to_shard=pad_to_shard)
+    inputs = sharded_loss_inputs(
+        logits, data, cp_group=cp_group, tp_group=tp_group, pad_to_shard=pad_to_shard, chunk_size=chunk_size
+    )
     return sharded_loss_of_inputs(
         loss_fn,
         inputs,

@@ -1,14 +1,25 @@
-"""Log-probability of target tokens from vocabulary-parallel logits (tensor parallelism).
+"""Log-probability of target tokens from (vocabulary-parallel) logits, one chunk of positions at a time.
 
-With TP the logits are split over the vocabulary: rank ``k`` holds columns
-``[k * V_local, (k + 1) * V_local)``. The token log-prob is
+For position ``t`` with logits ``z_t`` over the vocabulary and target token ``y_t``:
 
-    log p(y) = z_y - max_v z_v - log sum_v exp(z_v - max_v z_v)
+    log p(y_t) = z_{t, y_t} - LSE_t,        LSE_t = log sum_v exp(z_{t, v})
 
-which needs the global max (MAX all-reduce), the global sum of exponentials and the target
-logit, held by one rank (SUM all-reduces). Computed in float32; the backward is the usual
-``onehot(y) - softmax(z)`` restricted to the local columns, so no all-gather of the logits
-or log-probs is ever made.
+With tensor parallelism rank ``k`` holds columns ``[k * V_local, (k + 1) * V_local)``. Each rank
+computes its local log-sum-exp ``lse_{k, t}`` (stable: its own row maximum) and its local target
+logit (0 where another rank holds the target), and one all-gather of those ``[B, T]`` rows per
+call combines them: ``LSE_t = logsumexp_k lse_{k, t}``, ``z_{t, y_t} = sum_k target_{k, t}``. Each
+is kept relative to its shard's row maximum, so that no float32 digit is lost to large logits.
+NeMo-RL's ``ChunkedDistributedLogprob`` issues a MAX and two SUM all-reduces per chunk in the
+forward and recomputes the MAX and SUM per chunk in the backward; here the forward's one
+all-gather is the only collective, whatever the number of chunks, and the backward has none.
+
+The gradient ``d log p(y_t) / d z_{t, v} = 1[v = y_t] - exp(z_{t, v} - LSE_t)`` is recomputed one
+chunk at a time from the logits and the saved row maxima and ``LSE`` (float32 ``[B, T]``): nothing of size
+``[T, V]`` is saved beyond the logits NeMo-RL already holds. Float32 exists for one chunk
+``[B, chunk, V_local]`` at a time, in the forward and in the backward (none at all in the
+backward for float32 logits, which are processed in the gradient's own memory), so the peak
+above the inputs is the gradient of the logits, in their dtype, plus one float32 chunk.
+``benchmarks/bench_logprob_memory.py`` measures it against NeMo-RL's two paths.
 """
 
 from __future__ import annotations
@@ -20,55 +31,133 @@ import torch.distributed as dist
 
 from nemo_rs_plugin.core.distributed import group_is_active
 
-__all__ = ["target_logprobs"]
+__all__ = ["DEFAULT_LOGPROB_CHUNK_SIZE", "chunk_size_problem", "target_logprobs"]
+
+#: Positions per chunk when NeMo-RL's ``policy.logprob_chunk_size`` is unset: the smallest value
+#: NeMo-RL's own recipes set. The float32 chunk of Qwen3's vocabulary over TP 4 (V_local 37,984)
+#: is then 148 MiB against 1.16 GiB of bf16 logits per 16k-token CP shard; peak memory was lowest
+#: at 512-1024 in the CPU sweep (docs/performance.md#log-probs-from-logits-memory).
+DEFAULT_LOGPROB_CHUNK_SIZE = 1024
 
 
-class _VocabParallelTargetLogprob(torch.autograd.Function):
+def chunk_size_problem(value: Any, field: str = "policy.logprob_chunk_size") -> Optional[str]:
+    """Why ``value`` cannot be a chunk size (a positive number of positions), or ``None`` (``None`` = default)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return None
+    return (
+        f"{field}: got {value!r}; allowed: a positive integer (positions per chunk of the log-prob "
+        f"computation from logits) or null (the plugin's default, {DEFAULT_LOGPROB_CHUNK_SIZE})"
+    )
+
+
+def _float32_chunk(chunk: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """A fresh float32 ``chunk - shift``: the one ``[B, C, V_local]`` float32 buffer of a step."""
+    if chunk.dtype == torch.float32:
+        return chunk - shift
+    return chunk.to(torch.float32).sub_(shift)
+
+
+class _ChunkedTargetLogprob(torch.autograd.Function):
+    """``log p(y)`` from logits one chunk of positions at a time; every quantity relative to a row maximum.
+
+    ``z_y - LSE`` of two numbers near -1e4 would keep three digits in float32;
+    ``(z_y - m) - (LSE - m)`` keeps them all.
+    """
+
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any) -> torch.Tensor:  # noqa: D102
-        v_local = logits.shape[-1]
-        rank = dist.get_rank(group)
-        start = rank * v_local
-        z = logits.float()
-        z_max = z.amax(-1)
-        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = z - z_max.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = exp.sum(-1)
-        in_range = (target >= start) & (target < start + v_local)
-        local_idx = torch.where(in_range, target - start, torch.zeros_like(target)).unsqueeze(-1)
-        target_logit = shifted.gather(-1, local_idx).squeeze(-1) * in_range
-        # One SUM collective for both the partition function and the target logit.
-        packed = torch.stack([sum_exp, target_logit])
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        sum_exp, target_logit = packed[0], packed[1]
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), in_range, local_idx)
-        ctx.logits_dtype = logits.dtype
-        return target_logit - sum_exp.log()
+    def forward(  # noqa: D102
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any, chunk_size: int
+    ) -> torch.Tensor:
+        B, T, v_local = logits.shape
+        tp = dist.get_world_size(group) if group is not None else 1
+        in_range: Optional[torch.Tensor] = None
+        local_idx = target  # without TP an id outside the vocabulary fails in gather, as in NeMo-RL
+        if tp > 1:
+            start = dist.get_rank(group) * v_local
+            held = (target >= start) & (target < start + v_local)
+            in_range, local_idx = held, torch.where(held, target - start, torch.zeros_like(target))
+        local_idx = local_idx.unsqueeze(-1)
+        row_max = torch.empty(B, T, dtype=torch.float32, device=logits.device)  # m: this shard's row maximum
+        lse_rel = torch.empty_like(row_max)  # log sum_v exp(z_v - m) over this shard
+        target_rel = torch.empty_like(row_max)  # z_y - m
+        for s in range(0, T, chunk_size):
+            e = s + chunk_size
+            chunk = logits[:, s:e]
+            m = chunk.amax(-1, keepdim=True).to(torch.float32)
+            # A row of -inf (a shard whose columns are all masked) would give -inf - -inf = nan.
+            m.masked_fill_(m == float("-inf"), 0.0)
+            row_max[:, s:e] = m.squeeze(-1)
+            target_rel[:, s:e] = chunk.gather(-1, local_idx[:, s:e]).squeeze(-1).to(torch.float32) - row_max[:, s:e]
+            z = _float32_chunk(chunk, m)
+            lse_rel[:, s:e] = z.exp_().sum(-1).log_()
+            del z
+        if in_range is None:
+            logprobs, lse_minus_max = target_rel - lse_rel, lse_rel
+        else:
+            target_rel.masked_fill_(~in_range, 0.0)
+            # The call's one collective: every rank's rows [m, lse_rel, z_y - m].
+            local = torch.stack([row_max, lse_rel, target_rel])
+            parts = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(parts, local, group=group)
+            ranks = torch.stack(parts)  # [tp, 3, B, T]
+            maxima = ranks[:, 0]
+            top = maxima.amax(0)  # M = max over the vocabulary
+            lse_minus_top = (maxima - top + ranks[:, 1]).exp().sum(0).log()  # LSE - M
+            holder = (target // v_local).clamp(0, tp - 1).unsqueeze(0)  # the rank holding y
+            holder_max = maxima.gather(0, holder).squeeze(0)
+            logprobs = ranks[:, 2].sum(0) + (holder_max - top) - lse_minus_top
+            lse_minus_max = lse_minus_top + (top - row_max)  # LSE - m, for this shard's softmax
+        ctx.save_for_backward(logits, row_max, lse_minus_max, local_idx, in_range)
+        ctx.chunk_size = chunk_size
+        return logprobs
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # noqa: D102
-        softmax, in_range, local_idx = ctx.saved_tensors
-        grad_logits = -softmax * grad.unsqueeze(-1)
-        grad_logits.scatter_add_(-1, local_idx, (grad * in_range).unsqueeze(-1))
-        return grad_logits.to(ctx.logits_dtype), None, None
+        logits, row_max, lse_minus_max, local_idx, in_range = ctx.saved_tensors
+        chunk_size = ctx.chunk_size
+        grad = grad.to(torch.float32)
+        target_grad = grad if in_range is None else grad * in_range
+        grad_logits = torch.empty_like(logits)
+        in_place = logits.dtype == torch.float32
+        for s in range(0, logits.shape[1], chunk_size):
+            e = s + chunk_size
+            chunk, out = logits[:, s:e], grad_logits[:, s:e]
+            m = row_max[:, s:e].unsqueeze(-1)
+            if in_place:  # float32 logits: the chunk is computed in the gradient's own memory
+                p = torch.sub(chunk, m, out=out)
+            else:
+                p = _float32_chunk(chunk, m)
+            # softmax = exp((z - m) - (LSE - m)); the gradient is -softmax * g, plus g at the target
+            p.sub_(lse_minus_max[:, s:e].unsqueeze(-1)).exp_().mul_(grad[:, s:e].neg().unsqueeze(-1))
+            p.scatter_add_(-1, local_idx[:, s:e], target_grad[:, s:e].unsqueeze(-1))
+            if not in_place:
+                out.copy_(p)
+                del p
+        return grad_logits, None, None, None
 
 
 def target_logprobs(
     logits: torch.Tensor,  # [B, T, V_local]
     target: torch.Tensor,  # [B, T] token ids of the next token
     tp_group: Optional[Any] = None,
+    chunk_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """``log softmax(logits)[target]`` over the full vocabulary, ``[B, T]`` float32.
+    """``log softmax(logits)[target]`` over the full vocabulary, ``[B, T]`` float32, in chunks of positions.
 
     Args:
         logits: local logits; the vocabulary is split over ``tp_group`` when it has > 1 rank.
         target: next-token ids (global vocabulary indices).
         tp_group: the tensor-parallel group; ``None`` or one rank means full-vocab logits.
+        chunk_size: positions per chunk (NeMo-RL's ``policy.logprob_chunk_size``); ``None``
+            takes :data:`DEFAULT_LOGPROB_CHUNK_SIZE`. It bounds the float32 memory, not the result.
+
+    Raises:
+        ValueError: shapes that disagree, or a chunk size that is not a positive integer.
     """
-    if logits.shape[:-1] != target.shape:
+    if logits.dim() != 3 or logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target ids {tuple(target.shape)} disagree on [B, T]")
-    tp = dist.get_world_size(tp_group) if group_is_active(tp_group) else 1
-    if tp == 1:
-        return torch.log_softmax(logits.float(), dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    return _VocabParallelTargetLogprob.apply(logits, target, tp_group)
+    problem = chunk_size_problem(chunk_size, field="chunk_size")
+    if problem is not None:
+        raise ValueError(problem)
+    group = tp_group if group_is_active(tp_group) and dist.get_world_size(tp_group) > 1 else None
+    return _ChunkedTargetLogprob.apply(logits, target, group, chunk_size or DEFAULT_LOGPROB_CHUNK_SIZE)

@@ -189,16 +189,17 @@ def _local_logits(m, logits, data, tp, cp, packed):
     return local[..., tp_rank * v_local : (tp_rank + 1) * v_local].contiguous(), packed_seq_params
 
 
-def _train_step(m, loss_fn, shard, data, gvs, gvt, packed_seq_params, cp, sampling_params=None):
+def _train_step(m, loss_fn, shard, data, gvs, gvt, packed_seq_params, cp, sampling_params=None, chunk_size=None):
     """One microbatch through megatron-core's forward_step/backward_step with NeMo-RL's
-    LossPostProcessor; returns (logits gradient, reported metrics, scaled loss tensor)."""
+    LossPostProcessor (``chunk_size``: its ``policy.logprob_chunk_size``); returns (logits
+    gradient, reported metrics, scaled loss tensor)."""
     config = m["ModelParallelConfig"](
         tensor_model_parallel_size=m["ps"].get_tensor_model_parallel_world_size(), context_parallel_size=cp
     )
     model = _LogitsModel(shard, config, m["ModelType"].encoder_or_decoder)
     post = m["LossPostProcessor"](
         loss_fn=loss_fn,
-        cfg={"sequence_packing": {"enabled": packed_seq_params is not None}},
+        cfg={"sequence_packing": {"enabled": packed_seq_params is not None}, "logprob_chunk_size": chunk_size},
         num_microbatches=NUM_MICROBATCHES,
         sampling_params=sampling_params,
     )
@@ -229,12 +230,42 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float) -> tuple[bool, float]:
     return diff <= rel * scale, diff / scale
 
 
+def _host_passes_chunk_size() -> bool:
+    """Whether this NeMo-RL's training-time ``prepare_loss_input`` takes ``policy.logprob_chunk_size`` (v0.7.0 on)."""
+    import inspect
+
+    from nemo_rl.algorithms.loss.utils import prepare_loss_input
+
+    return "chunk_size" in inspect.signature(prepare_loss_input).parameters
+
+
 def check_sharded_equals_gathered(rank, world_size, host):
     """For every layout, packing, logits dtype and config: the sharded path's logits
-    gradients, reported metrics and loss value equal NeMo-RL's gathered path's."""
+    gradients, reported metrics and loss value equal NeMo-RL's gathered path's.
+
+    fp32 runs set ``policy.logprob_chunk_size: 3`` (several chunks on every layout): from v0.7.0
+    on NeMo-RL's gathered path then takes its ``ChunkedDistributedLogprob`` and the plugin must
+    read the same chunk size from NeMo-RL's ``prepare_fn`` (recorded below); bf16 runs leave it
+    unset (NeMo-RL's ``DistributedLogprob``, the plugin's default chunk)."""
     m = _host_modules(host)
     from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
+    from nemo_rs_plugin.parallel import sharded
 
+    chunk_sizes_used = []
+    real_target_logprobs = sharded.target_logprobs
+
+    def recording(logits, target, tp_group, chunk_size):
+        chunk_sizes_used.append(chunk_size)
+        return real_target_logprobs(logits, target, tp_group, chunk_size)
+
+    sharded.target_logprobs = recording
+    try:
+        return _sharded_equals_gathered(rank, m, RSClippedPGLossFn, chunk_sizes_used)
+    finally:
+        sharded.target_logprobs = real_target_logprobs
+
+
+def _sharded_equals_gathered(rank, m, RSClippedPGLossFn, chunk_sizes_used):
     logits_full, data, gvs, gvt = make_batch()
     failures, ratios = [], {}
     for tp, cp in LAYOUTS:
@@ -245,12 +276,19 @@ def check_sharded_equals_gathered(rank, world_size, host):
                 shard, packed_seq_params = _local_logits(m, logits_full.to(dtype), data, tp, cp, packed)
                 # bf16 gradients are rounded to 8 bits of mantissa; fp32 ones must agree to 1e-5.
                 rel = 1e-5 if dtype == torch.float32 else 1e-2
+                chunk_size = 3 if dtype == torch.float32 else None
                 for name, cfg in CONFIGS.items():
                     label = f"tp{tp}cp{cp}/{'packed' if packed else 'unpacked'}/{str(dtype)[6:]}/{name}"
                     out = {}
                     for path, sharded in (("gathered", False), ("sharded", True)):
                         loss_fn = RSClippedPGLossFn(dict(cfg, name="rs_clipped_pg", sharded_logits_input=sharded))
-                        out[path] = _train_step(m, loss_fn, shard, data, gvs, gvt, packed_seq_params, cp)
+                        chunk_sizes_used.clear()
+                        out[path] = _train_step(
+                            m, loss_fn, shard, data, gvs, gvt, packed_seq_params, cp, chunk_size=chunk_size
+                        )
+                    want_chunks = chunk_size if _host_passes_chunk_size() else None
+                    if not chunk_sizes_used or set(chunk_sizes_used) != {want_chunks}:
+                        failures.append(f"{label}: chunk sizes used {chunk_sizes_used}, expected {want_chunks}")
                     (g_grad, g_metrics, g_out), (s_grad, s_metrics, s_out) = out["gathered"], out["sharded"]
                     ok, err = _close(s_grad, g_grad, rel)
                     ratios[label] = float(s_grad.float().norm() / g_grad.float().norm().clamp_min(1e-30))
@@ -274,8 +312,34 @@ def check_real_megatron(rank, world_size, host):
     return (
         check_gathered_path_gives_full_gradient(rank, world_size, host)
         + check_sharded_refuses_training_time_filtering(rank, world_size, host)
+        + check_sharded_refuses_a_chunk_size_that_cannot_work(rank, world_size, host)
         + check_sharded_equals_gathered(rank, world_size, host)
     )
+
+
+def check_sharded_refuses_a_chunk_size_that_cannot_work(rank, world_size, host):
+    """``policy.logprob_chunk_size: 0`` reaches the loss through NeMo-RL's ``prepare_fn`` (v0.7.0 on):
+    refused by name, packed and unpacked, before any log-prob is computed."""
+    m = _host_modules(host)
+    if not _host_passes_chunk_size():
+        return []
+    from nemo_rs_plugin.core.config import ConfigError
+    from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
+
+    logits_full, data, gvs, gvt = make_batch()
+    cfg = dict(CONFIGS["token-loss/token-IS/tis/kl"], name="rs_clipped_pg", sharded_logits_input=True)
+    failures = []
+    m["ps"].destroy_model_parallel()
+    m["ps"].initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+    for packed in (False, True):
+        shard, packed_seq_params = _local_logits(m, logits_full, data, 2, 2, packed)
+        try:
+            _train_step(m, RSClippedPGLossFn(cfg), shard, data, gvs, gvt, packed_seq_params, 2, chunk_size=0)
+            failures.append(f"packed={packed}: logprob_chunk_size 0 was not refused")
+        except ConfigError as exc:
+            if "policy.logprob_chunk_size: got 0" not in str(exc):
+                failures.append(f"packed={packed}: unclear error {exc}")
+    return failures
 
 
 def check_sharded_refuses_training_time_filtering(rank, world_size, host):

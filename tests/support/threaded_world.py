@@ -2,8 +2,9 @@
 
 It lets a fast, non-``distributed`` test run the loss on token shards exactly as CP or
 sequence-parallel TP ranks would, with real reductions (SUM, MAX, MIN, in a fixed rank
-order, so identical on every rank), and record every collective issued. It replaces
-``torch.distributed.all_reduce`` and ``get_world_size`` for the duration of
+order, so identical on every rank) and all-gathers, and record every collective issued. It
+replaces ``torch.distributed.all_reduce``, ``all_gather``, ``get_rank`` and ``get_world_size`` for
+the duration of
 :func:`run_ranks`; ``SequenceGroups`` is built directly from :class:`ThreadGroup` objects.
 The gloo tests in ``test_distributed.py`` remain the check against real processes.
 """
@@ -56,6 +57,27 @@ def _all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = 
         tensor.copy_(out)
 
 
+def _all_gather(tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
+    if not isinstance(group, ThreadGroup):
+        raise AssertionError(f"all_gather without an explicit thread group (got {group!r})")
+    if async_op:
+        raise AssertionError("async all_gather is not emulated")
+    rank = _local.rank
+    _local.log.append(("all_gather", group))
+    group.slots[rank] = tensor.detach().clone()
+    group.barrier.wait()
+    with torch.no_grad():
+        for out, r in zip(tensor_list, group.ranks):
+            out.copy_(group.slots[r])
+    group.barrier.wait()
+
+
+def _get_rank(group: Any = None) -> int:
+    if not isinstance(group, ThreadGroup):
+        raise AssertionError(f"get_rank without an explicit thread group (got {group!r})")
+    return group.ranks.index(_local.rank)
+
+
 def _get_world_size(group: Any = None) -> int:
     if not isinstance(group, ThreadGroup):
         raise AssertionError(f"get_world_size without an explicit thread group (got {group!r})")
@@ -69,6 +91,8 @@ def run_ranks(world_size: int, fn: Callable[[int], Any], groups: list[ThreadGrou
     An exception on any rank aborts the barriers (no rank hangs) and is re-raised.
     """
     monkeypatch.setattr(torch.distributed, "all_reduce", _all_reduce)
+    monkeypatch.setattr(torch.distributed, "all_gather", _all_gather)
+    monkeypatch.setattr(torch.distributed, "get_rank", _get_rank)
     monkeypatch.setattr(torch.distributed, "get_world_size", _get_world_size)
     results: list[Any] = [None] * world_size
     errors: list[BaseException] = []

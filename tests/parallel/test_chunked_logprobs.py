@@ -1,0 +1,133 @@
+"""Log-probs from logits in chunks of positions (nemo_rs_plugin/parallel/vocab_parallel.py).
+
+The same numbers as before chunking and as NeMo-RL's own log-prob functions (TP 1 and TP 2 on
+gloo, float32 and bf16 logits, several chunk sizes), one collective per call, and nothing of
+the logits' size saved for backward: the memory contract behind
+``benchmarks/bench_logprob_memory.py``. Through NeMo-RL's real ``LossPostProcessor``, with its
+``policy.logprob_chunk_size``: ``tests/parallel/test_real_megatron.py``.
+"""
+
+import pytest
+import torch
+
+from nemo_rs_plugin import CorrectedPGLoss
+from nemo_rs_plugin.parallel.sharded import sharded_loss
+from nemo_rs_plugin.parallel.vocab_parallel import DEFAULT_LOGPROB_CHUNK_SIZE, chunk_size_problem, target_logprobs
+from tests.support import chunked_logprob_cases as cases
+from tests.support.distributed_cases import CONFIGS, make_data
+from tests.support.distributed_harness import run_world, run_world_cases
+from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark
+from tests.support.unchunked_logprobs import unchunked_target_logprobs
+
+_RESULTS: dict = {}
+WORLD = [
+    ("references", cases.check_chunked_equals_references, ()),
+    ("collectives", cases.check_collectives, ()),
+]
+
+
+def _failures(world_size: int, name: str) -> list:
+    if world_size not in _RESULTS:
+        _RESULTS[world_size] = run_world_cases(world_size, WORLD)
+    return _RESULTS[world_size][name]
+
+
+@pytest.mark.distributed
+def test_chunked_logprobs_equal_float64_and_the_previous_path_tp2_gloo():
+    failures = _failures(2, "references")
+    assert not failures, "\n".join(failures[:40])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3], ids=["tp1", "tp2-threads", "tp3-threads"])
+def test_chunked_logprobs_equal_float64_and_the_previous_path_in_process(world_size, monkeypatch):
+    """The same comparison with thread ranks (tests/support/threaded_world.py): fast, and in the mutation subset."""
+    if world_size == 1:
+        failures = cases.reference_failures(0, 1, None)
+    else:
+        import torch.distributed as dist
+
+        from tests.support.threaded_world import ThreadGroup, run_ranks
+
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        group = ThreadGroup(list(range(world_size)))
+        results = run_ranks(world_size, lambda r: cases.reference_failures(r, world_size, group), [group], monkeypatch)
+        failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures[:40])
+
+
+@pytest.mark.distributed
+def test_one_all_gather_per_call_and_no_collective_in_backward():
+    failures = _failures(2, "collectives")
+    assert not failures, "\n".join(failures[:40])
+
+
+@pytest.mark.distributed
+@no_hosts_mark()
+@pytest.mark.parametrize("host", nemo_rl_hosts(), ids=host_label)
+def test_chunked_logprobs_equal_nemo_rl_distributed_logprob(host):
+    """Against NeMo-RL's ``DistributedLogprob`` and ``ChunkedDistributedLogprob``, TP 2 on gloo."""
+    run_world(2, cases.check_equals_nemo_rl, host)
+
+
+def _saved_bytes(fn, logits):
+    """Bytes autograd saves for backward while ``fn(logits)`` runs, the logits' own storage excepted."""
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+            saved.append((tuple(t.shape), t.dtype, t.numel() * t.element_size()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(logits)
+    return out, saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path", ["log-probs", "the whole sharded loss"])
+def test_nothing_of_the_logits_size_is_saved_for_backward(dtype, path):
+    """Only O(B * T) tensors besides the logits (which NeMo-RL holds anyway): no float32 [T, V]."""
+    B, S, V = 2, 64, 512
+    logits, data, gvs, gvt = make_data(B, S, V)
+    logits = logits.to(dtype).requires_grad_(True)
+    if path == "log-probs":
+        fn = lambda z: target_logprobs(z[:, :-1], data["input_ids"][:, 1:], None, 16)  # noqa: E731
+    else:
+        loss_fn = CorrectedPGLoss(CONFIGS["gspo/sequence_mean+geo-rs+veto+token-k3"])
+        fn = lambda z: sharded_loss(loss_fn, z, data, gvs, gvt, chunk_size=16)[0]  # noqa: E731
+    out, saved = _saved_bytes(fn, logits)
+    largest = max(n for _, _, n in saved)
+    assert largest <= 8 * B * S, f"a saved tensor of {largest} bytes: {sorted(saved, key=lambda s: -s[2])[:3]}"
+    assert sum(n for _, _, n in saved) <= 256 * B * S, saved
+    out.sum().backward()  # and the graph still runs
+    assert torch.isfinite(logits.grad.float()).all()
+
+
+def test_the_saved_bytes_probe_sees_a_saved_softmax():
+    """The probe above is not blind: the previous path saved the float32 softmax of the shard."""
+    B, S, V = 2, 64, 512
+    logits, data, _, _ = make_data(B, S, V)
+    _, saved = _saved_bytes(
+        lambda z: torch.log_softmax(z[:, :-1].float(), -1).gather(-1, data["input_ids"][:, 1:, None]),
+        logits.requires_grad_(True),
+    )
+    assert max(n for _, _, n in saved) >= 4 * B * (S - 1) * V
+    _, saved = _saved_bytes(
+        lambda z: unchunked_target_logprobs(z[:, :-1], data["input_ids"][:, 1:]), logits.requires_grad_(True)
+    )
+    assert max(n for _, _, n in saved) >= 4 * B * (S - 1) * V
+
+
+@pytest.mark.parametrize("bad", [0, -8, 2.5, True, "1024"])
+def test_a_chunk_size_that_cannot_work_is_refused_by_name(bad):
+    logits = torch.randn(1, 4, 8)
+    with pytest.raises(ValueError, match=r"chunk_size: got .*allowed: a positive integer"):
+        target_logprobs(logits, torch.zeros(1, 4, dtype=torch.long), None, bad)
+    problem = chunk_size_problem(bad)
+    assert problem is not None and problem.startswith(f"policy.logprob_chunk_size: got {bad!r}")
+    assert str(DEFAULT_LOGPROB_CHUNK_SIZE) in problem
+
+
+def test_an_id_outside_the_vocabulary_fails_without_tp():
+    with pytest.raises(RuntimeError, match="index"):
+        target_logprobs(torch.randn(1, 4, 8), torch.full((1, 4), 8), None, 2)
