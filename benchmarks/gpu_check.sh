@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_check.sh --dry-run  # any machine: skips the CUDA parts, proves it starts
 #   STEPS=tests,packing bash benchmarks/gpu_check.sh   # only some steps (always in the order below)
 #
-# Steps (STEPS, comma-separated; default all four, run in this order):
+# Steps (STEPS, comma-separated; default all five, run in this order):
 #   tests             the CUDA tests (GPU_TESTS overrides the files): one host sync per call,
 #                     the parity fixtures on CUDA, compiled equal to eager
 #   bench_gpu         bench_gpu.py: 8 x 32k and 4 x 64k, CUDA events and peak memory vs NeMo-RL
@@ -17,6 +17,9 @@
 #                     sequences, 8 x 32k), host time, GPU span, kernel time and kernels per call
 #   packing_compiled  the lone B = 1 call with compile: true, for the configurations whose label
 #                     contains one of PACKING_COMPILED_ONLY's parts (each compiles: ~1 min)
+#   logprob_memory    bench_logprob_memory.py --device cuda: log-probs from a bf16 logits shard
+#                     [1, 16384, 37984] (the 64k recipe's per rank), peak memory
+#                     (max_memory_allocated) and time vs NeMo-RL's chunked and unchunked paths
 #
 # Before (where pip works): bash benchmarks/gpu_wheels.sh fills .whl/; optionally
 #   mkdir -p .nemo-rl && tar -xzf ../shared/nemo-rl/nemo-rl-main.tar.gz -C .nemo-rl
@@ -30,7 +33,7 @@ DRY=0
 OUT=${OUT:-$REPO/gpu-check-out}
 NEMO_RL=${NEMO_RL:-$REPO/.nemo-rl/nemo-rl-main}
 PY=${PYTHON:-python3}
-STEPS=",${STEPS:-tests,bench_gpu,packing,packing_compiled},"
+STEPS=",${STEPS:-tests,bench_gpu,packing,packing_compiled,logprob_memory},"
 PACKING_COMPILED_ONLY=${PACKING_COMPILED_ONLY:-token TIS,async-tokentis}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
@@ -39,8 +42,8 @@ START=$SECONDS
 FAILED=()
 for name in ${STEPS//,/ }; do  # a misspelt step would otherwise run nothing, silently
   case $name in
-    tests | bench_gpu | packing | packing_compiled) ;;
-    *) echo "gpu_check: unknown step '$name' in STEPS (allowed: tests, bench_gpu, packing, packing_compiled)"; exit 2 ;;
+    tests | bench_gpu | packing | packing_compiled | logprob_memory) ;;
+    *) echo "gpu_check: unknown step '$name' in STEPS (allowed: tests, bench_gpu, packing, packing_compiled, logprob_memory)"; exit 2 ;;
   esac
 done
 
@@ -82,6 +85,8 @@ TESTS=(${GPU_TESTS:-tests/core/test_cuda_sync.py tests/core/test_peer_modes_prim
 wanted() { [[ $STEPS == *",$1,"* ]]; }
 # bench_packing imports NeMo-RL's SequencePackingLossWrapper: the checkout goes on PYTHONPATH.
 PACKING=(env "PYTHONPATH=$NEMO_RL:$PYTHONPATH" PYTHONUNBUFFERED=1 $PY benchmarks/bench_packing.py)
+LOGPROB_MEMORY=(env PYTHONUNBUFFERED=1 $PY benchmarks/bench_logprob_memory.py --nemo-rl "$NEMO_RL" --tp 1 --dtype bf16
+  --variants plugin,nemo-rl-chunked,nemo-rl,plugin-unchunked)
 
 if [[ $DRY -eq 1 ]]; then
   # Everything but CUDA: the GPU tests import and collect; the benchmarks run on CPU, briefly,
@@ -93,8 +98,11 @@ if [[ $DRY -eq 1 ]]; then
   if [[ -d "$NEMO_RL/nemo_rl" ]]; then
     wanted packing && step "bench_packing on CPU (dry run)" 180 \
       "${PACKING[@]}" --only "plain, GSPO" --rounds 2 --packed-rounds 1 --sequences 4
+    wanted logprob_memory && step "bench_logprob_memory on CPU (dry run)" 120 \
+      "${LOGPROB_MEMORY[@]}" --shapes 256x512 --repeats 1
   else
     wanted packing && echo "bench_packing skipped: it needs NeMo-RL's checkout"
+    wanted logprob_memory && echo "bench_logprob_memory skipped: it needs NeMo-RL's checkout"
   fi
 else
   # CUDA tests: sync count (fp32/bf16, eager/compiled), 120 parity fixtures on CUDA, and the
@@ -108,6 +116,8 @@ else
     "${PACKING[@]}" --device cuda --large
   wanted packing_compiled && step "bench_packing on CUDA, compiled B = 1 ($PACKING_COMPILED_ONLY)" 240 \
     "${PACKING[@]}" --device cuda --compiled --only "$PACKING_COMPILED_ONLY"
+  wanted logprob_memory && step "bench_logprob_memory on CUDA (T 16384, V/tp 37984, bf16)" 240 \
+    "${LOGPROB_MEMORY[@]}" --device cuda --shapes 16384x37984 --repeats 5
 fi
 echo "gpu_check: $((SECONDS - START)) s; failed steps: ${#FAILED[@]}${FAILED:+ (${FAILED[*]})}"
 [[ ${#FAILED[@]} -eq 0 ]] && echo "gpu_check: done" && exit 0

@@ -120,10 +120,37 @@ def test_gpu_check_dry_run_times_the_packing_wrapper_with_a_real_checkout(tmp_pa
     assert "collect the GPU tests" not in log and not (tmp_path / "bench_gpu.json").exists()
 
 
+@pytest.mark.slow  # ~20 s: four variants, each in a fresh interpreter
+@pytest.mark.skipif(sys.platform != "linux", reason="bash script for the Linux GPU machines")
+def test_gpu_check_dry_run_measures_log_prob_memory_with_a_real_checkout(tmp_path):
+    """The ``logprob_memory`` step (bench_logprob_memory.py against NeMo-RL's own log-prob functions)
+    prints its table on the CPU with the checkout that GPU run would carry."""
+    from tests.support.nemo_rl_hosts import nemo_rl_hosts, skip_or_fail
+
+    hosts = [h for h in nemo_rl_hosts() if h]
+    if not hosts:
+        skip_or_fail("no NeMo-RL checkout")
+        return
+    proc, log = dry_run(tmp_path, NEMO_RL=hosts[-1], STEPS="logprob_memory")
+    assert proc.returncode == 0, log[-4000:]
+    assert "=== bench_logprob_memory on CPU (dry run): rc=0" in log
+    rows = [
+        line.split()
+        for line in log.splitlines()
+        if line.strip().split(" ")[0] in ("plugin", "nemo-rl-chunked", "nemo-rl", "plugin-unchunked")
+    ]
+    assert [r[0] for r in rows] == ["plugin", "nemo-rl-chunked", "nemo-rl", "plugin-unchunked"], log[-2000:]
+    assert len({r[-1] for r in rows}) == 1, rows  # the four agree on the log-probs' sum
+    assert "collect the GPU tests" not in log
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script for the Linux GPU machines")
 def test_gpu_check_refuses_an_unknown_step(tmp_path):
     """A misspelt step would run nothing and spend a lease on it: refused before any step, naming it."""
     proc, _ = dry_run(tmp_path, timeout=60, STEPS="tests,packng")
     assert proc.returncode == 2
-    assert "unknown step 'packng' in STEPS (allowed: tests, bench_gpu, packing, packing_compiled)" in proc.stdout
+    assert (
+        "unknown step 'packng' in STEPS (allowed: tests, bench_gpu, packing, packing_compiled, logprob_memory)"
+        in proc.stdout
+    )
     assert "=== " not in proc.stdout  # no step ran
