@@ -20,6 +20,7 @@ and the result equals NeMo-RL's ``ClippedPGLossFn`` (loss, gradient, every metri
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Mapping, Optional
@@ -27,7 +28,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from nemo_rs_plugin.core.compiled import core_fn, free_host_reads, metrics_form
-from nemo_rs_plugin.core.config import RSClippedPGLossConfig
+from nemo_rs_plugin.core.config import ConfigWarning, RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction import (
     CorrectionResult,
     PolicyLogProbs,
@@ -59,6 +60,14 @@ from nemo_rs_plugin.core.policy_loss import (
     positive_example_nll,
 )
 
+#: The warning of a section that asks :class:`CorrectedPGLoss` itself to record (it never does).
+RECORDS_NOTHING = (
+    "record_logprobs: got true, but CorrectedPGLoss records nothing (nor reads record_dir, record_every): "
+    "recording is done by NeMo-RL's loss (loss_fn.name: rs_clipped_pg in a recipe). Outside NeMo-RL, record "
+    "with nemo_rs_plugin.nemo_rl.recording.LogprobRecorder(record_dir, every).observe(global_valid_toks, data) "
+    "before each call (docs/cli.md#recording-outside-nemo-rl), or remove record_logprobs"
+)
+
 # LossInputs is defined in core.inputs and re-exported: callers import it from here.
 __all__ = ["CorrectedPGLoss", "LossInputs", "metric_normalizations"]
 
@@ -80,6 +89,12 @@ class CorrectedPGLoss:
         per_call_metrics: return the metrics that hold for this call alone (extremes, the ESS,
             the batch-normalisation factor; :mod:`nemo_rs_plugin.core.metrics`). The NeMo-RL
             loss turns them off: NeMo-RL sums every metric over calls, microbatches and ranks.
+
+    This class records nothing: ``record_logprobs`` is read by the host that records (NeMo-RL's
+    loss, with :class:`~nemo_rs_plugin.nemo_rl.recording.LogprobRecorder`), which hands over the
+    validated :class:`RSClippedPGLossConfig`. A section given as a dict (a mapping, an object)
+    that sets ``record_logprobs: true`` gets a :class:`ConfigWarning` saying so, and how to record
+    outside NeMo-RL (docs/cli.md#recording-outside-nemo-rl).
     """
 
     def __init__(
@@ -91,6 +106,8 @@ class CorrectedPGLoss:
         per_call_metrics: bool = True,
     ):
         self.cfg = RSClippedPGLossConfig.from_any(cfg if cfg is not None else {})
+        if self.cfg.record_logprobs and not isinstance(cfg, RSClippedPGLossConfig):
+            warnings.warn(RECORDS_NOTHING, ConfigWarning, stacklevel=2)
         self.batched_metrics, self.compile_backend = batched_metrics, compile_backend
         self.per_call_metrics = per_call_metrics
         cfg = self.cfg
@@ -529,18 +546,17 @@ class CorrectedPGLoss:
     def _sequence_sampling_importance_ratio(
         self, metrics: MetricSet, is_weight: torch.Tensor, sample_mask: torch.Tensor
     ) -> None:
-        """``sampling_importance_ratio`` with a per-sequence weight: its mean over sequences.
+        """``sampling_importance_ratio`` with a per-sequence weight: ``sum_i s_i w_i / N_seq``.
 
-        (Per-token weights are averaged over tokens with the other token means.) In NeMo-RL's
-        own GSPO mode (``is_correction_level`` unset) the value is NeMo-RL's, whose ``[B, 1]``
-        weight broadcasts against the ``[B]`` sample mask: ``sum_i w_i * sum_j s_j / N_seq``
-        (NeMo-RL #3753). It is reproduced for parity; ``is_weight_mean`` is the true mean.
+        (Per-token weights are averaged over tokens with the other token means.) The mean over
+        valid sequences, in NeMo-RL's own GSPO mode too, where NeMo-RL's unpacked call logs
+        ``sum_i w_i * sum_j s_j / N_seq`` instead: its ``[B, 1]`` weight broadcasts against the
+        ``[B]`` sample mask (NeMo-RL #3753), so its number grows with the sequences per call and
+        changes with packing (its per-sequence packing wrapper, one sequence per call, logs
+        this mean). This one is the same whatever the call shape (docs/guide.md).
         """
         w_seq = is_weight.squeeze(-1)  # [B]
-        if self.cfg.is_correction_level is None:
-            metrics.add_total("sampling_importance_ratio", w_seq.sum() * sample_mask.sum(), "sequences", "replicated")
-        else:
-            metrics.add_masked_total("sampling_importance_ratio", w_seq, sample_mask, "sequences", "replicated")
+        metrics.add_masked_total("sampling_importance_ratio", w_seq, sample_mask, "sequences", "replicated")
 
 
 def _clipped_extreme(source: str, lo: float, hi: float, out: dict[str, float]) -> float:

@@ -15,6 +15,7 @@ import torch
 
 from nemo_rs_plugin import CorrectedPGLoss
 from tests.conftest import fixtures_path
+from tests.support.fixture_metrics import plugin_value_of_recorded
 
 # Shipped in tests/data (or $NEMO_RS_FIXTURES): a missing recording fails, it never skips.
 CASES = torch.load(fixtures_path())["cases"]
@@ -40,6 +41,9 @@ def assert_matches_upstream(case, loss, metrics, grad):
     for key, ref in case["metrics"].items():
         assert key in metrics, (case["name"], key)
         got = metrics[key]
+        ref = plugin_value_of_recorded(case, key, ref)  # the one deliberate difference (GSPO's metric)
+        if ref is None:
+            continue
         assert got == ref or abs(got - ref) <= 1e-5 + 1e-4 * abs(ref), (case["name"], key, got, ref)
     torch.testing.assert_close(
         grad,
@@ -71,7 +75,7 @@ def test_matches_nemo_rl(case):
 )
 @pytest.mark.parametrize("case", CASES[:40], ids=[c["name"] for c in CASES[:40]])
 def test_explicit_default_level_is_identical(case):
-    """Naming the IS level NeMo-RL would pick changes nothing but the documented GSPO metric."""
+    """Naming the IS level NeMo-RL would pick changes nothing, the GSPO metric included."""
     cfg = dict(case["config"])
     level = "sequence" if cfg["sequence_level_importance_ratios"] else "token"
     if cfg["truncated_importance_sampling_type"] == "seq-mask-tis" and level == "sequence":
@@ -81,6 +85,4 @@ def test_explicit_default_level_is_identical(case):
     torch.testing.assert_close(explicit[0], base[0])
     torch.testing.assert_close(explicit[2], base[2])
     for key, value in base[1].items():
-        if key == "sampling_importance_ratio" and level == "sequence":
-            continue  # NeMo-RL's [B,1] x [B] broadcast is reproduced only in compat mode
         assert explicit[1][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key

@@ -18,7 +18,8 @@ microbatches each, metrics combined by NeMo-RL's driver rule. Here:
   with the one message that names ``policy.sequence_packing``; which ones is
   :func:`~nemo_rs_plugin.core.microbatch.current_policy_problems`' decision;
 * with only NeMo-RL's own fields set, the plugin equals NeMo-RL's own loss unpacked and fused,
-  and its unpacked result per sequence (where NeMo-RL's own NLL and GSPO metric change).
+  and its unpacked result per sequence (where NeMo-RL's own NLL changes), but for the GSPO
+  ``sampling_importance_ratio``: NeMo-RL's per-sequence value in every call shape.
 """
 
 import json
@@ -166,9 +167,6 @@ def test_packed_calls_equal_the_unpacked_call(host, tmp_path_factory):
                 failures[(name, mode)] = run.get("traceback") or run["error"]
                 continue
             diff = differences(run, runs["unpacked"], TOLERANCE[mode])
-            if mode == "per_sequence_unindexed" and section.get("sequence_level_importance_ratios"):
-                # per sequence, NeMo-RL's own GSPO metric (its [B, 1] weight broadcast, kept for parity) is no sum
-                diff = [d for d in diff if not d.startswith("sampling_importance_ratio:")]
             if diff:
                 failures[(name, mode)] = diff
     assert failures == {}
@@ -186,14 +184,20 @@ def test_nemo_rl_fields_alone_equal_nemo_rl_own_loss_in_every_mode(host, tmp_pat
 
     Per sequence NeMo-RL's own loss departs from its unpacked result in two places (the control
     below pins them): its NLL is averaged over each sequence alone, and its GSPO
-    ``sampling_importance_ratio`` is not a sum. The plugin gathers the wrapper's calls into the
-    unpacked call, so it keeps the unpacked meaning there too.
+    ``sampling_importance_ratio`` changes. The plugin gathers the wrapper's calls into the
+    unpacked call, so it keeps the unpacked NLL there too. The GSPO metric is the one deliberate
+    difference: in every call shape the plugin logs NeMo-RL's *per-sequence* value, the mean
+    over sequences, which NeMo-RL's unpacked and fused calls inflate by about the number of
+    sequences per call (their ``[B, 1]`` weight against the ``[B]`` sample mask, NeMo-RL #3753).
     """
     out = results(host, tmp_path_factory)
     for name in UPSTREAM_ONLY:
+        gspo_per_sequence = out[f"control/{name}"]["per_sequence"]["metrics"].get("sampling_importance_ratio")
         for mode in ("unpacked", "per_sequence", "fused"):
             plugin = out[name][mode]
             own = out[f"control/{name}"]["unpacked" if mode == "per_sequence" else mode]
+            if name == "upstream/gspo":
+                own = {**own, "metrics": {**own["metrics"], "sampling_importance_ratio": gspo_per_sequence}}
             own_metrics = {k: v for k, v in plugin["metrics"].items() if k in own["metrics"]}
             assert set(own["metrics"]) <= set(plugin["metrics"]), (name, mode)
             # as close as the two losses' float64 arithmetic allows (the live parity test's own bar is 1e-4)

@@ -80,7 +80,8 @@ def filter_label(f: dict) -> str:
         return f["name"]
     parts = [f["level"], f.get("metric", "ratio")]
     if f["level"] == "sequence":
-        parts.append(f.get("agg") or "mean")
+        agg = f.get("agg") or "mean"
+        parts.append({"max": "largest", "min": "smallest"}.get(agg, agg))  # no "_max": NeMo-RL scales those
     if f.get("log_ratio", "prev-gen") != "prev-gen":
         parts.append(f["log_ratio"])
     if f.get("negative_advantages_only"):
@@ -473,10 +474,8 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
         applied = {i: weight[i][0] for i in units if seq_in_loss[i]}
         raw_range = list(raw_of.values())
         denom = gvs
-        if cfg.get("is_correction_level") is None:  # NeMo-RL's [B, 1] x [B] broadcast (#3753)
-            sir = sum(weight[i][0] for i in rows) * sum(sm) / gvs
-        else:
-            sir = sum(weight[i][0] for i in rows if sm[i] > 0) / gvs
+        # the mean over valid sequences, in NeMo-RL's GSPO mode too (not its [B, 1] x [B] broadcast, #3753)
+        sir = sum(weight[i][0] for i in rows if sm[i] > 0) / gvs
     positive = [w for w in applied.values() if w != 0]
     sum_w, sum_w2 = sum(applied.values()), sum(w * w for w in applied.values())
     metrics["is_weight_raw_mean"] = sum(raw_of.values()) / denom

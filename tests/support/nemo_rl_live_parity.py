@@ -150,6 +150,16 @@ def batches():
     yield "all-masked", curr, masked, torch.tensor(0.0), torch.tensor(0.0)
 
 
+def _per_sequence_metric(loss_fn, curr, data, gvs, gvt, key, BatchedDataDict) -> float:
+    """``key`` summed over one call of ``loss_fn`` per sequence (NeMo-RL's metrics are sums over calls)."""
+    total = 0.0
+    for i in range(curr.shape[0]):
+        row = {k: v[i : i + 1].clone() if hasattr(v, "shape") and v.dim() > 0 else v for k, v in data.items()}
+        _, metrics = loss_fn(curr[i : i + 1].clone(), BatchedDataDict(row), gvs, gvt)
+        total += float(metrics[key])
+    return total
+
+
 def run() -> dict:
     from tests.support import nemo_rl_shims
 
@@ -211,6 +221,13 @@ def run() -> dict:
                 results.append((loss.detach().float(), grad, metrics))
             compared += 1
             (h_loss, h_grad, h_metrics), (p_loss, p_grad, p_metrics) = results
+            if cfg.get("sequence_level_importance_ratios") and "sampling_importance_ratio" in h_metrics:
+                # The deliberate difference: NeMo-RL's GSPO value of one call on B sequences is
+                # inflated by its [B, 1] x [B] broadcast (#3753); the plugin logs NeMo-RL's value
+                # summed over one call per sequence (what NeMo-RL's packing wrapper logs).
+                h_metrics["sampling_importance_ratio"] = _per_sequence_metric(
+                    host, curr, data, gvs, gvt, "sampling_importance_ratio", BatchedDataDict
+                )
             where = f"{label} on {name}"
             if not torch.allclose(p_loss, h_loss, rtol=1e-4, atol=1e-5, equal_nan=True):
                 failures.append(f"{where}: loss {float(p_loss)} vs NeMo-RL {float(h_loss)}")
