@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS
 from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
-from nemo_rs_plugin.core.rejection_filter import RejectionFilter
+from nemo_rs_plugin.core.rejection_filter import NEMO_RL_UNDIVIDED_MARKERS, RejectionFilter
 
 
 def shown(value: Any) -> str:
@@ -55,7 +55,9 @@ def coercion_problem(loc: str, value: Any, annotation: Any) -> Optional[str]:
         hint = ", unquoted"
         if _YAML_EXPONENT.match(value.strip()):
             mantissa, exponent = re.split("[eE]", value.strip())
-            hint = f": YAML 1.1 reads {value.strip()} as a string, write {mantissa}.0e{exponent}"
+            # YAML 1.1 (PyYAML) needs a dot and a signed exponent to read a float: 1.0e+4, 1.0e-4
+            signed = exponent if exponent[:1] in "+-" else f"+{exponent}"
+            hint = f": YAML 1.1 reads {value.strip()} as a string, write {mantissa}.0e{signed}"
         return f"{loc}: got {value!r} (a string); allowed: a number{hint}"
     if kind == "number" and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
         what = "a boolean" if isinstance(value, bool) else type(value).__name__
@@ -322,6 +324,14 @@ def setting_warnings(cfg: Any) -> list[str]:
         )
     for i, f in enumerate(cfg.rejection_sampling):
         w += filter_bound_extremes(i, f) + filter_bound_warnings(i, f)
+        markers = [m for m in NEMO_RL_UNDIVIDED_MARKERS if f.name is not None and m in f.name]
+        if markers:
+            w.append(
+                f"rejection_sampling.{i}.name: got {f.name!r}, which contains {' and '.join(map(repr, markers))}: "
+                "NeMo-RL's workers divide every metric by the number of global batches per step except those "
+                f"whose name contains '_min' or '_max', so rs/{f.name}/... would be logged that many times too "
+                "large in a step with several global batches; choose a name without '_min' and '_max'"
+            )
     if not cfg.record_logprobs:
         for name in ("record_dir", "record_every"):
             if getattr(cfg, name) != type(cfg).model_fields[name].default:

@@ -30,6 +30,16 @@ FilterScope = Literal["loss", "policy_gradient"]
 AGGS_FOR_METRIC: dict[str, tuple[str, ...]] = {name: s.aggregations for name, s in FILTER_STATISTICS.items()}
 
 
+#: Metric names NeMo-RL's workers leave undivided by the number of global batches per step (they
+#: take them for extremes): ``"_min" in name or "_max" in name`` in every supported NeMo-RL's
+#: DTensor, Megatron and automodel training loops. A filter's shares are sums, so its label must
+#: not contain them: the default label spells these aggregations out, and a ``name`` that
+#: contains them is warned about (``setting_warnings``).
+NEMO_RL_UNDIVIDED_MARKERS = ("_min", "_max")
+#: The word a default label uses for an aggregation whose own name would be one of the markers.
+AGGREGATION_LABELS = {"max": "largest", "min": "smallest"}
+
+
 class RejectionFilter(BaseModel):
     """One stage of rejection sampling.
 
@@ -98,7 +108,8 @@ class RejectionFilter(BaseModel):
     name: Optional[str] = None
     """Label used in metric names; default
     ``<level>_<metric>[_<agg>][_<log_ratio>][_<sign>_advantages][_policy_gradient]`` (the
-    last three only when not at their defaults). Labels must be unique within ``rejection_sampling``."""
+    last three only when not at their defaults; ``agg`` ``max`` and ``min`` read ``largest`` and
+    ``smallest``, which NeMo-RL's workers scale as sums). Labels must be unique within ``rejection_sampling``."""
 
     @model_validator(mode="after")
     def _check(self) -> "RejectionFilter":
@@ -116,10 +127,11 @@ class RejectionFilter(BaseModel):
 
     @property
     def label(self) -> str:
-        """Name used in metric keys, e.g. ``sequence_ratio_mean``."""
+        """Name used in metric keys, e.g. ``sequence_ratio_mean``, ``sequence_ratio_largest`` (``agg: max``)."""
         if self.name:
             return self.name
-        parts = [self.level, self.metric] + ([self.aggregation] if self.aggregation else [])
+        agg = self.aggregation
+        parts = [self.level, self.metric] + ([AGGREGATION_LABELS.get(agg, agg)] if agg else [])
         if self.log_ratio != "prev-gen":
             parts.append(self.log_ratio)
         if self.advantage_condition is not None:

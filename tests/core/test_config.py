@@ -198,3 +198,35 @@ def test_each_statistic_equals_the_references_formula_and_lies_in_its_range(metr
     assert got.tolist() == pytest.approx(want, rel=1e-12, abs=1e-15)
     lo, hi = entry.value_range
     assert all(lo <= v <= hi for v in want) and all(map(math.isfinite, want))
+
+
+def test_no_default_filter_label_is_one_nemo_rl_leaves_undivided():
+    """NeMo-RL's workers divide every metric by the number of global batches except names containing
+    ``_min`` or ``_max`` (tests/nemo_rl/test_training_step.py runs that loop): no default label may."""
+    import itertools
+    import typing
+
+    from nemo_rs_plugin.core.rejection_filter import NEMO_RL_UNDIVIDED_MARKERS, RejectionFilter
+
+    fields = RejectionFilter.model_fields
+    log_ratios = typing.get_args(fields["log_ratio"].annotation)
+    labels = set()
+    for metric, log_ratio, negative in itertools.product(FILTER_STATISTICS, log_ratios, (False, True)):
+        entry = FILTER_STATISTICS[metric]
+        for level, agg in [("token", None)] + [("sequence", a) for a in entry.aggregations]:
+            f = RejectionFilter(
+                level=level, metric=metric, agg=agg, log_ratio=log_ratio, negative_advantages_only=negative, upper=2.0
+            )
+            labels.add(f.label)
+    assert not [label for label in labels if any(m in label for m in NEMO_RL_UNDIVIDED_MARKERS)]
+    assert {"sequence_ratio_largest", "sequence_ratio_smallest", "sequence_ratio_mean"} <= labels
+
+
+@pytest.mark.parametrize("name", ["ratio_max", "seq_min_guard"])
+def test_a_filter_name_nemo_rl_would_not_divide_is_warned_about(name):
+    from nemo_rs_plugin.core.config import ConfigWarning
+
+    with pytest.warns(ConfigWarning, match=rf"rejection_sampling\.0\.name: got '{name}'.*too large"):
+        RSClippedPGLossConfig.from_any(
+            {"rejection_sampling": [{"level": "sequence", "agg": "max", "upper": 2.0, "name": name}]}
+        )

@@ -5,6 +5,7 @@ never coerced; every problem of a section is reported at once, in one ``ConfigEr
 import warnings
 
 import pytest
+import yaml
 
 from nemo_rs_plugin import ConfigError, CorrectedPGLoss, RSClippedPGLossConfig
 from nemo_rs_plugin.core.config import ConfigWarning
@@ -85,6 +86,10 @@ def test_a_yaml_float_without_a_dot_gets_a_hint():
     # PyYAML reads 1e-4 as a string: the error says how to write it.
     [line] = problems_of({"ratio_clip_min": "1e-4"})
     assert line.startswith("loss_fn.ratio_clip_min: got '1e-4'") and "1.0e-4" in line, line
+    # and the hint is itself a number to PyYAML: its exponent needs a sign (1.0e4 is a string too)
+    [line] = problems_of({"ratio_clip_max": "1e4"})
+    hint = line.rsplit("write ", 1)[1]
+    assert hint == "1.0e+4" and yaml.safe_load(f"x: {hint}") == {"x": 1.0e4}, line
 
 
 def test_curr_prev_filter_with_a_forced_on_policy_ratio_is_an_error():

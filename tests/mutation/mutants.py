@@ -30,6 +30,8 @@ IL = "nemo_rs_plugin/core/is_levels.py"
 FS = "nemo_rs_plugin/core/filter_statistics.py"
 # The NeMo-RL glue under the per-sequence packing wrapper.
 GLUE, PACK, REC = (f"nemo_rs_plugin/nemo_rl/{m}.py" for m in ("loss_fn", "packing", "recording"))
+VP = "nemo_rs_plugin/parallel/vocab_parallel.py"
+RF = "nemo_rs_plugin/core/rejection_filter.py"
 
 MUTANTS: list[Mutant] = [
     # ---- filter bounds are inclusive (docs/guide.md#rejection-sampling): the one bound check
@@ -700,6 +702,38 @@ MUTANTS: list[Mutant] = [
         "if packed is not None and is_microbatch(packed.microbatch, packed.sequences):",
         "if False:",
         "each packed sequence's call recorded as its own microbatch (killed by the slow test_recording case)",
+    ),
+    # ---- issue 40: log-probs from logits in chunks of positions
+    Mutant(
+        VP,
+        "logprobs = ranks[:, 2].sum(0) + (holder_max - top) - lse_minus_top",
+        "logprobs = ranks[:, 2].sum(0) - lse_minus_top",
+        "TP: the target logit taken relative to the global maximum without the holder's shift",
+    ),
+    Mutant(
+        VP,
+        "p.sub_(lse_minus_max[:, s:e].unsqueeze(-1)).exp_()",
+        "p.sub_(lse_minus_max[:, s : s + 1].unsqueeze(-1)).exp_()",
+        "backward: every position of a chunk normalised by the chunk's first log-sum-exp",
+    ),
+    Mutant(
+        VP,
+        "        ctx.save_for_backward(logits, row_max, lse_minus_max, local_idx, in_range)",
+        "        ctx.save_for_backward(logits.float() * 1, row_max, lse_minus_max, local_idx, in_range)",
+        "a float32 copy of the logits saved for backward (the memory the chunking removed)",
+    ),
+    Mutant(
+        GLUE,
+        '    value = prepare_keywords.get("chunk_size")',
+        "    value = None",
+        "NeMo-RL's policy.logprob_chunk_size ignored (killed by the slow test_real_megatron case)",
+    ),
+    # ---- issue 41: what NeMo-RL's training loop does with the metric names
+    Mutant(
+        RF,
+        "parts = [self.level, self.metric] + ([AGGREGATION_LABELS.get(agg, agg)] if agg else [])",
+        "parts = [self.level, self.metric] + ([agg] if agg else [])",
+        "agg max/min in default labels: NeMo-RL leaves those shares undivided by the global batches",
     ),
     # ---- issue 32: the filter-statistic registry (one entry per statistic)
     Mutant(
