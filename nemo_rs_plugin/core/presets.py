@@ -21,6 +21,8 @@ from typing import Any
 
 __all__ = [
     "PLUGIN_LOSS_NAME",
+    "NEMO_RL_LOSS_NAME",
+    "selects_nemo_rl_loss",
     "dppo",
     "ipo",
     "FILTERS",
@@ -35,6 +37,15 @@ __all__ = [
 
 #: The name a recipe selects this loss by (``loss_fn.name``; NeMo-RL's registry of the plugin maps it).
 PLUGIN_LOSS_NAME = "rs_clipped_pg"
+#: The name of NeMo-RL's own ``ClippedPGLossFn`` in the plugin's registry; no name selects it too.
+NEMO_RL_LOSS_NAME = "clipped_pg"
+
+
+def selects_nemo_rl_loss(name: Any) -> bool:
+    """Whether ``loss_fn.name`` builds NeMo-RL's own loss (no name, or ``clipped_pg``), which ignores plugin fields."""
+    return name is None or name == NEMO_RL_LOSS_NAME
+
+
 GEO_RS: dict[str, Any] = {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.99, "upper": 1.01}
 OUTLIER_VETO: dict[str, Any] = {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4}
 TOKEN_MIS: dict[str, Any] = {"level": "token", "metric": "ratio", "lower": 0.5, "upper": 2.0}

@@ -17,7 +17,7 @@ import importlib
 from importlib import metadata
 from typing import Any, Callable, Union
 
-from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME  # standard library only
+from nemo_rs_plugin.core.presets import NEMO_RL_LOSS_NAME, PLUGIN_LOSS_NAME  # standard library only
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -31,7 +31,7 @@ ENTRY_POINT_GROUP = "nemo_rs_plugin.losses"
 
 _REGISTRY: dict[str, Union[str, type]] = {
     PLUGIN_LOSS_NAME: "nemo_rs_plugin.nemo_rl.loss_fn:RSClippedPGLossFn",
-    "clipped_pg": "nemo_rl.algorithms.loss:ClippedPGLossFn",
+    NEMO_RL_LOSS_NAME: "nemo_rl.algorithms.loss:ClippedPGLossFn",
 }
 _entry_points_loaded = False
 

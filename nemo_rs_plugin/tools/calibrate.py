@@ -50,7 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--filters", nargs="+", metavar="NAME", help=f"presets, in stage order: {', '.join(FILTERS)}")
-    src.add_argument("--recipe", metavar="YAML", help="calibrate this recipe's loss_fn.rejection_sampling stages")
+    src.add_argument(
+        "--recipe",
+        metavar="YAML",
+        help="calibrate this recipe's loss_fn.rejection_sampling stages; Hydra-style overrides "
+        "(loss_fn.rejection_sampling.0.upper=1.02) may follow, as for nemo-rs check",
+    )
+    p.set_defaults(overrides=[])
     p.add_argument(
         "--allow-tighter",
         action="store_true",
@@ -69,16 +75,40 @@ def _templates(args: argparse.Namespace, problems: list[str]) -> list[dict]:
     from nemo_rs_plugin.core.presets import FILTERS
 
     if args.recipe:
-        from nemo_rs_plugin.tools.recipe_loading import LoadedRecipe, load_recipe
+        from nemo_rs_plugin.core.config import own_loss_problems
+        from nemo_rs_plugin.core.presets import selects_nemo_rl_loss
+        from nemo_rs_plugin.tools.recipe_loading import (
+            INHERITED_NOT_FOUND,
+            LoadedRecipe,
+            load_recipe,
+            unresolved_problems,
+        )
 
         report = LoadedRecipe()
-        cfg = load_recipe(args.recipe, [], None, report)
+        cfg = load_recipe(args.recipe, list(getattr(args, "overrides", [])), None, report)
         if cfg is None:
             problems.extend(f"--recipe: {e}" for e in report.errors or [f"{args.recipe}: could not be read"])
             return []
-        stages = ((cfg.get("loss_fn") or {}).get("rejection_sampling")) or []
+        where = f"--recipe {args.recipe}"
+        for under in ("loss_fn.name", "loss_fn.rejection_sampling"):  # what calibration reads
+            problems += unresolved_problems(where, report.unresolved, "calibrate", under=under)
+        if problems:
+            return []
+        loss = cfg.get("loss_fn") or {}
+        loss = {"name": loss} if isinstance(loss, str) else loss
+        if not isinstance(loss, dict):
+            problems.append(f"--recipe: {args.recipe}: loss_fn: got a {type(loss).__name__}; expected a mapping")
+            return []
+        if selects_nemo_rl_loss(loss.get("name")):  # NeMo-RL's own loss would ignore the stages
+            own = own_loss_problems(loss, loss.get("name"))
+            problems.extend(f"--recipe: {args.recipe}: loss_fn.{p}" for p in own)
+            if own:
+                return []
+        stages = loss.get("rejection_sampling") or []
         if not stages:
-            problems.append(f"--recipe: {args.recipe} has no loss_fn.rejection_sampling to calibrate")
+            inherited = [u for u in report.unchecked if u.startswith(INHERITED_NOT_FOUND)]
+            hint = f" (it may come from defaults that were not found: {'; '.join(inherited)})" if inherited else ""
+            problems.append(f"--recipe: {args.recipe} has no loss_fn.rejection_sampling to calibrate{hint}")
         bad = [i for i, f in enumerate(stages) if not isinstance(f, dict)]
         if bad:
             problems.append(f"--recipe: rejection_sampling stage(s) {bad} are not mappings")
@@ -108,9 +138,11 @@ def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.target) and 0.0 <= args.target < 1.0):
         problems.append(f"--target: got {args.target}; allowed: 0 <= target < 1 (a share, e.g. 0.05)")
     if args.json:
-        from nemo_rs_plugin.tools.report import output_problems
+        from nemo_rs_plugin.tools.report import output_problems, same_file
 
         problems += output_problems("--json", args.json)
+        if same_file(args.json, args.from_file):
+            problems.append(f"--json {args.json}: is the --from file; writing it would destroy your log-probs")
     templates = _templates(args, problems)
     filters, batch = [], None
     if not problems:
@@ -119,11 +151,14 @@ def run(args: argparse.Namespace) -> int:
         from nemo_rs_plugin.core.config import RejectionFilter
         from nemo_rs_plugin.tools.batch_formats import BatchFormatError, load_batch
 
-        for i, t in enumerate(templates):
-            try:
-                filters.append(RejectionFilter(**t))
-            except ValidationError as e:
-                problems.append(f"stage {i}: {'; '.join(err['msg'] for err in e.errors())}")
+        if args.recipe:  # validated as check validates them: each problem names the stage, field, value, allowed
+            filters = _recipe_filters(args.recipe, templates, problems)
+        else:
+            for i, t in enumerate(templates):
+                try:
+                    filters.append(RejectionFilter(**t))
+                except ValidationError as e:
+                    problems.append(f"stage {i}: {'; '.join(err['msg'] for err in e.errors())}")
         try:
             batch = load_batch(args.from_file, newest_steps=args.steps)
         except BatchFormatError as e:
@@ -142,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INVALID
+    nonfinite = _nonfinite(prev, gen, mask)
+    if nonfinite is not None:  # the loss rejects these whatever the bounds: calibration leaves them out
+        print(f"warning: {nonfinite}", file=sys.stderr)
     few = [] if args.allow_few else _too_few(stages)
     if few:  # no band printed (or written) as if it were calibrated
         for line in few:
@@ -158,6 +196,39 @@ def run(args: argparse.Namespace) -> int:
 
 #: Fewer units than this in a stage and its quantiles are not a calibration (a band from 1 sequence).
 MIN_UNITS = 20
+
+
+def _recipe_filters(recipe: str, stages: list[dict], problems: list[str]) -> list:
+    """The recipe's stages validated by the config's own rules (``nemo-rs check``'s lines), or ``[]``."""
+    import warnings
+
+    from nemo_rs_plugin.core.config import ConfigError, ConfigWarning, RSClippedPGLossConfig
+
+    try:
+        with warnings.catch_warnings():  # check's business; calibration reports what the data does
+            warnings.simplefilter("ignore", ConfigWarning)
+            return list(RSClippedPGLossConfig.from_any({"rejection_sampling": stages}).rejection_sampling)
+    except ConfigError as exc:
+        problems.extend(f"--recipe {recipe}: {p}" for p in exc.problems)
+        return []
+
+
+def _nonfinite(prev, gen, mask) -> Optional[str]:
+    """What the data's non-finite log-probs on valid tokens do to calibration (``None`` if there are none)."""
+    import torch
+
+    valid = mask > 0
+    bad = valid & ~(torch.isfinite(prev) & torch.isfinite(gen))
+    tokens = int(bad.sum())
+    if not tokens:
+        return None
+    sequences, total = int(bad.any(1).sum()), int(valid.any(1).sum())
+    return (
+        f"--from: {sequences} of the {total} sequences with a valid token have a non-finite log-prob (null, NaN "
+        f"or inf; {tokens} valid token(s) in all); the loss rejects such a token at a token stage and such a "
+        "sequence at a sequence stage whatever the bounds (docs/guide.md#non-finite-inputs), so calibration "
+        "leaves them out of the stage's units: fix the dump (or the run) if they are many"
+    )
 
 
 def _too_few(stages: list) -> list[str]:

@@ -19,21 +19,24 @@ not resolved.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 from nemo_rs_plugin.core.config import (
     PLUGIN_FIELDS,
     ConfigError,
+    ConfigWarning,
     RSClippedPGLossConfig,
     own_loss_problems,
 )
 from nemo_rs_plugin.core.filter_statistics import filter_statistic_entry
-from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
+from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME, selects_nemo_rl_loss
 from nemo_rs_plugin.nemo_rl.host import (
     fused_sharded_problem,
     training_time_filtering_problem,
 )
+from nemo_rs_plugin.parallel.vocab_parallel import DEFAULT_LOGPROB_CHUNK_SIZE, chunk_size_problem
 from nemo_rs_plugin.tools.grpo_setup import grpo_setup_problems
 from nemo_rs_plugin.tools.recipe_loading import (
     HOW_TO_CHECK,
@@ -47,6 +50,9 @@ from nemo_rs_plugin.tools.recipe_loading import (
 __all__ = ["CheckReport", "check_recipe", "load_recipe"]
 
 LONG_RESPONSE_TOKENS = 2048
+#: The response length of the rejection estimate where neither ``--response-tokens`` nor the recipe
+#: (``policy.generation.max_new_tokens``, ``policy.max_total_sequence_length``) gives one (docs/cli.md).
+FALLBACK_RESPONSE_TOKENS = 4096
 #: A lone B = 1 call against NeMo-RL's loss (benchmarks/bench_packing.py --compiled; docs/performance.md).
 ONE_SEQUENCE_CALL_COST = (
     "1.5-1.6x NeMo-RL's loss per call eager, 0.54-0.67x with loss_fn.compile: true (forward + backward, "
@@ -73,6 +79,8 @@ class CheckReport:
     nemo_rl: bool = False
     #: The NeMo-RL versions the run may use, whose GRPO set-up rules were applied (all without NeMo-RL).
     nemo_rl_versions: tuple[str, ...] = ()
+    #: Fields left out because their ``${...}`` does not resolve here (dotted path to why; also in ``unchecked``).
+    unresolved: dict[str, str] = field(default_factory=dict)
 
 
 def _master_config_problems(cfg: dict, report: CheckReport) -> list[str]:
@@ -116,7 +124,7 @@ def _host_loss_section(loss: dict, report: CheckReport) -> dict:
         return loss
     # The run's own rule: fields this NeMo-RL does not have, or has and the plugin does not implement.
     loss = dict(loss)
-    own_loss = loss.get("name") in (None, "clipped_pg")
+    own_loss = selects_nemo_rl_loss(loss.get("name"))
     _, problems = host.host_field_problems(loss, own_loss=own_loss)
     report.errors.extend(f"loss_fn.{p}" for p in problems)
     if not own_loss:
@@ -134,6 +142,10 @@ def _host_loss_section(loss: dict, report: CheckReport) -> dict:
             "truncated_importance_sampling_ratio, so truncation is off"
         )
     return dict(read)
+
+
+#: Qwen3's vocabulary (the shipped recipes' models): what ``check`` sizes a log-prob chunk's buffer by.
+QWEN3_VOCABULARY = 151_936
 
 
 def _parallelism_problems(cfg: dict, config: RSClippedPGLossConfig, report: CheckReport) -> list[str]:
@@ -158,7 +170,43 @@ def _parallelism_problems(cfg: dict, config: RSClippedPGLossConfig, report: Chec
         recipe_value(cfg, "policy.generation.top_k"), recipe_value(cfg, "policy.generation.top_p")
     )
     problems += [f"loss_fn.{p}" for p in (fused, filtering) if p is not None]
+    chunk_problem = chunk_size_problem(recipe_value(cfg, "policy.logprob_chunk_size"))
+    if chunk_problem is not None:
+        problems.append(chunk_problem)
+    else:
+        _logprob_chunk_notes(cfg, report)
     return problems
+
+
+def _logprob_chunk_notes(cfg: dict, report: CheckReport) -> None:
+    """Which chunk size the log-probs from the logits shard take, what it costs, and the logits' dtype.
+
+    Measured in docs/performance.md#log-probs-from-logits-memory.
+    """
+    chunk = recipe_value(cfg, "policy.logprob_chunk_size")
+    tp = recipe_value(cfg, "policy.megatron_cfg.tensor_model_parallel_size")
+    tp = tp if isinstance(tp, int) and tp >= 1 else 1
+    size = chunk if chunk is not None else DEFAULT_LOGPROB_CHUNK_SIZE
+    source = (
+        "policy.logprob_chunk_size (NeMo-RL v0.7.0 on passes it to the loss; v0.6.0 does not, and the "
+        f"plugin's default, {DEFAULT_LOGPROB_CHUNK_SIZE}, applies there)"
+        if chunk is not None
+        else "the plugin's default; policy.logprob_chunk_size is unset"
+    )
+    buffer_mib = size * (QWEN3_VOCABULARY / tp) * 4 / 2**20
+    report.notes.append(
+        f"log-probs from the logits shard in chunks of {size} positions ({source}): one float32 buffer of "
+        f"{size} x V/{tp} x 4 bytes at a time ({buffer_mib:.0f} MiB for Qwen3's {QWEN3_VOCABULARY:,}-token "
+        "vocabulary) besides the logits' gradient; nothing of the logits' size is saved for backward "
+        "(docs/performance.md#log-probs-from-logits-memory)"
+    )
+    if recipe_value(cfg, "policy.megatron_cfg.defer_fp32_logits") is not True:
+        report.notes.append(
+            "policy.megatron_cfg.defer_fp32_logits is not true: NeMo-RL's Megatron worker hands the loss float32 "
+            "logits, twice the memory of bf16 ones, and their gradient is float32 too; set it to true (NeMo-RL "
+            "requires it with policy.logprob_chunk_size) and the plugin converts one chunk at a time "
+            "(docs/performance.md#log-probs-from-logits-memory)"
+        )
 
 
 def _packing_problems(
@@ -274,8 +322,11 @@ def _check(
     if not isinstance(loss, dict):
         report.errors.append(f"loss_fn: got a {type(loss).__name__}; expected a mapping")
         return
+    if "loss_fn.name" in report.unresolved:  # which loss runs is not known here (listed as not checked)
+        return
     name = loss.get("name")
-    if name is None or name == "clipped_pg":
+    _plugin_disabled(report, name)
+    if selects_nemo_rl_loss(name):
         # The run's own rule (the adapter's selector refuses the same sections).
         report.errors.extend(f"loss_fn.{p}" for p in own_loss_problems(loss, name))
         report.notes.append(
@@ -290,27 +341,84 @@ def _check(
             report.errors.append(str(exc))
     if report.nemo_rl:
         loss = _host_loss_section(loss, report)
+    # NeMo-RL's own loss: its section without the plugin's fields (refused above) and without the
+    # name, which chose NeMo-RL's class (the config would warn that it is rs_clipped_pg's whatever the name).
+    own = selects_nemo_rl_loss(name)
+    section = {k: v for k, v in loss.items() if not (own and (k == "name" or k in PLUGIN_FIELDS))}
+    unresolved = [u for u in report.unresolved if u.startswith("loss_fn.")]
     try:
-        own = name is None or name == "clipped_pg"
-        config = RSClippedPGLossConfig.from_any({k: v for k, v in loss.items() if not (own and k in PLUGIN_FIELDS)})
+        config = RSClippedPGLossConfig.from_any(section)
     except ConfigError as exc:
-        report.errors.extend(exc.problems)
-        if report.nemo_rl:  # every problem at once: the rest of the recipe too (loss_fn is reported above)
-            report.errors.extend(p for p in _master_config_problems(cfg, report) if not p.startswith("loss_fn"))
-        grpo_setup_problems(cfg, loss, report)
-        return
+        # A field left out for its unresolved interpolation is not the recipe's mistake: what its
+        # absence alone makes wrong (a filter without its bound) is not an error.
+        problems = [p for p in exc.problems if not _follows_from_unresolved(p, unresolved)]
+        config = _without_unresolved_stages(section, unresolved) if not problems else None
+        if config is None:
+            report.errors.extend(problems)
+            if report.nemo_rl:  # every problem at once: the rest of the recipe too (loss_fn is reported above)
+                report.errors.extend(p for p in _master_config_problems(cfg, report) if not p.startswith("loss_fn"))
+            grpo_setup_problems(cfg, loss, report)
+            return
     report.errors.extend(_parallelism_problems(cfg, config, report))
     report.errors.extend(_packing_problems(cfg, config, report, name))
     if report.nemo_rl:
         report.errors.extend(_master_config_problems(cfg, report))
     grpo_setup_problems(cfg, loss, report)
     report.config = config
+    if unresolved:  # a pipeline or a rejection estimate without those fields would not be the recipe's
+        return
     report.pipeline = _describe(config)
     _warn(report, cfg, config, mismatch, response_tokens)
 
 
+def _follows_from_unresolved(problem: str, unresolved: list[str]) -> bool:
+    """Whether ``problem`` names a field left out as unresolved, or the mapping that held it."""
+    where = problem.split(":", 1)[0].strip()
+    return any(where == u or where == u.rsplit(".", 1)[0] for u in unresolved)
+
+
+def _without_unresolved_stages(section: dict, unresolved: list[str]) -> Optional[RSClippedPGLossConfig]:
+    """The loss section validated without the stages that lost a field, for the checks after it (or ``None``)."""
+    import warnings
+
+    prefix = "loss_fn.rejection_sampling."
+    broken = {int(u[len(prefix) :].split(".")[0]) for u in unresolved if u.startswith(prefix)}
+    stages = section.get("rejection_sampling")
+    if isinstance(stages, list):
+        section = {**section, "rejection_sampling": [f for i, f in enumerate(stages) if i not in broken]}
+    try:
+        with warnings.catch_warnings():  # said once already, by the section as written
+            warnings.simplefilter("ignore", ConfigWarning)
+            return RSClippedPGLossConfig.from_any(section)
+    except ConfigError:
+        return None
+
+
+def _plugin_disabled(report: CheckReport, name: Optional[str]) -> None:
+    """``NEMO_RS_PLUGIN_DISABLE`` set here: the run refuses a recipe naming a plugin loss (``PluginDisabledError``)."""
+    from nemo_rs_plugin.nemo_rl.activation import hook
+
+    if not hook.disabled():
+        return
+    setting = f"{hook.DISABLE_ENV}={os.environ.get(hook.DISABLE_ENV)}"
+    if selects_nemo_rl_loss(name):
+        report.notes.append(
+            f"{setting} is set here, which switches nemo-rs-plugin off; this recipe trains with NeMo-RL's own "
+            "loss either way"
+        )
+        return
+    report.errors.append(
+        f"loss_fn.name: got {name!r}, but {setting} is set here, which switches nemo-rs-plugin off: NeMo-RL "
+        f"refuses this recipe when it loads it (PluginDisabledError) instead of training with its own loss; unset "
+        f"{hook.DISABLE_ENV} (here and where the run starts), or remove loss_fn.name and the plugin's fields to "
+        "train with NeMo-RL's own loss"
+    )
+
+
 def _no_loss_section(report: CheckReport, cfg: dict) -> None:
     """No ``loss_fn``: an error, unless it may come from ``defaults`` that were not found."""
+    if "loss_fn" in report.unresolved:  # `loss_fn: ${...}`: listed as not checked, with why
+        return
     inherits_unread = any(line.startswith(INHERITED_NOT_FOUND) for line in report.unchecked)
     if inherits_unread and "loss_fn" not in cfg:
         report.unchecked.append("loss_fn: not in this file; it may come from the defaults that were not found")
@@ -332,7 +440,7 @@ def _not_grpo_problem(path: str, cfg: dict) -> Optional[str]:
         return None
     loss = cfg.get("loss_fn")
     name = loss if isinstance(loss, str) else loss.get("name") if isinstance(loss, dict) else None
-    if name not in (None, "clipped_pg"):
+    if not selects_nemo_rl_loss(name):
         return None
     found = [s for s in OTHER_ALGORITHMS if s in cfg]
     if not found:
@@ -371,7 +479,8 @@ def _warn(
             "towards 0 and the learning rate shrinks silently; use is_correction_level: sequence_mean"
         )
     if config.rejection_sampling or config.truncated_importance_sampling_type == "seq-mask-tis":
-        _warn_rejection(report, config, mismatch, tokens if isinstance(tokens, int) else 4096)
+        length = tokens if isinstance(tokens, int) else FALLBACK_RESPONSE_TOKENS
+        _warn_rejection(report, config, mismatch, length)
     if recipe_value(cfg, "grpo.async_grpo.enabled", False) and any(
         f.level == "sequence" and filter_statistic_entry(f.metric).log_space and f.aggregation in ("mean", "sum")
         for f in config.rejection_sampling
@@ -400,7 +509,7 @@ def _warn_rejection(report: CheckReport, config: RSClippedPGLossConfig, mismatch
         return
     model = MismatchModel(responses=responses, length=length, mismatch=mismatch, seed=1)
     fields = config.model_dump()
-    fields.update(name=None, reference_policy_kl_penalty=0.0, sharded_logits_input=False)
+    fields.update(name=None, reference_policy_kl_penalty=0.0, sharded_logits_input=False, record_logprobs=False)
     metrics, _ = loss_metrics(fields, synthetic_batch(model))
     stages = [
         (f"rejection stage {i}", metrics.get(f"rs/{f.label}/seq_rejected_frac", 0.0))

@@ -73,7 +73,7 @@ def _from_file_source(path: str, batch: dict) -> str:
 def _simulate_problems(args: argparse.Namespace) -> list[str]:
     """Every problem with the options, found before the (minutes long) run."""
     from nemo_rs_plugin.tools import simulate as sim
-    from nemo_rs_plugin.tools.report import output_problems
+    from nemo_rs_plugin.tools.report import output_problems, same_file
 
     problems = []
     if args.from_file:
@@ -107,13 +107,14 @@ def _simulate_problems(args: argparse.Namespace) -> list[str]:
     ]
     for flag, path in outputs:
         problems += output_problems(flag, path)
-        if args.from_file and os.path.abspath(path) == os.path.abspath(args.from_file):
+        if args.from_file and same_file(path, args.from_file):
             problems.append(f"{flag} {path}: is the --from file; writing it would destroy your log-probs")
-    for i, (flag, path) in enumerate(outputs):
+    for i, (flag, path) in enumerate(outputs):  # the same file, also through a link: the last write wins
         problems += [
-            f"{flag} and {other}: both name {path}; one would overwrite the other"
+            f"{flag} and {other}: both name {path}" + ("" if p == path else f" (as {p})") + "; one would overwrite "
+            "the other: name two files"
             for other, p in outputs[i + 1 :]
-            if os.path.abspath(p) == os.path.abspath(path)
+            if same_file(p, path)
         ]
     if args.plot:
         problems += sim.plot_problems(args.plot)
@@ -388,8 +389,9 @@ def _add_simulate_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--from",
         dest="from_file",
-        metavar="FILE",
-        help="per-token log-probs from a run (JSONL or torch file; docs/cli.md)",
+        metavar="FILE|DIR",
+        help="per-token log-probs from a run: a JSONL or torch file, or the folder the loss records into "
+        "(its record_dir; docs/cli.md)",
     )
     s.add_argument("--responses", type=int, help="sequences per batch (default 16)")
     s.add_argument("--length", type=int, help="longest response in tokens (default 9000)")
@@ -516,7 +518,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # command takes them, any word without a dash is one (`key` alone gets the loader's own
     # "expected key=value" line, wherever it stands). An option spelt with '=' (--loss_fn.x=1,
     # --foo=bar) is not an override: refused, not ignored.
-    takes_overrides = args.command == "check" or (args.command == "simulate" and args.recipe is not None)
+    takes_overrides = args.command == "check" or (
+        args.command in ("simulate", "calibrate") and getattr(args, "recipe", None) is not None
+    )
     if takes_overrides:
         overrides = [a for a in extra if not a.startswith("-")]
     else:
@@ -530,7 +534,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if overrides and not takes_overrides:
-        hint = " (overrides apply to a recipe: add --recipe FILE)" if args.command == "simulate" else ""
+        hint = " (overrides apply to a recipe: add --recipe FILE)" if args.command in ("simulate", "calibrate") else ""
         parser.error(f"unrecognized arguments: {' '.join(overrides)}{hint}")
     if overrides:
         args.overrides = list(args.overrides) + overrides

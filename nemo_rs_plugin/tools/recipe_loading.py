@@ -4,16 +4,21 @@ With NeMo-RL importable (``--nemo-rl PATH`` puts a checkout on the path) the rec
 through NeMo-RL's own ``load_config`` (``defaults`` inheritance) and ``parse_hydra_overrides``.
 Without it, the plugin reads the YAML, resolves ``defaults`` relative to each file where the
 files exist, and applies Hydra-style overrides (``a.b=v``, ``+a.b=v``, ``++a.b=v``, ``~a.b``)
-itself, and resolves ``${...}`` interpolations with OmegaConf where it is importable (an
-interpolation it cannot resolve, e.g. one of NeMo-RL's own resolvers, leaves that field
-unchecked rather than refused). Problems are one line each in ``report.errors``; what could not
-be loaded the way NeMo-RL loads it is in ``report.unchecked``; nothing raises.
+itself, and resolves ``${...}`` interpolations with OmegaConf (a dependency; NeMo-RL loads
+recipes with it). An interpolation that NeMo-RL would refuse too (a key not in a whole recipe,
+a malformed ``${``) is an error naming the field, the interpolation and why; one that only
+NeMo-RL's environment resolves (its resolvers ``mul``, ``max``, ..., a key from ``defaults``
+that were not found, an environment variable) leaves that field out, listed as not checked in
+``report.unchecked`` and in ``report.unresolved``. Problems are one line each in
+``report.errors``; what could not be loaded the way NeMo-RL loads it is in
+``report.unchecked``; nothing raises.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -29,6 +34,7 @@ __all__ = [
     "HOW_TO_CHECK",
     "HOW_TO_CHECK_IN_NEMO_RL",
     "INHERITED_NOT_FOUND",
+    "NEMO_RL_RESOLVERS",
     "LoadReport",
     "LoadedRecipe",
     "OverrideError",
@@ -36,6 +42,7 @@ __all__ = [
     "load_recipe",
     "one_line",
     "recipe_value",
+    "unresolved_problems",
     "with_cause",
 ]
 
@@ -52,6 +59,9 @@ HOW_TO_CHECK_IN_NEMO_RL = (
     "what NeMo-RL's modules import, listed in .ci/nemo-rl-host-requirements.txt of nemo-rs-plugin's "
     "source (its sdist and git tree; pip install -r it)"
 )
+#: The OmegaConf resolvers NeMo-RL registers (``register_omegaconf_resolvers`` in
+#: ``nemo_rl/utils/config.py``: ``mul``, ``div``, ``max`` in every supported version, ``add`` on main).
+NEMO_RL_RESOLVERS = ("add", "mul", "div", "max")
 
 
 def recipe_value(cfg: dict, dotted: str, default: Any = None) -> Any:
@@ -65,12 +75,17 @@ def recipe_value(cfg: dict, dotted: str, default: Any = None) -> Any:
 
 
 class LoadReport(Protocol):
-    """What loading writes to (:class:`~nemo_rs_plugin.tools.check.CheckReport` is one)."""
+    """What loading writes to (:class:`~nemo_rs_plugin.tools.check.CheckReport` is one).
+
+    ``unresolved``: the fields left out of the recipe because their ``${...}`` interpolation
+    does not resolve here (dotted path, e.g. ``loss_fn.rejection_sampling.0.upper``, to why).
+    """
 
     errors: list[str]
     notes: list[str]
     unchecked: list[str]
     nemo_rl: bool
+    unresolved: dict[str, str]
 
 
 @dataclass
@@ -81,6 +96,21 @@ class LoadedRecipe:
     notes: list[str] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)
     nemo_rl: bool = False
+    unresolved: dict[str, str] = field(default_factory=dict)
+
+
+def unresolved_problems(where: str, unresolved: dict[str, str], command: str, under: str) -> list[str]:
+    """One line per field at or under ``under`` left out as unresolved (``report.unresolved``): ``command`` needs it.
+
+    ``nemo-rs check`` lists such a field as not checked; a simulated row or a calibrated band
+    without it would not be the recipe's.
+    """
+    return [
+        f"{where}: {dotted}: {why}; {command} needs its value: make it resolve, or give it as an override "
+        f"({dotted}=VALUE)"
+        for dotted, why in unresolved.items()
+        if dotted == under or dotted.startswith(f"{under}.") or under.startswith(f"{dotted}.")
+    ]
 
 
 def with_cause(exc: BaseException, strip: str = "") -> str:
@@ -178,9 +208,38 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+class _RecipeLoader(_UniqueKeyLoader):
+    """Plain scalars read as NeMo-RL's loader, OmegaConf's, reads them.
+
+    OmegaConf (``get_yaml_loader``, 2.3 and 2.4) adds this float rule to PyYAML's and drops
+    timestamps: ``1e-4`` and ``1e4`` are numbers (YAML 1.1, PyYAML alone: strings) and
+    ``2024-01-01`` stays a string, so a recipe means here what it means in the run.
+    """
+
+
+_RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:
+         [-+]?[0-9]+(?:_[0-9]+)*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?[0-9]+(?:_[0-9]+)*(?:[eE][-+]?[0-9]+)
+        |\.[0-9]+(?:_[0-9]+)*(?:[eE][-+][0-9]+)?
+        |[-+]?[0-9]+(?:_[0-9]+)*(?::[0-5]?[0-9])+\.[0-9_]*
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+_RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, rule) for tag, rule in rules if tag != "tag:yaml.org,2002:timestamp"]
+    for first, rules in _RecipeLoader.yaml_implicit_resolvers.items()
+}
+
+
 def _read_yaml(path: str) -> dict:
     with open(path) as fh:
-        data = yaml.load(fh, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(fh, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -326,8 +385,8 @@ def _load_without_nemo_rl(load_path: str, path: str, overrides: list[str], repor
             report.errors.append(str(exc))
     if report.errors:
         return None
-    _resolve_interpolations(cfg, report)
-    return cfg
+    _resolve_interpolations(cfg, report, complete=not missing)
+    return None if report.errors else cfg
 
 
 def _interpolated_leaves(node: Any, path: tuple = ()) -> list[tuple]:
@@ -339,43 +398,147 @@ def _interpolated_leaves(node: Any, path: tuple = ()) -> list[tuple]:
     return [path] if isinstance(node, str) and "${" in node else []
 
 
-def _resolve_interpolations(cfg: dict, report: LoadReport) -> None:
+@dataclass(frozen=True)
+class _Unresolved:
+    """Why one interpolation does not resolve here; ``error``: NeMo-RL refuses the recipe for it too."""
+
+    why: str
+    error: bool = False
+    needs_nemo_rl: bool = False
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+def _why_unresolved(exc: Exception, complete: bool) -> _Unresolved:
+    """Classify OmegaConf's failure to resolve one interpolation (``complete``: every ``defaults`` file was found)."""
+    from omegaconf import errors as oc_errors
+
+    message = _first_line(exc)
+    if isinstance(exc, oc_errors.GrammarParseError):
+        return _Unresolved(f"is not a valid interpolation ({message}); NeMo-RL's OmegaConf refuses it too", error=True)
+    if isinstance(exc, (oc_errors.InterpolationKeyError, oc_errors.InterpolationToMissingValueError)):
+        if complete:
+            return _Unresolved(
+                f"does not resolve: {message}; NeMo-RL resolves the recipe when the run starts and refuses it "
+                "then: define that key in the recipe, or correct the reference",
+                error=True,
+            )
+        return _Unresolved(f"{message} (it may come from the defaults that were not found)")
+    if isinstance(exc, oc_errors.UnsupportedInterpolationType):
+        found = re.search(r"Unsupported interpolation type (\S+)", message)
+        resolver = found.group(1) if found else "?"
+        if resolver in NEMO_RL_RESOLVERS:
+            return _Unresolved(f"NeMo-RL's resolver {resolver}, registered only where NeMo-RL is", needs_nemo_rl=True)
+        return _Unresolved(
+            f"the resolver {resolver} is not registered here (NeMo-RL registers {', '.join(NEMO_RL_RESOLVERS)}; "
+            "another must be registered by the program that loads the recipe)"
+        )
+    return _Unresolved(f"{message} (OmegaConf, here; the run's environment may differ)")
+
+
+def _resolve_interpolations(cfg: dict, report: LoadReport, complete: bool) -> None:
     """Replace each ``${...}`` leaf of ``cfg`` by its value, in place, as NeMo-RL's OmegaConf would.
 
-    Without OmegaConf, or for an interpolation it cannot resolve here (a resolver NeMo-RL
-    registers, a key only NeMo-RL's loading adds), the leaf is removed and listed as not
-    checked: refusing ``ratio_clip_max: ${loss_fn.ratio_clip_min}`` as "a string" would be wrong.
+    An interpolation NeMo-RL would refuse too (a key not in the recipe when every ``defaults``
+    file was found, a malformed one) is an error naming the field. One that only NeMo-RL's
+    environment may resolve (its resolvers, a key from ``defaults`` not found, an environment
+    variable), or every one without OmegaConf, is removed from ``cfg`` and listed in
+    ``report.unresolved`` and ``report.unchecked`` (one line per field of ``loss_fn``, one line
+    for all the others): refusing ``ratio_clip_max: ${loss_fn.ratio_clip_min}`` as "a string"
+    would be wrong, and so would be reading a filter without its bound.
     """
     leaves = _interpolated_leaves(cfg)
     if not leaves:
         return
+    outcome: dict[tuple, Any] = {}
     try:
         from omegaconf import OmegaConf
-
-        container = OmegaConf.create(cfg)
-    except Exception:  # noqa: BLE001 - no OmegaConf (or it refuses the data): leave them unchecked
-        container = None
-    resolved: dict[tuple, Any] = {}
-    for path in leaves:
+        from omegaconf import errors as oc_errors
+    except ImportError as exc:
+        missing = _Unresolved(
+            f"OmegaConf is not importable ({one_line(exc)}); nemo-rs-plugin depends on it: pip install omegaconf"
+        )
+        outcome = {path: missing for path in leaves}
+    else:
+        for path in leaves:  # a malformed interpolation would make the whole container fail
+            try:
+                OmegaConf.create({"value": _at(cfg, path)})
+            except oc_errors.GrammarParseError as exc:
+                outcome[path] = _why_unresolved(exc, complete)
+        readable = _without(cfg, [p for p in outcome])
         try:
-            node = container
-            for key in path:
-                node = node[key]  # reading a node resolves its interpolation
-            if isinstance(node, str) and "${" in node:
-                raise ValueError("unresolved")
-            resolved[path] = node
-        except Exception:  # noqa: BLE001 - any failure: this leaf is not checked
-            resolved[path] = None
-    for path, value in resolved.items():
-        parent = cfg
-        for key in path[:-1]:
-            parent = parent[key]
-        dotted = ".".join(str(k) for k in path)
-        if value is None:
-            report.unchecked.append(
-                f"{dotted}: the interpolation {parent[path[-1]]} does not resolve without NeMo-RL "
-                f"(its resolvers and loading); {HOW_TO_CHECK}"
-            )
+            container = OmegaConf.create(readable)
+        except Exception as exc:  # noqa: BLE001 - e.g. a value of a type OmegaConf does not hold
+            refused = _Unresolved(f"OmegaConf cannot hold this recipe ({one_line(exc)})")
+            container = None
+            outcome.update({path: refused for path in leaves if path not in outcome})
+        for path in leaves:
+            if path in outcome or container is None:
+                continue
+            try:
+                node: Any = container
+                for key in path:
+                    node = node[key]  # reading a node resolves its interpolation
+                if OmegaConf.is_config(node):  # `${grpo}`: a whole section
+                    node = OmegaConf.to_container(node, resolve=True)
+                outcome[path] = node
+            except Exception as exc:  # noqa: BLE001 - classified: an error, or not checked
+                outcome[path] = _why_unresolved(exc, complete)
+    others: dict[str, list[str]] = {}
+    needs_nemo_rl = False
+    texts = {path: _at(cfg, path) for path in leaves}
+    for path in reversed(leaves):  # the last first: removing a list entry leaves the earlier ones in place
+        parent = _at(cfg, path[:-1])
+        if isinstance(outcome[path], _Unresolved):
             del parent[path[-1]]
         else:
-            parent[path[-1]] = value
+            parent[path[-1]] = outcome[path]
+    for path in leaves:
+        value, text = outcome[path], texts[path]
+        dotted = ".".join(str(k) for k in path)
+        if not isinstance(value, _Unresolved):
+            continue
+        if value.error:
+            report.errors.append(f"{dotted}: the interpolation {text} {value.why}")
+            continue
+        report.unresolved[dotted] = f"the interpolation {text} does not resolve here: {value.why}"
+        how = f"; {HOW_TO_CHECK}" if value.needs_nemo_rl else ""
+        if path[0] == "loss_fn":
+            report.unchecked.append(f"{dotted}: {report.unresolved[dotted]}; loss_fn is checked without it{how}")
+        else:
+            others.setdefault(value.why, []).append(dotted)
+            needs_nemo_rl |= value.needs_nemo_rl
+    if others:
+        count = sum(len(paths) for paths in others.values())
+        fields = "; ".join(f"{', '.join(paths)} ({why})" for why, paths in others.items())
+        report.unchecked.append(
+            f"{count} interpolation(s) outside loss_fn do not resolve here, so these fields are not checked: "
+            f"{fields}{f'; {HOW_TO_CHECK}' if needs_nemo_rl else ''}"
+        )
+
+
+def _at(cfg: Any, path: tuple) -> Any:
+    for key in path:
+        cfg = cfg[key]
+    return cfg
+
+
+def _without(node: Any, paths: list[tuple]) -> Any:
+    """A copy of ``node`` with the leaves at ``paths`` set to ``None`` (the containers copied, leaves shared)."""
+    if isinstance(node, dict):
+        node = dict(node)
+        keys = node.items()
+    elif isinstance(node, list):
+        node = list(node)
+        keys = enumerate(node)
+    else:
+        return node
+    for key, value in list(keys):
+        inner = [p[1:] for p in paths if p[:1] == (key,)]
+        if () in inner:
+            node[key] = None
+        elif inner:
+            node[key] = _without(value, inner)
+    return node

@@ -20,6 +20,7 @@ __all__ = [
     "markdown_table",
     "output_problems",
     "pyplot",
+    "same_file",
     "write_csv",
     "write_strict_json",
 ]
@@ -100,6 +101,16 @@ def output_problems(flag: str, path: str) -> list[str]:
     if why is not None:
         return [f"{flag} {path}: cannot be written ({why}); name a file you can write"]
     return []
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file: the same path, or a symbolic or hard link to it."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): two names of a file to be created differ by path
+        return False
 
 
 def _write_probe(path: str) -> Optional[str]:

@@ -368,8 +368,14 @@ def recipe_row(path: str, overrides: list[str], taken: tuple[str, ...] = ()) -> 
     import warnings
 
     from nemo_rs_plugin.core.config import ConfigError, ConfigWarning, RSClippedPGLossConfig, own_loss_problems
-    from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
-    from nemo_rs_plugin.tools.recipe_loading import INHERITED_NOT_FOUND, LoadedRecipe, flatten, load_recipe
+    from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME, selects_nemo_rl_loss
+    from nemo_rs_plugin.tools.recipe_loading import (
+        INHERITED_NOT_FOUND,
+        LoadedRecipe,
+        flatten,
+        load_recipe,
+        unresolved_problems,
+    )
 
     label = os.path.basename(path) or path
     if label in taken:
@@ -381,6 +387,9 @@ def recipe_row(path: str, overrides: list[str], taken: tuple[str, ...] = ()) -> 
         row.problems = [f"--recipe: {flatten(e)}" for e in loaded.errors or [f"{path}: could not be read"]]
         return row
     inherited = [flatten(u) for u in loaded.unchecked if u.startswith(INHERITED_NOT_FOUND)]
+    row.problems += unresolved_problems(f"--recipe {path}", loaded.unresolved, "simulate", under="loss_fn")
+    if row.problems:
+        return row
     loss = cfg.get("loss_fn")
     if loss is None:
         where = f" (it may come from defaults that were not found: {'; '.join(inherited)})" if inherited else ""
@@ -396,7 +405,7 @@ def recipe_row(path: str, overrides: list[str], taken: tuple[str, ...] = ()) -> 
         row.problems.append(f"--recipe {path}: loss_fn: got a {type(loss).__name__}; expected a mapping")
         return row
     name = loss.get("name")
-    if name is None or name == "clipped_pg":  # NeMo-RL's own loss: the plugin's fields would be ignored
+    if selects_nemo_rl_loss(name):  # NeMo-RL's own loss: the plugin's fields would be ignored
         row.problems += [f"--recipe {path}: loss_fn.{p}" for p in own_loss_problems(loss, name)]
     elif name != PLUGIN_LOSS_NAME:
         row.problems.append(

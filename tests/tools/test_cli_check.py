@@ -267,6 +267,52 @@ def test_sharded_input_on_megatron_without_filtering_passes(tmp_path, capsys, no
     assert "input: local logits shard" in out
 
 
+@pytest.mark.parametrize(
+    "policy, says",
+    [
+        (
+            {"megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 4}},
+            [
+                "chunks of 1024 positions (the plugin's default; policy.logprob_chunk_size is unset)",
+                "1024 x V/4 x 4 bytes at a time (148 MiB",
+                "defer_fp32_logits is not true",
+            ],
+        ),
+        (
+            {
+                "logprob_chunk_size": 2048,
+                "megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 4, "defer_fp32_logits": True},
+            },
+            ["chunks of 2048 positions (policy.logprob_chunk_size", "(297 MiB"],
+        ),
+    ],
+)
+def test_sharded_input_says_which_chunk_size_applies_and_its_cost(tmp_path, capsys, no_nemo_rl, policy, says):
+    recipe = write_recipe(tmp_path / "r.yaml", {"policy": policy, "loss_fn": SHARDED})
+    code, out, err = run_check(capsys, recipe)
+    text = " ".join((out + err).split())
+    assert code == EXIT_UNCHECKED and not error_lines(err), err
+    assert all(s in text for s in says), text
+    assert ("defer_fp32_logits is not true" in text) == (not policy["megatron_cfg"].get("defer_fp32_logits"))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_sharded_input_refuses_a_chunk_size_that_cannot_work(tmp_path, capsys, no_nemo_rl, bad):
+    policy = {"logprob_chunk_size": bad, "megatron_cfg": {"enabled": True, "defer_fp32_logits": True}}
+    recipe = write_recipe(tmp_path / "r.yaml", {"policy": policy, "loss_fn": SHARDED})
+    code, _, err = run_check(capsys, recipe)
+    assert code == EXIT_INVALID
+    [line] = error_lines(err)
+    assert line.startswith(f"error: policy.logprob_chunk_size: got {bad!r}; allowed: a positive integer"), line
+
+
+def test_a_filter_name_nemo_rl_would_not_divide_is_warned_about_by_check(tmp_path, capsys, no_nemo_rl):
+    loss = {**LOSS, "rejection_sampling": [{"level": "sequence", "agg": "max", "upper": 50.0, "name": "ratio_max"}]}
+    recipe = write_recipe(tmp_path / "r.yaml", {"loss_fn": loss})
+    _, out, err = run_check(capsys, recipe)
+    assert "rejection_sampling.0.name: got 'ratio_max', which contains '_max'" in " ".join((out + err).split())
+
+
 # --------------------------------------------------------------------------- sequence packing
 #: Needs every sequence's current log-probs for its totals: runs where the calls are gathered, log-probs or logits.
 CURRENT_POLICY_TOTALS = {
