@@ -106,6 +106,12 @@ def _field_cases() -> dict[str, dict[str, Any]]:
     cases["token_level_loss=false"] = {**_BASE, "token_level_loss": False}
     cases["ratio_clip_c=3"] = {**_BASE, "ratio_clip_c": 3.0}
     cases["positive_example_nll_weight=0.5"] = {**_BASE, "positive_example_nll_weight": 0.5}
+    # the NLL's token count is a microbatch total: with logits as input it is computed, not only refused
+    cases["sharded_logits_input=true/positive_example_nll_weight=0.5"] = {
+        **_BASE,
+        "sharded_logits_input": True,
+        "positive_example_nll_weight": 0.5,
+    }
     cases["sampler_kl_penalty=0.01"] = {**_BASE, "sampler_kl_penalty": 0.01}
     cases["rejection_denominator=kept/token_level_loss=false"] = {
         **_BASE,
