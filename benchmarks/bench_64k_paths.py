@@ -32,7 +32,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ VARIANTS = ("sharded", "logprobs", "logprobs-unchunked")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 MIB = 2**20
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_logprob_memory import _free_port, _status_kib  # noqa: E402
+from bench_logprob_memory import _status_kib, run_ranks  # noqa: E402
 
 
 def loss_section() -> dict:
@@ -173,24 +172,19 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_variant(args: argparse.Namespace, variant: str) -> dict:
-    world = args.tp * args.cp
-    port = _free_port()
-    command = [sys.executable, __file__, "--worker", "--variant", variant, "--port", str(port)]
-    command += ["--tp", str(args.tp), "--cp", str(args.cp), "--T", str(args.T), "--V", str(args.V)]
-    command += ["--chunk", str(args.chunk), "--repeats", str(args.repeats), "--nemo-rl", args.nemo_rl]
-    env = dict(
-        os.environ, WORLD_SIZE=str(world), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
-    procs = [
-        subprocess.Popen(command, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(world)
+    """One variant in ``tp * cp`` fresh processes; rank 0's measures."""
+    arguments = ["--variant", variant, "--tp", str(args.tp), "--cp", str(args.cp), "--T", str(args.T)]
+    arguments += [
+        "--V",
+        str(args.V),
+        "--chunk",
+        str(args.chunk),
+        "--repeats",
+        str(args.repeats),
+        "--nemo-rl",
+        args.nemo_rl,
     ]
-    outputs = [p.communicate(timeout=args.timeout) for p in procs]
-    for p, (_, err) in zip(procs, outputs):
-        if p.returncode != 0:
-            raise RuntimeError(f"{variant}: exit {p.returncode}\n{err[-3000:]}")
-    line = next(line for line in outputs[0][0].splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_ranks(__file__, arguments, args.tp * args.cp, args.timeout, variant)
 
 
 def main() -> None:

@@ -172,25 +172,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_variant(args: argparse.Namespace, variant: str, tp: int, dtype: str, T: int, V: int, chunk: int) -> dict:
-    """One variant in ``tp`` fresh processes; rank 0's measures."""
-    port = _free_port()
-    command = [sys.executable, __file__, "--worker", "--variant", variant, "--port", str(port)]
-    command += ["--dtype", dtype, "--T", str(T), "--V", str(V), "--chunk", str(chunk)]
-    command += ["--repeats", str(args.repeats), "--device", args.device, "--nemo-rl", args.nemo_rl]
-    env = dict(
-        os.environ, WORLD_SIZE=str(tp), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
+def run_ranks(script: str, arguments: list[str], world: int, timeout: float, label: str) -> dict:
+    """``script --worker --port P arguments`` in ``world`` fresh processes (RANK, WORLD_SIZE set); rank 0's RESULT."""
+    command = [sys.executable, script, "--worker", "--port", str(_free_port()), *arguments]
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, WORLD_SIZE=str(world), PYTHONPATH=path)
     procs = [
         subprocess.Popen(command, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(tp)
+        for r in range(world)
     ]
-    outputs = [p.communicate(timeout=args.timeout) for p in procs]
-    for p, (out, err) in zip(procs, outputs):
+    outputs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
         if p.returncode != 0:
-            raise RuntimeError(f"{variant} tp={tp} {dtype} T={T} V={V}: exit {p.returncode}\n{err[-3000:]}")
+            raise RuntimeError(f"{label}: exit {p.returncode}\n{err[-3000:]}")
     line = next(line for line in outputs[0][0].splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
+
+
+def run_variant(args: argparse.Namespace, variant: str, tp: int, dtype: str, T: int, V: int, chunk: int) -> dict:
+    """One variant in ``tp`` fresh processes; rank 0's measures."""
+    arguments = ["--variant", variant, "--dtype", dtype, "--T", str(T), "--V", str(V), "--chunk", str(chunk)]
+    arguments += ["--repeats", str(args.repeats), "--device", args.device, "--nemo-rl", args.nemo_rl]
+    return run_ranks(__file__, arguments, tp, args.timeout, f"{variant} tp={tp} {dtype} T={T} V={V}")
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
