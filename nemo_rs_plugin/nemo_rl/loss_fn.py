@@ -191,7 +191,7 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         tp_group, cp_group = megatron_groups()
         if packed is not None and packed.index is not None:
             # Each call makes its sequence's CP-local inputs (the log-softmax over the local vocabulary
-            # shard, with its TP all-reduce); the last computes the stacked microbatch once.
+            # shard, with its TP all-gather); the last computes the stacked microbatch once.
             try:
                 inputs = sharded_loss_inputs(
                     logits, data, cp_group=cp_group, tp_group=tp_group, pad_to_shard=True, chunk_size=chunk_size

@@ -70,65 +70,69 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
     ) -> torch.Tensor:
         B, T, v_local = logits.shape
         tp = dist.get_world_size(group) if group is not None else 1
-        in_range: Optional[torch.Tensor] = None
-        local_idx = target  # without TP an id outside the vocabulary fails in gather, as in NeMo-RL
-        if tp > 1:
-            start = dist.get_rank(group) * v_local
-            held = (target >= start) & (target < start + v_local)
-            in_range, local_idx = held, torch.where(held, target - start, torch.zeros_like(target))
-        local_idx = local_idx.unsqueeze(-1)
-        row_max = torch.empty(B, T, dtype=torch.float32, device=logits.device)  # m: this shard's row maximum
-        lse_rel = torch.empty_like(row_max)  # log sum_v exp(z_v - m) over this shard
-        target_rel = torch.empty_like(row_max)  # z_y - m
+        start = dist.get_rank(group) * v_local if tp > 1 else 0
+        # NeMo-RL's rule for a target outside the vocabulary (its vocab range mask): log-prob 0;
+        # here also no gradient (the output does not depend on the logits there).
+        valid = (target >= 0) & (target < tp * v_local)
+        held = (target >= start) & (target < start + v_local)  # this shard holds the target
+        local_idx = torch.where(held, target - start, torch.zeros_like(target)).unsqueeze(-1)
+        # Per position of this shard: the shift m (the row maximum; 0 for a row of -inf, a shard
+        # whose columns are all masked, where -inf - -inf would be nan), log sum_v exp(z_v - m)
+        # (-inf exactly for such a row) and z_y - m.
+        shift = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+        lse_rel = torch.empty_like(shift)
+        target_rel = torch.empty_like(shift)
         for s in range(0, T, chunk_size):
             e = s + chunk_size
             chunk = logits[:, s:e]
             m = chunk.amax(-1, keepdim=True).to(torch.float32)
-            # A row of -inf (a shard whose columns are all masked) would give -inf - -inf = nan.
             m.masked_fill_(m == float("-inf"), 0.0)
-            row_max[:, s:e] = m.squeeze(-1)
-            target_rel[:, s:e] = chunk.gather(-1, local_idx[:, s:e]).squeeze(-1).to(torch.float32) - row_max[:, s:e]
+            shift[:, s:e] = m.squeeze(-1)
+            target_rel[:, s:e] = chunk.gather(-1, local_idx[:, s:e]).squeeze(-1).to(torch.float32) - shift[:, s:e]
             z = _float32_chunk(chunk, m)
             lse_rel[:, s:e] = z.exp_().sum(-1).log_()
             del z
-        if in_range is None:
-            logprobs, lse_minus_max = target_rel - lse_rel, lse_rel
+        if tp == 1:
+            logprobs, lse_minus_shift = target_rel - lse_rel, lse_rel
         else:
-            target_rel.masked_fill_(~in_range, 0.0)
-            # The call's one collective: every rank's rows [m, lse_rel, z_y - m].
-            local = torch.stack([row_max, lse_rel, target_rel])
+            # The call's one collective: every rank's rows [true maximum, lse_rel, z_y - m].
+            true_max = shift.masked_fill(lse_rel == float("-inf"), float("-inf"))
+            local = torch.stack([true_max, lse_rel, target_rel.masked_fill(~held, 0.0)])
             parts = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(parts, local, group=group)
             ranks = torch.stack(parts)  # [tp, 3, B, T]
             maxima = ranks[:, 0]
-            top = maxima.amax(0)  # M = max over the vocabulary
+            top = maxima.amax(0)  # M, the maximum over the whole vocabulary
+            top = top.masked_fill(top == float("-inf"), 0.0)
+            # A shard of -inf adds exp(-inf) = 0, whatever the others' scale.
             lse_minus_top = (maxima - top + ranks[:, 1]).exp().sum(0).log()  # LSE - M
+            shifts = maxima.masked_fill(maxima == float("-inf"), 0.0)  # each rank's m
             holder = (target // v_local).clamp(0, tp - 1).unsqueeze(0)  # the rank holding y
-            holder_max = maxima.gather(0, holder).squeeze(0)
-            logprobs = ranks[:, 2].sum(0) + (holder_max - top) - lse_minus_top
-            lse_minus_max = lse_minus_top + (top - row_max)  # LSE - m, for this shard's softmax
-        ctx.save_for_backward(logits, row_max, lse_minus_max, local_idx, in_range)
+            logprobs = ranks[:, 2].sum(0) + (shifts.gather(0, holder).squeeze(0) - top) - lse_minus_top
+            lse_minus_shift = lse_minus_top + (top - shift)  # LSE - m, for this shard's softmax
+        logprobs = logprobs.masked_fill(~valid, 0.0)
+        ctx.save_for_backward(logits, shift, lse_minus_shift, local_idx, valid, held)
         ctx.chunk_size = chunk_size
         return logprobs
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # noqa: D102
-        logits, row_max, lse_minus_max, local_idx, in_range = ctx.saved_tensors
+        logits, shift, lse_minus_shift, local_idx, valid, held = ctx.saved_tensors
         chunk_size = ctx.chunk_size
-        grad = grad.to(torch.float32)
-        target_grad = grad if in_range is None else grad * in_range
+        grad = grad.to(torch.float32) * valid  # no gradient where the target is outside the vocabulary
+        target_grad = grad * held
         grad_logits = torch.empty_like(logits)
         in_place = logits.dtype == torch.float32
         for s in range(0, logits.shape[1], chunk_size):
             e = s + chunk_size
             chunk, out = logits[:, s:e], grad_logits[:, s:e]
-            m = row_max[:, s:e].unsqueeze(-1)
+            m = shift[:, s:e].unsqueeze(-1)
             if in_place:  # float32 logits: the chunk is computed in the gradient's own memory
                 p = torch.sub(chunk, m, out=out)
             else:
                 p = _float32_chunk(chunk, m)
             # softmax = exp((z - m) - (LSE - m)); the gradient is -softmax * g, plus g at the target
-            p.sub_(lse_minus_max[:, s:e].unsqueeze(-1)).exp_().mul_(grad[:, s:e].neg().unsqueeze(-1))
+            p.sub_(lse_minus_shift[:, s:e].unsqueeze(-1)).exp_().mul_(grad[:, s:e].neg().unsqueeze(-1))
             p.scatter_add_(-1, local_idx[:, s:e], target_grad[:, s:e].unsqueeze(-1))
             if not in_place:
                 out.copy_(p)
@@ -150,6 +154,9 @@ def target_logprobs(
         tp_group: the tensor-parallel group; ``None`` or one rank means full-vocab logits.
         chunk_size: positions per chunk (NeMo-RL's ``policy.logprob_chunk_size``); ``None``
             takes :data:`DEFAULT_LOGPROB_CHUNK_SIZE`. It bounds the float32 memory, not the result.
+
+    A target id outside the vocabulary (``< 0`` or ``>= V_local * tp``, padding) gets log-prob 0
+    and no gradient, as NeMo-RL's vocab-range mask gives it.
 
     Raises:
         ValueError: shapes that disagree, or a chunk size that is not a positive integer.

@@ -706,21 +706,33 @@ MUTANTS: list[Mutant] = [
     # ---- issue 40: log-probs from logits in chunks of positions
     Mutant(
         VP,
-        "logprobs = ranks[:, 2].sum(0) + (holder_max - top) - lse_minus_top",
+        "logprobs = ranks[:, 2].sum(0) + (shifts.gather(0, holder).squeeze(0) - top) - lse_minus_top",
         "logprobs = ranks[:, 2].sum(0) - lse_minus_top",
         "TP: the target logit taken relative to the global maximum without the holder's shift",
     ),
     Mutant(
         VP,
-        "p.sub_(lse_minus_max[:, s:e].unsqueeze(-1)).exp_()",
-        "p.sub_(lse_minus_max[:, s : s + 1].unsqueeze(-1)).exp_()",
+        "p.sub_(lse_minus_shift[:, s:e].unsqueeze(-1)).exp_()",
+        "p.sub_(lse_minus_shift[:, s : s + 1].unsqueeze(-1)).exp_()",
         "backward: every position of a chunk normalised by the chunk's first log-sum-exp",
     ),
     Mutant(
         VP,
-        "        ctx.save_for_backward(logits, row_max, lse_minus_max, local_idx, in_range)",
-        "        ctx.save_for_backward(logits.float() * 1, row_max, lse_minus_max, local_idx, in_range)",
+        "        ctx.save_for_backward(logits, shift, lse_minus_shift, local_idx, valid, held)",
+        "        ctx.save_for_backward(logits.float() * 1, shift, lse_minus_shift, local_idx, valid, held)",
         "a float32 copy of the logits saved for backward (the memory the chunking removed)",
+    ),
+    Mutant(
+        VP,
+        'top = top.masked_fill(top == float("-inf"), 0.0)\n',
+        'top = top.masked_fill(top == float("-inf"), 0.0).clamp_min(0.0)\n',
+        "TP: the maximum over the vocabulary floored at 0 (a shard of -inf read as 0): +inf log-probs below -87",
+    ),
+    Mutant(
+        VP,
+        "        logprobs = logprobs.masked_fill(~valid, 0.0)\n",
+        "",
+        "a target outside the vocabulary gets a log-prob, not NeMo-RL's 0",
     ),
     Mutant(
         GLUE,

@@ -70,16 +70,34 @@ def test_chunked_logprobs_equal_nemo_rl_distributed_logprob(host):
 
 
 def _saved_bytes(fn, logits):
-    """Bytes autograd saves for backward while ``fn(logits)`` runs, the logits' own storage excepted."""
+    """Bytes the graph of ``fn(logits)`` keeps for backward, the logits' own storage excepted.
+
+    Tensors saved through autograd (``save_for_backward``, built-in ops) and tensors held as
+    attributes of any node of the graph (a custom Function's ``ctx``).
+    """
     saved = []
+    mine = logits.untyped_storage().data_ptr()
+
+    def note(t):
+        if t.untyped_storage().data_ptr() != mine:
+            saved.append((tuple(t.shape), t.dtype, t.numel() * t.element_size()))
 
     def pack(t):
-        if t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
-            saved.append((tuple(t.shape), t.dtype, t.numel() * t.element_size()))
+        note(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(logits)
+    todo, seen = [out.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for value in getattr(node, "__dict__", {}).values():
+            if isinstance(value, torch.Tensor):
+                note(value)
+        todo.extend(next_node for next_node, _ in node.next_functions)
     return out, saved
 
 
@@ -128,6 +146,86 @@ def test_a_chunk_size_that_cannot_work_is_refused_by_name(bad):
     assert str(DEFAULT_LOGPROB_CHUNK_SIZE) in problem
 
 
-def test_an_id_outside_the_vocabulary_fails_without_tp():
-    with pytest.raises(RuntimeError, match="index"):
-        target_logprobs(torch.randn(1, 4, 8), torch.full((1, 4), 8), None, 2)
+def _thread_ranks(world_size, fn, monkeypatch):
+    """``fn(rank, group)`` on ``world_size`` thread ranks (tests/support/threaded_world.py); each rank's result."""
+    import torch.distributed as dist
+
+    from tests.support.threaded_world import ThreadGroup, run_ranks
+
+    if world_size == 1:
+        return [fn(0, None)]
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    group = ThreadGroup(list(range(world_size)))
+    return [result for result, _ in run_ranks(world_size, lambda r: fn(r, group), [group], monkeypatch)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2], ids=["tp1", "tp2-threads"])
+def test_an_id_outside_the_vocabulary_has_log_prob_0_and_no_gradient(world_size, monkeypatch):
+    """NeMo-RL's vocab-range mask gives such a target (padding) log-prob 0; the other positions are unchanged."""
+    V, v_local = 8, 8 // world_size
+    z = torch.randn(2, 5, V, generator=torch.Generator().manual_seed(3), dtype=torch.float64).float()
+    target = torch.tensor([[1, -1, 7, 8, 3], [100, 0, 5, 2, -7]])
+    outside = (target < 0) | (target >= V)
+    clamped = target.clamp(0, V - 1)
+    want = torch.log_softmax(z, -1).gather(-1, clamped.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+
+    def rank(r, group):
+        shard = z[..., r * v_local : (r + 1) * v_local].clone().requires_grad_(True)
+        lp = target_logprobs(shard, target, group, chunk_size=2)
+        lp.sum().backward()
+        return lp.detach(), shard.grad
+
+    for lp, grad in _thread_ranks(world_size, rank, monkeypatch):
+        torch.testing.assert_close(lp, want, rtol=1e-6, atol=1e-6)
+        assert torch.equal(grad[outside], torch.zeros_like(grad[outside]))  # no gradient there
+        assert grad[~outside].abs().sum() > 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4], ids=["tp1", "tp2-threads", "tp4-threads"])
+def test_rows_of_minus_infinity_give_float64_s_log_probs(world_size, monkeypatch):
+    """A row whose whole shard is -inf (masked columns) next to very negative logits elsewhere: no nan, no inf."""
+    V = 8
+    v_local = V // world_size
+    z = torch.randn(3, 4, V, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    z[0] = -120.0 + z[0]  # around -120: exp underflows relative to a maximum taken as 0
+    z[0, :, V // 2 :] = -torch.inf  # the upper half masked on row 0 (whole shards at TP 2 and 4)
+    z[1, :, : V // 2] = -torch.inf  # the lower half masked on row 1
+    z[2, 1, 1:7] = -torch.inf  # most of the vocabulary masked at one position
+    z = z.float()
+    target = torch.tensor([[1, 0, 1, 0], [V - 1, V - 2, V - 1, V - 2], [V - 1, V - 1, 0, 1]])
+    want_z = z.double().requires_grad_(True)
+    want = torch.log_softmax(want_z, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    g = torch.randn(3, 4, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    want.backward(g)
+
+    def rank(r, group):
+        shard = z[..., r * v_local : (r + 1) * v_local].clone().requires_grad_(True)
+        lp = target_logprobs(shard, target, group, chunk_size=3)
+        lp.backward(g.float())
+        return lp.detach(), shard.grad, r
+
+    for lp, grad, r in _thread_ranks(world_size, rank, monkeypatch):
+        finite = torch.isfinite(want.detach())
+        assert torch.equal(torch.isfinite(lp), finite), (lp, want)
+        torch.testing.assert_close(lp[finite].double(), want.detach()[finite], rtol=1e-5, atol=1e-5)
+        want_grad = want_z.grad[..., r * v_local : (r + 1) * v_local]
+        assert torch.isfinite(grad).all()
+        torch.testing.assert_close(grad.double(), want_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_the_default_chunk_size_is_what_a_long_shard_is_cut_by(monkeypatch):
+    from nemo_rs_plugin.parallel import vocab_parallel
+
+    chunks = []
+    real = vocab_parallel._float32_chunk
+
+    def counting(chunk, shift):
+        chunks.append(chunk.shape[1])
+        return real(chunk, shift)
+
+    monkeypatch.setattr(vocab_parallel, "_float32_chunk", counting)
+    T = 2 * DEFAULT_LOGPROB_CHUNK_SIZE + 5
+    z = torch.randn(1, T, 4, requires_grad=True)
+    target_logprobs(z, torch.zeros(1, T, dtype=torch.long)).sum().backward()
+    # forward then backward (bf16 would be the same; float32's backward works in place)
+    assert chunks == [DEFAULT_LOGPROB_CHUNK_SIZE, DEFAULT_LOGPROB_CHUNK_SIZE, 5], chunks

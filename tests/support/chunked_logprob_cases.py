@@ -135,6 +135,11 @@ def check_equals_nemo_rl(rank, world_size, host):
     failures = []
     for dtype in DTYPES:
         _, shard, target, grad_out, v_local = make_inputs(dtype, world_size, rank)
+        # padding ids outside the vocabulary: log-prob 0 in both (NeMo-RL's vocab-range mask); the
+        # loss masks them, so their upstream gradient is 0 (NeMo-RL would pass -softmax * g there)
+        target, grad_out = target.clone(), grad_out.clone()
+        target[0, :3], target[2, -2:] = -1, V + 5
+        grad_out[0, :3], grad_out[2, -2:] = 0.0, 0.0
         start, end = rank * v_local, (rank + 1) * v_local
         # NeMo-RL's backward returns float32 for bf16 logits (autograd casts it): compare in float32
         grad_tol = 1e-6 if dtype == torch.float32 else 1e-2
