@@ -194,11 +194,19 @@ def _logprob_chunk_notes(cfg: dict, report: CheckReport) -> None:
         else "the plugin's default; policy.logprob_chunk_size is unset"
     )
     buffer_mib = size * (QWEN3_VOCABULARY / tp) * 4 / 2**20
+    # The chunk spans every sequence of a loss call: one under packing (a call per sequence).
+    per_call = recipe_value(cfg, "policy.train_micro_batch_size")
+    several = recipe_value(cfg, "policy.sequence_packing.enabled") is not True and isinstance(per_call, int)
+    calls = (
+        f"; {per_call} sequences per loss call without packing: {per_call * buffer_mib:.0f} MiB"
+        if several and per_call > 1
+        else ""
+    )
     report.notes.append(
         f"log-probs from the logits shard in chunks of {size} positions ({source}): one float32 buffer of "
-        f"{size} x V/{tp} x 4 bytes at a time ({buffer_mib:.0f} MiB for Qwen3's {QWEN3_VOCABULARY:,}-token "
-        "vocabulary) besides the logits' gradient; nothing of the logits' size is saved for backward "
-        "(docs/performance.md#log-probs-from-logits-memory)"
+        f"{size} x V/{tp} x 4 bytes per sequence at a time ({buffer_mib:.0f} MiB for Qwen3's "
+        f"{QWEN3_VOCABULARY:,}-token vocabulary{calls}) besides the logits' gradient; nothing of the logits' "
+        "size is saved for backward (docs/performance.md#log-probs-from-logits-memory)"
     )
     if recipe_value(cfg, "policy.megatron_cfg.defer_fp32_logits") is not True:
         report.notes.append(

@@ -274,16 +274,17 @@ def test_sharded_input_on_megatron_without_filtering_passes(tmp_path, capsys, no
             {"megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 4}},
             [
                 "chunks of 1024 positions (the plugin's default; policy.logprob_chunk_size is unset)",
-                "1024 x V/4 x 4 bytes at a time (148 MiB",
+                "1024 x V/4 x 4 bytes per sequence at a time (148 MiB",
                 "defer_fp32_logits is not true",
             ],
         ),
         (
             {
                 "logprob_chunk_size": 2048,
+                "train_micro_batch_size": 2,
                 "megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 4, "defer_fp32_logits": True},
             },
-            ["chunks of 2048 positions (policy.logprob_chunk_size", "(297 MiB"],
+            ["chunks of 2048 positions (policy.logprob_chunk_size", "(297 MiB", "2 sequences per loss call"],
         ),
     ],
 )
