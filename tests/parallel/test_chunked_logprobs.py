@@ -38,20 +38,24 @@ def test_chunked_logprobs_equal_float64_and_the_previous_path_tp2_gloo():
     assert not failures, "\n".join(failures[:40])
 
 
+def _thread_ranks(world_size, fn, monkeypatch):
+    """``fn(rank, group)`` on ``world_size`` thread ranks (tests/support/threaded_world.py); each rank's result."""
+    import torch.distributed as dist
+
+    from tests.support.threaded_world import ThreadGroup, run_ranks
+
+    if world_size == 1:
+        return [fn(0, None)]
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    group = ThreadGroup(list(range(world_size)))
+    return [result for result, _ in run_ranks(world_size, lambda r: fn(r, group), [group], monkeypatch)]
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3], ids=["tp1", "tp2-threads", "tp3-threads"])
 def test_chunked_logprobs_equal_float64_and_the_previous_path_in_process(world_size, monkeypatch):
     """The same comparison with thread ranks (tests/support/threaded_world.py): fast, and in the mutation subset."""
-    if world_size == 1:
-        failures = cases.reference_failures(0, 1, None)
-    else:
-        import torch.distributed as dist
-
-        from tests.support.threaded_world import ThreadGroup, run_ranks
-
-        monkeypatch.setattr(dist, "is_initialized", lambda: True)
-        group = ThreadGroup(list(range(world_size)))
-        results = run_ranks(world_size, lambda r: cases.reference_failures(r, world_size, group), [group], monkeypatch)
-        failures = [f"rank {r}: {f}" for r, (fs, _) in enumerate(results) for f in fs]
+    results = _thread_ranks(world_size, lambda r, group: cases.reference_failures(r, world_size, group), monkeypatch)
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures[:40])
 
 
@@ -144,19 +148,6 @@ def test_a_chunk_size_that_cannot_work_is_refused_by_name(bad):
     problem = chunk_size_problem(bad)
     assert problem is not None and problem.startswith(f"policy.logprob_chunk_size: got {bad!r}")
     assert str(DEFAULT_LOGPROB_CHUNK_SIZE) in problem
-
-
-def _thread_ranks(world_size, fn, monkeypatch):
-    """``fn(rank, group)`` on ``world_size`` thread ranks (tests/support/threaded_world.py); each rank's result."""
-    import torch.distributed as dist
-
-    from tests.support.threaded_world import ThreadGroup, run_ranks
-
-    if world_size == 1:
-        return [fn(0, None)]
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    group = ThreadGroup(list(range(world_size)))
-    return [result for result, _ in run_ranks(world_size, lambda r: fn(r, group), [group], monkeypatch)]
 
 
 @pytest.mark.parametrize("world_size", [1, 2], ids=["tp1", "tp2-threads"])

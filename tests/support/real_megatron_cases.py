@@ -20,6 +20,7 @@ shard, so ``param.grad`` is exactly the gradient the loss path sends into the lo
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 import torch
 
@@ -323,9 +324,6 @@ def check_sharded_refuses_a_chunk_size_that_cannot_work(rank, world_size, host):
     m = _host_modules(host)
     if not _host_passes_chunk_size():
         return []
-    from nemo_rs_plugin.core.config import ConfigError
-    from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
-
     logits_full, data, gvs, gvt = make_batch()
     cfg = dict(CONFIGS["token-loss/token-IS/tis/kl"], name="rs_clipped_pg", sharded_logits_input=True)
     failures = []
@@ -333,13 +331,24 @@ def check_sharded_refuses_a_chunk_size_that_cannot_work(rank, world_size, host):
     m["ps"].initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
     for packed in (False, True):
         shard, packed_seq_params = _local_logits(m, logits_full, data, 2, 2, packed)
-        try:
-            _train_step(m, RSClippedPGLossFn(cfg), shard, data, gvs, gvt, packed_seq_params, 2, chunk_size=0)
+        refusal = _refusal(m, cfg, shard, data, gvs, gvt, packed_seq_params, 2, chunk_size=0)
+        if refusal is None:
             failures.append(f"packed={packed}: logprob_chunk_size 0 was not refused")
-        except ConfigError as exc:
-            if "policy.logprob_chunk_size: got 0" not in str(exc):
-                failures.append(f"packed={packed}: unclear error {exc}")
+        elif "policy.logprob_chunk_size: got 0" not in refusal:
+            failures.append(f"packed={packed}: unclear error {refusal}")
     return failures
+
+
+def _refusal(m, cfg, shard, data, gvs, gvt, packed_seq_params, cp, **step) -> Optional[str]:
+    """The ConfigError the plugin's sharded loss raises in one real train step (``None``: it trained)."""
+    from nemo_rs_plugin.core.config import ConfigError
+    from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
+
+    try:
+        _train_step(m, RSClippedPGLossFn(cfg), shard, data, gvs, gvt, packed_seq_params, cp, **step)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def check_sharded_refuses_training_time_filtering(rank, world_size, host):
@@ -348,9 +357,6 @@ def check_sharded_refuses_training_time_filtering(rank, world_size, host):
     and run when it carries none (temperature alone is applied to the logits upstream)."""
     m = _host_modules(host)
     from nemo_rl.algorithms.logits_sampling_utils import TrainingSamplingParams
-
-    from nemo_rs_plugin.core.config import ConfigError
-    from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
 
     logits_full, data, gvs, gvt = make_batch()
     cfg = dict(CONFIGS["token-loss/token-IS/tis/kl"], name="rs_clipped_pg", sharded_logits_input=True)
@@ -364,11 +370,8 @@ def check_sharded_refuses_training_time_filtering(rank, world_size, host):
             (TrainingSamplingParams(top_p=0.9), True),
             (TrainingSamplingParams(temperature=0.7), False),
         ):
-            try:
-                _train_step(m, RSClippedPGLossFn(cfg), shard, data, gvs, gvt, packed_seq_params, 2, params)
-                refused = False
-            except ConfigError as exc:
-                refused = "sharded_logits_input" in str(exc)
+            refusal = _refusal(m, cfg, shard, data, gvs, gvt, packed_seq_params, 2, sampling_params=params)
+            refused = refusal is not None and "sharded_logits_input" in refusal
             if refused != should_refuse:
                 failures.append(f"packed={packed} {params}: refused={refused}, expected {should_refuse}")
     return failures

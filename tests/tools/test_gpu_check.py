@@ -79,18 +79,22 @@ print("ray stand-ins:", [n for n in nemo_rl_shims.stand_ins() if n.split(".")[0]
 """
 
 
-@pytest.mark.slow  # 10-14 s: a fresh interpreter importing NeMo-RL
-def test_nemo_rl_loss_runs_without_ray_for_the_gpu_comparison():
-    """bench_gpu.py compares with NeMo-RL's own loss on a machine without ray (the lent GPU
-    machine has none): NeMo-RL's loss module imports ray only for its cluster code, which the
-    shims answer with a stand-in; the loss itself runs for real."""
+def _checkout() -> str:
+    """The NeMo-RL checkout a GPU run would carry: the last host's (skips, or fails in CI, without one)."""
     from tests.support.nemo_rl_hosts import nemo_rl_hosts, skip_or_fail
 
     hosts = [h for h in nemo_rl_hosts() if h]
     if not hosts:
         skip_or_fail("no NeMo-RL checkout")
-        return
-    host = hosts[-1]
+    return hosts[-1]
+
+
+@pytest.mark.slow  # 10-14 s: a fresh interpreter importing NeMo-RL
+def test_nemo_rl_loss_runs_without_ray_for_the_gpu_comparison():
+    """bench_gpu.py compares with NeMo-RL's own loss on a machine without ray (the lent GPU
+    machine has none): NeMo-RL's loss module imports ray only for its cluster code, which the
+    shims answer with a stand-in; the loss itself runs for real."""
+    host = _checkout()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), host]))
     proc = subprocess.run(
         [sys.executable, "-c", _WITHOUT_RAY, host], capture_output=True, text=True, env=env, cwd=REPO, timeout=300
@@ -105,13 +109,7 @@ def test_gpu_check_dry_run_times_the_packing_wrapper_with_a_real_checkout(tmp_pa
     """The ``packing`` step (bench_packing.py, NeMo-RL's real ``SequencePackingLossWrapper``)
     starts and prints its table on the CPU with the checkout that GPU run would carry, and the
     steps left out of ``STEPS`` do not run."""
-    from tests.support.nemo_rl_hosts import nemo_rl_hosts, skip_or_fail
-
-    hosts = [h for h in nemo_rl_hosts() if h]
-    if not hosts:
-        skip_or_fail("no NeMo-RL checkout")
-        return
-    proc, log = dry_run(tmp_path, NEMO_RL=hosts[-1], STEPS="packing")
+    proc, log = dry_run(tmp_path, NEMO_RL=_checkout(), STEPS="packing")
     assert proc.returncode == 0, log[-4000:]
     assert "=== bench_packing on CPU (dry run): rc=0" in log
     assert "SequencePackingLossWrapper + prepare_loss_input over 4 sequences" in log
@@ -125,13 +123,7 @@ def test_gpu_check_dry_run_times_the_packing_wrapper_with_a_real_checkout(tmp_pa
 def test_gpu_check_dry_run_measures_log_prob_memory_with_a_real_checkout(tmp_path):
     """The ``logprob_memory`` step (bench_logprob_memory.py against NeMo-RL's own log-prob functions)
     prints its table on the CPU with the checkout that GPU run would carry."""
-    from tests.support.nemo_rl_hosts import nemo_rl_hosts, skip_or_fail
-
-    hosts = [h for h in nemo_rl_hosts() if h]
-    if not hosts:
-        skip_or_fail("no NeMo-RL checkout")
-        return
-    proc, log = dry_run(tmp_path, NEMO_RL=hosts[-1], STEPS="logprob_memory")
+    proc, log = dry_run(tmp_path, NEMO_RL=_checkout(), STEPS="logprob_memory")
     assert proc.returncode == 0, log[-4000:]
     assert "=== bench_logprob_memory on CPU (dry run): rc=0" in log
     rows = [
