@@ -54,6 +54,14 @@ from typing import Optional, Sequence
 
 import torch
 
+from nemo_rs_plugin.tools.lab_confirm import (
+    PROTOCOL,
+    format_confirmation,
+    format_power_plan,
+    power_plan,
+    protocol_arms,
+    protocol_jobs,
+)
 from nemo_rs_plugin.tools.lab_dose import (
     dose_comparisons,
     dose_outcomes,
@@ -63,6 +71,7 @@ from nemo_rs_plugin.tools.lab_dose import (
     smallest_p,
     write_seed_csv,
 )
+from nemo_rs_plugin.tools.lab_length import LENGTH_STUDY, format_length_study, read_length_csv, write_length_csv
 from nemo_rs_plugin.tools.lab_dose_report import render_blocks, render_from_csv, write_dose_plot
 from nemo_rs_plugin.tools.lab_experiment import (
     CONFIGS,
@@ -80,6 +89,7 @@ from nemo_rs_plugin.tools.lab_experiment import (
 from nemo_rs_plugin.tools.lab_model import DTYPES
 from nemo_rs_plugin.tools.lab_report import (
     as_written,
+    read_steps_csv,
     compare,
     default_pairs,
     format_comparisons,
@@ -106,6 +116,8 @@ __all__ = [
 ]
 
 SEEDS_CSV = "lab_dose_seeds.csv"  # the dose-response run's per-seed outcomes: every table is rendered from it
+CONFIRM_SEEDS_CSV = "lab_confirm_seeds.csv"  # the confirmation's per-seed outcomes
+LENGTH_SEEDS_CSV = "lab_length_seeds.csv"  # the length study's per-seed outcomes
 
 EXIT_INVALID = 2  # bad flags: one ``error:`` line each, as ``nemo-rs``'s other subcommands
 
@@ -165,6 +177,37 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
+        "--confirm",
+        action="store_true",
+        help=(
+            "the confirmatory protocol's run (docs/lab.md#confirmation): the arms and lags of its primary "
+            f"comparisons on its confirmation seeds ({_span(list(PROTOCOL.confirmation_seeds))}; --seeds to "
+            "override), tested as fixed in advance"
+        ),
+    )
+    p.add_argument(
+        "--lengths",
+        nargs="+",
+        type=int,
+        metavar="L",
+        help=(
+            "length study (docs/lab.md#length): every arm at each response length over the same seeds, one "
+            f"lag; defaults --lag {LENGTH_STUDY['lag']}, --steps {LENGTH_STUDY['steps']}, --seeds "
+            f"{_span(LENGTH_STUDY['seeds'])}, --configs {' '.join(LENGTH_STUDY['configs'])} (published: "
+            f"--lengths {' '.join(map(str, LENGTH_STUDY['lengths']))})"
+        ),
+    )
+    p.add_argument(
+        "--plan",
+        nargs="+",
+        metavar="DIR",
+        help=(
+            "print the confirmation's power calculation from exploration runs (--lags output folders, their "
+            "outcomes recomputed from lab_dose_steps.csv, or per-seed CSVs holding the primary outcome); "
+            "runs nothing"
+        ),
+    )
+    p.add_argument(
         "--report",
         metavar="DIR",
         help=f"print the dose-response tables re-rendered from DIR/{SEEDS_CSV} (or that CSV itself); runs nothing",
@@ -190,13 +233,23 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from(args: argparse.Namespace) -> LabSettings:
     """Defaults (with ``--lags``, the dose-response run's), then ``--quick``, then explicit flags."""
     base: dict = {}
-    dose = bool(getattr(args, "lags", None))
+    dose = bool(getattr(args, "lags", None)) or bool(getattr(args, "confirm", False))
     if dose:
         base.update(DOSE)
+    if getattr(args, "confirm", False):
+        base.update(seeds=list(PROTOCOL.confirmation_seeds))
+    lengths = bool(getattr(args, "lengths", None))
+    if lengths:
+        base.update(DOSE)
+        base.update({k: v for k, v in LENGTH_STUDY.items() if k != "lengths"})
     if args.quick:
         base.update(QUICK)
-        if dose:
+        if dose or lengths:
             base.update(QUICK_DOSE)
+        if lengths:
+            base.update(configs=["none", "sequence"])
+    if getattr(args, "confirm", False):  # the protocol's arms, whatever the sizes
+        base.update(configs=protocol_arms(PROTOCOL))
     s = LabSettings(**{k: list(v) if isinstance(v, list) else v for k, v in base.items()})
     for f in dataclasses.fields(LabSettings):
         v = getattr(args, f.name, None)
@@ -252,6 +305,26 @@ def settings_problems(s: LabSettings, args: argparse.Namespace) -> list[str]:
         problems.append(f"--threshold: got {s.threshold}; allowed: a finite number (a reward in [0, 1])")
     if args.workers < 1:
         problems.append(f"--workers: got {args.workers}; must be at least 1")
+    if getattr(args, "confirm", False):
+        for flag, given in (("--lags", args.lags), ("--lag", args.lag), ("--configs", args.configs)):
+            if given is not None:
+                problems.append(f"{flag}: --confirm runs the protocol's own arms and lags; drop {flag}")
+        overlap = sorted(set(s.seeds) & set(PROTOCOL.exploration_seeds))
+        if overlap:
+            problems.append(
+                f"--seeds: {' '.join(map(str, overlap))} belong to the exploration "
+                f"({_span(list(PROTOCOL.exploration_seeds))}); a confirmation needs seeds it never saw"
+            )
+    if getattr(args, "lengths", None):
+        for flag, given in (("--lags", args.lags), ("--confirm", args.confirm or None), ("--length", args.length)):
+            if given is not None:
+                problems.append(f"{flag}: the length study (--lengths) sets the lengths at one lag; drop {flag}")
+        short = [n for n in args.lengths if n < 1]
+        if short:
+            problems.append(f"--lengths: got {' '.join(map(str, short))}; each must be at least 1")
+        repeated = sorted({n for n in args.lengths if args.lengths.count(n) > 1})
+        if repeated:
+            problems.append(f"--lengths: {', '.join(map(str, repeated))} given more than once; name each once")
     lags = getattr(args, "lags", None)
     if lags:
         if args.lag is not None:
@@ -346,6 +419,8 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.report is not None:
         return report_main(args.report)
+    if args.plan is not None:
+        return plan_main(args.plan)
     s = settings_from(args)
     problems = settings_problems(s, args)
     for line in problems:
@@ -362,6 +437,10 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as exc:
         print(f"error: --out: got {args.out}; it cannot be created ({exc.strerror or exc})", file=sys.stderr)
         return EXIT_INVALID
+    if args.confirm:
+        return confirm_main(s, args)
+    if args.lengths:
+        return length_main(s, args)
     if args.lags:
         return dose_main(s, args)
     print(
@@ -427,9 +506,9 @@ def dose_main(s: LabSettings, args: argparse.Namespace) -> int:
     tests = planned_tests(s.configs, lags)
     if tests and smallest_p(len(s.seeds)) * tests >= SIGNIFICANCE:
         print(
-            f"warning: with {len(s.seeds)} seeds no test can reach p < {SIGNIFICANCE:g} after Holm's correction "
-            f"over {tests} tests (the smallest p is {smallest_p(len(s.seeds)):.2g}): nothing will be separated; "
-            "add seeds or drop arms or lags",
+            f"warning: with {len(s.seeds)} seeds no count (collapsed, at chance) can reach p < {SIGNIFICANCE:g} "
+            f"after Holm's correction over {tests} tests (McNemar's smallest p is {smallest_p(len(s.seeds)):.2g}): "
+            "no count will be separated; add seeds or drop arms or lags",
             file=sys.stderr,
         )
     t0 = time.perf_counter()
@@ -441,12 +520,126 @@ def dose_main(s: LabSettings, args: argparse.Namespace) -> int:
     return 0
 
 
+def write_confirm_outputs(rows: list, s: LabSettings, out: str, run_facts: dict) -> str:
+    """Write the confirmation's CSVs, its table (``lab_confirm.md``) and settings; return the table."""
+    write_csv(rows, os.path.join(out, "lab_confirm_steps.csv"))
+    seeds_csv = os.path.join(out, CONFIRM_SEEDS_CSV)
+    write_seed_csv(dose_outcomes(rows, s), seeds_csv)
+    block = format_confirmation(read_seed_csv(seeds_csv))
+    with open(os.path.join(out, "lab_confirm.md"), "w") as fh:
+        fh.write(f"<!-- lab:confirmation:begin -->\n{block}\n<!-- lab:confirmation:end -->\n")
+    settings = {k: v for k, v in dataclasses.asdict(s).items() if k != "lag"}
+    protocol = {
+        "primary": [dataclasses.asdict(c) for c in PROTOCOL.primary],
+        "outcome": PROTOCOL.outcome,
+        "delta": PROTOCOL.delta,
+        "alpha": PROTOCOL.alpha,
+        "power": PROTOCOL.power,
+        "exploration_seeds": list(PROTOCOL.exploration_seeds),
+    }
+    _write_settings(os.path.join(out, "lab_confirm_settings.json"), {**settings, "protocol": protocol}, run_facts)
+    return block
+
+
+def confirm_main(s: LabSettings, args: argparse.Namespace) -> int:
+    """The confirmation (``--confirm``): the protocol's arms and lags on its seeds, then its table."""
+    jobs = protocol_jobs(PROTOCOL, s.seeds)
+    print(
+        f"nemo-rs lab: confirmation, {len(PROTOCOL.primary)} primary comparisons, {len(jobs)} runs "
+        f"({len(s.seeds)} seeds) x {s.steps} steps, {s.prompts}x{s.group} responses of {s.length} tokens, "
+        f"sampler {s.sampler_dtype}, {args.workers} worker(s)",
+        file=sys.stderr,
+    )
+    t0 = time.perf_counter()
+    rows = as_written(run_all(s, workers=args.workers, progress=ProgressBar(eta=True), jobs=jobs))
+    total = time.perf_counter() - t0
+    block = write_confirm_outputs(rows, s, args.out, {"workers": args.workers, "total_wall_s": round(total, 1)})
+    print(block)
+    print(f"total wall time {total:.0f}s; outputs in {args.out}/")
+    return 0
+
+
+def length_main(s: LabSettings, args: argparse.Namespace) -> int:
+    """The length study (``--lengths``): every arm at every length at one lag, then its table."""
+    lengths = list(args.lengths)
+    print(
+        f"nemo-rs lab: length study, {len(s.configs)} configs x lengths {' '.join(map(str, lengths))} x "
+        f"{len(s.seeds)} seeds at lag {s.lag}, {s.steps} steps, {args.workers} worker(s)",
+        file=sys.stderr,
+    )
+    t0 = time.perf_counter()
+    rows: list[dict] = []
+    outcomes: list[dict] = []
+    for length in lengths:
+        at = dataclasses.replace(s, length=length)
+        got = as_written(run_all(at, workers=args.workers, progress=ProgressBar(eta=True), lags=[s.lag]))
+        rows += [{**r, "length": length} for r in got]
+        outcomes += [{**o, "length": length} for o in dose_outcomes(got, at)]
+    total = time.perf_counter() - t0
+    write_csv(rows, os.path.join(args.out, "lab_length_steps.csv"))
+    seeds_csv = os.path.join(args.out, LENGTH_SEEDS_CSV)
+    write_length_csv(outcomes, seeds_csv)
+    block = format_length_study(read_length_csv(seeds_csv))
+    with open(os.path.join(args.out, "lab_length.md"), "w") as fh:
+        fh.write(f"<!-- lab:length:begin -->\n{block}\n<!-- lab:length:end -->\n")
+    settings = {k: v for k, v in dataclasses.asdict(s).items() if k != "length"}
+    facts = {"workers": args.workers, "total_wall_s": round(total, 1)}
+    _write_settings(os.path.join(args.out, "lab_length_settings.json"), {**settings, "lengths": lengths}, facts)
+    print(block)
+    print(f"total wall time {total:.0f}s; outputs in {args.out}/")
+    return 0
+
+
+def outcomes_of_run(path: str) -> list[dict]:
+    """A dose-response run's per-seed outcomes: recomputed from ``path/lab_dose_steps.csv`` (and its
+    settings) where the folder has them, so outcomes added since the run are there; else
+    ``path/lab_dose_seeds.csv`` or ``path`` itself, as written."""
+    steps = os.path.join(path, "lab_dose_steps.csv")
+    settings = os.path.join(path, "lab_dose_settings.json")
+    if os.path.isdir(path) and os.path.isfile(steps) and os.path.isfile(settings):
+        with open(settings) as fh:
+            raw = json.load(fh)
+        s = LabSettings(**{k: v for k, v in raw.items() if k in LabSettings.__dataclass_fields__})
+        return dose_outcomes(read_steps_csv(steps), s)
+    csv_path = os.path.join(path, SEEDS_CSV) if os.path.isdir(path) else path
+    if not os.path.isfile(csv_path):
+        raise ValueError(f"got {path}; neither lab_dose_steps.csv with its settings nor {SEEDS_CSV} there")
+    return read_seed_csv(csv_path)
+
+
+def plan_main(paths: list[str]) -> int:
+    """``--plan DIR ...``: the confirmation's power calculation from exploration runs' per-seed outcomes."""
+    try:
+        outcomes = [o for path in paths for o in outcomes_of_run(path)]
+        text = format_power_plan(power_plan(outcomes))
+    except (ValueError, KeyError) as exc:
+        print(f"error: --plan: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    print(text)
+    return 0
+
+
 def report_main(path: str) -> int:
-    """``--report DIR``: print the dose-response tables re-rendered from ``DIR/lab_dose_seeds.csv``."""
+    """``--report DIR``: print the tables re-rendered from ``DIR/lab_dose_seeds.csv`` or ``DIR/lab_confirm_seeds.csv``."""
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, LENGTH_SEEDS_CSV)):
+        try:
+            print(format_length_study(read_length_csv(os.path.join(path, LENGTH_SEEDS_CSV))))
+        except (ValueError, KeyError) as exc:
+            print(f"error: --report: {exc}", file=sys.stderr)
+            return EXIT_INVALID
+        return 0
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, CONFIRM_SEEDS_CSV)):
+        try:
+            print(format_confirmation(read_seed_csv(os.path.join(path, CONFIRM_SEEDS_CSV))))
+        except (ValueError, KeyError) as exc:
+            print(f"error: --report: {exc}", file=sys.stderr)
+            return EXIT_INVALID
+        return 0
     csv_path = os.path.join(path, SEEDS_CSV) if os.path.isdir(path) else path
     if not os.path.isfile(csv_path):
         print(
-            f"error: --report: got {path}; no {SEEDS_CSV} there (run nemo-rs lab --lags ... --out DIR first)",
+            f"error: --report: got {path}; no {SEEDS_CSV} or {CONFIRM_SEEDS_CSV} there "
+            "(run nemo-rs lab --lags ... or --confirm with --out DIR first)",
             file=sys.stderr,
         )
         return EXIT_INVALID

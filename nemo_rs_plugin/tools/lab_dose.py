@@ -5,11 +5,15 @@ seed ``i`` is a pair across arms and lags: the same initial weights, the same pr
 run (:func:`run_outcome`), on the trainer's own policy (evaluated every ``eval_every`` steps):
 
 * ``final_eval``: the mean of the last :data:`FINAL_EVALS` evaluations;
+* ``eval_auc``: the mean of every evaluation of the run, the area under the evaluation curve
+  over its length (evaluations are equally spaced): a collapse late in the run costs it only
+  the share of the run it lasts, so one seed's collapse does not decide a comparison of it;
 * ``regret``: the on-policy reference's ``final_eval`` at the same seed minus the run's;
 * ``collapsed``: the evaluation peaked at :data:`COLLAPSE_PEAK` x chance or more (a real
   learning peak) and ``final_eval`` ended at or below :data:`COLLAPSE_DROP` of that peak;
 * ``at_chance``: every one of the last :data:`FINAL_EVALS` evaluations at most
   :data:`AT_CHANCE` x chance;
+* ``is_ess_mean`` (a diagnostic): the IS weights' effective sample size, mean over the steps;
 * ``spiked`` (a diagnostic, relative to the run's own norm): a gradient norm before clipping
   above :data:`SPIKE_FACTOR` x the run's median (over the steps that had a gradient).
 
@@ -18,7 +22,7 @@ Chance is the expected reward of a sampler uniform over the model's whole vocabu
 
 Comparisons (:func:`dose_comparisons`): every arm against ``none`` at each lag, and every arm
 against the on-policy reference at each lag, on the paired seeds: the sign-flip test and a
-bootstrap interval on ``final_eval``, exact McNemar tests on ``collapsed`` and ``at_chance``,
+paired t interval and t-test on ``final_eval``, exact McNemar tests on ``collapsed`` and ``at_chance``,
 and Holm's correction over every test of the run; "separated" means a Holm-adjusted
 p < :data:`~nemo_rs_plugin.tools.lab_stats.SIGNIFICANCE`.
 
@@ -37,7 +41,7 @@ from typing import Optional, Union
 from nemo_rs_plugin.tools import report
 from nemo_rs_plugin.tools.lab_experiment import CONFIGS, LabSettings
 from nemo_rs_plugin.tools.lab_model import chance_reward
-from nemo_rs_plugin.tools.lab_stats import SIGNIFICANCE, bootstrap_ci, holm, mcnemar_exact, sign_flip_p
+from nemo_rs_plugin.tools.lab_stats import SIGNIFICANCE, holm, mcnemar_exact, t_interval, t_test_p
 
 __all__ = [
     "AT_CHANCE",
@@ -79,6 +83,7 @@ SEED_FIELDS = (
     "lag",
     "seed",
     "final_eval",
+    "eval_auc",
     "regret",
     "collapsed",
     "at_chance",
@@ -90,13 +95,17 @@ SEED_FIELDS = (
     "max_grad_norm",
     "median_grad_norm",
     "max_kl_gen_prev",
+    "is_ess_mean",
     "seq_kept_mean",
     "warned",
     "band_lower",
     "band_upper",
     "wall_s",
 )
-_INTS = ("lag", "seed", "evals")
+#: Columns a per-seed CSV may lack: it was written before they existed (read as NaN). The
+#: exploration run (docs/lab_dose_seeds.csv) predates both.
+OPTIONAL_FIELDS = ("eval_auc", "is_ess_mean")
+_INTS = ("lag", "seed", "evals", "length")
 _BOOLS = ("collapsed", "at_chance", "spiked", "warned")
 _SEED_DIGITS = 10  # significant digits of the per-seed CSV's floats
 
@@ -118,6 +127,7 @@ def run_outcome(rows: list[dict], chance: float) -> dict:
     tail = rows[-5:]
     return {
         "final_eval": final_eval,
+        "eval_auc": sum(evals) / len(evals) if evals else math.nan,
         "collapsed": bool(evals) and peak >= COLLAPSE_PEAK * chance and final_eval <= COLLAPSE_DROP * peak,
         "at_chance": bool(last) and all(e <= AT_CHANCE * chance for e in last),
         "spiked": norm > 0 and max_norm > SPIKE_FACTOR * norm,
@@ -128,6 +138,7 @@ def run_outcome(rows: list[dict], chance: float) -> dict:
         "max_grad_norm": max_norm,
         "median_grad_norm": norm,
         "max_kl_gen_prev": max(x["kl_gen_prev"] for x in rows),
+        "is_ess_mean": sum(x["is_ess"] for x in rows) / len(rows),
         "seq_kept_mean": 1 - sum(x["seq_rejected_frac"] for x in rows) / len(rows),
         "warned": rows[-1]["rejection_warnings"] > 0,
         "band_lower": rows[-1]["band_lower"],
@@ -157,13 +168,13 @@ def dose_outcomes(rows: list[dict], s: LabSettings) -> list[dict]:
     return [{k: o[k] for k in SEED_FIELDS} for o in out]
 
 
-def write_seed_csv(outcomes: list[dict], path: Union[str, Path]) -> None:
-    """The per-seed outcomes (:data:`SEED_FIELDS`), floats to 10 significant digits."""
-    report.write_csv(outcomes, str(path), list(SEED_FIELDS), float_digits=_SEED_DIGITS)
+def write_seed_csv(outcomes: list[dict], path: Union[str, Path], fields: tuple[str, ...] = SEED_FIELDS) -> None:
+    """The per-seed outcomes (``fields``: :data:`SEED_FIELDS`, or a study's with more), floats to 10 significant digits."""
+    report.write_csv(outcomes, str(path), list(fields), float_digits=_SEED_DIGITS)
 
 
-def read_seed_csv(path: Union[str, Path]) -> list[dict]:
-    """The per-seed outcomes as :func:`write_seed_csv` wrote them."""
+def read_seed_csv(path: Union[str, Path], fields: tuple[str, ...] = SEED_FIELDS) -> list[dict]:
+    """The per-seed outcomes as :func:`write_seed_csv` wrote them (the same ``fields``)."""
 
     def value(k: str, v: str):
         if k == "config":
@@ -178,10 +189,11 @@ def read_seed_csv(path: Union[str, Path]) -> list[dict]:
 
     with open(path, newline="") as fh:
         reader = csv.DictReader(fh)
-        missing = [k for k in SEED_FIELDS if k not in (reader.fieldnames or [])]
+        present = reader.fieldnames or []
+        missing = [k for k in fields if k not in present and k not in OPTIONAL_FIELDS]
         if missing:
-            raise ValueError(f"{path}: not a dose-response per-seed CSV (missing columns: {', '.join(missing)})")
-        return [{k: value(k, r[k]) for k in SEED_FIELDS} for r in reader]
+            raise ValueError(f"{path}: not a per-seed CSV of this run (missing columns: {', '.join(missing)})")
+        return [{k: value(k, r[k]) if k in present else math.nan for k in fields} for r in reader]
 
 
 # ---------------------------------------------------------------------------- comparisons
@@ -212,7 +224,7 @@ def _compare(a: str, b: str, lag: int, ra: dict[int, dict], rb: dict[int, dict])
         return None
     pa, pb = [ra[i] for i in seeds], [rb[i] for i in seeds]
     diffs = [x["final_eval"] - y["final_eval"] for x, y in zip(pa, pb)]
-    lo, hi = bootstrap_ci(diffs)
+    lo, hi = t_interval(diffs)
     row = {
         "a": a,
         "b": b,
@@ -223,7 +235,7 @@ def _compare(a: str, b: str, lag: int, ra: dict[int, dict], rb: dict[int, dict])
         "final_eval_diff": sum(diffs) / len(diffs),
         "final_eval_low": lo,
         "final_eval_high": hi,
-        "final_eval_p": sign_flip_p(diffs),
+        "final_eval_p": t_test_p(diffs),
     }
     for k in ("collapsed", "at_chance"):
         row[k] = f"{_count(pa, k)} vs {_count(pb, k)}"
@@ -273,14 +285,12 @@ def planned_tests(configs: list[str], lags: list[int]) -> int:
     return comparisons * len(TESTED)
 
 
-def smallest_p(seeds: int, draws: int = 20000, exact_up_to: int = 16) -> float:
-    """The smallest p-value a test of the run can reach with ``seeds`` paired seeds.
+def smallest_p(seeds: int) -> float:
+    """The smallest p-value the exact McNemar test of a count outcome reaches with ``seeds`` paired seeds.
 
-    Both the sign-flip test (exact) and the exact McNemar test bottom out at ``2 / 2^n``;
-    with drawn sign flips (more than ``exact_up_to`` seeds) also at ``1 / (1 + draws)``.
+    ``2 / 2^n``: every seed discordant the same way. (The t-test on ``final_eval`` has no floor.)
     """
-    floor = 2.0 / 2**seeds
-    return floor if seeds <= exact_up_to else max(floor, 1.0 / (1 + draws))
+    return 2.0 / 2**seeds
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:

@@ -32,7 +32,7 @@ from nemo_rs_plugin.tools.lab_dose import (
     reference_of,
     smallest_p,
 )
-from nemo_rs_plugin.tools.lab_stats import SIGNIFICANCE
+from nemo_rs_plugin.tools.lab_stats import SIGNIFICANCE, format_p
 
 __all__ = [
     "BLOCKS",
@@ -53,10 +53,6 @@ def _signed(x: float) -> str:
 
 def _ci(lo: float, hi: float) -> str:
     return f"[{lo:+.3f}, {hi:+.3f}]"
-
-
-def _p(p: float) -> str:
-    return "<0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def _seed_list(seeds: list[int]) -> str:
@@ -95,9 +91,9 @@ def format_dose_response(outcomes: list[dict], comparisons: Optional[list[dict]]
         f"(a uniform sampler over the model's vocabulary). Collapsed: the evaluation peaked at "
         f"{COLLAPSE_PEAK:g}x chance or more and final eval ended at or below {COLLAPSE_DROP:g}x that peak; "
         f"at chance: the last {FINAL_EVALS} evaluations all at most {AT_CHANCE:g}x chance. "
-        f"Intervals: 95% paired bootstrap. * separated: Holm-adjusted p < {SIGNIFICANCE:g} over all "
-        f"{tests} tests of the run (sign-flip test on final eval, exact McNemar on the counts; with "
-        f"{len(seeds)} seeds no p is below {floor:.2g}, {min(1.0, floor * tests):.2g} after Holm's correction)."
+        f"Intervals: 95% paired t. * separated: Holm-adjusted p < {SIGNIFICANCE:g} over all "
+        f"{tests} tests of the run (paired t-test on final eval, exact McNemar on the counts; with "
+        f"{len(seeds)} seeds no McNemar p is below {floor:.2g}, {min(1.0, floor * tests):.2g} after Holm's correction)."
     ]
     if ref is not None and (ref, "") in table:
         r = table[(ref, "")]
@@ -155,7 +151,7 @@ def format_dose_comparisons(outcomes: list[dict], comparisons: Optional[list[dic
         "lag",
         "seeds",
         "final eval a − b [95% CI]",
-        "sign-flip p (Holm)",
+        "paired t p (Holm)",
         "collapsed (McNemar p; Holm)",
         "at chance (McNemar p; Holm)",
         f"separated (Holm p < {SIGNIFICANCE:g})",
@@ -166,9 +162,9 @@ def format_dose_comparisons(outcomes: list[dict], comparisons: Optional[list[dic
             str(c["lag"]),
             str(c["seeds"]),
             f"{_signed(c['final_eval_diff'])} {_ci(c['final_eval_low'], c['final_eval_high'])}",
-            f"{_p(c['final_eval_p'])} ({_p(c['final_eval_p_holm'])})",
-            f"{c['collapsed']} ({_p(c['collapsed_p'])}; {_p(c['collapsed_p_holm'])})",
-            f"{c['at_chance']} ({_p(c['at_chance_p'])}; {_p(c['at_chance_p_holm'])})",
+            f"{format_p(c['final_eval_p'])} ({format_p(c['final_eval_p_holm'])})",
+            f"{c['collapsed']} ({format_p(c['collapsed_p'])}; {format_p(c['collapsed_p_holm'])})",
+            f"{c['at_chance']} ({format_p(c['at_chance_p'])}; {format_p(c['at_chance_p_holm'])})",
             ", ".join(OUTCOME_LABELS[k] for k in c["separated"]) or "no",
         ]
         for c in (dose_comparisons(outcomes) if comparisons is None else comparisons)

@@ -407,17 +407,20 @@ def run_all(
     workers: int = 1,
     progress: Optional[Callable[[int, int], None]] = None,
     lags: Optional[list[int]] = None,
+    jobs: Optional[list[tuple[str, int, int]]] = None,
 ) -> list[dict]:
     """Every arm x seed (x lag with ``lags``: :func:`dose_jobs`); rows sorted by (arm order, lag, seed, step).
 
-    Each run depends only on its arm, seed and settings (``s`` with its ``lag``), never on
-    ``workers`` or on the other runs.
+    ``jobs``: exactly these ``(arm, seed, lag)`` runs instead (the confirmation's,
+    :func:`~nemo_rs_plugin.tools.lab_confirm.protocol_jobs`). Each run depends only on its arm,
+    seed and settings (``s`` with its ``lag``), never on ``workers`` or on the other runs.
     """
-    jobs = (
-        dose_jobs(s.configs, s.seeds, lags)
-        if lags is not None
-        else [(c, seed, s.lag) for c in s.configs for seed in s.seeds]
-    )
+    if jobs is None:
+        jobs = (
+            dose_jobs(s.configs, s.seeds, lags)
+            if lags is not None
+            else [(c, seed, s.lag) for c in s.configs for seed in s.seeds]
+        )
     settings = {lag: (s if lag == s.lag else replace(s, lag=lag)) for lag in {lag for _, _, lag in jobs}}
     total, done = len(jobs) * s.steps, 0
     rows: list[dict] = []

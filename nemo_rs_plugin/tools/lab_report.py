@@ -11,6 +11,7 @@ arms, whether the seeds separate them (:mod:`~nemo_rs_plugin.tools.lab_stats`).
 
 from __future__ import annotations
 
+import csv
 import math
 from statistics import median
 
@@ -18,7 +19,7 @@ import torch
 
 from nemo_rs_plugin.tools import report
 from nemo_rs_plugin.tools.lab_experiment import CONFIGS, STEP_METRICS, LabSettings
-from nemo_rs_plugin.tools.lab_stats import SIGNIFICANCE, fisher_exact, permutation_p
+from nemo_rs_plugin.tools.lab_stats import SIGNIFICANCE, fisher_exact, format_p, permutation_p
 
 __all__ = [
     "as_written",
@@ -228,10 +229,10 @@ def format_comparisons(comparisons: list[dict]) -> str:
     rows = [
         [
             f"`{c['a']}` vs `{c['b']}`",
-            f"{c['eval_diff']:+.3f} ({c['eval_p']:.3f})",
-            f"{c['spiked']} ({c['spiked_p']:.3f})",
-            f"{c['collapsed']} ({c['collapsed_p']:.3f})",
-            f"{c['at_chance']} ({c['at_chance_p']:.3f})",
+            f"{c['eval_diff']:+.3f} ({format_p(c['eval_p'])})",
+            f"{c['spiked']} ({format_p(c['spiked_p'])})",
+            f"{c['collapsed']} ({format_p(c['collapsed_p'])})",
+            f"{c['at_chance']} ({format_p(c['at_chance_p'])})",
             ", ".join(c["separated"]) or "no",
         ]
         for c in comparisons
@@ -251,11 +252,22 @@ def as_written(rows: list[dict]) -> list[dict]:
 def write_csv(rows: list[dict], path: str) -> None:
     """One row per arm, seed and step (floats to ``STEP_DIGITS`` significant digits).
 
-    ``lag`` (the sampler's lag of the run, 0 for the on-policy reference) follows ``seed``
-    where the rows have it.
+    ``lag`` (the sampler's lag of the run, 0 for the on-policy reference) and ``length`` (the
+    length study's) follow ``seed`` where the rows have them.
     """
-    fields = ["config", "seed", *(["lag"] if rows and "lag" in rows[0] else []), "step", *STEP_METRICS]
+    extra = [k for k in ("lag", "length") if rows and k in rows[0]]
+    fields = ["config", "seed", *extra, "step", *STEP_METRICS]
     report.write_csv([{k: r[k] for k in fields} for r in rows], path, fields, float_digits=STEP_DIGITS)
+
+
+def read_steps_csv(path: str) -> list[dict]:
+    """The rows :func:`write_csv` wrote: ``config`` a string, ``seed``, ``lag``, ``length`` and ``step`` ints."""
+    ints = ("seed", "lag", "length", "step")
+    with open(path, newline="") as fh:
+        return [
+            {k: v if k == "config" else int(v) if k in ints else float(v) for k, v in r.items()}
+            for r in csv.DictReader(fh)
+        ]
 
 
 def write_summary_csv(records: list[dict], path: str) -> None:

@@ -11,17 +11,26 @@ The dose-response run (``nemo-rs lab --lags``) is published as its per-seed outc
 ``<!-- lab:NAME:end -->`` markers, and each block must be what the lab renders from that CSV
 (``nemo-rs lab --report docs/lab_dose_seeds.csv`` prints them). Until the run is published
 (neither the CSV nor a block) that check is skipped.
+
+The confirmation, its power plan and the length study are published the same way (their
+per-seed CSVs, their blocks); and every paired interval the advice quotes (README, the guide,
+troubleshooting, the recipes' comments, ``nemo-rs check``'s notes, the presets' docstring)
+must be one of those runs' own numbers: the exploration's are not advice.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from nemo_rs_plugin.tools.lab_dose_report import BLOCKS, doc_block_mismatch
+from nemo_rs_plugin.tools.lab_confirm import confirm, format_confirmation, format_power_plan, power_plan
+from nemo_rs_plugin.tools.lab_dose import read_seed_csv
+from nemo_rs_plugin.tools.lab_dose_report import BLOCKS, doc_block_mismatch, marked_block
+from nemo_rs_plugin.tools.lab_length import format_length_study, length_comparisons, read_length_csv
 from nemo_rs_plugin.tools.lab_experiment import LabSettings
 from nemo_rs_plugin.tools.lab_report import (
     compare,
@@ -73,3 +82,55 @@ def test_the_pages_dose_response_blocks_are_what_the_lab_renders(block):
         pytest.skip(f"docs/lab.md does not embed the {block} block")
     mismatch = doc_block_mismatch(DOCS / "lab.md", DOSE_SEEDS, block)
     assert mismatch is None, mismatch
+
+
+# ---------------------------------------------------------------------------- the confirmation
+REPO = DOCS.parent
+CONFIRM_SEEDS = DOCS / "lab_confirm_seeds.csv"
+PLAN_SEEDS = DOCS / "lab_explore_primary_seeds.csv"
+LENGTH_SEEDS = DOCS / "lab_length_seeds.csv"
+#: Where advice is given: every paired interval quoted there is a published confirmation's.
+ADVICE = [
+    REPO / "README.md",
+    DOCS / "guide.md",
+    DOCS / "troubleshooting.md",
+    *sorted((REPO / "recipes").glob("*.yaml")),
+    REPO / "nemo_rs_plugin" / "tools" / "check.py",
+    REPO / "nemo_rs_plugin" / "core" / "presets.py",
+    REPO / "nemo_rs_plugin" / "core" / "health.py",
+]
+INTERVAL = re.compile(r"[+-]\d\.\d{3} \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]")
+
+
+@pytest.mark.parametrize(
+    "block, csv_path, render",
+    [
+        ("power-plan", PLAN_SEEDS, lambda p: format_power_plan(power_plan(read_seed_csv(p)))),
+        ("confirmation", CONFIRM_SEEDS, lambda p: format_confirmation(read_seed_csv(p))),
+        ("length", LENGTH_SEEDS, lambda p: format_length_study(read_length_csv(p))),
+    ],
+)
+def test_the_pages_confirmation_blocks_are_what_the_lab_renders(block, csv_path, render):
+    assert csv_path.exists(), f"docs/lab.md's {block} block needs {csv_path.name}"
+    assert marked_block((DOCS / "lab.md").read_text(), block) == render(csv_path)
+
+
+def _published_intervals() -> set[str]:
+    def interval(diff: float, low: float, high: float) -> str:
+        return f"{diff:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+    found = set()
+    for r in confirm(read_seed_csv(CONFIRM_SEEDS)):
+        found.add(interval(r["diff"], r["low"], r["high"]))
+    for r in length_comparisons(read_length_csv(LENGTH_SEEDS)):
+        if r["seeds"] and r["diff"] == r["diff"]:  # not NaN: an arm against none
+            found.add(interval(r["diff"], r["low"], r["high"]))
+    return found
+
+
+@pytest.mark.parametrize("path", ADVICE, ids=lambda p: str(p.relative_to(REPO)))
+def test_advice_quotes_only_the_confirmation_and_the_length_study(path):
+    published = _published_intervals()
+    quoted = INTERVAL.findall(path.read_text())
+    stray = [q for q in quoted if q not in published]
+    assert not stray, f"{path.name} quotes intervals no confirmation run published: {stray}"

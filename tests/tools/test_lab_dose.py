@@ -1,7 +1,6 @@
 """Guards the lab's dose-response run (tools/lab_dose.py, ``nemo-rs lab --lags``).
 
-The paired tests (sign flip, bootstrap interval, exact McNemar, Holm) against small cases
-computed by hand; chance against exact enumeration of the task; the outcome rules on
+The Holm family of the run (the tests themselves: tests/tools/test_lab_stats.py); chance against exact enumeration of the task; the outcome rules on
 constructed runs; the arms against the presets and the recipes they mirror; the tables
 against their CSV and a page's marked block; and the quick dose-response run CI uses, end
 to end. No assertion about which correction learns better.
@@ -52,7 +51,6 @@ from nemo_rs_plugin.tools.lab_experiment import (
     dose_jobs,
 )
 from nemo_rs_plugin.tools.lab_model import chance_reward, reward_of
-from nemo_rs_plugin.tools.lab_stats import bootstrap_ci, holm, mcnemar_exact, sign_flip_p
 from nemo_rs_plugin.tools.recipes import recipe_dir
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -89,82 +87,13 @@ def test_chance_counts_the_models_real_vocabulary():
     assert build_model(s).config.vocab_size == model_vocab_size(16) == 17
 
 
-# ---------------------------------------------------------------------------- paired tests
-def test_sign_flip_p_hand_computed():
-    # [1, 2, 3]: the 8 signed sums are ±6, ±4, ±2, 0, 0; |sum| >= 6 in 2 of 8
-    assert sign_flip_p([1.0, 2.0, 3.0]) == 0.25
-    # [2, 1, 1, -1]: observed 3; |±2 ±1 ±1 ±1| >= 3 in 8 of 16
-    assert sign_flip_p([2.0, 1.0, 1.0, -1.0]) == 0.5
-    assert sign_flip_p([0.5] * 5) == 2 / 32  # only all + and all -
-    assert sign_flip_p([1.0, -1.0]) == 1.0
-    assert sign_flip_p([0.0, 0.0, 0.0]) == 1.0
-    assert sign_flip_p([0.1 + 0.01 * i for i in range(12)]) == 2 / 4096
-    with pytest.raises(ValueError):
-        sign_flip_p([])
-    with pytest.raises(ValueError):
-        sign_flip_p([1.0, math.nan])
-
-
-def test_sign_flip_p_draws_agree_with_the_enumeration_and_are_seeded():
-    g = torch.Generator().manual_seed(3)
-    diffs = (torch.randn(10, generator=g, dtype=torch.float64) + 0.4).tolist()
-    exact = sign_flip_p(diffs)
-    drawn = sign_flip_p(diffs, draws=40000, exact_up_to=0)
-    assert drawn == pytest.approx(exact, abs=0.01)
-    assert drawn == sign_flip_p(diffs, draws=40000, exact_up_to=0)
-    # 20 equal differences: only 2 of 2^20 patterns reach it, so almost no draw does
-    assert sign_flip_p([0.2] * 20, draws=5000) <= 2 / 5001
-
-
-def test_bootstrap_ci_hand_computed():
-    # Two seeds: a resample's mean is a (1/4), (a+b)/2 (1/2) or b (1/4); the 2.5% and 97.5%
-    # quantiles are a and b.
-    assert bootstrap_ci([0.1, 0.5]) == pytest.approx((0.1, 0.5), abs=1e-12)
-    # Three seeds 0, 1, 2: the resampled sum is 0..6 with odds 1, 3, 6, 7, 6, 3, 1 (of 27), so
-    # P(mean = 0) = 0.037 (above 2.5%, below 5%) and P(mean <= 1/3) = 0.148: the 95% interval
-    # is [0, 2], the 90% interval [1/3, 5/3].
-    assert bootstrap_ci([0.0, 1.0, 2.0]) == pytest.approx((0.0, 2.0), abs=1e-12)
-    assert bootstrap_ci([0.0, 1.0, 2.0], level=0.9) == pytest.approx((1 / 3, 5 / 3), abs=1e-12)
-    assert bootstrap_ci([0.3] * 6) == pytest.approx((0.3, 0.3), abs=1e-12)
-    assert bootstrap_ci([-0.2]) == pytest.approx((-0.2, -0.2), abs=1e-12)
-    diffs = [0.05 * ((7 * i) % 11) - 0.2 for i in range(12)]
-    lo, hi = bootstrap_ci(diffs)
-    mean = sum(diffs) / len(diffs)
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
-    assert lo < mean < hi
-    assert hi - lo == pytest.approx(2 * 1.96 * sd / math.sqrt(12), rel=0.2)  # about a normal interval
-    assert bootstrap_ci(diffs) == (lo, hi)  # seeded
-    with pytest.raises(ValueError):
-        bootstrap_ci([0.1], level=1.0)
-
-
+# ---------------------------------------------------------------------------- the Holm family
 def test_the_default_run_can_separate_and_twelve_seeds_could_not():
     tests = planned_tests(DOSE_ARMS, DOSE_LAGS)
     assert tests == (6 * 5 + 7 * 5) * 3  # vs none: 6 arms x 5 lags; vs on-policy: 7 x 5; 3 outcomes each
+    # McNemar's floor: a count outcome can be separated with 16 seeds, not with 12
     assert smallest_p(16) == 2 / 2**16 and smallest_p(16) * tests < 0.05
     assert smallest_p(12) * tests > 0.05
-    assert smallest_p(30) == 1 / 20001  # drawn sign flips
-
-
-def test_mcnemar_exact_hand_computed():
-    assert mcnemar_exact(0, 5) == 2 / 32
-    assert mcnemar_exact(0, 6) == 2 / 64
-    assert mcnemar_exact(1, 7) == 2 * (1 + 8) / 256
-    assert mcnemar_exact(7, 1) == mcnemar_exact(1, 7)
-    assert mcnemar_exact(3, 3) == 1.0
-    assert mcnemar_exact(0, 0) == 1.0
-    with pytest.raises(ValueError):
-        mcnemar_exact(-1, 2)
-
-
-def test_holm_hand_computed():
-    # sorted 0.005 (x4 = 0.02), 0.01 (x3 = 0.03), 0.03 (x2 = 0.06), 0.04 (x1 = 0.04 -> 0.06: monotone)
-    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
-    assert holm([0.01, 0.011]) == pytest.approx([0.02, 0.02])
-    assert holm([0.6, 0.9]) == [1.0, 1.0]  # 0.6 x 2 capped at 1; 0.9 x 1 raised to it
-    adjusted = holm([0.01, math.nan, 0.04])  # NaN: not a test, not counted
-    assert adjusted[0] == pytest.approx(0.02) and math.isnan(adjusted[1]) and adjusted[2] == pytest.approx(0.04)
-    assert holm([]) == []
 
 
 # ---------------------------------------------------------------------------- outcomes
@@ -194,6 +123,8 @@ def test_run_outcomes_on_constructed_runs():
     o = run_outcome(_steps({5: 0.3, 10: 0.5, 15: 0.2, 20: 0.25, 25: 0.2}, n=25), chance)
     assert o["final_eval"] == pytest.approx((0.2 + 0.25 + 0.2) / 3) and o["eval_peak"] == 0.5
     assert o["collapsed"] and not o["at_chance"] and o["evals"] == 5
+    # the whole curve: the mean of every evaluation, the collapse costing only the steps it lasts
+    assert o["eval_auc"] == pytest.approx((0.3 + 0.5 + 0.2 + 0.25 + 0.2) / 5)
     # ends just above half its peak: not collapsed
     assert not run_outcome(_steps({5: 0.5, 10: 0.26, 15: 0.26, 20: 0.26}), chance)["collapsed"]
     # never learned (peak 0.14 < 3x chance): not collapsed, and the last 3 <= 2x chance: at chance
@@ -283,19 +214,21 @@ def test_comparisons_are_paired_holm_corrected_and_separate_only_what_differs():
     ]
     by = dict(zip(keys, rows))
     lag0 = by[("token-mis", "none", 0)]
-    assert lag0["final_eval_diff"] == pytest.approx(0.0) and lag0["final_eval_p"] == 1.0
+    assert lag0["final_eval_diff"] == pytest.approx(0.0) and lag0["final_eval_p"] == pytest.approx(1.0)
     assert lag0["separated"] == []
     lag8 = by[("token-mis", "none", 8)]
     assert lag8["final_eval_diff"] == pytest.approx(0.2 + sum(0.01 * ((5 * i) % 7 - 3) for i in range(16)) / 16)
-    assert lag8["final_eval_p"] == 2 / 2**16  # every seed better: only all + and all - reach it
-    assert lag8["final_eval_p_holm"] == pytest.approx(2 / 2**16 * 18)  # the smallest of 6 x 3 tests
+    assert lag8["final_eval_p"] < 1e-12  # paired t: +0.2 with a spread of 0.02
+    assert lag8["final_eval_low"] < lag8["final_eval_diff"] < lag8["final_eval_high"]
+    assert lag8["final_eval_high"] - lag8["final_eval_low"] < 0.05
+    assert lag8["final_eval_p_holm"] == pytest.approx(lag8["final_eval_p"] * 18)  # the smallest of 6 x 3 tests
     assert lag8["at_chance"] == "0/16 vs 16/16" and lag8["at_chance_p"] == 2 / 2**16
     assert lag8["collapsed"] == "3/16 vs 0/16" and lag8["collapsed_p"] == 0.25  # 3 discordant: 2/8
     assert lag8["separated"] == ["final_eval", "at_chance"]
     assert by[("none", "on-policy", 0)]["final_eval_diff"] == pytest.approx(-0.1)
     assert len(rows) * 3 == planned_tests(["on-policy", "none", "token-mis"], [0, 8]) == 18
     p_holm = [r[f"{k}_p_holm"] for r in rows for k in ("final_eval", "collapsed", "at_chance")]
-    assert all(0 < p <= 1 for p in p_holm)
+    assert all(0 <= p <= 1 for p in p_holm)  # 0: a constant nonzero difference (no spread)
 
     table = {(r["config"], r["lag"]): r for r in dose_table(_synthetic(), rows)}
     assert table[("on-policy", "")]["seeds"] == 16
@@ -303,9 +236,13 @@ def test_comparisons_are_paired_holm_corrected_and_separate_only_what_differs():
     assert table[("token-mis", 8)]["collapsed"] == 3 and table[("none", 8)]["at_chance"] == 16
     assert table[("none", 8)]["regret_low"] <= 0.55 <= table[("none", 8)]["regret_high"]
 
-    # Fewer seeds: the same effect is no longer separated once Holm counts every test.
+    # Fewer seeds: the counts are no longer separated once Holm counts every test (McNemar's
+    # smallest p at 6 seeds is 2/64, x 18 > 0.05); the final eval's t-test has no such floor.
     few = [o for o in _synthetic() if o["seed"] < 6]
-    assert all(r["separated"] == [] for r in dose_comparisons(few))
+    assert [r["separated"] for r in dose_comparisons(few) if (r["a"], r["lag"]) == ("token-mis", 8)] == [
+        ["final_eval"],
+        ["final_eval"],
+    ]
 
 
 def test_tables_render_from_the_csv_and_a_pages_block_is_checked(tmp_path):
@@ -338,6 +275,23 @@ def test_tables_render_from_the_csv_and_a_pages_block_is_checked(tmp_path):
         marked_block("no markers", "dose-response")
     with pytest.raises(ValueError):
         marked_block("<!-- lab:x:end --> <!-- lab:x:begin -->", "x")
+
+
+def test_a_csv_written_before_eval_auc_reads_it_as_nan(tmp_path):
+    """The exploration (docs/lab_dose_seeds.csv) predates eval_auc: its tables still render."""
+    path = tmp_path / "old.csv"
+    write_seed_csv(_synthetic(2), path)
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    old_fields = [k for k in SEED_FIELDS if k != "eval_auc"]
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, old_fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    outcomes = read_seed_csv(path)
+    assert all(math.isnan(o["eval_auc"]) for o in outcomes)
+    assert outcomes[1]["final_eval"] == pytest.approx(0.5 - 0.03)
+    assert "| arm | lag 0 | lag 8 |" in format_dose_response(outcomes)
 
 
 def test_read_seed_csv_refuses_another_csv(tmp_path):

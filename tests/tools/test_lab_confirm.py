@@ -1,0 +1,291 @@
+"""Guards the lab's confirmatory protocol (tools/lab_confirm.py) and its length study (tools/lab_length.py).
+
+The protocol against what it claims to decide (the recipes' corrections, at the staleness the
+async recipe allows; seeds disjoint from the exploration's), the power plan against a normal
+approximation, the verdicts' words against constructed cases, and the tables against their
+CSVs. No assertion about which correction learns better.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import yaml
+
+pytest.importorskip("scipy")
+pytest.importorskip("statsmodels")
+
+from nemo_rs_plugin.tools.lab_confirm import (  # noqa: E402
+    PROTOCOL,
+    Comparison,
+    Protocol,
+    confirm,
+    format_confirmation,
+    format_power_plan,
+    power_plan,
+    protocol_arms,
+    protocol_jobs,
+    verdict,
+)
+from nemo_rs_plugin.tools.lab_dose import SEED_FIELDS, read_seed_csv, write_seed_csv  # noqa: E402
+from nemo_rs_plugin.tools.lab_experiment import CONFIGS, DOSE  # noqa: E402
+from nemo_rs_plugin.tools.lab_length import (  # noqa: E402
+    LENGTH_STUDY,
+    format_length_study,
+    length_comparisons,
+    read_length_csv,
+    write_length_csv,
+)
+from nemo_rs_plugin.tools.recipes import recipe_dir  # noqa: E402
+
+OPTIMIZER_STEPS_PER_BATCH = 2  # the lab's minibatches per rollout batch (LabSettings.minibatches)
+
+
+# ---------------------------------------------------------------------------- the protocol
+def test_the_protocol_tests_the_shipped_recipes_at_their_staleness():
+    arms = protocol_arms(PROTOCOL)
+    assert all(a in CONFIGS and not CONFIGS[a].on_policy for a in arms)
+    recipe = yaml.safe_load((recipe_dir() / "grpo-qwen3-30ba3b-4n8g-megatron-async-tokentis.yaml").read_text())
+    allowed = recipe["grpo"]["async_grpo"]["max_trajectory_age_steps"] * OPTIMIZER_STEPS_PER_BATCH
+    async_ = [c for c in PROTOCOL.primary if c.a == "token-tis+veto"]
+    assert [(c.b, c.lag) for c in async_] == [("none", allowed)]
+    bands = [c for c in PROTOCOL.primary if c.a == "seqmean+geo-rs+veto"]
+    assert [(c.b, c.lag) for c in bands] == [("none", 0)]  # the synchronous recipes' band, synchronous
+    assert ("seqmean+calibrated-geo-rs+veto", "seqmean+geo-rs+veto") in {(c.a, c.b) for c in PROTOCOL.primary}
+    assert PROTOCOL.outcome in SEED_FIELDS
+
+
+def test_confirmation_seeds_never_touch_the_exploration():
+    assert not set(PROTOCOL.confirmation_seeds) & set(PROTOCOL.exploration_seeds)
+    assert set(PROTOCOL.exploration_seeds) == set(DOSE["seeds"])  # the dose-response run explored these
+    assert not set(PROTOCOL.confirmation_seeds) & set(range(12))  # nor the earlier single-lag runs'
+    assert not set(PROTOCOL.confirmation_seeds) & set(LENGTH_STUDY["seeds"])
+    with pytest.raises(ValueError, match="overlap"):
+        replace(PROTOCOL, confirmation_seeds=(115, 116))
+
+
+def test_protocol_jobs_run_each_arm_at_each_needed_lag_once():
+    jobs = protocol_jobs(PROTOCOL, [7, 8])
+    assert len(jobs) == len(set(jobs))
+    pairs = {(arm, lag) for arm, _, lag in jobs}
+    assert pairs == {(arm, c.lag) for c in PROTOCOL.primary for arm in (c.a, c.b)}
+    assert {seed for _, seed, _ in jobs} == {7, 8}
+    assert {seed for _, seed, _ in protocol_jobs(PROTOCOL)} == set(PROTOCOL.confirmation_seeds)
+
+
+# ---------------------------------------------------------------------------- constructed outcomes
+def _o(config, lag, seed, auc, final=None, collapsed=False):
+    o = {k: 0.0 for k in SEED_FIELDS}
+    o.update(
+        config=config,
+        lag=lag,
+        seed=seed,
+        eval_auc=auc,
+        final_eval=auc if final is None else final,
+        collapsed=collapsed,
+        at_chance=False,
+        spiked=False,
+        warned=False,
+        evals=16,
+        band_lower=math.nan,
+        band_upper=math.nan,
+    )
+    return o
+
+
+def _outcomes(effects: dict, seeds=range(12), spread=0.02):
+    """Every protocol arm at its lags; arm ``a`` of each comparison gets ``effects[(a, b, lag)]`` over b."""
+    out = []
+    for i in seeds:
+        noise = spread * ((5 * i) % 7 - 3) / 3
+        base = 0.4 + 0.05 * ((3 * i) % 5)  # seeds differ a lot; the pairing removes it
+        values = {}
+        for c in PROTOCOL.primary:
+            values.setdefault((c.b, c.lag), base)
+        for c in PROTOCOL.primary:
+            values[(c.a, c.lag)] = values[(c.b, c.lag)] + effects.get((c.a, c.b, c.lag), 0.0) + noise
+        out += [_o(arm, lag, i, v) for (arm, lag), v in values.items()]
+    return out
+
+
+def test_verdicts_say_what_the_interval_supports():
+    assert verdict(0.2, 0.1, 0.3, 0.001, 0.1, 0.12, 0.28) == "a higher"
+    assert verdict(-0.2, -0.3, -0.1, 0.001, 0.1, -0.28, -0.12) == "a lower"
+    assert verdict(0.01, -0.05, 0.07, 0.6, 0.1, -0.04, 0.06).endswith("equivalent within ±0.1")
+    assert "not shown equivalent" in verdict(0.05, -0.08, 0.18, 0.4, 0.1, -0.05, 0.15)
+    assert not verdict(0.05, -0.08, 0.18, 0.4, 0.1, -0.05, 0.15).startswith("a ")
+
+
+def test_confirm_holm_corrects_the_primary_family_only():
+    c0 = PROTOCOL.primary[0]
+    rows = confirm(_outcomes({(c0.a, c0.b, c0.lag): 0.15}))
+    assert [(r["a"], r["b"], r["lag"]) for r in rows] == [(c.a, c.b, c.lag) for c in PROTOCOL.primary]
+    first = rows[0]
+    assert first["diff"] == pytest.approx(0.15 + sum(0.02 * ((5 * i) % 7 - 3) / 3 for i in range(12)) / 12)
+    assert first["low"] < first["diff"] < first["high"] and first["verdict"] == "a higher"
+    assert first["p_holm"] == pytest.approx(min(1.0, first["p"] * len(PROTOCOL.primary)))
+    assert first["better_seeds"] == 12 and first["worse_seeds"] == 0
+    for r in rows[1:]:  # no effect, a spread of 0.02: equivalence within ±0.1 shown
+        assert r["verdict"] == "no detectable difference; equivalent within ±0.1", r
+    noisy = confirm(_outcomes({}, spread=0.4))
+    assert all("not shown equivalent" in r["verdict"] for r in noisy)
+
+
+def test_power_plan_agrees_with_the_normal_approximation():
+    c0 = PROTOCOL.primary[0]
+    plan = power_plan(_outcomes({(c0.a, c0.b, c0.lag): 0.15}, spread=0.3))
+    m = len(PROTOCOL.primary)
+    z = {0.05 / 4: 2.4977, 0.8: 0.8416}  # normal quantiles: 1 - 0.0125 / 2, and 0.8
+    assert m == 4
+    for r in plan:
+        normal = ((z[0.05 / 4] + z[0.8]) * r["sd_diff"] / PROTOCOL.delta) ** 2
+        assert normal <= r["seeds_needed"] <= normal + 4  # the t distribution asks a few more
+    text = format_power_plan(plan)
+    assert f"{0.05 / m:.4f}" in text and str(max(r["seeds_needed"] for r in plan)) in text
+    with pytest.raises(ValueError, match="no paired eval_auc"):
+        power_plan([o for o in _outcomes({}) if o["lag"] != c0.lag])
+
+
+def test_the_confirmation_table_renders_from_its_csv(tmp_path):
+    path = tmp_path / "lab_confirm_seeds.csv"
+    write_seed_csv(_outcomes({}, seeds=range(5000, 5012)), path)
+    text = format_confirmation(read_seed_csv(path))
+    assert text.startswith("12 paired seeds (5000-5011), none of them in the exploration (100-115)")
+    assert "Exploratory (unadjusted, not advice)" in text
+    assert text.count("| `") == 2 * len(PROTOCOL.primary)
+
+
+def test_a_protocol_refuses_a_comparison_without_seeds():
+    p = Protocol(
+        primary=(Comparison("none", "veto", 3, "nothing"),),
+        outcome="eval_auc",
+        delta=0.1,
+        exploration_seeds=(1,),
+        confirmation_seeds=(2,),
+    )
+    with pytest.raises(ValueError, match="fewer than 2 paired seeds"):
+        confirm(_outcomes({}), p)
+
+
+# ---------------------------------------------------------------------------- the length study
+def test_the_length_study_compares_each_arm_with_none_at_each_length(tmp_path):
+    outcomes = []
+    for length, product_harm in ((16, 0.0), (256, -0.3)):
+        for i in range(8):
+            base = 0.3 + 0.02 * (i % 3)
+            for config, shift, ess in (
+                ("none", 0.0, 1.0),
+                ("sequence_mean", 0.01, 0.99),
+                ("sequence", product_harm, 0.5),
+            ):
+                o = _o(config, 2, 6000 + i, base + shift + 0.005 * (i % 2))
+                o.update(length=length, is_ess_mean=ess if config != "sequence" or length == 256 else 0.9)
+                outcomes.append(o)
+    path = tmp_path / "lab_length_seeds.csv"
+    write_length_csv(outcomes, path)
+    back = read_length_csv(path)
+    assert {o["length"] for o in back} == {16, 256} and isinstance(back[0]["length"], int)
+    rows = {(r["config"], r["length"]): r for r in length_comparisons(back)}
+    assert math.isnan(rows[("none", 16)]["diff"])
+    assert rows[("sequence", 256)]["diff"] == pytest.approx(-0.3, abs=0.01) and rows[("sequence", 256)]["p_holm"] < 0.05
+    assert rows[("sequence", 16)]["high"] > 0 > rows[("sequence", 16)]["low"] or rows[("sequence", 16)]["diff"] == 0
+    assert rows[("sequence", 256)]["is_ess"] == pytest.approx(0.5)
+    text = format_length_study(back)
+    assert "| arm | 16 tokens | 256 tokens |" in text and "over the study's 4 comparisons" in text
+    assert "ESS 0.50" in text
+
+
+# ---------------------------------------------------------------------------- command line
+def _args(*argv, out):
+    from nemo_rs_plugin.tools import lab
+
+    args = lab.build_parser().parse_args([*argv, "--out", str(out)])
+    return lab, args, lab.settings_from(args)
+
+
+def test_confirm_and_lengths_defaults(tmp_path):
+    _, _, s = _args("--confirm", out=tmp_path)
+    assert s.seeds == list(PROTOCOL.confirmation_seeds) and s.configs == protocol_arms(PROTOCOL)
+    assert s.steps == DOSE["steps"]
+    _, _, quick = _args("--quick", "--confirm", out=tmp_path)
+    assert quick.configs == protocol_arms(PROTOCOL) and quick.steps == 6
+    _, _, s = _args("--lengths", "16", "64", out=tmp_path)
+    assert (s.lag, s.steps, s.seeds, s.configs) == (
+        LENGTH_STUDY["lag"],
+        LENGTH_STUDY["steps"],
+        LENGTH_STUDY["seeds"],
+        LENGTH_STUDY["configs"],
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--confirm", "--lags", "0"], "--lags: --confirm runs the protocol's own arms and lags"),
+        (["--confirm", "--configs", "none"], "--configs: --confirm runs the protocol's own"),
+        (["--confirm", "--seeds", "100", "5000"], "--seeds: 100 belong to the exploration (100..115)"),
+        (["--lengths", "16", "--length", "8"], "--length: the length study (--lengths) sets the lengths"),
+        (["--lengths", "16", "--lags", "1"], "--lags: the length study"),
+        (["--lengths", "0", "16"], "--lengths: got 0; each must be at least 1"),
+        (["--lengths", "16", "16"], "--lengths: 16 given more than once"),
+    ],
+)
+def test_confirm_and_lengths_flag_problems(argv, needle, tmp_path):
+    lab, args, s = _args(*argv, out=tmp_path / "o")
+    problems = lab.settings_problems(s, args)
+    assert any(needle in p for p in problems), problems
+
+
+def test_plan_and_report_read_saved_runs(tmp_path, capsys):
+    from nemo_rs_plugin.tools import lab
+
+    c0 = PROTOCOL.primary[0]
+    write_seed_csv(
+        _outcomes({(c0.a, c0.b, c0.lag): 0.1}, seeds=range(100, 116), spread=0.2), tmp_path / "lab_dose_seeds.csv"
+    )
+    assert lab.main(["--plan", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == format_power_plan(
+        power_plan(read_seed_csv(tmp_path / "lab_dose_seeds.csv"))
+    )
+    assert lab.main(["--plan", str(tmp_path / "missing")]) == lab.EXIT_INVALID
+    assert capsys.readouterr().err.count("\n") == 1
+
+    confirmed = tmp_path / "confirmed"
+    confirmed.mkdir()
+    write_seed_csv(_outcomes({}, seeds=range(5000, 5004)), confirmed / "lab_confirm_seeds.csv")
+    assert lab.main(["--report", str(confirmed)]) == 0
+    assert capsys.readouterr().out.strip() == format_confirmation(read_seed_csv(confirmed / "lab_confirm_seeds.csv"))
+
+
+def test_quick_confirmation_and_length_runs(tmp_path):
+    """``--quick --confirm`` and ``--quick --lengths``: the whole machinery, in seconds."""
+    pytest.importorskip("transformers")
+    from nemo_rs_plugin.tools import lab
+
+    out = tmp_path / "confirm"
+    assert (
+        lab.main(["--quick", "--confirm", "--steps", "4", "--eval-every", "2", "--out", str(out), "--workers", "1"])
+        == 0
+    )
+    outcomes = read_seed_csv(out / "lab_confirm_seeds.csv")
+    expected = {(arm, lag) for c in PROTOCOL.primary for arm in (c.a, c.b) for lag in [c.lag]}
+    assert {(o["config"], o["lag"]) for o in outcomes} == expected
+    assert all(math.isfinite(o["eval_auc"]) and o["evals"] == 2 for o in outcomes)
+    block = (out / "lab_confirm.md").read_text()
+    assert format_confirmation(outcomes) in block
+    settings = yaml.safe_load((out / "lab_confirm_settings.json").read_text())
+    assert settings["protocol"]["outcome"] == "eval_auc" and len(settings["protocol"]["primary"]) == 4
+
+    out = tmp_path / "length"
+    assert (
+        lab.main(
+            ["--quick", "--lengths", "4", "8", "--steps", "2", "--eval-every", "1", "--out", str(out), "--workers", "1"]
+        )
+        == 0
+    )
+    outcomes = read_length_csv(out / "lab_length_seeds.csv")
+    assert {(o["config"], o["length"]) for o in outcomes} == {(c, n) for c in ("none", "sequence") for n in (4, 8)}
+    assert all(0 < o["is_ess_mean"] <= 1 for o in outcomes)
+    assert format_length_study(outcomes) in (out / "lab_length.md").read_text()
