@@ -20,7 +20,18 @@ ALLOWED_THIRD_PARTY = {
     "core": {"torch", "pydantic", "omegaconf"},
     "parallel": {"torch"},
     "nemo_rl": {"torch", "pydantic", "omegaconf", "yaml", "nemo_rl", "megatron", "_nemo_rs_plugin_hook"},
-    "tools": {"torch", "pydantic", "omegaconf", "yaml", "nemo_rl", "matplotlib", "transformers", "numpy", "scipy", "statsmodels"},
+    "tools": {
+        "torch",
+        "pydantic",
+        "omegaconf",
+        "yaml",
+        "nemo_rl",
+        "matplotlib",
+        "transformers",
+        "numpy",
+        "scipy",
+        "statsmodels",
+    },
 }
 
 

@@ -71,7 +71,6 @@ from nemo_rs_plugin.tools.lab_dose import (
     smallest_p,
     write_seed_csv,
 )
-from nemo_rs_plugin.tools.lab_length import LENGTH_STUDY, format_length_study, read_length_csv, write_length_csv
 from nemo_rs_plugin.tools.lab_dose_report import render_blocks, render_from_csv, write_dose_plot
 from nemo_rs_plugin.tools.lab_experiment import (
     CONFIGS,
@@ -86,14 +85,15 @@ from nemo_rs_plugin.tools.lab_experiment import (
     run_all,
     run_one,
 )
+from nemo_rs_plugin.tools.lab_length import LENGTH_STUDY, format_length_study, read_length_csv, write_length_csv
 from nemo_rs_plugin.tools.lab_model import DTYPES
 from nemo_rs_plugin.tools.lab_report import (
     as_written,
-    read_steps_csv,
     compare,
     default_pairs,
     format_comparisons,
     format_table,
+    read_steps_csv,
     seed_outcomes,
     summarize,
     write_csv,
@@ -591,9 +591,11 @@ def length_main(s: LabSettings, args: argparse.Namespace) -> int:
 
 
 def outcomes_of_run(path: str) -> list[dict]:
-    """A dose-response run's per-seed outcomes: recomputed from ``path/lab_dose_steps.csv`` (and its
-    settings) where the folder has them, so outcomes added since the run are there; else
-    ``path/lab_dose_seeds.csv`` or ``path`` itself, as written."""
+    """A dose-response run's per-seed outcomes, recomputed from its steps where it has them.
+
+    From ``path/lab_dose_steps.csv`` and its settings where the folder has them (so outcomes
+    added since the run are there); else ``path/lab_dose_seeds.csv`` or ``path`` itself, as written.
+    """
     steps = os.path.join(path, "lab_dose_steps.csv")
     settings = os.path.join(path, "lab_dose_settings.json")
     if os.path.isdir(path) and os.path.isfile(steps) and os.path.isfile(settings):
@@ -620,7 +622,10 @@ def plan_main(paths: list[str]) -> int:
 
 
 def report_main(path: str) -> int:
-    """``--report DIR``: print the tables re-rendered from ``DIR/lab_dose_seeds.csv`` or ``DIR/lab_confirm_seeds.csv``."""
+    """``--report DIR``: print the tables re-rendered from the per-seed CSV of a run saved in ``DIR``.
+
+    The length study's, the confirmation's or the dose-response run's (that CSV may be named itself).
+    """
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, LENGTH_SEEDS_CSV)):
         try:
             print(format_length_study(read_length_csv(os.path.join(path, LENGTH_SEEDS_CSV))))

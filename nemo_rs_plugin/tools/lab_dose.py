@@ -169,7 +169,7 @@ def dose_outcomes(rows: list[dict], s: LabSettings) -> list[dict]:
 
 
 def write_seed_csv(outcomes: list[dict], path: Union[str, Path], fields: tuple[str, ...] = SEED_FIELDS) -> None:
-    """The per-seed outcomes (``fields``: :data:`SEED_FIELDS`, or a study's with more), floats to 10 significant digits."""
+    """The per-seed outcomes (``fields``: :data:`SEED_FIELDS`, or a study's with more), floats to 10 digits."""
     report.write_csv(outcomes, str(path), list(fields), float_digits=_SEED_DIGITS)
 
 

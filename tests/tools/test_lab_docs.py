@@ -30,8 +30,8 @@ import pytest
 from nemo_rs_plugin.tools.lab_confirm import confirm, format_confirmation, format_power_plan, power_plan
 from nemo_rs_plugin.tools.lab_dose import read_seed_csv
 from nemo_rs_plugin.tools.lab_dose_report import BLOCKS, doc_block_mismatch, marked_block
-from nemo_rs_plugin.tools.lab_length import format_length_study, length_comparisons, read_length_csv
 from nemo_rs_plugin.tools.lab_experiment import LabSettings
+from nemo_rs_plugin.tools.lab_length import format_length_study, length_comparisons, read_length_csv
 from nemo_rs_plugin.tools.lab_report import (
     compare,
     default_pairs,

@@ -1,9 +1,9 @@
 """Guards the lab's dose-response run (tools/lab_dose.py, ``nemo-rs lab --lags``).
 
-The Holm family of the run (the tests themselves: tests/tools/test_lab_stats.py); chance against exact enumeration of the task; the outcome rules on
-constructed runs; the arms against the presets and the recipes they mirror; the tables
-against their CSV and a page's marked block; and the quick dose-response run CI uses, end
-to end. No assertion about which correction learns better.
+The Holm family of the run (the tests themselves: tests/tools/test_lab_stats.py); chance
+against exact enumeration of the task; the outcome rules on constructed runs; the arms
+against the presets and the recipes they mirror; the tables against their CSV and a page's
+marked block; and the quick dose-response run CI uses, end to end. No assertion about which correction learns better.
 """
 
 from __future__ import annotations
