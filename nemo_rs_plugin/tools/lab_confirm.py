@@ -128,7 +128,7 @@ PROTOCOL = Protocol(
     outcome="eval_auc",
     delta=0.10,
     exploration_seeds=tuple(range(100, 116)),
-    confirmation_seeds=tuple(range(5000, 5000 + 32)),
+    confirmation_seeds=tuple(range(5000, 5000 + 38)),  # the power plan of docs/lab.md#confirmation
 )
 
 
