@@ -766,4 +766,54 @@ MUTANTS: list[Mutant] = [
         "            sequence_words=_RATIO_SEQUENCE_WORDS,",
         "ratio bounds compared as ratios, not as logs (the registry's log_space flag)",
     ),
+    # ---- issue 42: the lab's statistics and its confirmatory protocol (tools/, not the loss: the
+    # numbers the docs' advice quotes)
+    Mutant(
+        "nemo_rs_plugin/tools/lab_stats.py",
+        "ttest_1samp(d, 0.0).confidence_interval(confidence_level=level)",
+        "ttest_1samp(d, 0.0).confidence_interval(confidence_level=0.9)",
+        "the paired interval at 90% whatever level is asked",
+    ),
+    Mutant(
+        "nemo_rs_plugin/tools/lab_stats.py",
+        'method="holm"',
+        'method="bonferroni"',
+        "Bonferroni in place of Holm",
+    ),
+    Mutant(
+        "nemo_rs_plugin/tools/lab_stats.py",
+        "binomtest(only_a, only_a + only_b, 0.5).pvalue",
+        'binomtest(only_a, only_a + only_b, 0.5, alternative="greater").pvalue',
+        "a one-sided McNemar test",
+    ),
+    Mutant(
+        "nemo_rs_plugin/tools/lab_stats.py",
+        'alternative="two-sided")\n    return max',
+        'alternative="larger")\n    return max',
+        "the power plan sized for a one-sided test",
+    ),
+    Mutant(
+        "nemo_rs_plugin/tools/lab_dose.py",
+        '"eval_auc": sum(evals) / len(evals) if evals else math.nan',
+        '"eval_auc": sum(last) / len(last) if last else math.nan',
+        "eval_auc is the final evaluation again, not the whole run's",
+    ),
+    Mutant(
+        "nemo_rs_plugin/tools/lab_confirm.py",
+        'holm([r["p"] for r in rows])',
+        '[min(1.0, r["p"]) for r in rows]',
+        "the primary family left uncorrected",
+    ),
+    Mutant(
+        "nemo_rs_plugin/tools/lab_confirm.py",
+        "protocol.alpha / m, protocol.power)",
+        "protocol.alpha, protocol.power)",
+        "the power plan ignores the multiple-comparison correction",
+    ),
+    Mutant(
+        "nemo_rs_plugin/tools/lab_confirm.py",
+        "if -delta < tost_low and tost_high < delta:",
+        "if -delta < low and high < delta or True:",
+        "'equivalent' said without the interval inside the smallest effect",
+    ),
 ]

@@ -107,6 +107,7 @@ def _steps(evals: dict, n: int = 20, norms=None, rejected=0.0) -> list[dict]:
             "grad_norm": norms[i],
             "grad_norm_max": norms[i],
             "kl_gen_prev": 0.01 * i,
+            "is_ess": 1.0 - 0.01 * i,
             "seq_rejected_frac": rejected,
             "rejection_warnings": 0,
             "band_lower": math.nan,
@@ -125,6 +126,7 @@ def test_run_outcomes_on_constructed_runs():
     assert o["collapsed"] and not o["at_chance"] and o["evals"] == 5
     # the whole curve: the mean of every evaluation, the collapse costing only the steps it lasts
     assert o["eval_auc"] == pytest.approx((0.3 + 0.5 + 0.2 + 0.25 + 0.2) / 5)
+    assert o["is_ess_mean"] == pytest.approx(1.0 - 0.01 * sum(range(25)) / 25)
     # ends just above half its peak: not collapsed
     assert not run_outcome(_steps({5: 0.5, 10: 0.26, 15: 0.26, 20: 0.26}), chance)["collapsed"]
     # never learned (peak 0.14 < 3x chance): not collapsed, and the last 3 <= 2x chance: at chance
