@@ -4,7 +4,7 @@ A rejection filter is healthy while it removes a small share of the batch: the s
 drops are the far tail of the mismatch. When it drops a large share, the gradient rests on
 the few survivors (AdamW rescales a small gradient to a full-size step) and learning slows
 or stops: in the lab, Geo-RS ``[0.99, 1.01]`` under staleness rejected most of the sequences
-and lost final reward against no correction (the numbers: docs/lab.md#dose-response).
+and lost to a band calibrated from the run (the numbers: docs/lab.md#confirmation).
 ``UNHEALTHY_SEQ_REJECTION`` is the line the docs, ``nemo-rs check --mismatch`` and this warning
 share: more than 20% of sequences rejected.
 

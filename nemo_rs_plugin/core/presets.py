@@ -8,7 +8,7 @@ from these.
 * ``GEO_RS``: Geo-RS, the geometric mean of the sequence's ratios kept within ``[0.99, 1.01]``:
   a band for *precision* mismatch (about 1e-3 nats per token, NeMo-RL PR #2269; in the lab's
   synchronous runs it keeps 99.9% of the sequences). Under staleness it eats the batch and costs reward
-  (docs/lab.md#dose-response): there, set the band with ``nemo-rs calibrate``
+  (docs/lab.md#confirmation): there, set the band with ``nemo-rs calibrate``
   (:mod:`nemo_rs_plugin.core.correction.calibration`).
 * ``OUTLIER_VETO``: reject a sequence with any token ratio outside ``[1e-4, 1e4]``.
 * ``TOKEN_MIS``: token-level masked IS, tokens with a ratio outside ``[0.5, 2]`` rejected.
