@@ -621,25 +621,30 @@ def plan_main(paths: list[str]) -> int:
     return 0
 
 
+def _render_length(path: str) -> str:
+    return format_length_study(read_length_csv(path))
+
+
+def _render_confirmation(path: str) -> str:
+    return format_confirmation(read_seed_csv(path))
+
+
 def report_main(path: str) -> int:
     """``--report DIR``: print the tables re-rendered from the per-seed CSV of a run saved in ``DIR``.
 
     The length study's, the confirmation's or the dose-response run's (that CSV may be named itself).
     """
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, LENGTH_SEEDS_CSV)):
-        try:
-            print(format_length_study(read_length_csv(os.path.join(path, LENGTH_SEEDS_CSV))))
-        except (ValueError, KeyError) as exc:
-            print(f"error: --report: {exc}", file=sys.stderr)
-            return EXIT_INVALID
-        return 0
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, CONFIRM_SEEDS_CSV)):
-        try:
-            print(format_confirmation(read_seed_csv(os.path.join(path, CONFIRM_SEEDS_CSV))))
-        except (ValueError, KeyError) as exc:
-            print(f"error: --report: {exc}", file=sys.stderr)
-            return EXIT_INVALID
-        return 0
+    # A CSV named by its file name is read as what it is; a folder by the first CSV it holds.
+    named = os.path.basename(path) if os.path.isfile(path) else None
+    for name, render in ((LENGTH_SEEDS_CSV, _render_length), (CONFIRM_SEEDS_CSV, _render_confirmation)):
+        csv_file = path if named == name else os.path.join(path, name)
+        if (named == name) or (named is None and os.path.isfile(csv_file)):
+            try:
+                print(render(csv_file))
+            except (ValueError, KeyError) as exc:
+                print(f"error: --report: {exc}", file=sys.stderr)
+                return EXIT_INVALID
+            return 0
     csv_path = os.path.join(path, SEEDS_CSV) if os.path.isdir(path) else path
     if not os.path.isfile(csv_path):
         print(

@@ -256,7 +256,12 @@ def test_plan_and_report_read_saved_runs(tmp_path, capsys):
     confirmed.mkdir()
     write_seed_csv(_outcomes({}, seeds=range(5000, 5004)), confirmed / "lab_confirm_seeds.csv")
     assert lab.main(["--report", str(confirmed)]) == 0
-    assert capsys.readouterr().out.strip() == format_confirmation(read_seed_csv(confirmed / "lab_confirm_seeds.csv"))
+    expected = format_confirmation(read_seed_csv(confirmed / "lab_confirm_seeds.csv"))
+    assert capsys.readouterr().out.strip() == expected
+    # the CSV named itself is read as what its name says, even beside another run's CSV (docs/)
+    write_seed_csv(_outcomes({}, seeds=range(100, 104)), confirmed / "lab_dose_seeds.csv")
+    assert lab.main(["--report", str(confirmed / "lab_confirm_seeds.csv")]) == 0
+    assert capsys.readouterr().out.strip() == expected
 
 
 def test_quick_confirmation_and_length_runs(tmp_path):
