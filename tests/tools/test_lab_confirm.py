@@ -39,6 +39,7 @@ from nemo_rs_plugin.tools.lab_length import (  # noqa: E402
     write_length_csv,
 )
 from nemo_rs_plugin.tools.recipes import recipe_dir  # noqa: E402
+from tests.support.lab_outcomes import seed_outcome  # noqa: E402
 
 OPTIMIZER_STEPS_PER_BATCH = 2  # the lab's minibatches per rollout batch (LabSettings.minibatches)
 
@@ -77,22 +78,9 @@ def test_protocol_jobs_run_each_arm_at_each_needed_lag_once():
 
 # ---------------------------------------------------------------------------- constructed outcomes
 def _o(config, lag, seed, auc, final=None, collapsed=False):
-    o = {k: 0.0 for k in SEED_FIELDS}
-    o.update(
-        config=config,
-        lag=lag,
-        seed=seed,
-        eval_auc=auc,
-        final_eval=auc if final is None else final,
-        collapsed=collapsed,
-        at_chance=False,
-        spiked=False,
-        warned=False,
-        evals=16,
-        band_lower=math.nan,
-        band_upper=math.nan,
+    return seed_outcome(
+        config, lag, seed, eval_auc=auc, final_eval=auc if final is None else final, collapsed=collapsed, evals=16
     )
-    return o
 
 
 def _outcomes(effects: dict, seeds=range(12), spread=0.02):

@@ -52,6 +52,7 @@ from nemo_rs_plugin.tools.lab_experiment import (
 )
 from nemo_rs_plugin.tools.lab_model import chance_reward, reward_of
 from nemo_rs_plugin.tools.recipes import recipe_dir
+from tests.support.lab_outcomes import seed_outcome
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -171,22 +172,7 @@ def test_dose_outcomes_pair_the_reference_by_seed():
 
 
 def _outcome(config, lag, seed, final_eval, collapsed=False, at_chance=False):
-    o = {k: 0.0 for k in SEED_FIELDS}
-    o.update(
-        config=config,
-        lag=lag,
-        seed=seed,
-        final_eval=final_eval,
-        collapsed=collapsed,
-        at_chance=at_chance,
-        spiked=False,
-        warned=False,
-        evals=3,
-        chance=0.0554,
-        band_lower=math.nan,
-        band_upper=math.nan,
-    )
-    return o
+    return seed_outcome(config, lag, seed, final_eval=final_eval, collapsed=collapsed, at_chance=at_chance)
 
 
 def _synthetic(seeds=16):
