@@ -32,6 +32,7 @@ from typing import Optional
 
 from nemo_rs_plugin.tools import report
 from nemo_rs_plugin.tools.lab_dose import OUTCOME_LABELS, by_seed
+from nemo_rs_plugin.tools.lab_dose_report import interval_text, signed
 from nemo_rs_plugin.tools.lab_stats import (
     SIGNIFICANCE,
     format_p,
@@ -251,14 +252,6 @@ def confirm(outcomes: list[dict], protocol: Protocol = PROTOCOL) -> list[dict]:
     return rows
 
 
-def _signed(x: float) -> str:
-    return f"{x:+.3f}"
-
-
-def _ci(lo: float, hi: float) -> str:
-    return f"[{lo:+.3f}, {hi:+.3f}]"
-
-
 def format_power_plan(plan: list[dict], protocol: Protocol = PROTOCOL) -> str:
     """The power calculation as a Markdown table, with the rule above it."""
     m = len(protocol.primary)
@@ -269,7 +262,7 @@ def format_power_plan(plan: list[dict], protocol: Protocol = PROTOCOL) -> str:
         f"exploration's seeds {_span(protocol.exploration_seeds)}."
     )
     rows = [
-        [r["comparison"], str(r["seeds"]), _signed(r["mean_diff"]), f"{r['sd_diff']:.3f}", str(r["seeds_needed"])]
+        [r["comparison"], str(r["seeds"]), signed(r["mean_diff"]), f"{r['sd_diff']:.3f}", str(r["seeds_needed"])]
         for r in plan
     ]
     table = report.markdown_table(
@@ -317,7 +310,7 @@ def format_confirmation(outcomes: list[dict], protocol: Protocol = PROTOCOL) -> 
                     f"`{r['a']}` vs `{r['b']}`, lag {r['lag']}",
                     f"{r['mean_a']:.3f}",
                     f"{r['mean_b']:.3f}",
-                    f"{_signed(r['diff'])} {_ci(r['low'], r['high'])}",
+                    f"{signed(r['diff'])} {interval_text(r['low'], r['high'])}",
                     f"{format_p(r['p'])} ({format_p(r['p_holm'])})",
                     format_p(r["p_sign_flip"]),
                     f"{r['better_seeds']} / {r['worse_seeds']}",
@@ -339,7 +332,7 @@ def format_confirmation(outcomes: list[dict], protocol: Protocol = PROTOCOL) -> 
             [
                 [
                     f"`{r['a']}` vs `{r['b']}`, lag {r['lag']}",
-                    f"{_signed(r['final_eval_diff'])} {_ci(r['final_eval_low'], r['final_eval_high'])}",
+                    f"{signed(r['final_eval_diff'])} {interval_text(r['final_eval_low'], r['final_eval_high'])}",
                     f"{r['collapsed']} ({format_p(r['collapsed_p'])})",
                     f"{r['at_chance']} ({format_p(r['at_chance_p'])})",
                 ]

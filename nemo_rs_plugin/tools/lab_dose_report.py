@@ -36,6 +36,8 @@ from nemo_rs_plugin.tools.lab_stats import SIGNIFICANCE, format_p
 
 __all__ = [
     "BLOCKS",
+    "interval_text",
+    "signed",
     "doc_block_mismatch",
     "format_dose_comparisons",
     "format_dose_response",
@@ -47,11 +49,13 @@ __all__ = [
 ]
 
 
-def _signed(x: float) -> str:
+def signed(x: float) -> str:
+    """A difference as the tables print it: ``+0.063``."""
     return f"{x:+.3f}"
 
 
-def _ci(lo: float, hi: float) -> str:
+def interval_text(lo: float, hi: float) -> str:
+    """An interval as the tables print it: ``[+0.023, +0.103]``."""
     return f"[{lo:+.3f}, {hi:+.3f}]"
 
 
@@ -110,7 +114,9 @@ def format_dose_response(outcomes: list[dict], comparisons: Optional[list[dict]]
         c = found.get((config, BASELINE, lag))
         if c is not None:
             mark = " *" if "final_eval" in c["separated"] else ""
-            cell += f" ({_signed(c['final_eval_diff'])} {_ci(c['final_eval_low'], c['final_eval_high'])}{mark})"
+            cell += (
+                f" ({signed(c['final_eval_diff'])} {interval_text(c['final_eval_low'], c['final_eval_high'])}{mark})"
+            )
         return cell
 
     lines.append(f"\nFinal eval, mean over seeds (in brackets: paired difference from `{BASELINE}` at the same lag)\n")
@@ -123,7 +129,7 @@ def format_dose_response(outcomes: list[dict], comparisons: Optional[list[dict]]
             if c is None:
                 return "-"
             mark = " *" if "final_eval" in c["separated"] else ""
-            return f"{_signed(-c['final_eval_diff'])} {_ci(-c['final_eval_high'], -c['final_eval_low'])}{mark}"
+            return f"{signed(-c['final_eval_diff'])} {interval_text(-c['final_eval_high'], -c['final_eval_low'])}{mark}"
 
         lines.append(f"\nRegret: {_arm(ref)}'s final eval minus the arm's, paired by seed\n")
         lines.append(report.markdown_table(header, [[_arm(c), *(regret_cell(c, lag) for lag in lags)] for c in arms]))
@@ -161,7 +167,7 @@ def format_dose_comparisons(outcomes: list[dict], comparisons: Optional[list[dic
             f"{_arm(c['a'])} vs {_arm(c['b'])}",
             str(c["lag"]),
             str(c["seeds"]),
-            f"{_signed(c['final_eval_diff'])} {_ci(c['final_eval_low'], c['final_eval_high'])}",
+            f"{signed(c['final_eval_diff'])} {interval_text(c['final_eval_low'], c['final_eval_high'])}",
             f"{format_p(c['final_eval_p'])} ({format_p(c['final_eval_p_holm'])})",
             f"{c['collapsed']} ({format_p(c['collapsed_p'])}; {format_p(c['collapsed_p_holm'])})",
             f"{c['at_chance']} ({format_p(c['at_chance_p'])}; {format_p(c['at_chance_p_holm'])})",
