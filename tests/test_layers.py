@@ -1,7 +1,10 @@
 """The package's layers: every import inside ``nemo_rs_plugin`` goes down, and none forms a circle.
 
 Layers, bottom up: ``core`` (tensor math: torch and pydantic only), ``parallel`` (the sharded
-path), ``nemo_rl`` (the glue: the only layer that imports NeMo-RL), ``tools`` (the command).
+path), ``nemo_rl`` (the glue: the only layer that imports NeMo-RL), ``tools`` (the user's
+commands), ``lab`` (the experiment: the only layer with transformers and the statistics
+libraries). Above them all, outside the layers, ``nemo_rs_plugin/cli.py`` is the program that
+assembles the commands; no layer imports it.
 The start-up hook ``_nemo_rs_plugin_hook`` is the ground: standard library only, importing
 nothing of the package. Imports inside functions count as much as those at the top.
 """
@@ -13,26 +16,18 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "nemo_rs_plugin"
-LAYERS = ("core", "parallel", "nemo_rl", "tools")
+LAYERS = ("core", "parallel", "nemo_rl", "tools", "lab")
 #: Third-party imports each layer may make (beyond the standard library and lower layers).
 #: ``omegaconf`` is optional everywhere: a config handed over as OmegaConf is read as a dict.
 ALLOWED_THIRD_PARTY = {
     "core": {"torch", "pydantic", "omegaconf"},
     "parallel": {"torch"},
     "nemo_rl": {"torch", "pydantic", "omegaconf", "yaml", "nemo_rl", "megatron", "_nemo_rs_plugin_hook"},
-    "tools": {
-        "torch",
-        "pydantic",
-        "omegaconf",
-        "yaml",
-        "nemo_rl",
-        "matplotlib",
-        "transformers",
-        "numpy",
-        "scipy",
-        "statsmodels",
-    },
+    "tools": {"torch", "pydantic", "omegaconf", "yaml", "nemo_rl", "matplotlib", "numpy"},
+    "lab": {"torch", "matplotlib", "transformers", "numpy", "scipy", "statsmodels"},
 }
+#: The modules above every layer: nothing of the package imports them.
+PROGRAM = ("nemo_rs_plugin.cli",)
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -133,3 +128,20 @@ def test_no_circle_between_modules():
         if node not in state:
             visit(node, [node])
     assert not circles, circles
+
+
+def test_every_folder_of_the_package_is_a_layer_and_only_the_program_sits_above():
+    """A new folder must be placed in LAYERS (and so in the import rules); a module beside the
+    layers is the program (``cli.py``) or the package's ``__init__``, and no layer imports it."""
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(LAYERS), folders ^ set(LAYERS)
+    loose = {p.stem for p in PACKAGE.glob("*.py")}
+    assert loose == {"__init__", "cli"}, loose
+    importers = [
+        f"{path.relative_to(REPO)} line {line}"
+        for path in _product_modules()
+        if path.relative_to(PACKAGE).parts[0] in LAYERS
+        for line, module in _imports(path)
+        if module in PROGRAM
+    ]
+    assert not importers, importers

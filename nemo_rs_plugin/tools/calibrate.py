@@ -20,8 +20,9 @@ import os
 import sys
 from typing import Optional
 
+from nemo_rs_plugin.tools.report import EXIT_INVALID
+
 HELP = "set rejection bounds from a run's log-probs for a target rejection rate"
-EXIT_INVALID = 2
 DEFAULT_TARGET = 0.05  # docs/guide.md: a few percent; the lab's calibrated arm uses it
 
 
@@ -169,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     from nemo_rs_plugin.core.correction.calibration import calibrate_filters, rejected_fractions
 
+    assert batch is not None  # loaded above, or a problem returned
     prev, gen = batch["prev_logprobs"][:, 1:], batch["generation_logprobs"][:, 1:]
     mask = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
     try:

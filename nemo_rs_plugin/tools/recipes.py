@@ -8,10 +8,14 @@ rewriting those paths to absolute paths in a given checkout.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
+
+from nemo_rs_plugin.tools.report import EXIT_INVALID
 
 __all__ = [
     "recipe_dir",
@@ -52,7 +56,7 @@ def recipe_description(path: Path) -> str:
     return first.lstrip("#").strip() if first.startswith("#") else ""
 
 
-def exported_text(src: Path, nemo_rl_root: Optional[str] = None) -> str:
+def exported_text(src: Union[str, Path], nemo_rl_root: Optional[str] = None) -> str:
     """The text :func:`export_recipe` writes for ``src``."""
     text = Path(src).read_text()
     if nemo_rl_root:
@@ -68,7 +72,7 @@ def exported_text(src: Path, nemo_rl_root: Optional[str] = None) -> str:
     return text
 
 
-def export_recipe(src: Path, out_dir: Path, nemo_rl_root: Optional[str] = None) -> Path:
+def export_recipe(src: Union[str, Path], out_dir: Union[str, Path], nemo_rl_root: Optional[str] = None) -> Path:
     """Copy ``src`` into ``out_dir``; with ``nemo_rl_root``, make ``defaults`` absolute there."""
     text = exported_text(src, nemo_rl_root)
     out = Path(out_dir) / Path(src).name
@@ -131,3 +135,70 @@ def _read(path: Path) -> Optional[str]:
         return path.read_text()
     except (OSError, UnicodeDecodeError):
         return None  # unreadable: treated as differing, so it is not overwritten silently
+
+
+# ---------------------------------------------------------------------------- the command
+HELP = "list the shipped recipes, or export them"
+
+
+def add_arguments(r: argparse.ArgumentParser) -> None:
+    """``nemo-rs recipes``' options."""
+    r.add_argument("--out", metavar="DIR", help="copy the recipes into DIR")
+    r.add_argument("--nemo-rl", metavar="PATH", help="rewrite their defaults to this NeMo-RL checkout (with --out)")
+    r.add_argument("--force", action="store_true", help="overwrite exported recipes that differ (e.g. edited) in DIR")
+
+
+def _note_unresolved_defaults(paths: list, nemo_rl: Optional[str]) -> None:
+    """Say so when the exported recipes' ``defaults`` do not resolve where they were written."""
+    import yaml
+
+    from nemo_rs_plugin.nemo_rl.recipe_defaults import parent_paths
+
+    parents: set[str] = set()
+    for path in paths:
+        with open(path) as fh:
+            parents.update(os.path.normpath(p) for p in parent_paths(str(path), yaml.safe_load(fh)))
+    missing = sorted(p for p in parents if not os.path.isfile(p))
+    if missing:
+        hint = "" if nemo_rl else "; pass --nemo-rl PATH (your NeMo-RL checkout) to point them there"
+        print(
+            f"note: the exported recipes' defaults ({', '.join(missing)}) do not exist there{hint}, or export into "
+            "<NeMo-RL>/examples/configs/recipes/llm",
+            file=sys.stderr,
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    """List the shipped recipes, or export them into ``--out``."""
+    if args.out == "":
+        print("error: --out: got an empty path; name a directory", file=sys.stderr)
+        return EXIT_INVALID
+    if args.force and not args.out:
+        print("error: --force: without --out it has nothing to overwrite; add --out DIR", file=sys.stderr)
+        return EXIT_INVALID
+    if args.nemo_rl and not args.out:
+        print(
+            f"error: --nemo-rl: got {args.nemo_rl} without --out; it rewrites exported recipes: "
+            "add --out DIR (or drop --nemo-rl to list the recipes)",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
+    if args.out:
+        problems = export_problems(args.out, args.nemo_rl, args.force)
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        if problems:
+            return EXIT_INVALID
+        try:
+            paths = export_recipes(args.out, args.nemo_rl)
+        except OSError as exc:  # checked above; what remains is e.g. a full disk
+            print(f"error: --out: {exc.filename or args.out}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_INVALID
+        for path in paths:
+            print(path)
+        _note_unresolved_defaults(paths, args.nemo_rl)
+        return 0
+    for path in list_recipes():  # the path, then the recipe's own first line (a shell comment)
+        description = recipe_description(path)
+        print(f"{path}  # {description}" if description else path)
+    return 0

@@ -204,6 +204,8 @@ class ProgressBar:
         stream.flush()
 
 
+EXIT_INVALID = 2  # bad input: one ``error:`` line each (every ``nemo-rs`` command)
+EXIT_UNCHECKED = 3  # check: no errors found, but part of the recipe could not be checked
 #: The shell's exit status after Ctrl-C (128 + SIGINT).
 EXIT_INTERRUPTED = 130
 

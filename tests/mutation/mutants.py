@@ -662,7 +662,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         GLUE,
-        "if packed is not None and packed.index is not None:\n            # Each call makes",
+        "if packed is not None and packed.sequence_index is not None:\n            # Each call makes",
         "if False:\n            # Each call makes",
         "logits as input: every per-sequence call computed alone with the microbatch totals (the old path)",
     ),
@@ -769,49 +769,49 @@ MUTANTS: list[Mutant] = [
     # ---- issue 42: the lab's statistics and its confirmatory protocol (tools/, not the loss: the
     # numbers the docs' advice quotes)
     Mutant(
-        "nemo_rs_plugin/tools/lab_stats.py",
+        "nemo_rs_plugin/lab/stats.py",
         "ttest_1samp(d, 0.0).confidence_interval(confidence_level=level)",
         "ttest_1samp(d, 0.0).confidence_interval(confidence_level=0.9)",
         "the paired interval at 90% whatever level is asked",
     ),
     Mutant(
-        "nemo_rs_plugin/tools/lab_stats.py",
+        "nemo_rs_plugin/lab/stats.py",
         'method="holm"',
         'method="bonferroni"',
         "Bonferroni in place of Holm",
     ),
     Mutant(
-        "nemo_rs_plugin/tools/lab_stats.py",
+        "nemo_rs_plugin/lab/stats.py",
         "binomtest(only_a, only_a + only_b, 0.5).pvalue",
         'binomtest(only_a, only_a + only_b, 0.5, alternative="greater").pvalue',
         "a one-sided McNemar test",
     ),
     Mutant(
-        "nemo_rs_plugin/tools/lab_stats.py",
+        "nemo_rs_plugin/lab/stats.py",
         'alternative="two-sided")\n    return max',
         'alternative="larger")\n    return max',
         "the power plan sized for a one-sided test",
     ),
     Mutant(
-        "nemo_rs_plugin/tools/lab_dose.py",
+        "nemo_rs_plugin/lab/dose.py",
         '"eval_auc": sum(evals) / len(evals) if evals else math.nan',
         '"eval_auc": sum(last) / len(last) if last else math.nan',
         "eval_auc is the final evaluation again, not the whole run's",
     ),
     Mutant(
-        "nemo_rs_plugin/tools/lab_confirm.py",
+        "nemo_rs_plugin/lab/confirm.py",
         'holm([r["p"] for r in rows])',
         '[min(1.0, r["p"]) for r in rows]',
         "the primary family left uncorrected",
     ),
     Mutant(
-        "nemo_rs_plugin/tools/lab_confirm.py",
+        "nemo_rs_plugin/lab/confirm.py",
         "protocol.alpha / m, protocol.power)",
         "protocol.alpha, protocol.power)",
         "the power plan ignores the multiple-comparison correction",
     ),
     Mutant(
-        "nemo_rs_plugin/tools/lab_confirm.py",
+        "nemo_rs_plugin/lab/confirm.py",
         "if -delta < tost_low and tost_high < delta:",
         "if -delta < low and high < delta or True:",
         "'equivalent' said without the interval inside the smallest effect",

@@ -127,7 +127,7 @@ def test_calibrate_reads_the_records_to_the_in_memory_numbers(tmp_path):
 
 
 def test_calibrate_command_reads_a_records_folder(tmp_path, capsys):
-    from nemo_rs_plugin.tools.cli import main
+    from nemo_rs_plugin.cli import main
 
     recorder = LogprobRecorder(str(tmp_path / "rec"), every=1, writer=lambda: (True, 0))
     _steps(recorder, 3, per_step=4)

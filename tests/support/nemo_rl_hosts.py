@@ -56,7 +56,7 @@ import contextlib, io
 
 
 def run_cli(arg_lists):
-    from nemo_rs_plugin.tools.cli import main
+    from nemo_rs_plugin.cli import main
 
     results = []
     for args in arg_lists:

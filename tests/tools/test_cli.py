@@ -11,8 +11,8 @@ import pytest
 import torch
 import yaml
 
+from nemo_rs_plugin.cli import main
 from nemo_rs_plugin.tools.check import check_recipe
-from nemo_rs_plugin.tools.cli import main
 from nemo_rs_plugin.tools.recipes import export_recipes, list_recipes
 from nemo_rs_plugin.tools.reference import render_reference
 
@@ -46,7 +46,7 @@ def no_nemo_rl(monkeypatch):
 def run_cli(*args):
     """The console entry point in a fresh interpreter: exit code, stdout, stderr."""
     proc = subprocess.run(
-        [sys.executable, "-m", "nemo_rs_plugin.tools.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "nemo_rs_plugin.cli", *args], capture_output=True, text=True, timeout=300
     )
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -256,7 +256,7 @@ def test_doctor_is_a_nemo_rs_subcommand(capsys, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_nemo_rl)
-    from nemo_rs_plugin.tools.cli import main
+    from nemo_rs_plugin.cli import main
 
     assert main(["doctor", "--no-workers"]) == 1
     out = capsys.readouterr().out
@@ -271,7 +271,7 @@ def test_version_is_one_definition_cited_with_its_commit_and_dated_in_the_change
     import shutil
 
     import nemo_rs_plugin
-    from nemo_rs_plugin.tools import cli
+    from nemo_rs_plugin import cli
 
     version = nemo_rs_plugin.__version__
     assert importlib.metadata.version("nemo-rs-plugin") == version  # pyproject reads it (dynamic)

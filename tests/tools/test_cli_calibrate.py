@@ -13,9 +13,9 @@ import json
 import pytest
 import yaml
 
+from nemo_rs_plugin.cli import main
 from nemo_rs_plugin.core.health import UNHEALTHY_SEQ_REJECTION
 from nemo_rs_plugin.tools.check import check_recipe
-from nemo_rs_plugin.tools.cli import main
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import yaml
 
-from nemo_rs_plugin.tools.cli import EXIT_INVALID, EXIT_UNCHECKED, main
+from nemo_rs_plugin.cli import EXIT_INVALID, EXIT_UNCHECKED, main
 from nemo_rs_plugin.tools.recipes import list_recipes
 
 LOSS = {"name": "rs_clipped_pg", "use_importance_sampling_correction": True, "is_correction_level": "sequence_mean"}

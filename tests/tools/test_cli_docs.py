@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rs_plugin.tools.cli import main
+from nemo_rs_plugin.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 QUOTED = ["--configs", "sequence", "sequence+tis2", "sequence_mean"]

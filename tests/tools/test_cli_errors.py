@@ -1,7 +1,7 @@
 """``nemo-rs``: bad input anywhere is one ``error:`` line (exit 2) or a failed check, never a traceback.
 
 In this process through the CLI's ``main()`` where the command allows it; the doctor and
-``python -m nemo_rs_plugin.tools.lab`` also in a fresh interpreter, as a shell runs them.
+``python -m nemo_rs_plugin.lab`` also in a fresh interpreter, as a shell runs them.
 """
 
 import os
@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 import nemo_rs_plugin
+from nemo_rs_plugin.cli import EXIT_INVALID, main
 from nemo_rs_plugin.tools import doctor
-from nemo_rs_plugin.tools.cli import EXIT_INVALID, main
 from nemo_rs_plugin.tools.recipes import list_recipes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -168,7 +168,7 @@ def test_lab_bad_settings_are_one_line_each_before_any_worker(tmp_path, capsys):
 
 def test_lab_module_bad_settings_are_one_line(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "nemo_rs_plugin.tools.lab", "--steps", "0", "--out", str(tmp_path / "lab")],
+        [sys.executable, "-m", "nemo_rs_plugin.lab", "--steps", "0", "--out", str(tmp_path / "lab")],
         capture_output=True,
         text=True,
         timeout=300,

@@ -10,7 +10,7 @@ import json
 import pytest
 import yaml
 
-from nemo_rs_plugin.tools.cli import EXIT_INVALID, main
+from nemo_rs_plugin.cli import EXIT_INVALID, main
 
 NAMELESS = {
     "use_importance_sampling_correction": True,

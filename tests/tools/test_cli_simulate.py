@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
+from nemo_rs_plugin.cli import EXIT_INVALID, main
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
 from nemo_rs_plugin.tools import simulate as sim
-from nemo_rs_plugin.tools.cli import EXIT_INVALID, main
 
 
 @pytest.fixture

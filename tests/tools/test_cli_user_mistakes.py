@@ -27,10 +27,10 @@ import pytest
 import torch
 
 from nemo_rs_plugin import CorrectedPGLoss
+from nemo_rs_plugin.cli import main
 from nemo_rs_plugin.core.config import ConfigError
 from nemo_rs_plugin.core.input_checks import InputWarning
-from nemo_rs_plugin.tools import lab
-from nemo_rs_plugin.tools.cli import main
+from nemo_rs_plugin.lab import cli as lab
 from nemo_rs_plugin.tools.recipes import list_recipes
 from nemo_rs_plugin.tools.simulate import MismatchModel, synthetic_batch
 
@@ -245,7 +245,7 @@ def test_an_unrelated_os_error_is_not_worded_as_an_output_failure(monkeypatch):
     def fail(args):
         raise FileNotFoundError(2, "No such file or directory", "/some/input")
 
-    monkeypatch.setattr("nemo_rs_plugin.tools.cli._cmd_reference", fail)
+    monkeypatch.setattr("nemo_rs_plugin.tools.reference_command.run", fail)
     with pytest.raises(FileNotFoundError):
         main(["reference"])
 

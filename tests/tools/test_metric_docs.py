@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_rs_plugin.tools.cli import main
+from nemo_rs_plugin.cli import main
 from nemo_rs_plugin.tools.reference import (
     METRIC_ROWS,
     declared_metrics,
@@ -38,8 +38,8 @@ def test_every_added_metric_has_a_row():
 
 def test_the_guides_filter_statistics_table_is_the_registry(capsys):
     """docs/guide.md's table of filter statistics is rendered from the registry, one row per entry."""
+    from nemo_rs_plugin.cli import main
     from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS
-    from nemo_rs_plugin.tools.cli import main
 
     table = render_statistics_table()
     assert table in (REPO / "docs" / "guide.md").read_text()

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from nemo_rs_plugin.cli import EXIT_INTERRUPTED, EXIT_INVALID, build_parser, main
 from nemo_rs_plugin.core.config import ConfigWarning, RSClippedPGLossConfig
 from nemo_rs_plugin.tools import simulate as sim
 from nemo_rs_plugin.tools.batch_formats import BatchFormatError, load_batch
-from nemo_rs_plugin.tools.cli import EXIT_INTERRUPTED, EXIT_INVALID, build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def test_ctrl_c_during_simulate_is_one_line_and_130(monkeypatch, capsys):
 
 @pytest.mark.parametrize("via_cli", [True, False])
 def test_ctrl_c_during_the_lab_is_one_line_and_130(monkeypatch, capsys, via_cli):
-    from nemo_rs_plugin.tools import lab
+    from nemo_rs_plugin.lab import cli as lab
 
     def interrupted(argv):
         raise KeyboardInterrupt
@@ -61,7 +61,7 @@ def test_ctrl_c_during_the_lab_is_one_line_and_130(monkeypatch, capsys, via_cli)
 
 
 def test_lab_workers_leave_ctrl_c_to_the_parent():
-    from nemo_rs_plugin.tools.lab_experiment import _leave_ctrl_c_to_the_parent
+    from nemo_rs_plugin.lab.pool import _leave_ctrl_c_to_the_parent
 
     before = signal.getsignal(signal.SIGINT)
     try:
@@ -245,7 +245,7 @@ def test_the_readme_docs_table_lists_every_subcommand():
 
 
 def test_every_lab_flag_is_in_the_cli_page():
-    from nemo_rs_plugin.tools.lab import build_parser as lab_parser
+    from nemo_rs_plugin.lab.cli import build_parser as lab_parser
 
     page = (REPO / "docs" / "cli.md").read_text()
     section = page[page.index("## `nemo-rs lab`") : page.index("## `nemo-rs calibrate`")]

@@ -20,12 +20,12 @@ import pytest
 import torch
 import yaml
 
+from nemo_rs_plugin.cli import EXIT_INVALID, EXIT_UNCHECKED, build_parser, main
 from nemo_rs_plugin.core.config import ConfigWarning, RSClippedPGLossConfig
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
 from nemo_rs_plugin.nemo_rl.recording import LogprobRecorder
 from nemo_rs_plugin.tools import recipe_loading
 from nemo_rs_plugin.tools.check import FALLBACK_RESPONSE_TOKENS
-from nemo_rs_plugin.tools.cli import EXIT_INVALID, EXIT_UNCHECKED, build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
 BAND = "    - level: sequence\n      metric: ratio\n      agg: mean\n      lower: {lower}\n      upper: {upper}\n"

@@ -18,16 +18,16 @@ run (:func:`run_outcome`), on the trainer's own policy (evaluated every ``eval_e
   above :data:`SPIKE_FACTOR` x the run's median (over the steps that had a gradient).
 
 Chance is the expected reward of a sampler uniform over the model's whole vocabulary
-(:func:`~nemo_rs_plugin.tools.lab_model.chance_reward`).
+(:func:`~nemo_rs_plugin.lab.model.chance_reward`).
 
 Comparisons (:func:`dose_comparisons`): every arm against ``none`` at each lag, and every arm
 against the on-policy reference at each lag, on the paired seeds: the sign-flip test and a
 paired t interval and t-test on ``final_eval``, exact McNemar tests on ``collapsed`` and ``at_chance``,
 and Holm's correction over every test of the run; "separated" means a Holm-adjusted
-p < :data:`~nemo_rs_plugin.tools.lab_stats.SIGNIFICANCE`.
+p < :data:`~nemo_rs_plugin.lab.stats.SIGNIFICANCE`.
 
 The tables and the figure, rendered from the per-seed outcomes as :func:`write_seed_csv` writes
-them, are in :mod:`~nemo_rs_plugin.tools.lab_dose_report`.
+them, are in :mod:`~nemo_rs_plugin.lab.dose_report`.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ import csv
 import math
 from pathlib import Path
 from statistics import median
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
+from nemo_rs_plugin.lab.experiment import CONFIGS, LabSettings
+from nemo_rs_plugin.lab.model import chance_reward
+from nemo_rs_plugin.lab.stats import SIGNIFICANCE, holm, mcnemar_exact, t_interval, t_test_p
 from nemo_rs_plugin.tools import report
-from nemo_rs_plugin.tools.lab_experiment import CONFIGS, LabSettings
-from nemo_rs_plugin.tools.lab_model import chance_reward
-from nemo_rs_plugin.tools.lab_stats import SIGNIFICANCE, holm, mcnemar_exact, t_interval, t_test_p
 
 __all__ = [
     "AT_CHANCE",
@@ -103,7 +103,7 @@ SEED_FIELDS = (
     "wall_s",
 )
 #: Columns a per-seed CSV may lack: it was written before they existed (read as NaN). The
-#: exploration run (docs/lab_dose_seeds.csv) predates both.
+#: exploration run (docs/lab/lab_dose_seeds.csv) predates both.
 OPTIONAL_FIELDS = ("eval_auc", "is_ess_mean")
 _INTS = ("lag", "seed", "evals", "length")
 _BOOLS = ("collapsed", "at_chance", "spiked", "warned")
@@ -314,7 +314,7 @@ def dose_table(outcomes: list[dict], comparisons: list[dict]) -> list[dict]:
             if not runs:
                 continue
             mean, sd = _mean_sd([o["final_eval"] for o in runs])
-            row = {"config": config, "lag": "" if lag is None else lag, "seeds": len(runs)}
+            row: dict[str, Any] = {"config": config, "lag": "" if lag is None else lag, "seeds": len(runs)}
             row.update(final_eval=mean, final_eval_sd=sd)
             vs_none = found.get((config, BASELINE, lag))
             vs_ref = found.get((config, ref, lag))

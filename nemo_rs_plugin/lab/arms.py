@@ -2,7 +2,7 @@
 
 Which arms a run compares (:data:`DEFAULT_ARMS` for the single-lag run of docs/lab.md,
 :data:`DOSE_ARMS` for the dose-response run) and the GRPO loss fields they share
-(:data:`BASE_LOSS`). The training loop that runs them is :mod:`~nemo_rs_plugin.tools.lab_experiment`.
+(:data:`BASE_LOSS`). The training loop that runs them is :mod:`~nemo_rs_plugin.lab.experiment`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Guards docs/lab.md against its data: every table on the page is what the lab prints for the
 published runs.
 
-The per-step rows of each published run are committed (docs/lab_steps.csv and
-docs/lab_lag0_steps.csv, with their settings); the outcome tables and the comparisons are
+The per-step rows of each published run are committed (docs/lab/lab_steps.csv and
+docs/lab/lab_lag0_steps.csv, with their settings); the outcome tables and the comparisons are
 recomputed from them with the lab's own reporting code and must appear on the page verbatim.
 Editing a number on the page, or the reporting code, without rerunning the lab fails here.
 
 The dose-response run (``nemo-rs lab --lags``) is published as its per-seed outcomes
-(docs/lab_dose_seeds.csv); the page embeds its tables between ``<!-- lab:NAME:begin -->`` and
+(docs/lab/lab_dose_seeds.csv); the page embeds its tables between ``<!-- lab:NAME:begin -->`` and
 ``<!-- lab:NAME:end -->`` markers, and each block must be what the lab renders from that CSV
-(``nemo-rs lab --report docs/lab_dose_seeds.csv`` prints them). Until the run is published
+(``nemo-rs lab --report docs/lab/lab_dose_seeds.csv`` prints them). Until the run is published
 (neither the CSV nor a block) that check is skipped.
 
 The confirmation, its power plan and the length study are published the same way (their
@@ -27,12 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rs_plugin.tools.lab_confirm import confirm, format_confirmation, format_power_plan, power_plan
-from nemo_rs_plugin.tools.lab_dose import read_seed_csv
-from nemo_rs_plugin.tools.lab_dose_report import BLOCKS, doc_block_mismatch, marked_block
-from nemo_rs_plugin.tools.lab_experiment import LabSettings
-from nemo_rs_plugin.tools.lab_length import format_length_study, length_comparisons, read_length_csv
-from nemo_rs_plugin.tools.lab_report import (
+from nemo_rs_plugin.lab.confirm import confirm, format_confirmation, format_power_plan, power_plan
+from nemo_rs_plugin.lab.dose import read_seed_csv
+from nemo_rs_plugin.lab.dose_report import BLOCKS, doc_block_mismatch, marked_block
+from nemo_rs_plugin.lab.experiment import LabSettings
+from nemo_rs_plugin.lab.length import format_length_study, length_comparisons, read_length_csv
+from nemo_rs_plugin.lab.run_report import (
     compare,
     default_pairs,
     format_comparisons,
@@ -42,16 +42,17 @@ from nemo_rs_plugin.tools.lab_report import (
 )
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+LAB_FILES = DOCS / "lab"  # the published runs' files
 RUNS = [("lab_steps.csv", "lab_settings.json"), ("lab_lag0_steps.csv", "lab_lag0_settings.json")]
-DOSE_SEEDS = DOCS / "lab_dose_seeds.csv"
+DOSE_SEEDS = LAB_FILES / "lab_dose_seeds.csv"
 REQUIRED_BLOCKS = ("dose-response",)  # once the run is published; the others are checked where embedded
 
 
 def _load(steps: str, settings: str):
-    raw = json.loads((DOCS / settings).read_text())
+    raw = json.loads((LAB_FILES / settings).read_text())
     s = LabSettings(**{k: v for k, v in raw.items() if k in LabSettings.__dataclass_fields__})
     rows = []
-    with open(DOCS / steps) as fh:
+    with open(LAB_FILES / steps) as fh:
         for r in csv.DictReader(fh):
             rows.append(
                 {k: v if k == "config" else int(v) if k in ("seed", "step") else float(v) for k, v in r.items()}
@@ -75,8 +76,8 @@ def test_the_pages_dose_response_blocks_are_what_the_lab_renders(block):
     page = (DOCS / "lab.md").read_text()
     embedded = f"<!-- lab:{block}:begin -->" in page or f"<!-- lab:{block}:end -->" in page
     if not DOSE_SEEDS.exists() and not any(f"<!-- lab:{b}:" in page for b in BLOCKS):
-        pytest.skip("no dose-response run published yet (docs/lab_dose_seeds.csv and its block in docs/lab.md)")
-    assert DOSE_SEEDS.exists(), f"docs/lab.md embeds a dose-response block but {DOSE_SEEDS.name} is not in docs/"
+        pytest.skip("no dose-response run published yet (docs/lab/lab_dose_seeds.csv and its block in docs/lab.md)")
+    assert DOSE_SEEDS.exists(), f"docs/lab.md embeds a dose-response block but {DOSE_SEEDS.name} is not in docs/lab/"
     if not embedded:
         assert block not in REQUIRED_BLOCKS, f"docs/lab.md has no <!-- lab:{block}:begin --> ... end block"
         pytest.skip(f"docs/lab.md does not embed the {block} block")
@@ -86,9 +87,9 @@ def test_the_pages_dose_response_blocks_are_what_the_lab_renders(block):
 
 # ---------------------------------------------------------------------------- the confirmation
 REPO = DOCS.parent
-CONFIRM_SEEDS = DOCS / "lab_confirm_seeds.csv"
-PLAN_SEEDS = DOCS / "lab_explore_primary_seeds.csv"
-LENGTH_SEEDS = DOCS / "lab_length_seeds.csv"
+CONFIRM_SEEDS = LAB_FILES / "lab_confirm_seeds.csv"
+PLAN_SEEDS = LAB_FILES / "lab_explore_primary_seeds.csv"
+LENGTH_SEEDS = LAB_FILES / "lab_length_seeds.csv"
 #: Where advice is given: every paired interval quoted there is a published confirmation's.
 ADVICE = [
     REPO / "README.md",

@@ -6,7 +6,7 @@ gradient norm and the optimizer steps above ``--spike``, collapse (the 5-step me
 peaks at least twice chance, then ends at half its peak or less), ending at chance (final
 evaluation at most twice chance), the largest KL(gen || prev), the kept share of sequences
 and tokens. Per arm (:func:`summarize`) those over seeds; :func:`compare` says, for pairs of
-arms, whether the seeds separate them (:mod:`~nemo_rs_plugin.tools.lab_stats`).
+arms, whether the seeds separate them (:mod:`~nemo_rs_plugin.lab.stats`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from statistics import median
 
 import torch
 
+from nemo_rs_plugin.lab.experiment import CONFIGS, STEP_METRICS, LabSettings
+from nemo_rs_plugin.lab.stats import SIGNIFICANCE, fisher_exact, format_p, permutation_p
 from nemo_rs_plugin.tools import report
-from nemo_rs_plugin.tools.lab_experiment import CONFIGS, STEP_METRICS, LabSettings
-from nemo_rs_plugin.tools.lab_stats import SIGNIFICANCE, fisher_exact, format_p, permutation_p
 
 __all__ = [
     "as_written",

@@ -1,11 +1,11 @@
 """The dose-response run's tables and figure, rendered from its per-seed outcomes (``nemo-rs lab --lags``).
 
-Every table is rendered from the outcomes as :func:`~nemo_rs_plugin.tools.lab_dose.write_seed_csv`
+Every table is rendered from the outcomes as :func:`~nemo_rs_plugin.lab.dose.write_seed_csv`
 writes them (:func:`render_blocks`, :func:`render_from_csv`), so ``nemo-rs lab --report DIR``
 reproduces them without running anything. Docs embed them verbatim between
 ``<!-- lab:NAME:begin -->`` and ``<!-- lab:NAME:end -->`` (:func:`marked_block`), and
 :func:`doc_block_mismatch` checks such a block against a committed CSV. What the outcomes and
-comparisons mean: :mod:`~nemo_rs_plugin.tools.lab_dose`.
+comparisons mean: :mod:`~nemo_rs_plugin.lab.dose`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import difflib
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from nemo_rs_plugin.tools import report
-from nemo_rs_plugin.tools.lab_dose import (
+from nemo_rs_plugin.lab.dose import (
     AT_CHANCE,
     BASELINE,
     COLLAPSE_DROP,
@@ -32,7 +31,8 @@ from nemo_rs_plugin.tools.lab_dose import (
     reference_of,
     smallest_p,
 )
-from nemo_rs_plugin.tools.lab_stats import SIGNIFICANCE, format_p
+from nemo_rs_plugin.lab.stats import SIGNIFICANCE, format_p
+from nemo_rs_plugin.tools import report
 
 __all__ = [
     "BLOCKS",

@@ -1,4 +1,4 @@
-"""Guards the lab's confirmatory protocol (tools/lab_confirm.py) and its length study (tools/lab_length.py).
+"""Guards the lab's confirmatory protocol (lab/confirm.py) and its length study (lab/length.py).
 
 The protocol against what it claims to decide (the recipes' corrections, at the staleness the
 async recipe allows; seeds disjoint from the exploration's), the power plan against a normal
@@ -17,7 +17,7 @@ import yaml
 pytest.importorskip("scipy")
 pytest.importorskip("statsmodels")
 
-from nemo_rs_plugin.tools.lab_confirm import (  # noqa: E402
+from nemo_rs_plugin.lab.confirm import (  # noqa: E402
     PROTOCOL,
     Comparison,
     Protocol,
@@ -29,9 +29,9 @@ from nemo_rs_plugin.tools.lab_confirm import (  # noqa: E402
     protocol_jobs,
     verdict,
 )
-from nemo_rs_plugin.tools.lab_dose import SEED_FIELDS, read_seed_csv, write_seed_csv  # noqa: E402
-from nemo_rs_plugin.tools.lab_experiment import CONFIGS, DOSE  # noqa: E402
-from nemo_rs_plugin.tools.lab_length import (  # noqa: E402
+from nemo_rs_plugin.lab.dose import SEED_FIELDS, read_seed_csv, write_seed_csv  # noqa: E402
+from nemo_rs_plugin.lab.experiment import CONFIGS, DOSE  # noqa: E402
+from nemo_rs_plugin.lab.length import (  # noqa: E402
     LENGTH_STUDY,
     format_length_study,
     length_comparisons,
@@ -39,7 +39,7 @@ from nemo_rs_plugin.tools.lab_length import (  # noqa: E402
     write_length_csv,
 )
 from nemo_rs_plugin.tools.recipes import recipe_dir  # noqa: E402
-from tests.support.lab_outcomes import seed_outcome  # noqa: E402
+from tests.lab.outcomes import seed_outcome  # noqa: E402
 
 OPTIMIZER_STEPS_PER_BATCH = 2  # the lab's minibatches per rollout batch (LabSettings.minibatches)
 
@@ -187,7 +187,7 @@ def test_the_length_study_compares_each_arm_with_none_at_each_length(tmp_path):
 
 # ---------------------------------------------------------------------------- command line
 def _args(*argv, out):
-    from nemo_rs_plugin.tools import lab
+    from nemo_rs_plugin.lab import cli as lab
 
     args = lab.build_parser().parse_args([*argv, "--out", str(out)])
     return lab, args, lab.settings_from(args)
@@ -227,7 +227,7 @@ def test_confirm_and_lengths_flag_problems(argv, needle, tmp_path):
 
 
 def test_plan_and_report_read_saved_runs(tmp_path, capsys):
-    from nemo_rs_plugin.tools import lab
+    from nemo_rs_plugin.lab import cli as lab
 
     c0 = PROTOCOL.primary[0]
     write_seed_csv(
@@ -255,7 +255,7 @@ def test_plan_and_report_read_saved_runs(tmp_path, capsys):
 def test_quick_confirmation_and_length_runs(tmp_path):
     """``--quick --confirm`` and ``--quick --lengths``: the whole machinery, in seconds."""
     pytest.importorskip("transformers")
-    from nemo_rs_plugin.tools import lab
+    from nemo_rs_plugin.lab import cli as lab
 
     out = tmp_path / "confirm"
     assert (

@@ -10,7 +10,7 @@ Every arm of :data:`LENGTH_STUDY` (no correction, token IS truncated at 2, ``seq
 ``sequence``; untruncated sequence weights, so the level alone differs) runs at every length on
 the same paired seeds, at one lag: the per-token mismatch then comes from staleness, large
 enough that the product's collapse falls inside lengths a CPU trains (docs/lab.md#length).
-Outcomes per run are the dose-response run's (:func:`~nemo_rs_plugin.tools.lab_dose.run_outcome`:
+Outcomes per run are the dose-response run's (:func:`~nemo_rs_plugin.lab.dose.run_outcome`:
 ``eval_auc`` first, the final evaluation, collapse counts) and the mean IS effective sample
 size over the run (``is_ess_mean``). Each arm is compared with ``none`` at each length on the
 primary outcome ``eval_auc`` (paired t interval and test), Holm's correction over this
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
+from nemo_rs_plugin.lab.dose import BASELINE, SEED_FIELDS, by_seed, read_seed_csv, write_seed_csv
+from nemo_rs_plugin.lab.stats import SIGNIFICANCE, format_p, holm, t_interval, t_test_p
 from nemo_rs_plugin.tools import report
-from nemo_rs_plugin.tools.lab_dose import BASELINE, SEED_FIELDS, by_seed, read_seed_csv, write_seed_csv
-from nemo_rs_plugin.tools.lab_stats import SIGNIFICANCE, format_p, holm, t_interval, t_test_p
 
 __all__ = [
     "LENGTH_FIELDS",
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 #: The published study's settings (docs/lab.md#length); ``--lengths`` takes them as defaults.
-LENGTH_STUDY = dict(
+LENGTH_STUDY: dict[str, Any] = dict(
     configs=["none", "token-tis", "sequence_mean", "sequence"],
     lag=2,
     lengths=[16, 64, 256],

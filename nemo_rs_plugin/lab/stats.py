@@ -10,7 +10,7 @@ initial weights and the prompts; ``d_i = a_i - b_i``):
 * :func:`t_interval`: the paired t interval of ``mean(d)``,
   ``mean(d) +- t_{n-1, (1+level)/2} sd(d) / sqrt(n)``. It covers at its level for normal
   differences at any ``n``; the percentile bootstrap it replaces covered 86% at 8 seeds and 93%
-  at 16 for a nominal 95% (``tests/tools/test_lab_stats.py`` simulates both).
+  at 16 for a nominal 95% (``tests/lab/test_lab_stats.py`` simulates both).
 * :func:`t_test_p`: the paired t-test's two-sided p-value, ``2 P(T_{n-1} >= |mean(d)| sqrt(n) /
   sd(d)|)``; it rejects at ``alpha`` exactly when the ``1 - alpha`` t interval excludes 0, so
   the page's words and intervals cannot disagree.

@@ -1,4 +1,4 @@
-"""Guards the lab (tools/lab*.py): the quick run CI uses, the outcomes, the tests of separation.
+"""Guards the lab (lab/): the quick run CI uses, the outcomes, the tests of separation.
 
 The quick run must complete, be deterministic and finite, and calibrate its band after the
 pilot steps. The outcome rules (spike, collapse, at chance, warned) and the two tests of
@@ -11,16 +11,16 @@ import math
 
 import pytest
 
-from nemo_rs_plugin.tools.lab_experiment import BASE_LOSS, CONFIGS, STEP_METRICS, LabSettings
-from nemo_rs_plugin.tools.lab_report import compare, seed_outcomes, summarize
-from nemo_rs_plugin.tools.lab_stats import fisher_exact, permutation_p
+from nemo_rs_plugin.lab.experiment import BASE_LOSS, CONFIGS, STEP_METRICS, LabSettings, run_one
+from nemo_rs_plugin.lab.run_report import compare, seed_outcomes, summarize
+from nemo_rs_plugin.lab.stats import fisher_exact, permutation_p
 
 _MAY_BE_NAN = ("eval_reward", "band_lower", "band_upper")  # set only at evaluations / after calibration
 
 
 @pytest.mark.skipif(not pytest.importorskip("transformers"), reason="needs transformers")
 def test_quick_mode_completes_deterministic_finite_and_calibrates(tmp_path):
-    from nemo_rs_plugin.tools import lab
+    from nemo_rs_plugin.lab import cli as lab
 
     out = tmp_path / "lab"
     assert lab.main(["--quick", "--out", str(out), "--workers", "1"]) == 0
@@ -60,7 +60,7 @@ def test_quick_mode_completes_deterministic_finite_and_calibrates(tmp_path):
 
     # The same arm and seed again, in this process: the same numbers (wall time aside).
     name, seed = s.configs[-1], s.seeds[0]
-    again = lab.run_one(name, seed, s)
+    again = run_one(name, seed, s)
     first = [r for r in rows if r["config"] == name and r["seed"] == str(seed)]
     for a, b in zip(first, again):
         for k in STEP_METRICS:

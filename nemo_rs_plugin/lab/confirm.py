@@ -1,6 +1,6 @@
 """The lab's confirmatory protocol: a few comparisons fixed in advance, tested on seeds the exploration never saw.
 
-The dose-response run (:mod:`~nemo_rs_plugin.tools.lab_dose`, seeds 100-115) explored every arm
+The dose-response run (:mod:`~nemo_rs_plugin.lab.dose`, seeds 100-115) explored every arm
 at every lag and found many differences; a new draw of seeds shrank or reversed most of them
 (docs/lab.md#confirmation). What the docs advise rests only on this protocol:
 
@@ -30,10 +30,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from nemo_rs_plugin.tools import report
-from nemo_rs_plugin.tools.lab_dose import OUTCOME_LABELS, by_seed
-from nemo_rs_plugin.tools.lab_dose_report import interval_text, signed
-from nemo_rs_plugin.tools.lab_stats import (
+from nemo_rs_plugin.lab.dose import OUTCOME_LABELS, by_seed
+from nemo_rs_plugin.lab.dose_report import interval_text, signed
+from nemo_rs_plugin.lab.stats import (
     SIGNIFICANCE,
     format_p,
     holm,
@@ -44,6 +43,7 @@ from nemo_rs_plugin.tools.lab_stats import (
     t_interval,
     t_test_p,
 )
+from nemo_rs_plugin.tools import report
 
 __all__ = [
     "PROTOCOL",
@@ -168,7 +168,7 @@ def power_plan(exploration: list[dict], protocol: Protocol = PROTOCOL) -> list[d
     """Per primary comparison: the exploration's paired mean and sd of the outcome, and the seeds needed.
 
     ``seeds_needed``: a two-sided paired t-test at ``alpha / m`` (``m`` primary comparisons)
-    detecting ``delta`` with ``power`` (:func:`~nemo_rs_plugin.tools.lab_stats.seeds_for_power`).
+    detecting ``delta`` with ``power`` (:func:`~nemo_rs_plugin.lab.stats.seeds_for_power`).
     """
     m = len(protocol.primary)
     rows = []

@@ -1,4 +1,4 @@
-"""Guards the lab's statistics (tools/lab_stats.py): SciPy's and statsmodels' tests as the lab calls them.
+"""Guards the lab's statistics (lab/stats.py): SciPy's and statsmodels' tests as the lab calls them.
 
 Each wrapper against a case computed by hand (so a wrong argument to the library, a one-sided
 test or another level, fails), and the paired interval against its claim: simulated coverage
@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("scipy")
 pytest.importorskip("statsmodels")
 
-from nemo_rs_plugin.tools.lab_stats import (  # noqa: E402
+from nemo_rs_plugin.lab.stats import (  # noqa: E402
     fisher_exact,
     format_p,
     holm,

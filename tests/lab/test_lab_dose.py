@@ -1,6 +1,6 @@
-"""Guards the lab's dose-response run (tools/lab_dose.py, ``nemo-rs lab --lags``).
+"""Guards the lab's dose-response run (lab/dose.py, ``nemo-rs lab --lags``).
 
-The Holm family of the run (the tests themselves: tests/tools/test_lab_stats.py); chance
+The Holm family of the run (the tests themselves: tests/lab/test_lab_stats.py); chance
 against exact enumeration of the task; the outcome rules on constructed runs; the arms
 against the presets and the recipes they mirror; the tables against their CSV and a page's
 marked block; and the quick dose-response run CI uses, end to end. No assertion about which correction learns better.
@@ -20,8 +20,8 @@ import torch
 import yaml
 
 from nemo_rs_plugin.core import presets
-from nemo_rs_plugin.tools import lab
-from nemo_rs_plugin.tools.lab_dose import (
+from nemo_rs_plugin.lab import cli as lab
+from nemo_rs_plugin.lab.dose import (
     SEED_FIELDS,
     dose_comparisons,
     dose_outcomes,
@@ -32,7 +32,7 @@ from nemo_rs_plugin.tools.lab_dose import (
     smallest_p,
     write_seed_csv,
 )
-from nemo_rs_plugin.tools.lab_dose_report import (
+from nemo_rs_plugin.lab.dose_report import (
     doc_block_mismatch,
     format_dose_response,
     marked_block,
@@ -40,7 +40,7 @@ from nemo_rs_plugin.tools.lab_dose_report import (
     render_from_csv,
     with_block,
 )
-from nemo_rs_plugin.tools.lab_experiment import (
+from nemo_rs_plugin.lab.experiment import (
     CONFIGS,
     DEFAULT_ARMS,
     DOSE_ARMS,
@@ -48,11 +48,11 @@ from nemo_rs_plugin.tools.lab_experiment import (
     SEQ_MASK_TIS_BOUNDS,
     STEP_METRICS,
     LabSettings,
-    dose_jobs,
 )
-from nemo_rs_plugin.tools.lab_model import chance_reward, reward_of
+from nemo_rs_plugin.lab.model import chance_reward, reward_of
+from nemo_rs_plugin.lab.pool import dose_jobs
 from nemo_rs_plugin.tools.recipes import recipe_dir
-from tests.support.lab_outcomes import seed_outcome
+from tests.lab.outcomes import seed_outcome
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -82,7 +82,7 @@ def test_chance_of_the_published_task():
 
 def test_chance_counts_the_models_real_vocabulary():
     pytest.importorskip("transformers")
-    from nemo_rs_plugin.tools.lab_model import build_model, model_vocab_size
+    from nemo_rs_plugin.lab.model import build_model, model_vocab_size
 
     s = LabSettings(vocab=16, hidden=16, layers=1, experts=2, top_k=1, length=4)
     assert build_model(s).config.vocab_size == model_vocab_size(16) == 17
@@ -266,7 +266,7 @@ def test_tables_render_from_the_csv_and_a_pages_block_is_checked(tmp_path):
 
 
 def test_a_csv_written_before_eval_auc_reads_it_as_nan(tmp_path):
-    """The exploration (docs/lab_dose_seeds.csv) predates eval_auc: its tables still render."""
+    """The exploration (docs/lab/lab_dose_seeds.csv) predates eval_auc: its tables still render."""
     path = tmp_path / "old.csv"
     write_seed_csv(_synthetic(2), path)
     with open(path, newline="") as fh:
@@ -321,7 +321,7 @@ def test_peer_arms_are_the_presets_and_nemo_rls_seq_mask_tis():
 def test_arm_lists():
     assert set(DOSE_ARMS) <= set(CONFIGS) and DOSE_ARMS[:2] == ["on-policy", "none"]
     # the single-lag default is the published run's (docs/lab.md)
-    assert DEFAULT_ARMS == json.loads((DOCS / "lab_settings.json").read_text())["configs"]
+    assert DEFAULT_ARMS == json.loads((DOCS / "lab" / "lab_settings.json").read_text())["configs"]
     assert DOSE_LAGS == [0, 1, 2, 4, 8]
     jobs = dose_jobs(["on-policy", "none", "veto"], [3, 4], [0, 2])
     assert jobs == [
@@ -341,7 +341,7 @@ def test_arm_lists():
 @pytest.mark.parametrize("name", ["token-tis+veto", "token-mis", "seq-mis", "veto"])
 def test_new_arms_train(name):
     pytest.importorskip("transformers")
-    from nemo_rs_plugin.tools.lab_experiment import QUICK, run_one
+    from nemo_rs_plugin.lab.experiment import QUICK, run_one
 
     s = LabSettings(**{**QUICK, "steps": 2, "lag": 8})
     rows = run_one(name, 0, s)
@@ -402,7 +402,7 @@ def test_report_rerenders_a_saved_csv(tmp_path, capsys):
 def test_quick_dose_response_run(tmp_path):
     """``nemo-rs lab --quick --lags 0 2``: the whole machinery, in seconds."""
     pytest.importorskip("transformers")
-    from nemo_rs_plugin.tools.lab_experiment import run_one
+    from nemo_rs_plugin.lab.experiment import run_one
 
     out = tmp_path / "dose"
     assert lab.main(["--quick", "--lags", "0", "2", "--out", str(out), "--workers", "1"]) == 0

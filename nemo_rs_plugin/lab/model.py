@@ -1,6 +1,6 @@
 """The lab's model, task and sampler: a tiny Qwen3-MoE decoder counting on, sampled with a KV cache.
 
-No training here (that is :mod:`~nemo_rs_plugin.tools.lab_experiment`): the model built from
+No training here (that is :mod:`~nemo_rs_plugin.lab.experiment`): the model built from
 a tiny config (random initialisation, nothing downloaded), the task's reward, autoregressive
 sampling with the sampler's own log-probs, the trainer's log-probs of a batch, and the MoE
 routing recorded on both sides.

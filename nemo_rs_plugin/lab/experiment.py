@@ -1,10 +1,9 @@
-"""The lab's experiment: the settings and the GRPO training loop (the arms: :mod:`~nemo_rs_plugin.tools.lab_arms`).
+"""The lab's experiment: the settings and the GRPO training loop (the arms: :mod:`~nemo_rs_plugin.lab.arms`).
 
 :func:`run_one` trains one arm with one seed and returns one row of metrics per rollout step
-(:data:`STEP_METRICS`); :func:`run_all` runs every arm and seed (and, for the dose-response
-run, every lag: :func:`dose_jobs`), in worker processes if asked. The model, task and sampler
-are in :mod:`~nemo_rs_plugin.tools.lab_model`; what is measured and why is in
-:mod:`nemo_rs_plugin.tools.lab` and docs/lab.md.
+(:data:`STEP_METRICS`); :mod:`~nemo_rs_plugin.lab.pool` runs many, in worker processes if
+asked. The model, task and sampler are in :mod:`~nemo_rs_plugin.lab.model`; what is measured
+and why is in :mod:`nemo_rs_plugin.lab.cli` and docs/lab.md.
 """
 
 from __future__ import annotations
@@ -12,8 +11,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -21,7 +20,7 @@ from nemo_rs_plugin.core.config import RejectionFilter
 from nemo_rs_plugin.core.correction.calibration import calibrate_filters
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
 from nemo_rs_plugin.core.policy_loss import kl_estimate
-from nemo_rs_plugin.tools.lab_arms import (
+from nemo_rs_plugin.lab.arms import (
     BASE_LOSS,
     CONFIGS,
     DEFAULT_ARMS,
@@ -30,7 +29,7 @@ from nemo_rs_plugin.tools.lab_arms import (
     SEQ_MASK_TIS_BOUNDS,
     Arm,
 )
-from nemo_rs_plugin.tools.lab_model import (
+from nemo_rs_plugin.lab.model import (
     DTYPES,
     RoutingRecorder,
     build_model,
@@ -53,8 +52,6 @@ __all__ = [
     "SEQ_MASK_TIS_BOUNDS",
     "STEP_METRICS",
     "LabSettings",
-    "dose_jobs",
-    "run_all",
     "run_one",
 ]
 
@@ -101,9 +98,9 @@ class LabSettings:
 
 #: The dose-response run's defaults (``--lags``), over the single-lag defaults: 80 steps, so that
 #: a late collapse falls inside the run, and 16 seeds the published runs (0-11) did not use.
-DOSE = dict(steps=80, seeds=list(range(100, 116)), configs=list(DOSE_ARMS))
+DOSE: dict[str, Any] = dict(steps=80, seeds=list(range(100, 116)), configs=list(DOSE_ARMS))
 
-QUICK = dict(
+QUICK: dict[str, Any] = dict(
     length=16,
     prompts=2,
     group=4,
@@ -117,7 +114,7 @@ QUICK = dict(
 )
 
 #: ``--quick --lags``: the quick sizes, 3 evaluations a run, the reference and two arms.
-QUICK_DOSE = dict(steps=6, configs=["on-policy", "none", "token-tis+veto"])
+QUICK_DOSE: dict[str, Any] = dict(steps=6, configs=["on-policy", "none", "token-tis+veto"])
 
 _PROMPT_TOKENS = 2  # [BOS, start]
 _EVAL_SEED = 777  # the same prompts' random numbers at every evaluation, in every arm
@@ -373,94 +370,3 @@ def _run_one(name: str, seed: int, s: LabSettings, tick: Optional[Callable[[], N
         if tick is not None:
             tick()
     return rows
-
-
-# ---------------------------------------------------------------------------- many runs
-def _leave_ctrl_c_to_the_parent() -> None:
-    """A worker ignores SIGINT: Ctrl-C reaches the whole process group, and each worker would print a traceback."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _worker(args):
-    name, seed, settings, queue = args
-    tick = (lambda: queue.put(1)) if queue is not None else None
-    return run_one(name, seed, settings, tick)
-
-
-def dose_jobs(configs: list[str], seeds: list[int], lags: list[int]) -> list[tuple[str, int, int]]:
-    """``(arm, seed, lag)`` of a dose-response run: every arm at every lag over the same seeds.
-
-    The on-policy reference has no lag (its sampler is the trainer's current weights in float32):
-    it runs once per seed, at lag 0.
-    """
-    jobs = []
-    for c in configs:
-        for lag in [0] if CONFIGS[c].on_policy else lags:
-            jobs += [(c, seed, lag) for seed in seeds]
-    return jobs
-
-
-def run_all(
-    s: LabSettings,
-    workers: int = 1,
-    progress: Optional[Callable[[int, int], None]] = None,
-    lags: Optional[list[int]] = None,
-    jobs: Optional[list[tuple[str, int, int]]] = None,
-) -> list[dict]:
-    """Every arm x seed (x lag with ``lags``: :func:`dose_jobs`); rows sorted by (arm order, lag, seed, step).
-
-    ``jobs``: exactly these ``(arm, seed, lag)`` runs instead (the confirmation's,
-    :func:`~nemo_rs_plugin.tools.lab_confirm.protocol_jobs`). Each run depends only on its arm,
-    seed and settings (``s`` with its ``lag``), never on ``workers`` or on the other runs.
-    """
-    if jobs is None:
-        jobs = (
-            dose_jobs(s.configs, s.seeds, lags)
-            if lags is not None
-            else [(c, seed, s.lag) for c in s.configs for seed in s.seeds]
-        )
-    settings = {lag: (s if lag == s.lag else replace(s, lag=lag)) for lag in {lag for _, _, lag in jobs}}
-    total, done = len(jobs) * s.steps, 0
-    rows: list[dict] = []
-    if workers <= 1:
-        for c, seed, lag in jobs:
-
-            def tick():
-                nonlocal done
-                done += 1
-                if progress:
-                    progress(done, total)
-
-            rows += run_one(c, seed, settings[lag], tick)
-    else:
-        import multiprocessing as mp
-        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
-        ctx = mp.get_context("spawn")
-        with (
-            ctx.Manager() as manager,
-            ProcessPoolExecutor(workers, mp_context=ctx, initializer=_leave_ctrl_c_to_the_parent) as pool,
-        ):
-            queue = manager.Queue()
-            pending = {pool.submit(_worker, (c, seed, settings[lag], queue)) for c, seed, lag in jobs}
-            try:
-                while pending:
-                    finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-                    while not queue.empty():
-                        queue.get()
-                        done += 1
-                        if progress:
-                            progress(done, total)
-                    for f in finished:
-                        rows += f.result()
-            except KeyboardInterrupt:
-                # Stop the running jobs now (the public API only cancels those not started), so the
-                # pool's exit does not wait for them; the caller prints one "interrupted" line.
-                for proc in list((getattr(pool, "_processes", None) or {}).values()):
-                    proc.terminate()
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
-    order = {c: i for i, c in enumerate(s.configs)}
-    return sorted(rows, key=lambda r: (order[r["config"]], r["lag"], r["seed"], r["step"]))

@@ -1,10 +1,10 @@
-"""A lab per-seed outcome row (tools/lab_dose.SEED_FIELDS) built by hand, for the lab's table tests."""
+"""A lab per-seed outcome row (lab/dose.SEED_FIELDS) built by hand, for the lab's table tests."""
 
 from __future__ import annotations
 
 import math
 
-from nemo_rs_plugin.tools.lab_dose import SEED_FIELDS
+from nemo_rs_plugin.lab.dose import SEED_FIELDS
 
 
 def seed_outcome(config: str, lag: int, seed: int, **values) -> dict:
