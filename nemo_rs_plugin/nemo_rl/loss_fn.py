@@ -61,7 +61,7 @@ __all__ = ["RSClippedPGLossFn", "batch_data_parallel_group", "megatron_groups"]
 try:  # v0.7.0 has no MetricNormalizer; main does
     from nemo_rl.algorithms.loss.interfaces import MetricNormalizer
 except ImportError:  # pragma: no cover - depends on the host version
-    MetricNormalizer = None  # type: ignore[assignment,misc]
+    MetricNormalizer = None
 
 
 class RSClippedPGLossFn(ClippedPGLossFn):
@@ -152,10 +152,10 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         dp_group = batch_data_parallel_group(self.rs_config)
         packed = per_sequence_wrapper_call(self)
         microbatch = None
-        if packed is not None and packed.index is None:
+        if packed is not None and packed.sequence_index is None:
             # position unreadable: one sequence computed per call (nemo_rs_plugin.nemo_rl.packing)
             microbatch = self._per_sequence_totals(packed, dp_group)
-        if packed is None or packed.index is None:
+        if packed is None or packed.sequence_index is None:
             self._gather.clear()  # nothing of a wrapper call that stopped part-way outlives it
         if not self.rs_config.sharded_logits_input:
             if next_token_logprobs is None:
@@ -163,7 +163,7 @@ class RSClippedPGLossFn(ClippedPGLossFn):
                     "rs_clipped_pg: next_token_logprobs is required (input_type LOGPROB); set "
                     "sharded_logits_input: true to pass logits"
                 )
-            if packed is not None and packed.index is not None:
+            if packed is not None and packed.sequence_index is not None:
                 gathered = self._gather.add(packed, next_token_logprobs, data)
                 if gathered is None:  # not the microbatch's last sequence: counted in the last call
                     dtype = self.core.loss_dtype(next_token_logprobs, data)  # the wrapper sums into this zero
@@ -189,7 +189,7 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         from nemo_rs_plugin.parallel.sharded import sharded_loss, sharded_loss_inputs, sharded_loss_of_inputs
 
         tp_group, cp_group = megatron_groups()
-        if packed is not None and packed.index is not None:
+        if packed is not None and packed.sequence_index is not None:
             # Each call makes its sequence's CP-local inputs (the log-softmax over the local vocabulary
             # shard, with its TP all-gather); the last computes the stacked microbatch once.
             try:

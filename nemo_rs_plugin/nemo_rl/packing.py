@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from types import FrameType
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
@@ -64,22 +65,23 @@ class WrapperCall(NamedTuple):
         frame_id: ``id`` of the wrapper's running frame: one wrapper call (one microbatch).
         sequences: the wrapper's sequence count (``len(cu_seqlens_q) - 1``).
         microbatch: the wrapper's ``data``: the whole microbatch, unpacked and padded.
-        index: which sequence this call is (the wrapper's ``seq_idx``), ``None`` where unreadable.
+        sequence_index: which sequence this call is (the wrapper's ``seq_idx``), ``None`` where unreadable.
     """
 
     frame_id: int
     sequences: int
     microbatch: Any
-    index: Optional[int]
+    sequence_index: Optional[int]  # not `index`: a NamedTuple field would hide tuple.index
 
 
-def loss_callers(max_depth: int) -> list:
+def loss_callers(max_depth: int) -> list[FrameType]:
     """The frames calling ``RSClippedPGLossFn.__call__``, nearest first, at most ``max_depth``.
 
     For the helpers ``__call__`` calls directly (frame 0 is this function, 1 the helper, 2
     ``__call__``): what NeMo-RL's wrappers hold that the loss's arguments do not carry.
     """
-    frames, frame = [], sys._getframe(3)
+    frames: list[FrameType] = []
+    frame: Optional[FrameType] = sys._getframe(3)
     while frame is not None and len(frames) < max_depth:
         frames.append(frame)
         frame = frame.f_back
@@ -132,7 +134,7 @@ class SequenceGather:
         self._pending = None
 
     def add(self, call: WrapperCall, logprobs: torch.Tensor, data: Mapping[str, Any]) -> Optional[tuple]:
-        """Keep call ``call.index``'s inputs; on the last, ``(logprobs [n, T - 1], data)`` of the microbatch.
+        """Keep call ``call.sequence_index``'s inputs; on the last, ``(logprobs [n, T - 1], data)`` of the microbatch.
 
         ``None`` for every call before the last (its caller returns a zero loss, no metrics).
 
@@ -146,13 +148,13 @@ class SequenceGather:
         if logprobs.dim() != 2 or logprobs.shape[0] != 1 or logprobs.shape[1] != width - 1:
             self._pending = None
             raise ValueError(
-                f"rs_clipped_pg: sequence {call.index} of the packed microbatch has next_token_logprobs of shape "
-                f"{tuple(logprobs.shape)} for {width} token_mask columns; expected (1, {width - 1})"
+                f"rs_clipped_pg: sequence {call.sequence_index} of the packed microbatch has next_token_logprobs of "
+                f"shape {tuple(logprobs.shape)} for {width} token_mask columns; expected (1, {width - 1})"
             )
         return self._keep(call, pending, (logprobs, data), _stacked)
 
     def add_inputs(self, call: WrapperCall, inputs: LossInputs) -> Optional[LossInputs]:
-        """Keep call ``call.index``'s inputs (logit input: its sequence's CP-local ``LossInputs``).
+        """Keep call ``call.sequence_index``'s inputs (logit input: its sequence's CP-local ``LossInputs``).
 
         On the last call the microbatch's, stacked (``LossInputs.stack_rows``); ``None`` before.
         Raises ``RuntimeError`` for a call out of the wrapper's order, as :meth:`add`.
@@ -162,27 +164,27 @@ class SequenceGather:
 
     def _admit(self, call: WrapperCall) -> _Pending:
         """The microbatch ``call`` belongs to: new at sequence 0, else the one its earlier calls began."""
-        assert call.index is not None
-        if call.index == 0:
+        assert call.sequence_index is not None
+        if call.sequence_index == 0:
             self._pending = _Pending(call.frame_id, call.microbatch, [None] * call.sequences)
         pending = self._pending
         if (
             pending is None
             or pending.frame_id != call.frame_id
             or pending.microbatch is not call.microbatch
-            or pending.rows[call.index] is not None
+            or pending.rows[call.sequence_index] is not None
         ):
             self._pending = None
             raise RuntimeError(
-                f"rs_clipped_pg: SequencePackingLossWrapper called the loss for sequence {call.index} of "
+                f"rs_clipped_pg: SequencePackingLossWrapper called the loss for sequence {call.sequence_index} of "
                 f"{call.sequences} out of order (expected 0, 1, ..., {call.sequences - 1} within one wrapper call)"
             )
         return pending
 
     def _keep(self, call: WrapperCall, pending: _Pending, row: Any, stack: Callable[[_Pending], Any]) -> Any:
-        assert call.index is not None
-        pending.rows[call.index] = row
-        if call.index < call.sequences - 1:
+        assert call.sequence_index is not None
+        pending.rows[call.sequence_index] = row
+        if call.sequence_index < call.sequences - 1:
             return None
         self._pending = None
         return stack(pending)

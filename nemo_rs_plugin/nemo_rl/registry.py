@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from importlib import metadata
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 from nemo_rs_plugin.core.presets import NEMO_RL_LOSS_NAME, PLUGIN_LOSS_NAME  # standard library only
 
@@ -46,7 +46,7 @@ def _fqn(target: Union[str, type]) -> str:
     return f"{target.__module__}:{target.__qualname__}"
 
 
-def register_loss(name: str, target: Union[str, type, None] = None) -> Callable:
+def register_loss(name: str, target: Union[str, type, None] = None) -> Any:
     """Register ``target`` (a class or ``"module:Class"``) under ``name``.
 
     Usable as a decorator (``@register_loss("my_loss")``) or a call. Registering the same

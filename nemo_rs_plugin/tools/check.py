@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from nemo_rs_plugin.core.config import (
     PLUGIN_FIELDS,
@@ -290,7 +290,7 @@ def _one_sequence_calls_note(
 
 def check_recipe(
     path: str,
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
     nemo_rl_path: Optional[str] = None,
     mismatch: float = 0.02,
     response_tokens: Optional[int] = None,
@@ -344,7 +344,7 @@ def _check(
         from nemo_rs_plugin.nemo_rl.registry import LossRegistryError, get_loss_class
 
         try:
-            get_loss_class(name)
+            get_loss_class(str(name))  # not None: no name selects NeMo-RL's own loss (above)
         except (LossRegistryError, ImportError) as exc:
             report.errors.append(str(exc))
     if report.nemo_rl:
@@ -354,6 +354,7 @@ def _check(
     own = selects_nemo_rl_loss(name)
     section = {k: v for k, v in loss.items() if not (own and (k == "name" or k in PLUGIN_FIELDS))}
     unresolved = [u for u in report.unresolved if u.startswith("loss_fn.")]
+    config: Optional[RSClippedPGLossConfig]
     try:
         config = RSClippedPGLossConfig.from_any(section)
     except ConfigError as exc:

@@ -99,6 +99,7 @@ def _truncation_line(cfg: RSClippedPGLossConfig) -> str:
 
 
 def _batch_normalization_line(cfg: RSClippedPGLossConfig) -> str:
+    assert cfg.is_batch_normalization is not None  # described only where it is on
     scope = {"microbatch": "this microbatch", "data_parallel": "the microbatches of all data-parallel ranks"}[
         cfg.is_batch_normalization
     ]

@@ -91,7 +91,7 @@ def _recipe(report: _Report, recipe: str) -> None:
     import yaml
 
     seen: set[str] = set()
-    todo = [(recipe, None)]  # (file, the file naming it in defaults)
+    todo: list[tuple[str, Optional[str]]] = [(recipe, None)]  # (file, the file naming it in defaults)
     while todo:
         path, named_by = todo.pop(0)
         where = "" if named_by is None else f" (named in defaults of {named_by})"
@@ -116,7 +116,7 @@ def _recipe(report: _Report, recipe: str) -> None:
 
 
 def _hook(report: _Report) -> Any:
-    hook = sys.modules.get("_nemo_rs_plugin_hook")
+    hook: Any = sys.modules.get("_nemo_rs_plugin_hook")
     if hook is None or not hook.installed():
         import nemo_rs_plugin
 

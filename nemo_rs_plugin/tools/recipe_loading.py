@@ -22,7 +22,7 @@ import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, cast
 
 import yaml
 
@@ -117,8 +117,10 @@ def with_cause(exc: BaseException, strip: str = "") -> str:
     """:func:`one_line` plus the first line of the innermost cause (Hydra hides it)."""
     text = one_line(exc, strip)
     inner, seen = exc, 0
-    while (inner.__cause__ or inner.__context__) is not None and seen < 10:
-        inner, seen = inner.__cause__ or inner.__context__, seen + 1
+    cause = inner.__cause__ or inner.__context__
+    while cause is not None and seen < 10:
+        inner, seen = cause, seen + 1
+        cause = inner.__cause__ or inner.__context__
     first = next((line.strip() for line in str(inner).splitlines() if line.strip()), "")
     if inner is not exc and first and first not in text:
         text += f" ({first})"
@@ -358,7 +360,8 @@ def _load_with_nemo_rl(load_path: str, path: str, overrides: list[str], report: 
         try:
             from omegaconf import OmegaConf
 
-            resolved = OmegaConf.to_container(cfg, resolve=True)
+            # load_config returns a DictConfig: its container is a dict
+            resolved = cast(dict, OmegaConf.to_container(cfg, resolve=True))
         except Exception as exc:  # noqa: BLE001
             report.errors.append(f"{path}: NeMo-RL's config does not resolve: {one_line(exc)}")
             return None

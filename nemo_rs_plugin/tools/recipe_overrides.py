@@ -33,8 +33,8 @@ def override_key(override: str) -> tuple[str, str, Optional[str]]:
     """``(kind, dotted key, value)`` of ``key=value`` / ``+key=value`` / ``++key=value`` / ``~key``."""
     if override.startswith("~"):
         kind, rest = "~", override[1:]
-        key, _, value = rest.partition("=")
-        value = value or None
+        key, _, text = rest.partition("=")
+        value: Optional[str] = text or None  # ~key deletes whatever is there; ~key=v only if it is v
     else:
         kind = "++" if override.startswith("++") else "+" if override.startswith("+") else ""
         key, sep, value = override[len(kind) :].partition("=")

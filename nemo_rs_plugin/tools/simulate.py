@@ -143,6 +143,7 @@ def loss_metrics(cfg: dict, batch: dict[str, torch.Tensor]) -> tuple[dict, torch
     lp = torch.nan_to_num(batch["prev_logprobs"][:, 1:].clone()).requires_grad_(True)
     loss, metrics = CorrectedPGLoss(cfg)(lp, data, batch["sample_mask"].sum(), valid.sum())
     loss.backward()
+    assert lp.grad is not None  # lp is a leaf that requires grad, and the loss depends on it
     return metrics, lp.grad.norm()
 
 
