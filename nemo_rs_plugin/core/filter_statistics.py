@@ -9,6 +9,17 @@ sentences and the configuration reference all read :data:`FILTER_STATISTICS`; no
 compares a statistic's name. A new statistic is one entry here (and its name in
 ``rejection_filter.FilterMetric``, which a test holds equal to the keys), plus a reference
 formula in ``tests/support/naive_reference.py``.
+
+References:
+    - ``kl_k1`` / ``kl_k2`` / ``kl_k3``: Schulman, "Approximating KL Divergence",
+      http://joschu.net/blog/kl-approx.html; as rejection statistics, AReaL PR #1088,
+      https://github.com/inclusionAI/AReaL/pull/1088, and VERL's rollout correction,
+      https://verl.readthedocs.io/en/latest/algo/rollout_corr.html
+    - ``ratio`` with ``agg: mean`` (Geo-RS): Liu, Li et al., "When Speed Kills Stability: Demystifying RL
+      Collapse from the Training-Inference Mismatch", https://yingru.notion.site/When-Speed-Kills-Stability-Demystifying-RL-Collapse-from-the-Training-Inference-Mismatch-271211a558b7808d8b12d403fd15edda
+    - ``prob_diff`` (DPPO, IPO): Qi et al., "Rethinking the Trust Region in LLM Reinforcement Learning",
+      https://arxiv.org/abs/2602.04879; prime-rl's losses, https://docs.primeintellect.ai/prime-rl/algorithms
+      and https://docs.primeintellect.ai/prime-rl/ipo.md
 """
 
 from __future__ import annotations

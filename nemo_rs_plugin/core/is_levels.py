@@ -7,6 +7,13 @@ log-weight of a sequence from its reduced statistics, and how a unit is worded. 
 normalisation, ``nemo-rs check``'s description, the configuration reference and the guide's
 table all read :data:`IS_LEVELS`; nothing else compares a level's name. A new level is one
 entry here (and its name in ``config.ISCorrectionLevel``, which a test holds equal to the keys).
+
+References:
+    - The levels, ``sequence_mean`` among them: NeMo-RL PR #2269, "decouple IS correction level from
+      GSPO policy ratio", https://github.com/NVIDIA-NeMo/RL/pull/2269
+    - The length normalisation ``sequence_mean`` takes from GSPO: Zheng et al., "Group Sequence Policy
+      Optimization", https://arxiv.org/abs/2507.18071
+    - ``token`` / ``sequence`` TIS ratio types: SkyRL PR #849, https://github.com/NovaSky-AI/SkyRL/pull/849
 """
 
 from __future__ import annotations

@@ -18,6 +18,12 @@ autograd's gradients (to rounding, ties on the clip bounds included; 0 where aut
 ``0 * inf`` is NaN). They are differentiable once: a second derivative raises.
 
 No function here imports NeMo-RL, reads a config object or calls ``.item()``.
+
+References:
+    - GSPO sequence ratio: Zheng et al., "Group Sequence Policy Optimization", https://arxiv.org/abs/2507.18071
+    - CISPO: MiniMax, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
+      https://arxiv.org/abs/2506.13585
+    - KL penalty k1/k2/k3: Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
 """
 
 from __future__ import annotations

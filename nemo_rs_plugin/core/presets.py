@@ -13,6 +13,20 @@ from these.
 * ``OUTLIER_VETO``: reject a sequence with any token ratio outside ``[1e-4, 1e4]``.
 * ``TOKEN_MIS``: token-level masked IS, tokens with a ratio outside ``[0.5, 2]`` rejected.
 * ``TIS_CAP``: the truncation cap of token/sequence TIS (``truncated_importance_sampling_ratio``).
+
+References:
+    - ``GEO_RS``: Liu, Li et al., "When Speed Kills Stability: Demystifying RL Collapse from the
+      Training-Inference Mismatch", https://yingru.notion.site/When-Speed-Kills-Stability-Demystifying-RL-Collapse-from-the-Training-Inference-Mismatch-271211a558b7808d8b12d403fd15edda
+    - ``GEO_RS`` in VERL (its Geo-RS presets): https://verl.readthedocs.io/en/latest/algo/rollout_corr.html
+    - ``GEO_RS``'s band ``[0.99, 1.01]``: SkyRL PR #849's geometric mask, https://github.com/NovaSky-AI/SkyRL/pull/849
+    - The precision-mismatch scale: NeMo-RL PR #2269, https://github.com/NVIDIA-NeMo/RL/pull/2269
+    - ``OUTLIER_VETO``: SkyRL PR #849's outlier-token thresholds, https://github.com/NovaSky-AI/SkyRL/pull/849
+    - ``TOKEN_MIS``: IcePop (Ant Group's Ling team), https://ringtech.notion.site/icepop
+    - ``TIS_CAP``: TIS, Yao, Liu et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+      Training", https://fengyao.notion.site/off-policy-rl
+    - :func:`dppo`: Qi et al., "Rethinking the Trust Region in LLM Reinforcement Learning",
+      https://arxiv.org/abs/2602.04879; prime-rl's default loss, https://docs.primeintellect.ai/prime-rl/algorithms
+    - :func:`ipo`: prime-rl's IPO loss, https://docs.primeintellect.ai/prime-rl/ipo.md
 """
 
 from __future__ import annotations

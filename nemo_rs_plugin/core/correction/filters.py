@@ -5,6 +5,23 @@ A filter reads a per-token statistic of a log-ratio (:func:`token_filter_statist
 records the sequence filters' partial statistics; after the reduction :func:`apply_filters`
 decides on sequences from the reduced statistics only and declares the per-stage metrics.
 See: docs/guide.md#rejection-sampling and docs/guide.md#filter-statistics.
+
+References:
+    - Geo-RS: Liu, Li et al., "When Speed Kills Stability: Demystifying RL Collapse from the
+      Training-Inference Mismatch", https://yingru.notion.site/When-Speed-Kills-Stability-Demystifying-RL-Collapse-from-the-Training-Inference-Mismatch-271211a558b7808d8b12d403fd15edda
+    - Token-MIS: IcePop (Ant Group's Ling team), https://ringtech.notion.site/icepop; the Ring-1T
+      report, https://arxiv.org/abs/2510.18855
+    - Filter fields (level, metric, agg, bounds), denominators unchanged: AReaL PR #1088,
+      https://github.com/inclusionAI/AReaL/pull/1088
+    - Stage order, Geo-RS then Token-MIS: AReaL PR #1218, https://github.com/inclusionAI/AReaL/pull/1218
+    - Product and geometric masks, outlier-token veto (``agg: any``): SkyRL PR #849,
+      https://github.com/NovaSky-AI/SkyRL/pull/849
+    - OPSM (``negative_advantages_only``): DeepSeek-AI, "DeepSeek-V3.2: Pushing the Frontier of Open
+      Large Language Models", https://arxiv.org/abs/2512.02556
+    - DPPO (``prob_diff`` per ``advantage_sign``, ``applies_to: policy_gradient``): Qi et al., "Rethinking
+      the Trust Region in LLM Reinforcement Learning", https://arxiv.org/abs/2602.04879; prime-rl's default
+      loss, https://docs.primeintellect.ai/prime-rl/algorithms
+    - IPO (two-sided ``prob_diff``): prime-rl, https://docs.primeintellect.ai/prime-rl/ipo.md
 """
 
 from __future__ import annotations

@@ -11,6 +11,12 @@ wrong row.
 
 :func:`batch_normalize_weights` (IS weights over their batch mean: one more SUM of two
 numbers) lives here too, so that every collective of the correction is issued from this module.
+
+References:
+    - GSPO (``ratio_tokens``, the tokens its sequence ratio averages): Zheng et al., "Group Sequence
+      Policy Optimization", https://arxiv.org/abs/2507.18071
+    - Geo-RS (the geometric mean ``exp(d_sum / valid)``): Liu, Li et al., "When Speed Kills Stability:
+      Demystifying RL Collapse from the Training-Inference Mismatch", https://yingru.notion.site/When-Speed-Kills-Stability-Demystifying-RL-Collapse-from-the-Training-Inference-Mismatch-271211a558b7808d8b12d403fd15edda
 """
 
 from __future__ import annotations

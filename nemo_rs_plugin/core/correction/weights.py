@@ -2,6 +2,16 @@
 
 IS weight per level: :data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS` (its formulas, and the
 log-weight of a sequence from its reduced statistics). See: docs/guide.md#is-correction-level.
+
+References:
+    - ``is_correction_level``: NeMo-RL PR #2269, https://github.com/NVIDIA-NeMo/RL/pull/2269
+    - ``tis``: TIS, Yao, Liu et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+      Training", https://fengyao.notion.site/off-policy-rl
+    - ``icepop``: IcePop (Ant Group's Ling team), https://ringtech.notion.site/icepop; the Ring-1T report,
+      https://arxiv.org/abs/2510.18855
+    - ``seq-mask-tis``: NeMo-RL PR #1899, https://github.com/NVIDIA-NeMo/RL/pull/1899, after Liu, Li et
+      al., "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch",
+      https://yingru.notion.site/When-Speed-Kills-Stability-Demystifying-RL-Collapse-from-the-Training-Inference-Mismatch-271211a558b7808d8b12d403fd15edda
 """
 
 from __future__ import annotations
