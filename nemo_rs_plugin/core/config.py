@@ -43,6 +43,7 @@ from nemo_rs_plugin.core.config_problems import (
 )
 from nemo_rs_plugin.core.is_levels import ISLevel, is_level, is_levels_text
 from nemo_rs_plugin.core.rejection_filter import RejectionFilter
+from nemo_rs_plugin.core.truncation import Truncation, truncation, truncations_text
 
 __all__ = [
     "ConfigError",
@@ -123,10 +124,13 @@ class NeMoRLLossFields(BaseModel):
     # --- Importance sampling correction (NeMo-RL) ---
     use_importance_sampling_correction: bool = False
     """Multiply the policy-gradient term by the IS weight ``pi_prev / pi_gen``."""
-    truncated_importance_sampling_type: Optional[TruncationType] = None
-    """``tis`` clamps weights to [min or 0, max]; ``icepop`` zeroes weights outside
-    [min, max]; ``seq-mask-tis`` zeroes sequences whose geometric-mean ratio is outside
-    [min, max] and keeps the other weights untruncated."""
+    truncated_importance_sampling_type: Optional[TruncationType] = Field(
+        default=None,
+        description=(
+            f"{truncations_text()} (the band ``[min, max]`` is the two ratio bounds below; ``w`` the IS weight "
+            "at the chosen level, ``g = exp(sum_t m_t d_t / n)`` the sequence's geometric-mean ratio)."
+        ),
+    )
     truncated_importance_sampling_ratio: Optional[float] = None
     """Upper truncation bound (> 0)."""
     truncated_importance_sampling_ratio_min: Optional[float] = None
@@ -384,6 +388,12 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
     def is_level_entry(self) -> ISLevel:
         """The :data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS` entry of :attr:`effective_is_level`."""
         return is_level(self.effective_is_level)
+
+    @property
+    def truncation_entry(self) -> Optional[Truncation]:
+        """The :data:`~nemo_rs_plugin.core.truncation.TRUNCATIONS` entry of the type; ``None`` without one."""
+        t = self.truncated_importance_sampling_type
+        return None if t is None else truncation(t)
 
 
 #: NeMo-RL's loss fields (``name`` aside), in declaration order.

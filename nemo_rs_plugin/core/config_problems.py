@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS
 from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
 from nemo_rs_plugin.core.rejection_filter import NEMO_RL_UNDIVIDED_MARKERS, RejectionFilter
+from nemo_rs_plugin.core.truncation import TRUNCATIONS, truncation
 
 
 def shown(value: Any) -> str:
@@ -286,10 +287,12 @@ def format_validation_error(exc: ValidationError) -> list[str]:
 def setting_warnings(cfg: Any) -> list[str]:
     """Legal settings of ``cfg`` (an ``RSClippedPGLossConfig``) that do nothing here, one line each."""
     w: list[str] = []
-    if cfg.truncated_importance_sampling_type == "tis" and cfg.truncated_importance_sampling_ratio == math.inf:
+    clamps = cfg.truncation_entry is not None and not cfg.truncation_entry.zeroes_units
+    if clamps and cfg.truncated_importance_sampling_ratio == math.inf:
         w.append(
-            "truncated_importance_sampling_ratio: got inf with truncated_importance_sampling_type 'tis': no "
-            "weight is ever truncated; for no truncation remove truncated_importance_sampling_type and the ratio"
+            "truncated_importance_sampling_ratio: got inf with truncated_importance_sampling_type "
+            f"{cfg.truncated_importance_sampling_type!r}: no weight is ever truncated; for no truncation remove "
+            "truncated_importance_sampling_type and the ratio"
         )
     if cfg.name is not None and cfg.name != PLUGIN_LOSS_NAME:
         # NeMo-RL's loss registry reads the name; NeMo-RL's glue strips it before building
@@ -304,7 +307,7 @@ def setting_warnings(cfg: Any) -> list[str]:
             "false; no IS weight is applied (only the is_weight_* metrics follow the level): set "
             "use_importance_sampling_correction: true to correct, or remove is_correction_level"
         )
-    zeroes_sequences = cfg.truncated_importance_sampling_type in ("icepop", "seq-mask-tis")
+    zeroes_sequences = cfg.truncation_entry is not None and cfg.truncation_entry.zeroes_units
     if cfg.rejection_denominator == "kept" and not cfg.rejection_sampling and not zeroes_sequences:
         w.append(
             "rejection_denominator: got 'kept' with no rejection_sampling filter (and no icepop or "
@@ -363,8 +366,7 @@ def truncation_problems(cfg: Any) -> list[str]:
     if t is None and hi is not None:
         p.append(
             f"truncated_importance_sampling_ratio: got {hi} with "
-            "truncated_importance_sampling_type: null; set the type "
-            "(tis, icepop, seq-mask-tis) or remove the ratio"
+            f"truncated_importance_sampling_type: null; set the type ({', '.join(TRUNCATIONS)}) or remove the ratio"
         )
     if t is not None:
         if not cfg.use_importance_sampling_correction:
@@ -378,11 +380,13 @@ def truncation_problems(cfg: Any) -> list[str]:
                 f"truncated_importance_sampling_ratio: got {hi} with "
                 f"truncated_importance_sampling_type {t!r}; allowed: a number > 0"
             )
-        if t in ("icepop", "seq-mask-tis") and lo is None:
+        entry = truncation(t)
+        if entry.requires_lower and lo is None:
+            reference = ", ".join(f"{e.name} {e.reference_lower:g}" for e in TRUNCATIONS.values() if e.requires_lower)
             p.append(
                 f"truncated_importance_sampling_ratio_min: got null with "
                 f"truncated_importance_sampling_type {t!r}; set a lower bound "
-                "(reference bounds: icepop 0.5, seq-mask-tis 0.999)"
+                f"(reference bounds: {reference})"
             )
         if lo is not None and hi is not None and lo > hi:
             p.append(
@@ -392,12 +396,12 @@ def truncation_problems(cfg: Any) -> list[str]:
             )
         if lo is not None and lo < 0:
             p.append(f"truncated_importance_sampling_ratio_min: got {lo}; allowed: >= 0")
-        if t == "seq-mask-tis" and cfg.sequence_level_importance_ratios and cfg.is_correction_level is None:
+        if entry.per_sequence and cfg.sequence_level_importance_ratios and cfg.is_correction_level is None:
             p.append(
-                "truncated_importance_sampling_type: got 'seq-mask-tis' with "
+                f"truncated_importance_sampling_type: got {t!r} with "
                 "sequence_level_importance_ratios: true, which ties the IS weight to "
                 "the sequence product; set is_correction_level (token or "
-                "sequence_mean) to combine seq-mask-tis with the GSPO ratio"
+                f"sequence_mean) to combine {t} with the GSPO ratio"
             )
     elif lo is not None:
         p.append(

@@ -175,8 +175,10 @@ class _Run:
         self.lag = 0 if self.arm.on_policy else s.lag
         self.loss_fn = self._loss({})
         self.applies_is = bool(self.arm.loss.get("use_importance_sampling_correction", False))
-        # seq-mask-tis zeroes whole sequences: counted with the rejected ones (``seq_rejected_frac``).
-        self.masks_sequences = self.arm.loss.get("truncated_importance_sampling_type") == "seq-mask-tis"
+        # A per-sequence truncation (seq-mask-tis) zeroes whole sequences: counted with the rejected
+        # ones (``seq_rejected_frac``).
+        entry = self.loss_fn.cfg.truncation_entry
+        self.masks_sequences = entry is not None and entry.per_sequence
         self.policy = build_model(s).train()
         self.sampler = build_model(s, DTYPES["fp32" if self.arm.on_policy else s.sampler_dtype])
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=s.lr, betas=(0.9, 0.99), weight_decay=0.0)

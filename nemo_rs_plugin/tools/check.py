@@ -487,7 +487,8 @@ def _warn(
             f"per-token mismatch the log-weight spreads by ~{spread:.2g} nats, so most weights collapse "
             "towards 0 and the learning rate shrinks silently; use is_correction_level: sequence_mean"
         )
-    if config.rejection_sampling or config.truncated_importance_sampling_type == "seq-mask-tis":
+    zeroes_sequences = config.truncation_entry is not None and config.truncation_entry.per_sequence
+    if config.rejection_sampling or zeroes_sequences:
         length = tokens if isinstance(tokens, int) else FALLBACK_RESPONSE_TOKENS
         _warn_rejection(report, config, mismatch, length)
     if recipe_value(cfg, "grpo.async_grpo.enabled", False) and any(
@@ -526,8 +527,9 @@ def _warn_rejection(report: CheckReport, config: RSClippedPGLossConfig, mismatch
         for i, f in enumerate(config.rejection_sampling, 1)
         if f.level == "sequence"
     ]
-    if config.truncated_importance_sampling_type == "seq-mask-tis":
-        stages.append(("seq-mask-tis", metrics.get("is_oob_ratio", 0.0)))
+    entry = config.truncation_entry
+    if entry is not None and entry.per_sequence:  # it zeroes whole sequences, as a sequence filter does
+        stages.append((entry.name, metrics.get("is_oob_ratio", 0.0)))
     total = metrics.get("rs_seq_rejected_frac", 0.0)
     limit = UNHEALTHY_SEQ_REJECTION
     advice = (

@@ -80,22 +80,10 @@ def _is_weight_line(cfg: RSClippedPGLossConfig) -> str:
 
 
 def _truncation_line(cfg: RSClippedPGLossConfig) -> str:
-    t = cfg.truncated_importance_sampling_type
-    if t == "tis":
-        lo = cfg.truncated_importance_sampling_ratio_min or 0.0
-        return f"truncation: clamp the weight to [{lo:g}, {cfg.truncated_importance_sampling_ratio:g}] (TIS)"
-    if t == "icepop":
-        return (
-            f"truncation: weight 0 outside [{cfg.truncated_importance_sampling_ratio_min:g}, "
-            f"{cfg.truncated_importance_sampling_ratio:g}] (icepop / MIS)"
-        )
-    if t == "seq-mask-tis":
-        return (
-            "truncation: weight 0 for sequences whose geometric-mean ratio is outside "
-            f"[{cfg.truncated_importance_sampling_ratio_min:g}, {cfg.truncated_importance_sampling_ratio:g}]"
-            ", others untruncated (seq-mask-tis)"
-        )
-    return "truncation: none"
+    entry = cfg.truncation_entry
+    if entry is None:
+        return "truncation: none"
+    return entry.describe(cfg.truncated_importance_sampling_ratio_min, cfg.truncated_importance_sampling_ratio)
 
 
 def _batch_normalization_line(cfg: RSClippedPGLossConfig) -> str:

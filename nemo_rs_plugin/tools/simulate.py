@@ -29,6 +29,7 @@ import torch
 from nemo_rs_plugin.core import presets
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
 from nemo_rs_plugin.core.masking import log_ratio
+from nemo_rs_plugin.core.truncation import truncation
 from nemo_rs_plugin.tools import report
 from nemo_rs_plugin.tools.batch_formats import BatchFormatError, load_batch
 
@@ -188,9 +189,9 @@ def _config_row(cfg: dict, batch: dict[str, torch.Tensor], base_norm: torch.Tens
     else:
         w = torch.ones(1, dtype=torch.float64)
     kept = w[w > 0]
-    # seq-mask-tis zeroes whole sequences: reported with the rejected ones.
-    seq_mask_tis = cfg.get("truncated_importance_sampling_type") == "seq-mask-tis"
-    seq_masked = m.get("is_oob_ratio", 0.0) if seq_mask_tis else 0.0
+    # A per-sequence truncation (seq-mask-tis) zeroes whole sequences: reported with the rejected ones.
+    kind = cfg.get("truncated_importance_sampling_type")
+    seq_masked = m.get("is_oob_ratio", 0.0) if kind is not None and truncation(kind).per_sequence else 0.0
     return {
         "is_weight_mean": float(w.mean()),
         "is_weight_std": float(w.std(unbiased=False)),

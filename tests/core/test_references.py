@@ -49,6 +49,7 @@ MODULES = {
     "policy_loss.py": ["GSPO", "CISPO", "KL estimators"],
     "is_levels.py": ["NeMo-RL PR #2269", "GSPO", "SkyRL PR #849"],
     "correction/weights.py": ["NeMo-RL PR #2269", "TIS", "IcePop", "NeMo-RL PR #1899", "Geo-RS"],
+    "truncation.py": ["TIS", "IcePop", "NeMo-RL PR #1899", "Geo-RS"],
     "correction/statistics.py": ["GSPO", "Geo-RS"],
     "correction/filters.py": FILTERS,
     "rejection_filter.py": FILTERS,

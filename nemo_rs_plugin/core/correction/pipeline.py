@@ -110,7 +110,7 @@ def needs_sequence_statistics(cfg: RSClippedPGLossConfig) -> bool:
     """
     return (
         not cfg.is_level_entry.per_token
-        or cfg.truncated_importance_sampling_type == "seq-mask-tis"
+        or (cfg.truncation_entry is not None and cfg.truncation_entry.per_sequence)
         or len(cfg.rejection_sampling) > 0
         or not cfg.token_level_loss
         or cfg.positive_example_nll_weight > 0

@@ -23,8 +23,9 @@ import torch
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction.statistics import SequenceStatistics
 from nemo_rs_plugin.core.is_levels import is_level
-from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, finite_exp, masked_sum, out_of_bounds
+from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, finite_exp, masked_sum
 from nemo_rs_plugin.core.metrics import MetricSet, Normalization, Reduction
+from nemo_rs_plugin.core.truncation import truncation
 
 __all__ = [
     "WEIGHT_TAIL",
@@ -74,34 +75,22 @@ def truncate_weights(
     kind: Optional[str],
     lower: Optional[float],
     upper: Optional[float],
-    seq_mean_log_ratio: Optional[torch.Tensor] = None,  # [B] sum_t token_mask d / n (seq-mask-tis)
+    seq_mean_log_ratio: Optional[torch.Tensor] = None,  # [B] sum_t token_mask d / n (per-sequence types)
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """NeMo-RL's truncation ``kind`` on the chosen level: ``(weight, out_of_bounds)``.
 
-    ``tis``: ``clamp(w, lower or 0, upper)``; ``icepop``: ``w`` inside ``[lower, upper]``,
-    else 0; ``seq-mask-tis``: sequences whose geometric mean ``exp(seq_mean_log_ratio)`` is
-    outside ``[lower, upper]`` get 0, the others keep the untruncated weight (NeMo-RL's
-    rule: the mean runs over ``token_mask``, non-finite log-ratios counted as 0).
-    ``out_of_bounds`` is the float 0/1 mask of the units whose raw weight (or geometric mean)
-    lies outside: ``w``'s shape for ``tis``/``icepop``, ``[B]`` for ``seq-mask-tis``, ``None``
-    without truncation. A ``None`` bound is open (the configuration sets ``upper`` with a kind).
+    The entry of :data:`~nemo_rs_plugin.core.truncation.TRUNCATIONS` (``tis``:
+    ``clamp(w, lower or 0, upper)``; ``icepop``: ``w`` inside ``[lower, upper]``, else 0;
+    ``seq-mask-tis``: sequences whose geometric mean ``exp(seq_mean_log_ratio)`` is outside
+    ``[lower, upper]`` get 0, the others keep the untruncated weight, NeMo-RL's rule: the mean
+    runs over ``token_mask``, non-finite log-ratios counted as 0). ``out_of_bounds`` is the
+    float 0/1 mask of the units whose raw weight (or geometric mean) lies outside: ``w``'s shape
+    per unit, ``[B]`` per sequence, ``None`` without truncation. A ``None`` bound is open (the
+    configuration sets ``upper`` with a kind). An unknown kind is a ``ValueError``.
     """
     if kind is None:
         return raw_weight, None
-    if kind == "tis":
-        lower = 0.0 if lower is None else lower
-        oob = out_of_bounds(raw_weight, lower, upper)
-        return raw_weight.clamp(lower, upper), oob.to(raw_weight.dtype)
-    if kind == "icepop":
-        oob = out_of_bounds(raw_weight, lower, upper)
-        return raw_weight.masked_fill(oob, 0.0), oob.to(raw_weight.dtype)
-    if kind != "seq-mask-tis" or seq_mean_log_ratio is None:
-        raise ValueError(
-            f"truncated_importance_sampling_type: got {kind!r}; allowed: 'tis', 'icepop', "
-            "'seq-mask-tis' (which needs seq_mean_log_ratio)"
-        )
-    oob = out_of_bounds(torch.exp(seq_mean_log_ratio), lower, upper)  # [B]
-    return raw_weight.masked_fill(oob.unsqueeze(-1), 0.0), oob.to(raw_weight.dtype)
+    return truncation(kind).truncate(raw_weight, lower, upper, seq_mean_log_ratio)
 
 
 def apply_truncation(
@@ -112,9 +101,10 @@ def apply_truncation(
     metrics: MetricSet,
 ) -> torch.Tensor:
     """:func:`truncate_weights` as ``cfg`` asks, and its ``is_oob_ratio`` metric."""
-    kind = cfg.truncated_importance_sampling_type
+    kind, entry = cfg.truncated_importance_sampling_type, cfg.truncation_entry
+    per_sequence = entry is not None and entry.per_sequence
     seq_mean_log_ratio = None
-    if kind == "seq-mask-tis" and stats is not None:  # needs_sequence_statistics holds for seq-mask-tis
+    if per_sequence and stats is not None:  # needs_sequence_statistics holds for a per-sequence type
         seq_mean_log_ratio = stats.d_sum / (stats.token_mask + EPS)
     weight, oob = truncate_weights(
         raw_weight,
@@ -125,7 +115,7 @@ def apply_truncation(
     )
     if oob is None:
         return weight
-    if kind == "seq-mask-tis":
+    if per_sequence:
         metrics.add_masked_total("is_oob_ratio", oob, masks.sample_mask, "sequences", "replicated")
     else:
         metrics.add_masked_total("is_oob_ratio", oob, masks.valid, "tokens", "sum")
