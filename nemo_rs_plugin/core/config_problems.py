@@ -110,7 +110,8 @@ def statistic_range(f: RejectionFilter) -> tuple[float, float, bool, bool]:
     """
     entry = FILTER_STATISTICS[f.metric]
     (lo, hi), (reaches_lo, reaches_hi) = entry.value_range, entry.reaches
-    if f.aggregation == "sum" and not entry.log_space:
+    aggregation = f.aggregation_entry
+    if aggregation is not None and not aggregation.keeps_token_range and not entry.log_space:
         lo, hi = (lo if lo >= 0 else -math.inf), math.inf
     return lo, hi, reaches_lo and math.isfinite(lo), reaches_hi and math.isfinite(hi)
 

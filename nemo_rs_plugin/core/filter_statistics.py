@@ -30,6 +30,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from nemo_rs_plugin.core.aggregations import SEQUENCE_AGGREGATIONS, sequence_aggregation
 from nemo_rs_plugin.core.policy_loss import kl_estimate
 
 __all__ = [
@@ -50,7 +51,9 @@ PROBABILITY_CLAMP = 1e-6
 TokenFunction = Callable[[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]], torch.Tensor]
 
 #: Aggregations of a statistic that averages arithmetically over a sequence's tokens.
-ARITHMETIC_AGGREGATIONS = ("mean", "sum", "max")
+ARITHMETIC_AGGREGATIONS = tuple(name for name, a in SEQUENCE_AGGREGATIONS.items() if a.arithmetic)
+#: Aggregations of a statistic compared in log space (the ratio): every one.
+LOG_SPACE_AGGREGATIONS = tuple(SEQUENCE_AGGREGATIONS)
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,9 @@ class FilterStatistic:
     def _words(self, aggregation: Optional[str]) -> str:
         if aggregation is None:
             return self.token_words
-        return self.sequence_words.get(aggregation) or (
-            f"the {aggregation} over its tokens of " + self.token_words.replace("its ", "the ", 1)
+        statistic = self.token_words.replace("its ", "the ", 1)
+        return self.sequence_words.get(aggregation) or sequence_aggregation(aggregation).words.replace(
+            "{statistic}", statistic
         )
 
     def describe(self, aggregation: Optional[str], a: str, b: str) -> str:
@@ -153,7 +157,7 @@ FILTER_STATISTICS: dict[str, FilterStatistic] = {
             "r = exp(d)",
             "the importance ratio; a sequence's mean is the geometric mean exp(sum_t m d / n), its sum the product",
             lambda d, target, behaviour: d,  # the log: bounds are compared as logs
-            ("mean", "sum", "max", "min", "any"),
+            LOG_SPACE_AGGREGATIONS,
             (0.0, math.inf),
             "its ratio pi_{a}/pi_{b}",
             sequence_words=_RATIO_SEQUENCE_WORDS,
@@ -238,7 +242,7 @@ FILTER_STATISTICS: dict[str, FilterStatistic] = {
             (-1.0, 1.0),
             "its probability difference p_{a} - p_{b} " + _SAMPLED,
             sequence_words={
-                agg: "the {agg} over its tokens of p_{a} - p_{b} " + _SAMPLED for agg in ("mean", "sum", "max")
+                agg: "the {agg} over its tokens of p_{a} - p_{b} " + _SAMPLED for agg in ARITHMETIC_AGGREGATIONS
             },
             needs_probabilities=True,
         ),

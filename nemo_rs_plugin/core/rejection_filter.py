@@ -28,6 +28,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nemo_rs_plugin.core.aggregations import DEFAULT_AGGREGATION, SequenceAggregation, sequence_aggregation
 from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS, filter_statistics_text
 
 __all__ = ["AGGS_FOR_METRIC", "RejectionFilter"]
@@ -50,11 +51,10 @@ AGGS_FOR_METRIC: dict[str, tuple[str, ...]] = {name: s.aggregations for name, s 
 #: Metric names NeMo-RL's workers leave undivided by the number of global batches per step (they
 #: take them for extremes): ``"_min" in name or "_max" in name`` in every supported NeMo-RL's
 #: DTensor, Megatron and automodel training loops. A filter's shares are sums, so its label must
-#: not contain them: the default label spells these aggregations out, and a ``name`` that
+#: not contain them: the default label spells these aggregations out (their entries' ``label``:
+#: ``largest``, ``smallest``), and a ``name`` that
 #: contains them is warned about (``setting_warnings``).
 NEMO_RL_UNDIVIDED_MARKERS = ("_min", "_max")
-#: The word a default label uses for an aggregation whose own name would be one of the markers.
-AGGREGATION_LABELS = {"max": "largest", "min": "smallest"}
 
 
 class RejectionFilter(BaseModel):
@@ -140,15 +140,21 @@ class RejectionFilter(BaseModel):
         """The effective aggregation (``mean`` when a sequence filter leaves it unset)."""
         if self.level == "token":
             return None
-        return self.agg or "mean"
+        return self.agg or DEFAULT_AGGREGATION
+
+    @property
+    def aggregation_entry(self) -> Optional[SequenceAggregation]:
+        """The :data:`~nemo_rs_plugin.core.aggregations.SEQUENCE_AGGREGATIONS` entry of :attr:`aggregation`."""
+        agg = self.aggregation
+        return None if agg is None else sequence_aggregation(agg)
 
     @property
     def label(self) -> str:
         """Name used in metric keys, e.g. ``sequence_ratio_mean``, ``sequence_ratio_largest`` (``agg: max``)."""
         if self.name:
             return self.name
-        agg = self.aggregation
-        parts = [self.level, self.metric] + ([AGGREGATION_LABELS.get(agg, agg)] if agg else [])
+        entry = self.aggregation_entry
+        parts = [self.level, self.metric] + ([entry.label] if entry is not None else [])
         if self.log_ratio != "prev-gen":
             parts.append(self.log_ratio)
         if self.advantage_condition is not None:

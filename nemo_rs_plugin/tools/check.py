@@ -492,7 +492,9 @@ def _warn(
         length = tokens if isinstance(tokens, int) else FALLBACK_RESPONSE_TOKENS
         _warn_rejection(report, config, mismatch, length)
     if recipe_value(cfg, "grpo.async_grpo.enabled", False) and any(
-        f.level == "sequence" and filter_statistic_entry(f.metric).log_space and f.aggregation in ("mean", "sum")
+        f.aggregation_entry is not None
+        and f.aggregation_entry.sums_tokens
+        and filter_statistic_entry(f.metric).log_space
         for f in config.rejection_sampling
     ):
         report.notes.append(

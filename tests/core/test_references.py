@@ -50,6 +50,7 @@ MODULES = {
     "is_levels.py": ["NeMo-RL PR #2269", "GSPO", "SkyRL PR #849"],
     "correction/weights.py": ["NeMo-RL PR #2269", "TIS", "IcePop", "NeMo-RL PR #1899", "Geo-RS"],
     "truncation.py": ["TIS", "IcePop", "NeMo-RL PR #1899", "Geo-RS"],
+    "aggregations.py": ["Geo-RS", "AReaL PR #1088"],
     "correction/statistics.py": ["GSPO", "Geo-RS"],
     "correction/filters.py": FILTERS,
     "rejection_filter.py": FILTERS,

@@ -32,6 +32,8 @@ FS = "nemo_rs_plugin/core/filter_statistics.py"
 GLUE, PACK, REC = (f"nemo_rs_plugin/nemo_rl/{m}.py" for m in ("loss_fn", "packing", "recording"))
 VP = "nemo_rs_plugin/parallel/vocab_parallel.py"
 RF = "nemo_rs_plugin/core/rejection_filter.py"
+# The registries of the sequence aggregations and of NeMo-RL's truncation types.
+AG, TR = "nemo_rs_plugin/core/aggregations.py", "nemo_rs_plugin/core/truncation.py"
 
 MUTANTS: list[Mutant] = [
     # ---- filter bounds are inclusive (docs/guide.md#rejection-sampling): the one bound check
@@ -62,21 +64,21 @@ MUTANTS: list[Mutant] = [
     ),
     # ---- sequence aggregations
     Mutant(
-        CF,
-        'stat = s.total if f.aggregation == "sum" else s.total / (s.count + EPS)',
-        'stat = s.total if f.aggregation == "sum" else s.total / (s.count + 1.0)',
+        AG,
+        "stat = s.total / (s.count + EPS)",
+        "stat = s.total / (s.count + 1.0)",
         "agg mean (Geo-RS) divides the log-ratio sum by n + 1",
     ),
     Mutant(
-        CF,
-        "        stat = s.maximum",
-        "        stat = s.total",
+        AG,
+        "assert isinstance(s, MaximumStageStatistics)\n    return s.maximum, s.maximum",
+        "return s.total, s.total  # type: ignore[union-attr]",
         "agg max compares the sum of the tokens' statistics",
     ),
     Mutant(
-        CF,
-        "stat = -s.negated_minimum",
-        "stat = s.negated_minimum",
+        AG,
+        "    stat = -s.negated_minimum",
+        "    stat = s.negated_minimum",
         "agg min compares the negated minimum",
     ),
     Mutant(
@@ -144,21 +146,21 @@ MUTANTS: list[Mutant] = [
     ),
     # ---- truncation
     Mutant(
-        CW,
+        TR,
         "lower = 0.0 if lower is None else lower",
         "lower = 0.0",
         "tis ignores truncated_importance_sampling_ratio_min",
     ),
     Mutant(
-        CW,
-        "return raw_weight.clamp(lower, upper), oob.to(raw_weight.dtype)",
-        "return raw_weight.clamp(lower, None), oob.to(raw_weight.dtype)",
+        TR,
+        "return w.clamp(lower, upper), oob.to(w.dtype)",
+        "return w.clamp(lower, None), oob.to(w.dtype)",
         "tis does not clamp above",
     ),
     Mutant(
-        CW,
-        "return raw_weight.masked_fill(oob, 0.0), oob.to(raw_weight.dtype)",
-        "return raw_weight.clamp(lower, upper), oob.to(raw_weight.dtype)",
+        TR,
+        "return w.masked_fill(oob, 0.0), oob.to(w.dtype)",
+        "return w.clamp(lower, upper), oob.to(w.dtype)",
         "icepop clamps instead of zeroing out-of-band weights",
     ),
     Mutant(
@@ -168,7 +170,7 @@ MUTANTS: list[Mutant] = [
         "seq-mask-tis decides on the product, not the geometric mean",
     ),
     Mutant(
-        CW,
+        TR,
         "oob = out_of_bounds(torch.exp(seq_mean_log_ratio), lower, upper)",
         "oob = out_of_bounds(torch.exp(seq_mean_log_ratio), None, upper)",
         "seq-mask-tis ignores its lower bound",
@@ -742,9 +744,9 @@ MUTANTS: list[Mutant] = [
     ),
     # ---- issue 41: what NeMo-RL's training loop does with the metric names
     Mutant(
-        RF,
-        "parts = [self.level, self.metric] + ([AGGREGATION_LABELS.get(agg, agg)] if agg else [])",
-        "parts = [self.level, self.metric] + ([agg] if agg else [])",
+        "nemo_rs_plugin/core/aggregations.py",
+        '"max",\n            "largest",',
+        '"max",\n            "max",',
         "agg max/min in default labels: NeMo-RL leaves those shares undivided by the global batches",
     ),
     # ---- issue 32: the filter-statistic registry (one entry per statistic)

@@ -32,19 +32,16 @@ from typing import Optional, Sequence
 
 import torch
 
+from nemo_rs_plugin.core.aggregations import StageInputs
 from nemo_rs_plugin.core.config import RejectionFilter
 from nemo_rs_plugin.core.correction.statistics import (
-    MaximumStageStatistics,
-    MinimumStageStatistics,
-    RangeStageStatistics,
     SequenceStage,
     SequenceStatistics,
     StageStatistics,
     TokenStageStatistics,
-    TotalStageStatistics,
 )
 from nemo_rs_plugin.core.filter_statistics import PROBABILITY_CLAMP, filter_statistic_entry
-from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, nonfinite, out_of_bounds, sanitize
+from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, out_of_bounds, sanitize
 from nemo_rs_plugin.core.metrics import MetricSet
 
 __all__ = [
@@ -239,34 +236,23 @@ def plan_sequence_filter(
     negative: Optional[torch.Tensor],  # [B, T] 0/1
     big: float,  # finfo(d.dtype).max: the maximum of a row without a token is -big
 ) -> SequenceStage:
-    """The sequence filter's partial per-row statistics over the tokens alive at its stage (its ``agg``'s shape)."""
-    alive_fin = alive * f_finite
-    agg = f.aggregation
-    masked = stat * alive_fin  # [B, T], 0 off the stage's tokens
-    count, nonfinite_count = alive.sum(-1), (alive - alive_fin).sum(-1)
-    negative_count = (alive * negative).sum(-1) if negative is not None else None
-    if agg in ("mean", "sum"):
-        return TotalStageStatistics(count, nonfinite_count, negative_count, total=masked.sum(-1))
-    penalty = extrema_penalty(alive_fin)  # pushes the other tokens out of the extremes
-    maximum = _row_max(masked - penalty, -big) if agg in ("max", "any") else None
-    negated_minimum = _row_max(-masked - penalty, -big) if agg in ("min", "any") else None
-    if maximum is not None and negated_minimum is not None:  # any
-        return RangeStageStatistics(count, nonfinite_count, negative_count, maximum, negated_minimum)
-    if maximum is not None:
-        return MaximumStageStatistics(count, nonfinite_count, negative_count, maximum)
-    if negated_minimum is not None:
-        return MinimumStageStatistics(count, nonfinite_count, negative_count, negated_minimum)
-    raise ValueError(f"rejection_sampling: agg {agg!r} has no sequence statistic; allowed: mean, sum, max, min, any")
+    """The sequence filter's partial per-row statistics over the tokens alive at its stage.
 
-
-def _row_max(x: torch.Tensor, empty: float) -> torch.Tensor:
-    """``[B]`` max over the last dimension; ``empty`` when it has no position.
-
-    T = 0 happens in a CP shard or a batch of prompts without a response, where ``amax`` raises.
+    Its aggregation's stage statistic (:data:`~nemo_rs_plugin.core.aggregations.SEQUENCE_AGGREGATIONS`).
     """
-    if x.shape[-1] == 0:
-        return x.new_full(x.shape[:-1], empty)
-    return x.amax(-1)
+    alive_fin = alive * f_finite
+    entry = f.aggregation_entry
+    assert entry is not None, "a sequence filter has an aggregation"
+    return entry.partial(
+        StageInputs(
+            masked=stat * alive_fin,  # [B, T], 0 off the stage's tokens
+            finite=alive_fin,
+            count=alive.sum(-1),
+            nonfinite=(alive - alive_fin).sum(-1),
+            negative=(alive * negative).sum(-1) if negative is not None else None,
+            big=big,
+        )
+    )
 
 
 # ------------------------------------------------------------------ decisions (reduced statistics)
@@ -287,18 +273,12 @@ def sequence_filter_statistic(f: RejectionFilter, s: SequenceStage) -> tuple[tor
     """``[B]`` (statistic compared with ``lower``, statistic compared with ``upper``), reduced rows.
 
     The aggregation of the filter over the stage's tokens, in the bounds' space (log space
-    for ``ratio``): ``mean`` = total / count, ``sum`` = total, ``max``, ``min``; the same
-    tensor on both sides, except ``any`` = (row minimum, row maximum).
+    for ``ratio``): its entry's finalisation (``mean`` = total / count, ``sum`` = total, ``max``,
+    ``min``; the same tensor on both sides, except ``any`` = (row minimum, row maximum)).
     """
-    if isinstance(s, TotalStageStatistics):
-        stat = s.total if f.aggregation == "sum" else s.total / (s.count + EPS)
-    elif isinstance(s, MaximumStageStatistics):
-        stat = s.maximum
-    elif isinstance(s, MinimumStageStatistics):
-        stat = -s.negated_minimum
-    else:  # any
-        return -s.negated_minimum, s.maximum
-    return stat, stat
+    entry = f.aggregation_entry
+    assert entry is not None, "a sequence filter has an aggregation"
+    return entry.finalize(s)
 
 
 @dataclass

@@ -21,11 +21,21 @@ References:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 import torch
 
+from nemo_rs_plugin.core.aggregations import (
+    REDUCED_BY_MAX,
+    MaximumStageStatistics,
+    MinimumStageStatistics,
+    RangeStageStatistics,
+    SequenceStage,
+    SequenceStageStatistics,
+    TokenStageStatistics,
+    TotalStageStatistics,
+)
 from nemo_rs_plugin.core.distributed import (
     NO_GROUPS,
     SequenceGroups,
@@ -52,64 +62,6 @@ __all__ = [
 # A batch mean at or below this leaves the weights unnormalised (VERL and slime's guard).
 BATCH_MEAN_FLOOR = 1e-8
 
-# Field metadata of the rows reduced by MAX (the others are summed).
-_MAX = {"reduce": "max"}
-
-
-@dataclass(frozen=True)
-class TokenStageStatistics:
-    """``[B]`` rows of one token filter: what it removed from the rows' valid tokens."""
-
-    rejected: torch.Tensor  # valid tokens it rejects (of those the earlier token filters kept)
-    # Of those, the negative-advantage ones (only when some filter is advantage-conditioned).
-    rejected_negative: Optional[torch.Tensor] = None
-
-
-@dataclass(frozen=True)
-class SequenceStageStatistics:
-    """``[B]`` rows of one sequence filter, over the valid tokens alive at its stage.
-
-    One subclass per shape of the aggregate a filter's ``agg`` needs, each with exactly its
-    rows: :class:`TotalStageStatistics` (``mean``, ``sum``), :class:`MaximumStageStatistics`
-    (``max``), :class:`MinimumStageStatistics` (``min``), :class:`RangeStageStatistics` (``any``).
-    """
-
-    count: torch.Tensor  # tokens alive at this stage
-    nonfinite: torch.Tensor  # of those, with a non-finite log-ratio
-    # Of those, the negative-advantage ones (set exactly when some filter is advantage-conditioned).
-    negative: Optional[torch.Tensor]
-
-
-@dataclass(frozen=True)
-class TotalStageStatistics(SequenceStageStatistics):
-    """``agg`` ``mean`` or ``sum``: the row's sum of the statistic."""
-
-    total: torch.Tensor
-
-
-@dataclass(frozen=True)
-class MaximumStageStatistics(SequenceStageStatistics):
-    """``agg`` ``max``: the row's maximum of the statistic (reduced by MAX)."""
-
-    maximum: torch.Tensor = field(metadata=_MAX)
-
-
-@dataclass(frozen=True)
-class MinimumStageStatistics(SequenceStageStatistics):
-    """``agg`` ``min``: the row's maximum of the negated statistic (reduced by MAX)."""
-
-    negated_minimum: torch.Tensor = field(metadata=_MAX)
-
-
-@dataclass(frozen=True)
-class RangeStageStatistics(SequenceStageStatistics):
-    """``agg`` ``any``: the row's maximum and the maximum of its negation (both reduced by MAX)."""
-
-    maximum: torch.Tensor = field(metadata=_MAX)
-    negated_minimum: torch.Tensor = field(metadata=_MAX)
-
-
-SequenceStage = Union[TotalStageStatistics, MaximumStageStatistics, MinimumStageStatistics, RangeStageStatistics]
 StageStatistics = Union[TokenStageStatistics, SequenceStage]
 
 
@@ -155,7 +107,7 @@ class SequenceStatistics:
 
 def _tensor_fields(cls: type) -> tuple[tuple[str, bool], ...]:
     """``(name, max-reduced)`` of a statistics class's tensor fields, in declaration order."""
-    return tuple((f.name, f.metadata == _MAX) for f in fields(cls) if f.name != "stages")
+    return tuple((f.name, f.metadata == REDUCED_BY_MAX) for f in fields(cls) if f.name != "stages")
 
 
 # Computed once at import: the traced (optionally compiled) code reads constant names only.
