@@ -156,7 +156,7 @@ def filter_bound_warnings(i: int, f: RejectionFilter) -> list[str]:
     """A bound that can never reject: harmless, but not what was meant."""
     entry = FILTER_STATISTICS[f.metric]
     lo, hi, _, _ = statistic_range(f)
-    what = "a token's" if f.level == "token" else f"a sequence's {f.aggregation}"
+    what = f"a {f.level_entry.unit}'s" + (f" {f.aggregation}" if f.aggregation is not None else "")
     clamped = f"; below {hi:g} with the probabilities clamped" if entry.clamped else ""
     w = []
     if f.upper is not None and f.upper >= hi:

@@ -29,6 +29,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nemo_rs_plugin.core.aggregations import DEFAULT_AGGREGATION, SequenceAggregation, sequence_aggregation
+from nemo_rs_plugin.core.filter_levels import FILTER_LEVELS, RejectionLevel, rejection_level
 from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS, filter_statistics_text
 
 __all__ = ["AGGS_FOR_METRIC", "RejectionFilter"]
@@ -136,9 +137,14 @@ class RejectionFilter(BaseModel):
         return self
 
     @property
+    def level_entry(self) -> RejectionLevel:
+        """The :data:`~nemo_rs_plugin.core.filter_levels.FILTER_LEVELS` entry of :attr:`level`."""
+        return rejection_level(self.level)
+
+    @property
     def aggregation(self) -> Optional[str]:
-        """The effective aggregation (``mean`` when a sequence filter leaves it unset)."""
-        if self.level == "token":
+        """The effective aggregation (``mean`` when a sequence filter leaves it unset); ``None`` per token."""
+        if not self.level_entry.whole_sequences:
             return None
         return self.agg or DEFAULT_AGGREGATION
 
@@ -194,19 +200,25 @@ def _filter_problems(f: RejectionFilter) -> list[str]:
             "advantage_sign: got 'positive' with negative_advantages_only: true, which rejects only "
             "negative-advantage tokens; allowed: negative or null (or negative_advantages_only: false)"
         )
-    if f.level == "sequence" and f.advantage_sign == "positive":
+    level = f.level_entry
+    if f.advantage_sign is not None and f.advantage_sign not in level.advantage_signs:
+        elsewhere = " or ".join(n for n, e in FILTER_LEVELS.items() if f.advantage_sign in e.advantage_signs)
         problems.append(
-            "advantage_sign: got 'positive' on a sequence filter; allowed there: negative or null "
-            "(a positive-advantage condition works on token filters)"
+            f"advantage_sign: got {f.advantage_sign!r} on a {level.name} filter; allowed there: "
+            f"{' or '.join(level.advantage_signs)} or null (a {f.advantage_sign}-advantage condition works on "
+            f"{elsewhere} filters)"
         )
-    if f.level == "sequence" and f.applies_to != "loss":
+    if f.applies_to not in level.scopes:
+        elsewhere = " or ".join(n for n, e in FILTER_LEVELS.items() if f.applies_to in e.scopes)
+        what = "a policy-gradient-only rejection" if f.applies_to == "policy_gradient" else f"applies_to {f.applies_to}"
         problems.append(
-            f"applies_to: got {f.applies_to!r} on a sequence filter; allowed there: loss "
-            "(a policy-gradient-only rejection works on token filters)"
+            f"applies_to: got {f.applies_to!r} on a {level.name} filter; allowed there: {', '.join(level.scopes)} "
+            f"({what} works on {elsewhere} filters)"
         )
-    if f.level == "token" and f.agg is not None:
-        problems.append(f"agg: got {f.agg!r} on a token filter; agg is only allowed with level: sequence")
-    if f.level == "sequence" and f.agg is not None:
+    if not level.whole_sequences and f.agg is not None:
+        aggregating = " or ".join(n for n, e in FILTER_LEVELS.items() if e.whole_sequences)
+        problems.append(f"agg: got {f.agg!r} on a {level.name} filter; agg is only allowed with level: {aggregating}")
+    if level.whole_sequences and f.agg is not None:
         allowed = AGGS_FOR_METRIC[f.metric]
         if f.agg not in allowed:
             problems.append(f"agg: got {f.agg!r} with metric {f.metric!r}; allowed: {', '.join(allowed)}")

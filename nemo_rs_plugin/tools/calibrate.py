@@ -248,7 +248,7 @@ def _warnings(target: float, filters: list, stages: list) -> list[str]:
     from nemo_rs_plugin.core.health import UNHEALTHY_SEQ_REJECTION
 
     lines = []
-    if target > UNHEALTHY_SEQ_REJECTION and any(f.level == "sequence" for f in filters):
+    if target > UNHEALTHY_SEQ_REJECTION and any(f.level_entry.whole_sequences for f in filters):
         lines.append(
             f"--target {target:g} rejects more than the {UNHEALTHY_SEQ_REJECTION:.0%} of sequences the loss warns "
             "about at run time (docs/guide.md, 'When rejection eats the batch'); a few % is the usual target"
@@ -271,7 +271,7 @@ def _print(args, filters, stages, as_written, batch) -> None:
     n_seq = int((batch["sample_mask"] > 0).sum())
     print(f"{args.from_file}: {n_seq} sequences; target rejection {args.target:g} per stage")
     for i, (f, st, written) in enumerate(zip(filters, stages, as_written)):
-        unit = "tokens" if f.level == "token" else "sequences"
+        unit = f.level_entry.units
         q = st.quantiles
         print(f"stage {i} ({f.label}, {st.units} {unit}):")
         print(f"  statistic on the data: p1 {q['p1']:.6g}, median {q['p50']:.6g}, p99 {q['p99']:.6g}")

@@ -527,7 +527,7 @@ def _warn_rejection(report: CheckReport, config: RSClippedPGLossConfig, mismatch
     stages = [
         (f"rejection stage {i}", metrics.get(f"rs/{f.label}/seq_rejected_frac", 0.0))
         for i, f in enumerate(config.rejection_sampling, 1)
-        if f.level == "sequence"
+        if f.level_entry.whole_sequences
     ]
     entry = config.truncation_entry
     if entry is not None and entry.per_sequence:  # it zeroes whole sequences, as a sequence filter does

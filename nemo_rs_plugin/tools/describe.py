@@ -18,8 +18,8 @@ def describe_filter(f: RejectionFilter) -> str:
     """One filter as a sentence, e.g. 'reject a sequence unless the geometric mean ... is in [..]'."""
     a, b = f.log_ratio.split("-")
     statistic = filter_statistic_entry(f.metric)
-    aggregation = f.aggregation if f.level == "sequence" else None
-    unit = "a token" if aggregation is None else "a sequence"
+    aggregation = f.aggregation  # None for a per-token level
+    unit = f"a {f.level_entry.unit}"
     sentence = f"reject {unit} unless {statistic.describe(aggregation, a, b)} is in {_bounds(f)}"
     if f.log_ratio != "prev-gen" and not statistic.names_its_sources(aggregation):
         sentence += f", with d = {a} - {b}"

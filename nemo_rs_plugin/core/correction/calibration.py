@@ -188,7 +188,7 @@ def _stages(filters, prev, gen, mask, choose) -> list[CalibratedStage]:
     out: list[CalibratedStage] = []
     for template in filters:
         stat, f_finite = filter_statistic(template, d, masks, log_probs)
-        if template.level == "token":
+        if not template.level_entry.whole_sequences:
             units = (alive * f_finite) > 0
             low = high = stat[units]
         else:
@@ -199,7 +199,7 @@ def _stages(filters, prev, gen, mask, choose) -> list[CalibratedStage]:
         if low.numel() == 0:
             raise ValueError(f"stage {template.label}: no unit to calibrate on (every sequence empty or masked)")
         f = choose(template, low, high)
-        if f.level == "token":
+        if not f.level_entry.whole_sequences:
             stage, kept = plan_token_filter(f, stat, f_finite, alive, None)
             # A policy-gradient-only filter leaves the later stages' tokens alone, so each such
             # stage is calibrated on every token still in the loss; the loss's own per-stage

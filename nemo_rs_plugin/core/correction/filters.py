@@ -171,7 +171,8 @@ def plan_filters(
     stage: StageStatistics
     for f in filters:
         stat, f_finite = filter_statistic(f, d, masks, log_probs)
-        if f.level == "token" and f.applies_to == "policy_gradient":
+        per_token = not f.level_entry.whole_sequences
+        if per_token and f.applies_to == "policy_gradient":
             # Its candidates: tokens still in the loss whose policy-gradient term is still there
             # (a token two such filters reject is counted by the first only).
             candidates = alive if policy_gradient_alive is None else alive * policy_gradient_alive
@@ -180,7 +181,7 @@ def plan_filters(
             policy_gradient_alive = (
                 (1.0 - removed) if policy_gradient_alive is None else policy_gradient_alive - removed
             )
-        elif f.level == "token":
+        elif per_token:
             stage, alive = plan_token_filter(f, stat, f_finite, alive, negative, positive)
         else:
             stage = plan_sequence_filter(f, stat, f_finite, alive, negative, torch.finfo(d.dtype).max)
