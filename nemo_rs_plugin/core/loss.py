@@ -48,6 +48,7 @@ from nemo_rs_plugin.core.inputs import (
     sanitize_inputs,
 )
 from nemo_rs_plugin.core.masking import EPS, TokenMasks, masked_sum
+from nemo_rs_plugin.core.metric_catalog import metric_specs
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet, Normalization, batched_evaluation
 from nemo_rs_plugin.core.microbatch import MicrobatchTotals, missing_totals
 from nemo_rs_plugin.core.policy_loss import (
@@ -127,7 +128,9 @@ class CorrectedPGLoss:
             output_clamp=cfg.kl_output_clamp_value,
             on_policy_approximation=cfg.use_on_policy_kl_approximation,
         )
-        self._normalizations: Optional[tuple[dict[str, str], tuple[str, ...]]] = None
+        # Every metric this configuration returns, read off the catalog (no run): what the metric
+        # set checks each declaration against, and what metric_normalizations() reports.
+        self.metric_specs = metric_specs(cfg)
         # Warns (rate-limited, from the metrics already on the host) when filters eat the batch.
         self.rejection_monitor = RejectionMonitor() if cfg.rejection_sampling else None
 
@@ -162,40 +165,18 @@ class CorrectedPGLoss:
         return self.inputs_from_nemo_rl(next_token_logprobs, data).compute_dtype()
 
     def metric_normalizations(self) -> dict[str, str]:
-        """Metric name -> ``tokens`` / ``sequences`` / ``none``, as each metric declares it.
+        """Metric name -> ``tokens`` / ``sequences`` / ``none``, from the metric catalog.
 
-        Every metric is declared once, where it is defined, with its normalization and
-        reduction (``MetricSet.add``, ``add_total``, ``add_masked_total(s)``, ``add_masked_extrema``,
-        ``derive``); this reads the declarations off one run of the tensor
-        core on a tiny probe batch (two sequences with valid tokens and rewards, on the CPU,
-        eager), cached per instance. Which metrics exist depends on the config only. The
-        per-call metrics are in it only where this loss returns them (``per_call_metrics``).
+        :func:`~nemo_rs_plugin.core.metric_catalog.metric_specs` of the configuration: which
+        metrics exist depends on the config only, and every metric the loss declares is checked
+        against its entry where it is declared (``MetricSet``). The per-call metrics are in it
+        only where this loss returns them (``per_call_metrics``).
         """
-        normalizations, per_call = self._declarations()
-        return {k: v for k, v in normalizations.items() if self.per_call_metrics or k not in per_call}
+        return {k: s.normalization for k, s in self.metric_specs.items() if self.per_call_metrics or not s.per_call}
 
     def per_call_metric_names(self) -> list[str]:
         """The metrics of this configuration that hold for one call alone (see ``per_call_metrics``)."""
-        return list(self._declarations()[1])
-
-    def _declarations(self) -> tuple[dict[str, str], tuple[str, ...]]:
-        if self._normalizations is None:
-            B, S = 2, 4
-            ones = torch.ones(B, S)
-            data = {
-                "input_ids": torch.zeros(B, S, dtype=torch.long),
-                "advantages": ones,
-                "prev_logprobs": -ones,
-                "generation_logprobs": -ones,
-                "reference_policy_logprobs": -ones,
-                "token_mask": torch.ones(B, S, dtype=torch.long),
-                "sample_mask": torch.ones(B),
-                "rewards": torch.ones(B),
-            }
-            inputs = self.inputs_from_nemo_rl(-torch.ones(B, S - 1), data)
-            _, metrics = type(self)._tensors(self, inputs, float(B), float(B * (S - 1)), NO_GROUPS)
-            self._normalizations = (metrics.normalizations(), tuple(metrics.per_call_names()))
-        return self._normalizations
+        return [k for k, s in self.metric_specs.items() if s.per_call]
 
     def compute(
         self,
@@ -270,7 +251,9 @@ class CorrectedPGLoss:
         x = x.to_dtype(x.compute_dtype())
         cfg = self.cfg
         counts = global_counts(global_valid_seqs, global_valid_toks, x.curr.dtype, x.curr.device)
-        metrics = MetricSet(None, batched, host_reads, compute_per_call=self.per_call_metrics)
+        metrics = MetricSet(
+            None, batched, host_reads, compute_per_call=self.per_call_metrics, catalog=self.metric_specs
+        )
         # Set, not passed: a compiled core rebuilds the objects it returns from their constructor's
         # arguments, and the counts (views of the caller's tensors, dropped by stack()) would then
         # be graph outputs, rebuilt as aliases of its inputs on every call.

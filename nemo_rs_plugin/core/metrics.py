@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Iterable, Literal, Mapping, NamedTuple, Optional, Protocol, Sequence, Union
 
 import torch
 
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
 from nemo_rs_plugin.core.masking import EPS, masked_sum
 
-__all__ = ["GlobalCounts", "MetricSet", "Normalization", "Reduction", "batched_evaluation"]
+__all__ = ["CatalogSpec", "GlobalCounts", "MetricSet", "Normalization", "Reduction", "batched_evaluation"]
 
 
 def batched_evaluation(device: torch.device, forced: Optional[bool] = None) -> bool:
@@ -59,6 +59,34 @@ Normalization = Literal["tokens", "sequences", "none"]
 Reduction = Literal["sum", "replicated", "max", "min"]
 #: How a declared metric is reduced: a :data:`Reduction`, or computed on the host after the reduction.
 _Declared = Union[Reduction, Literal["derived"]]
+
+
+class CatalogSpec(Protocol):
+    """What the metric catalog says of one metric under one configuration (``metric_catalog.MetricSpec``)."""
+
+    @property
+    def normalization(self) -> Normalization: ...  # noqa: D102
+
+    @property
+    def reduction(self) -> _Declared: ...  # noqa: D102
+
+    @property
+    def per_call(self) -> bool: ...  # noqa: D102
+
+
+def _check_catalog(
+    catalog: Mapping[str, CatalogSpec], name: str, normalization: Normalization, reduction: _Declared, per_call: bool
+) -> None:
+    """``name`` as declared is what the catalog says for this configuration (see ``MetricSet``)."""
+    spec = catalog.get(name)
+    if spec is None:
+        raise KeyError(f"metric {name!r} is not in the catalog for this configuration (core/metric_catalog.py)")
+    same_reduction = reduction == spec.reduction or reduction == "derived"
+    if spec.normalization != normalization or not same_reduction or spec.per_call != per_call:
+        raise ValueError(
+            f"metric {name!r} declared as ({normalization}, {reduction}, per_call={per_call}); the catalog says "
+            f"({spec.normalization}, {spec.reduction}, per_call={spec.per_call})"
+        )
 
 
 class _Extreme(NamedTuple):
@@ -101,6 +129,7 @@ class MetricSet:
         batched: bool = False,
         host_reads: bool = False,
         compute_per_call: bool = True,
+        catalog: Optional[Mapping[str, CatalogSpec]] = None,
     ) -> None:
         """``batched``: evaluate in the stacked (GPU) form, see :func:`batched_evaluation`.
 
@@ -111,11 +140,17 @@ class MetricSet:
         ``host_reads``: checks may read a value on the host to skip work (eager CPU only,
         :func:`~nemo_rs_plugin.core.compiled.free_host_reads`). The caller decides both once,
         outside any compiled region, so that a compiled core specialises on plain bools.
+
+        ``catalog``: the configuration's metrics (``metric_catalog.metric_specs``): every public
+        metric declared must be there with the same normalization, reduction (a value derived on
+        the host, a zero included, may stand for any) and per-call flag, else a ``KeyError`` or
+        ``ValueError`` names it. ``None`` (the correction alone, the tests' metric sets): unchecked.
         """
         self.counts = counts
         self.batched = batched
         self.host_reads = host_reads
         self.computes_per_call = compute_per_call
+        self.catalog = catalog
         self._declared: dict[str, tuple[Normalization, _Declared]] = {}  # name -> (normalization, reduction)
         self._per_call: set[str] = set()  # names of per-call metrics (see the module docstring)
         self._values: dict[str, torch.Tensor] = {}  # final 0-dim values
@@ -134,6 +169,8 @@ class MetricSet:
             raise KeyError(f"metric {name!r} declared twice")
         if self._stacked is not None:
             raise RuntimeError(f"metric {name!r} declared after MetricSet.stack()")
+        if self.catalog is not None and not name.startswith("_"):
+            _check_catalog(self.catalog, name, normalization, reduction, per_call)
         self._declared[name] = (normalization, reduction)
         if per_call:
             self._per_call.add(name)

@@ -24,6 +24,7 @@ from nemo_rs_plugin.core.config import RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction.statistics import SequenceStatistics
 from nemo_rs_plugin.core.is_levels import is_level
 from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, finite_exp, masked_sum
+from nemo_rs_plugin.core.metric_catalog import WEIGHT_TAIL
 from nemo_rs_plugin.core.metrics import MetricSet, Normalization, Reduction
 from nemo_rs_plugin.core.truncation import truncation
 
@@ -35,14 +36,6 @@ __all__ = [
     "record_token_weight_metrics",
     "truncate_weights",
 ]
-
-
-#: The tail fractions' factor ``C``: ``is_weight_raw_low_frac`` counts the units whose raw weight is
-#: below ``1 / C``, ``is_weight_raw_high_frac`` those above ``C``. Sums over units divided by
-#: NeMo-RL's global counts, so that they add up over calls, microbatches and ranks (an extreme
-#: does not: NeMo-RL sums it too). ``C = 2``, the same number as the usual TIS cap
-#: (``presets.TIS_CAP``) but not tied to it: a metric's threshold does not follow a preset.
-WEIGHT_TAIL = 2.0
 
 
 def is_weights(
