@@ -23,6 +23,8 @@ L, P, D, M, MS, IN, IC = (
     f"nemo_rs_plugin/core/{m}.py"
     for m in ("loss", "policy_loss", "distributed", "masking", "metrics", "inputs", "input_checks")
 )
+# The objective (terms and their aggregation) and NeMo-RL's own metrics, out of loss.py.
+OB, PM = "nemo_rs_plugin/core/objective.py", "nemo_rs_plugin/core/parity_metrics.py"
 # The correction package: filter statistics and decisions, IS weights, the statistics and their
 # reductions, the plan -> reduce -> apply pipeline.
 CF, CW, CS, CP = (f"nemo_rs_plugin/core/correction/{m}.py" for m in ("filters", "weights", "statistics", "pipeline"))
@@ -208,25 +210,25 @@ MUTANTS: list[Mutant] = [
     ),
     # ---- the loss: denominators, IS weights, metrics
     Mutant(
-        L,
+        OB,
         "kept_seqs = seqs.kept_sequences / n_seqs.clamp_min(EPS)",
         "kept_seqs = seqs.kept_tokens / n_valid.clamp_min(EPS)",
         "rejection_denominator kept, token_level_loss false: sequences shrink by the kept token fraction",
     ),
     Mutant(
-        L,
+        OB,
         "token_denominator = counts.tokens * kept_tokens",
         "token_denominator = counts.tokens",
         "rejection_denominator kept leaves the token denominator unchanged",
     ),
     Mutant(
-        L,
+        OB,
         "agg_mask = loss_tokens if self.token_level_loss else token_mask * keep",
         "agg_mask = loss_tokens if self.token_level_loss else token_mask",
         "sequence-level loss ignores rejection",
     ),
     Mutant(
-        L,
+        OB,
         "weight = corr.is_weight if cfg.use_importance_sampling_correction else None",
         "weight = corr.is_weight",
         "IS weights applied with use_importance_sampling_correction false",
@@ -238,7 +240,7 @@ MUTANTS: list[Mutant] = [
         "with filters, sampling_importance_ratio (and NeMo-RL's token metrics) average over kept tokens only",
     ),
     Mutant(
-        L,
+        PM,
         'metrics.add_masked_total("sampling_importance_ratio", w_seq, sample_mask, "sequences", "replicated")',
         'metrics.add_total("sampling_importance_ratio", w_seq.sum(), "sequences", "replicated")',
         "decoupled sampling_importance_ratio ignores sample_mask",
@@ -250,19 +252,19 @@ MUTANTS: list[Mutant] = [
         "sequence-level IS metrics declared as normalized by tokens",
     ),
     Mutant(
-        L,
+        OB,
         "loss = loss / torch.distributed.get_world_size(g)",
         "loss = loss",
         "sequence-level loss not split into per-rank shares (counted once per CP rank)",
     ),
     Mutant(
-        L,
-        'metrics.add("kl_penalty", kl / self.kl_coef, grad_norm, "sum")',
+        PM,
+        'metrics.add("kl_penalty", kl / objective.kl_coef, grad_norm, "sum")',
         'metrics.add("kl_penalty", kl, grad_norm, "sum")',
         "kl_penalty reported times the KL coefficient",
     ),
     Mutant(
-        L,
+        PM,
         "return value if not math.isfinite(value) else min(max(value, lo), hi)",
         "return value",
         "probs_ratio_clamped_min/max not clamped",
@@ -529,15 +531,15 @@ MUTANTS: list[Mutant] = [
         "advantage_sign: positive conditions on the negative-advantage tokens (DPPO's sides swapped)",
     ),
     Mutant(
-        L,
-        "sampler_kl = self._aggregate(diff.square(), agg)",
-        "sampler_kl = self._aggregate(diff.abs(), agg)",
+        OB,
+        "sampler_kl = self.aggregate(diff.square(), agg)",
+        "sampler_kl = self.aggregate(diff.abs(), agg)",
         "the penalty toward the sampler loses its square (|curr - gen| instead of (curr - gen)^2)",
     ),
     Mutant(
-        L,
-        "sampler_kl = self._aggregate(diff.square(), agg)",
-        "sampler_kl = self._aggregate((clean.curr - clean.gen).square() * (1.0 if corr.policy_gradient_keep is None "
+        OB,
+        "sampler_kl = self.aggregate(diff.square(), agg)",
+        "sampler_kl = self.aggregate((clean.curr - clean.gen).square() * (1.0 if corr.policy_gradient_keep is None "
         "else corr.policy_gradient_keep), agg)",
         "policy-gradient-only filters also remove the penalty toward the sampler (prime-rl keeps it)",
     ),
@@ -609,8 +611,8 @@ MUTANTS: list[Mutant] = [
     # ---- sequence packing: the microbatch totals a per-sequence call reads (tests/nemo_rl/test_packing.py)
     Mutant(
         L,
-        "totals = microbatch if microbatch is not None else self._totals_of(corr, masks, x.rewards)",
-        "totals = self._totals_of(corr, masks, x.rewards)",
+        "totals = microbatch if microbatch is not None else self.objective.totals_of(corr, masks, x.rewards)",
+        "totals = self.objective.totals_of(corr, masks, x.rewards)",
         "a per-sequence call uses its own kept fractions and NLL count instead of the microbatch's",
     ),
     Mutant(
@@ -620,7 +622,7 @@ MUTANTS: list[Mutant] = [
         "the microbatch's batch-normalisation factor is not applied to a per-sequence call",
     ),
     Mutant(
-        L,
+        OB,
         "correct_count = token_count @ (rewards > 0).to(token_count.dtype)",
         "correct_count = token_count.sum()",
         "the NLL divides by every valid token instead of the correct samples' tokens",
