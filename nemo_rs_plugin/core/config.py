@@ -21,25 +21,29 @@ attributes.
 from __future__ import annotations
 
 import difflib
-import math
 import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from nemo_rs_plugin.core.config_problems import (
+from nemo_rs_plugin.core.config_errors import (
     blames,
-    duplicate_label_problems,
     failed_locations,
-    filter_problems,
     format_validation_error,
     left_out,
+    without_coercions,
+    without_locations,
+)
+from nemo_rs_plugin.core.config_problems import (
+    batch_normalization_problems,
+    duplicate_label_problems,
+    filter_problems,
+    loss_type_problems,
+    range_problems,
     setting_warnings,
     truncation_problems,
     valid_filters,
-    without_coercions,
-    without_locations,
 )
 from nemo_rs_plugin.core.is_levels import ISLevel, is_level, is_levels_text
 from nemo_rs_plugin.core.rejection_filter import RejectionFilter
@@ -243,10 +247,10 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
     def _problems(self) -> list[str]:
         """Every invalid combination, one line each, in the order NeMo-RL's checks meet them."""
         return [
-            *self._range_problems(),
-            *self._loss_type_problems(),
+            *range_problems(self),
+            *loss_type_problems(self),
             *truncation_problems(self),
-            *self._batch_normalization_problems(),
+            *batch_normalization_problems(self),
             *self._filter_problems(),
             *duplicate_label_problems(self.rejection_sampling),
         ]
@@ -256,73 +260,9 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
         """Legal settings that do nothing here, one line each (issued as :class:`ConfigWarning`)."""
         return setting_warnings(self)
 
-    def _range_problems(self) -> list[str]:
-        """NeMo-RL's numbers outside the range where they do what their name says."""
-        p: list[str] = []
-        lo = self.ratio_clip_min
-        if not lo >= 0:
-            p.append(
-                f"ratio_clip_min: got {lo}; allowed: a number >= 0 (the ratio is clipped below at "
-                f"1 - ratio_clip_min = {1 - lo:g}, above 1, which clips every ratio under it)"
-            )
-        if not self.ratio_clip_max >= 0:
-            p.append(
-                f"ratio_clip_max: got {self.ratio_clip_max}; allowed: a number >= 0 (the ratio is clipped "
-                "above at 1 + ratio_clip_max)"
-            )
-        for name in ("reference_policy_kl_penalty", "positive_example_nll_weight", "sampler_kl_penalty"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                p.append(f"{name}: got {v}; allowed: a finite number >= 0 (0 switches the term off)")
-        for name in ("kl_input_clamp_value", "kl_output_clamp_value"):
-            v = getattr(self, name)
-            if v is not None and not v > 0:
-                p.append(f"{name}: got {v}; allowed: a number > 0, or null (no clamp)")
-        if self.record_every < 1:
-            p.append(f"record_every: got {self.record_every}; allowed: an integer >= 1 (optimizer steps)")
-        if not self.record_dir.strip():
-            p.append(f"record_dir: got {self.record_dir!r}; allowed: a folder name")
-        return p
-
     def _filter_problems(self) -> list[str]:
         """Filters that cannot work with the rest of the configuration."""
         return filter_problems(enumerate(self.rejection_sampling), self.force_on_policy_ratio)
-
-    def _loss_type_problems(self) -> list[str]:
-        """The GSPO ratio, the dual clip and CISPO against the loss type."""
-        p: list[str] = []
-        if self.sequence_level_importance_ratios and self.token_level_loss:
-            p.append(
-                "sequence_level_importance_ratios: got true with token_level_loss: true; "
-                "the GSPO ratio needs token_level_loss: false"
-            )
-        if self.ratio_clip_c is not None and not self.ratio_clip_c > 1:
-            p.append(f"ratio_clip_c: got {self.ratio_clip_c}; allowed: a number > 1, or null")
-        if self.use_cispo:
-            for field, bad in (
-                ("disable_ppo_ratio", self.disable_ppo_ratio),
-                ("force_on_policy_ratio", self.force_on_policy_ratio),
-                ("sequence_level_importance_ratios", self.sequence_level_importance_ratios),
-            ):
-                if bad:
-                    p.append(f"{field}: got true with use_cispo: true; allowed: false")
-            if self.ratio_clip_c is not None:
-                p.append(f"ratio_clip_c: got {self.ratio_clip_c} with use_cispo: true; allowed: null")
-            if not self.token_level_loss:
-                p.append("token_level_loss: got false with use_cispo: true; allowed: true")
-        return p
-
-    def _batch_normalization_problems(self) -> list[str]:
-        """Batch normalisation needs the weights it normalises applied."""
-        p: list[str] = []
-        if self.is_batch_normalization is not None and not self.use_importance_sampling_correction:
-            p.append(
-                f"is_batch_normalization: got {self.is_batch_normalization!r} with "
-                "use_importance_sampling_correction: false; normalising weights that are not "
-                "applied changes nothing: set use_importance_sampling_correction: true or "
-                "is_batch_normalization: null"
-            )
-        return p
 
     # ------------------------------------------------------------------ construction
     @classmethod

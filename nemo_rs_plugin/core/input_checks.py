@@ -16,9 +16,9 @@ from typing import Iterable
 
 import torch
 
-from nemo_rs_plugin.core.inputs import SanitizedInputs
 from nemo_rs_plugin.core.masking import TokenMasks
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
+from nemo_rs_plugin.core.sanitizing import SanitizedInputs
 
 __all__ = [
     "POSITIVE_LOGPROB_SLACK",

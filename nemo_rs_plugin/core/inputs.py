@@ -1,37 +1,23 @@
-"""The loss's inputs: ``LossInputs`` from NeMo-RL's data dict, their checks, sanitising, global counts.
+"""The loss's inputs: ``LossInputs`` from NeMo-RL's data dict, their shape and dtype checks, global counts.
 
 Everything here runs before the loss math: slicing NeMo-RL's ``[B, S]`` data dict to the
-next-token positions and checking shapes and dtypes (:class:`LossInputs`); replacing
-non-finite entries by 0 and building the token masks (:func:`sanitize_inputs`); the global
-counts (:func:`global_counts`). The checks decided on the host, with the one transfer of the
-metrics, are in :mod:`nemo_rs_plugin.core.input_checks`. See: docs/guide.md#non-finite-inputs
+next-token positions and checking shapes and dtypes (:class:`LossInputs`); the global counts
+(:func:`global_counts`). Replacing non-finite entries by 0 and building the token masks is
+:mod:`nemo_rs_plugin.core.sanitizing`; the checks decided on the host, with the one transfer of
+the metrics, are in :mod:`nemo_rs_plugin.core.input_checks`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union, overload
+from typing import Any, Mapping, Optional, Sequence, overload
 
 import torch
 import torch.nn.functional as F
 
-from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, sanitize
-from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
+from nemo_rs_plugin.core.metrics import GlobalCounts
 
-__all__ = [
-    "KLInputs",
-    "LossInputs",
-    "SanitizedInputs",
-    "global_counts",
-    "nonfinite_metrics",
-    "sanitize_inputs",
-    "stack_padded",
-]
-
-
-#: Where each checked input is not finite: ``None`` (all finite), a ``[K, B, T]`` 0/1 tensor (the
-#: batched form) or a list of ``K`` ``[B, T]`` ones (the CPU form).
-NonFinite = Union[None, torch.Tensor, list[torch.Tensor]]
+__all__ = ["LossInputs", "global_counts", "stack_padded"]
 
 
 @dataclass
@@ -262,202 +248,6 @@ def _required(data: Mapping[str, Any], key: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"data[{key!r}]: got {type(t).__name__}; expected a torch.Tensor")
     return t
-
-
-class KLInputs(NamedTuple):
-    """The KL penalty's inputs, sanitised: present together, exactly when the KL term is on."""
-
-    reference: torch.Tensor  # [B, T] the reference policy's log-probs
-    curr_unfiltered: torch.Tensor  # [B, T] the KL's curr (curr unless the caller passed one)
-
-
-@dataclass
-class SanitizedInputs:
-    """The inputs with NaN and +-inf replaced by 0, and where they were not finite.
-
-    Non-finite log-probs are replaced by 0 *before* any arithmetic, so that a token that is
-    masked or rejected receives an exact zero gradient, never 0 * NaN.
-    """
-
-    curr: torch.Tensor  # [B, T] differentiable
-    prev: torch.Tensor  # [B, T] detached (curr's value under a forced on-policy ratio)
-    prev_raw: torch.Tensor  # [B, T] as given
-    gen: torch.Tensor
-    kl: Optional[KLInputs]  # the KL penalty's two inputs (None without the KL term)
-    advantages: torch.Tensor
-    d: torch.Tensor  # [B, T] prev - gen, 0 where not finite
-    masks: TokenMasks
-    nonfinite: (
-        NonFinite  # [K, B, T] (or K [B, T]) 0/1 non-finite entries of each input (None: all finite), rows named by
-    )
-    input_names: tuple  # the K input names (keys of _NONFINITE_COUNTS)
-    stacked: Optional[torch.Tensor] = None  # [K, B, T] the sanitised inputs, rows input_names (GPU form only)
-
-    @property
-    def reference(self) -> Optional[torch.Tensor]:
-        """The sanitised reference log-probs (``None`` without the KL term)."""
-        return self.kl.reference if self.kl is not None else None
-
-
-def sanitize_inputs(
-    x: LossInputs, force_on_policy: bool, with_reference: bool, batched: bool, host_reads: bool = False
-) -> SanitizedInputs:
-    """One pass over every input: sanitised copies, non-finite masks, the token masks.
-
-    The detached inputs are stacked, so replacing and detecting non-finite entries costs two
-    kernels whatever their number; ``curr`` is sanitised on its own (it carries the gradient).
-    With ``host_reads`` (eager CPU) and every input finite, read on the host from one sum per
-    input, nothing is copied or masked: the inputs are used as given and ``nonfinite`` is
-    ``None`` (every count 0). The values are the same either way.
-    """
-    prev_raw = x.curr.detach() if force_on_policy else _present(x.prev, "prev_logprobs", "force_on_policy_ratio is off")
-    # The first rows are the log-prob inputs a token's loss reads (any non-finite one makes
-    # the token unusable); the others are sanitised and counted only. Each row's name is the
-    # metric counting its non-finite valid tokens (hidden when another metric covers it).
-    rows = {"curr": x.curr, "d": prev_raw - x.generation}
-    if with_reference:
-        rows["reference"] = _present(x.reference, "reference_policy_logprobs", "the KL penalty is on")
-        if x.curr_unfiltered is not None:
-            rows["curr_unfiltered"] = x.curr_unfiltered
-    n_logprob = len(rows)
-    rows.update(prev=prev_raw, gen=x.generation, advantages=x.advantages)
-    checked = tuple(rows) if batched else tuple(name for name in rows if name not in ("prev", "gen"))
-    # host_reads: where every input reads finite they are used as given (no copy, no mask).
-    as_given = host_reads and _finite_on_host([rows[name] for name in checked])
-    clean_of = _as_given if as_given else sanitize
-    curr = clean_of(x.curr)
-    if as_given:
-        form = _used_as_given(rows, x, curr.dtype)
-    elif batched:
-        form = _sanitized_stacked(rows, x, n_logprob)
-    else:
-        form = _sanitized_per_input(rows, x, n_logprob, checked)
-    kl = None
-    if with_reference:
-        unfiltered = clean_of(x.curr_unfiltered) if x.curr_unfiltered is not None else curr
-        kl = KLInputs(reference=form.clean["reference"], curr_unfiltered=unfiltered)
-    return SanitizedInputs(
-        curr=curr,
-        prev=curr.detach() if force_on_policy else form.clean["prev"],
-        prev_raw=prev_raw,
-        gen=form.clean["gen"],
-        kl=kl,
-        advantages=form.clean["advantages"],
-        d=form.clean["d"],
-        masks=form.masks,
-        nonfinite=form.nonfinite,
-        input_names=checked,
-        stacked=form.stacked,
-    )
-
-
-class _CleanForm(NamedTuple):
-    """What one form of :func:`sanitize_inputs` gives: the rows cleaned, their non-finite masks, the token masks."""
-
-    clean: dict[str, torch.Tensor]  # every row, detached (sanitised unless used as given)
-    nonfinite: NonFinite  # None (every count 0), a [K, B, T] 0/1 tensor or a list of [B, T] ones
-    masks: TokenMasks
-    stacked: Optional[torch.Tensor]  # the [K, B, T] sanitised stack of the batched form
-
-
-def _used_as_given(rows: dict[str, torch.Tensor], x: LossInputs, dtype: torch.dtype) -> _CleanForm:
-    """Every input read finite on the host (eager CPU): no copy, no mask, every count 0."""
-    clean = {name: t.detach() for name, t in rows.items()}
-    return _CleanForm(clean, None, TokenMasks.build_all_finite(x.token_mask, x.sample_mask, dtype), None)
-
-
-def _sanitized_stacked(rows: dict[str, torch.Tensor], x: LossInputs, n_logprob: int) -> _CleanForm:
-    """The GPU form (``batched_evaluation``): two kernels for all inputs, through one ``[K, B, T]`` stack."""
-    stacked = torch.stack([t.detach() for t in rows.values()])  # [K, B, T]
-    sanitized = sanitize(stacked)
-    bad = nonfinite(stacked)  # [K, B, T] 0/1
-    any_bad = bad[:n_logprob].amax(0)
-    return _CleanForm(dict(zip(rows, sanitized)), bad, _masks(x, bad[1], any_bad), sanitized)
-
-
-def _sanitized_per_input(
-    rows: dict[str, torch.Tensor], x: LossInputs, n_logprob: int, checked: tuple[str, ...]
-) -> _CleanForm:
-    """The CPU form: per input, no copy into a stack, and only what is read.
-
-    ``curr`` and ``curr_unfiltered`` are sanitised on their own (they carry the gradient); ``prev``
-    and ``gen`` reach the loss, and its checks, through ``d``.
-    """
-    clean = {n: sanitize(t.detach()) for n, t in rows.items() if n not in ("curr", "curr_unfiltered")}
-    bad = [nonfinite(rows[name]) for name in checked]
-    any_bad = torch.maximum(bad[0], bad[1])  # curr and d come first: n_logprob >= 2
-    for row in bad[2:n_logprob]:
-        any_bad = torch.maximum(any_bad, row, out=any_bad)  # no new [B, T] per input
-    return _CleanForm(clean, bad, _masks(x, bad[1], any_bad), None)
-
-
-def _masks(x: LossInputs, d_bad: torch.Tensor, any_bad: torch.Tensor) -> TokenMasks:
-    """The token masks from where ``d`` and where any log-prob input is not finite (``any_bad``, consumed)."""
-    d_finite = 1.0 - d_bad
-    inputs_finite = any_bad.neg_().add_(1.0)  # 1 - any_bad, in place: any_bad is a fresh tensor
-    return TokenMasks.build(x.token_mask, x.sample_mask, d_finite, inputs_finite)
-
-
-def _present(t: Optional[torch.Tensor], key: str, because: str) -> torch.Tensor:
-    """``t``, an input the configuration reads; a clear error when the caller left it out."""
-    if t is None:
-        raise KeyError(f"data[{key!r}] is missing; the rs_clipped_pg loss reads it ({because})")
-    return t
-
-
-def _finite_on_host(rows: list[torch.Tensor]) -> bool:
-    """Whether every entry of ``rows`` is finite, read on the host (one sum per row, no ``[B, T]`` temporary).
-
-    A sum is finite only if every summand is: NaN and +-inf propagate through it. A finite
-    row whose sum overflows reads as not finite and takes the general path, exact for it too.
-    ``d = prev - gen`` finite implies ``prev`` and ``gen`` finite, so they are not read.
-    """
-    totals = torch.stack([row.detach().sum() for row in rows])
-    return bool(torch.isfinite(totals).all())
-
-
-def _as_given(x: torch.Tensor) -> torch.Tensor:
-    """A differentiable input known to be finite: :func:`sanitize` would copy it unchanged."""
-    return x
-
-
-# Input row of sanitize_inputs -> the metric counting its non-finite valid tokens ("_": hidden,
-# covered by another count: prev and gen through the log-ratio).
-_NONFINITE_COUNTS = {
-    "curr": "nonfinite_curr_logprobs_count",
-    "d": "nonfinite_log_ratio_count",
-    "reference": "nonfinite_reference_logprobs_count",
-    "curr_unfiltered": "_nonfinite_curr_unfiltered_count",
-    "prev": "_nonfinite_prev_logprobs_count",
-    "gen": "_nonfinite_generation_logprobs_count",
-    "advantages": "nonfinite_advantages_count",
-}
-
-
-def nonfinite_metrics(metrics: MetricSet, masks: TokenMasks, nonfinite: NonFinite, inputs: tuple) -> None:
-    """Valid tokens with a non-finite input, one count per input kind (summed over CP ranks).
-
-    In the GPU form all counts are one matrix-vector product of the stacked non-finite masks
-    (in the CPU form one dot product each, right away). With a separate
-    unfiltered ``curr`` (for the KL), ``nonfinite_curr_logprobs_count`` counts tokens where
-    either is non-finite. ``nonfinite`` is ``None`` when every input was read finite on the
-    host (:func:`sanitize_inputs`): the same metrics, each 0. See: docs/guide.md#non-finite-inputs
-    """
-    names = [_NONFINITE_COUNTS[row] for row in inputs]
-    if "curr_unfiltered" in inputs:
-        names[0] = "_nonfinite_curr_filtered_count"
-        if nonfinite is None:
-            metrics.add_zero(_NONFINITE_COUNTS["curr"], "none")
-        else:
-            either = torch.maximum(nonfinite[0], nonfinite[inputs.index("curr_unfiltered")])
-            metrics.add_masked_total(_NONFINITE_COUNTS["curr"], either, masks.valid_bin, "none", "sum")
-    if nonfinite is None:
-        for name in names:
-            metrics.add_zero(name, "none")
-    else:
-        metrics.add_masked_totals(names, nonfinite, masks.valid_bin, "none", "sum")
-    if "reference" not in inputs:
-        metrics.add_zero(_NONFINITE_COUNTS["reference"], "none")
 
 
 def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -35,17 +35,13 @@ from nemo_rs_plugin.core.correction.filters import sequence_counts
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
 from nemo_rs_plugin.core.health import RejectionMonitor
 from nemo_rs_plugin.core.input_checks import check_global_counts, check_logprob_signs
-from nemo_rs_plugin.core.inputs import (
-    LossInputs,
-    global_counts,
-    nonfinite_metrics,
-    sanitize_inputs,
-)
+from nemo_rs_plugin.core.inputs import LossInputs, global_counts
 from nemo_rs_plugin.core.metric_catalog import metric_specs
 from nemo_rs_plugin.core.metrics import MetricSet, batched_evaluation
 from nemo_rs_plugin.core.microbatch import MicrobatchTotals, missing_totals
 from nemo_rs_plugin.core.objective import Objective
 from nemo_rs_plugin.core.parity_metrics import record_nemo_rl_metrics
+from nemo_rs_plugin.core.sanitizing import nonfinite_metrics, sanitize_inputs
 
 #: The warning of a section that asks :class:`CorrectedPGLoss` itself to record (it never does).
 RECORDS_NOTHING = (

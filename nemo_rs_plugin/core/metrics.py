@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal, Mapping, NamedTuple, Optional, Protocol, Sequence, Union
+from typing import Callable, Iterable, Literal, Mapping, NamedTuple, Optional, Protocol, Union
 
 import torch
 
-from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups, reduce_sequence_statistics
-from nemo_rs_plugin.core.masking import EPS, masked_sum
+from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
+from nemo_rs_plugin.core.masking import EPS
+from nemo_rs_plugin.core.metric_kernels import masked_extrema, reduce_over_ranks, row_totals, stacked_masked_totals
 
 __all__ = ["CatalogSpec", "GlobalCounts", "MetricSet", "Normalization", "Reduction", "batched_evaluation"]
 
@@ -233,7 +234,7 @@ class MetricSet:
             # CPU form: reduced now, so each [B, T] row can be freed as soon as its caller drops
             # it (rows held until stack() raised the peak memory of an eager call; on the CPU a
             # fresh [B, T] allocation costs far more than the operator on reused memory).
-            totals = _row_totals(rows.unbind(0) if isinstance(rows, torch.Tensor) else rows, mask)
+            totals = row_totals(rows.unbind(0) if isinstance(rows, torch.Tensor) else rows, mask)
             _check_row_count(names, 0 if totals is None else totals.shape[0])
             self._declare_all(names, normalization, reduction)
             if totals is None:  # no row
@@ -271,7 +272,7 @@ class MetricSet:
         if self._skips(per_call):
             return
         if not self.batched:  # CPU form: reduced now (see add_masked_totals), final values as add() records them
-            lows, highs = _masked_extrema([values.detach()], [penalty])
+            lows, highs = masked_extrema([values.detach()], [penalty])
             self._values[min_name], self._values[max_name] = lows[0], highs[0]
             return
         # Same rank and dtype stack together (their shapes agree: one microbatch). Not the
@@ -349,7 +350,7 @@ class MetricSet:
             (
                 [n for group, _ in entries for n in group],
                 norm,
-                _masked_totals([rows for _, rows in entries], mask),
+                stacked_masked_totals([rows for _, rows in entries], mask),
             )
             for mask, norm, entries in self._masked
         ]
@@ -370,7 +371,7 @@ class MetricSet:
                 raise ValueError(f"metrics normalized by {norm!r} need the global counts (MetricSet(counts))")
             parts.append((torch.cat(flat) if len(flat) > 1 else flat[0]) / (count + EPS))
         for extremes in self._extrema.values():
-            lows, highs = _masked_extrema([e.values for e in extremes], [e.penalty for e in extremes])
+            lows, highs = masked_extrema([e.values for e in extremes], [e.penalty for e in extremes])
             names += [e.min_name for e in extremes] + [e.max_name for e in extremes]
             parts += [lows, highs]
         if not parts:
@@ -399,7 +400,7 @@ class MetricSet:
         names, values = self.stack()
         reductions = [self._declared[n][1] for n in names]
         if groups.active and names:
-            values = _reduce(values, reductions, groups)
+            values = reduce_over_ranks(values, reductions, groups)
         host = values.tolist() if names else []  # the one host transfer of the loss call
         out = dict(zip(names, host))
         for failed, error in self._checks:
@@ -432,84 +433,3 @@ def _zero(out: dict[str, float]) -> float:
 def _check_row_count(names: list[str], count: int) -> None:
     if count != len(names):
         raise ValueError(f"add_masked_totals: {len(names)} names for {count} rows")
-
-
-def _row_totals(rows: Iterable[torch.Tensor], mask: torch.Tensor) -> Optional[torch.Tensor]:
-    """``[k]`` totals ``sum(row * mask)``, one dot product per row (the CPU form).
-
-    Each row is read where it is and released before the next is taken from ``rows``;
-    ``None`` for no row.
-    """
-    masks: dict[torch.dtype, torch.Tensor] = {}  # the mask in each row dtype, cast once
-    totals = []
-    for row in rows:
-        row = row.detach()
-        cast = masks.get(row.dtype)
-        if cast is None:
-            cast = masks[row.dtype] = mask if mask.dtype == row.dtype else mask.to(row.dtype)
-        totals.append(masked_sum(row.expand(mask.shape) if row.shape != mask.shape else row, cast))
-        del row
-    if not totals:
-        return None
-    return totals[0].reshape(1) if len(totals) == 1 else torch.stack(totals)  # one row: a view, no op
-
-
-def _masked_totals(groups: list, mask: torch.Tensor) -> torch.Tensor:
-    """``[k]`` totals ``sum(row * mask)`` of every row of every group (a list or a stacked tensor).
-
-    The batched form: a group given stacked (``[k, *mask.shape]``) is one matrix-vector product
-    where it is, with no copy; each run of rows given one by one is one ``stack`` and one product.
-    """
-    first = groups[0] if isinstance(groups[0], torch.Tensor) else groups[0][0]
-    flat_mask = (mask if mask.dtype == first.dtype else mask.to(first.dtype)).reshape(-1)
-    parts: list[torch.Tensor] = []
-    loose: list[torch.Tensor] = []
-
-    def flush() -> None:
-        if loose:
-            rows = [r.expand(mask.shape) if r.shape != mask.shape else r for r in loose]
-            parts.append(torch.stack(rows).reshape(len(rows), -1) @ flat_mask)
-            loose.clear()
-
-    for group in groups:
-        if isinstance(group, torch.Tensor) and group.shape[1:] == mask.shape:
-            flush()  # keep the rows in declaration order
-            matrix = group.detach()  # already one [k, *mask.shape] tensor: no copy
-            parts.append(matrix.reshape(matrix.shape[0], -1) @ flat_mask)
-        else:
-            loose.extend(r.detach() for r in (group if isinstance(group, (list, tuple)) else group.unbind(0)))
-    flush()
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-def _masked_extrema(values: list[torch.Tensor], penalties: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([k] minima, [k] maxima)`` of each ``values[i]`` where its penalty is 0 (``+-finfo.max`` if nowhere).
-
-    One ``amin`` and one ``amax`` for all of them (the CPU form passes one row at a time).
-    """
-    big = torch.finfo(values[0].dtype).max
-    k = len(values)
-    if values[0].numel() == 0:
-        return values[0].new_full((k,), big), values[0].new_full((k,), -big)
-    v = torch.stack(values).reshape(k, -1) if k > 1 else values[0].reshape(1, -1)
-    if all(p is penalties[0] for p in penalties):
-        p = penalties[0].reshape(1, -1)  # one mask for all: broadcast, no stack
-    else:
-        p = torch.stack([q.expand(values[0].shape) for q in penalties]).reshape(k, -1)
-    return (v + p).amin(-1), (v - p).amax(-1)
-
-
-def _reduce(values: torch.Tensor, reductions: Sequence[str], groups: SequenceGroups) -> torch.Tensor:
-    """``values`` reduced over ``groups`` by each entry's reduction, in one SUM and one MAX collective."""
-    is_sum = torch.tensor([r == "sum" for r in reductions], device=values.device)
-    is_max = torch.tensor([r == "max" for r in reductions], device=values.device)
-    is_min = torch.tensor([r == "min" for r in reductions], device=values.device)
-    summed = torch.where(is_sum, values, torch.zeros_like(values))
-    # Extrema in one MAX collective: minima negated; other entries are neutral.
-    neutral = torch.full_like(values, -float("inf"))
-    maxed = torch.where(is_max, values, torch.where(is_min, -values, neutral))
-    summed, maxed = reduce_sequence_statistics(summed.unsqueeze(0), maxed.unsqueeze(0), groups)
-    summed, maxed = summed[0], maxed[0]
-    values = torch.where(is_sum, summed, values)
-    values = torch.where(is_max, maxed, values)
-    return torch.where(is_min, -maxed, values)

@@ -24,7 +24,6 @@ import torch
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction import CorrectionResult, SequenceCounts
 from nemo_rs_plugin.core.distributed import SequenceGroups, all_reduce_sum_with_grad
-from nemo_rs_plugin.core.inputs import SanitizedInputs
 from nemo_rs_plugin.core.masking import EPS, TokenMasks, masked_sum
 from nemo_rs_plugin.core.metrics import GlobalCounts
 from nemo_rs_plugin.core.microbatch import MicrobatchTotals
@@ -36,6 +35,7 @@ from nemo_rs_plugin.core.policy_loss import (
     policy_ratios,
     positive_example_nll,
 )
+from nemo_rs_plugin.core.sanitizing import SanitizedInputs
 
 __all__ = ["Aggregation", "LossTerms", "Objective", "sequence_counts_of"]
 

@@ -14,10 +14,10 @@ import torch
 
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction import CorrectionResult
-from nemo_rs_plugin.core.inputs import SanitizedInputs
 from nemo_rs_plugin.core.metrics import MetricSet, Normalization
 from nemo_rs_plugin.core.objective import LossTerms, Objective
 from nemo_rs_plugin.core.policy_loss import kl_estimate
+from nemo_rs_plugin.core.sanitizing import SanitizedInputs
 
 __all__ = ["record_nemo_rl_metrics"]
 

@@ -20,7 +20,7 @@ import numbers
 from typing import Any, Mapping, Optional
 
 from nemo_rs_plugin.core.config import UPSTREAM_FIELDS, RSClippedPGLossConfig
-from nemo_rs_plugin.core.config_problems import shown
+from nemo_rs_plugin.core.config_errors import shown
 
 __all__ = [
     "SUPPORTED_NEMO_RL",

@@ -473,7 +473,7 @@ def test_finite_inputs_are_used_as_given_where_the_host_can_read():
     """Eager CPU, every input finite: no sanitised copy, no non-finite mask; one NaN anywhere (a
     masked position included) takes the general path; so does a finite input whose sum
     overflows (its values are exact either way)."""
-    from nemo_rs_plugin.core.inputs import sanitize_inputs
+    from nemo_rs_plugin.core.sanitizing import sanitize_inputs
 
     lp, data, _, _ = batch()
     x = _loss_inputs(lp, data)

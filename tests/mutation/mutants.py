@@ -25,6 +25,8 @@ L, P, D, M, MS, IN, IC = (
 )
 # The objective (terms and their aggregation) and NeMo-RL's own metrics, out of loss.py.
 OB, PM = "nemo_rs_plugin/core/objective.py", "nemo_rs_plugin/core/parity_metrics.py"
+SAN = "nemo_rs_plugin/core/sanitizing.py"  # the inputs' sanitising, out of inputs.py
+MK = "nemo_rs_plugin/core/metric_kernels.py"  # the metrics' evaluation, out of metrics.py
 # The correction package: filter statistics and decisions, IS weights, the statistics and their
 # reductions, the plan -> reduce -> apply pipeline.
 CF, CW, CS, CP = (f"nemo_rs_plugin/core/correction/{m}.py" for m in ("filters", "weights", "statistics", "pipeline"))
@@ -270,7 +272,7 @@ MUTANTS: list[Mutant] = [
         "probs_ratio_clamped_min/max not clamped",
     ),
     Mutant(
-        IN,
+        SAN,
         "inputs_finite = any_bad.neg_().add_(1.0)",
         "inputs_finite = 1.0 - bad[1]",
         "a token with a non-finite curr or reference log-prob stays in the loss",
@@ -283,25 +285,25 @@ MUTANTS: list[Mutant] = [
     ),
     # ---- the metric set: masked totals, normalisation, extrema
     Mutant(
-        MS,
+        MK,
         "totals.append(masked_sum(row.expand(mask.shape) if row.shape != mask.shape else row, cast))",
         "totals.append((row.expand(mask.shape) if row.shape != mask.shape else row).sum())",
         "masked totals ignore their mask (CPU form)",
     ),
     Mutant(
-        MS,
+        MK,
         "parts.append(torch.stack(rows).reshape(len(rows), -1) @ flat_mask)",
         "parts.append(torch.stack(rows).reshape(len(rows), -1).sum(-1))",
         "masked totals ignore their mask (GPU form, rows given one by one)",
     ),
     Mutant(
-        MS,
+        MK,
         "parts.append(matrix.reshape(matrix.shape[0], -1) @ flat_mask)",
         "parts.append(matrix.reshape(matrix.shape[0], -1).sum(-1))",
         "masked totals ignore their mask (GPU form, rows given stacked: the non-finite counts)",
     ),
     Mutant(
-        MS,
+        MK,
         "return (v + p).amin(-1), (v - p).amax(-1)",
         "return v.amin(-1), (v - p).amax(-1)",
         "min metrics range over masked tokens too (both forms; the maxima stay masked)",
@@ -319,7 +321,7 @@ MUTANTS: list[Mutant] = [
         "token metrics divided by the sequence count and vice versa",
     ),
     Mutant(
-        MS,
+        MK,
         "return (v + p).amin(-1), (v - p).amax(-1)",
         "return v.amin(-1), v.amax(-1)",
         "min/max metrics range over masked tokens too (GPU form)",
@@ -384,13 +386,13 @@ MUTANTS: list[Mutant] = [
         "differentiable all-reduce: backward does not sum the gradient over ranks",
     ),
     Mutant(
-        "nemo_rs_plugin/core/metrics.py",
+        MK,
         "summed, maxed = reduce_sequence_statistics(summed.unsqueeze(0), maxed.unsqueeze(0), groups)",
         "summed, maxed = summed.unsqueeze(0), maxed.unsqueeze(0)",
         "metrics not reduced over the ranks (each rank reports its own part)",
     ),
     Mutant(
-        "nemo_rs_plugin/core/metrics.py",
+        MK,
         "return torch.where(is_min, -maxed, values)",
         "return torch.where(is_min, maxed, values)",
         "reduced minimum metrics come back negated",
@@ -551,7 +553,7 @@ MUTANTS: list[Mutant] = [
     ),
     # ---- the eager CPU form's host reads (finite inputs used as given), the integer token_mask check
     Mutant(
-        IN,
+        SAN,
         "return bool(torch.isfinite(totals).all())",
         "return True",
         "every input read as finite: NaN and inf reach the loss unsanitised",

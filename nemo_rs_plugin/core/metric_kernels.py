@@ -1,0 +1,100 @@
+"""How the declared metrics are evaluated: the kernels behind ``MetricSet``.
+
+Row totals one dot product at a time (the CPU form: no copy), masked totals stacked into one
+matrix-vector product per mask (the GPU form: a handful of kernels whatever the number of
+metrics), masked extrema in one ``amin`` and one ``amax``, and the one reduction of the
+stacked vector over the ranks that split a sequence (SUM, MAX, MIN rows; replicated rows
+untouched). :mod:`nemo_rs_plugin.core.metrics` declares and finalizes; this module computes.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from nemo_rs_plugin.core.distributed import SequenceGroups, reduce_sequence_statistics
+from nemo_rs_plugin.core.masking import masked_sum
+
+__all__ = ["masked_extrema", "reduce_over_ranks", "row_totals", "stacked_masked_totals"]
+
+
+def row_totals(rows: Iterable[torch.Tensor], mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """``[k]`` totals ``sum(row * mask)``, one dot product per row (the CPU form).
+
+    Each row is read where it is and released before the next is taken from ``rows``;
+    ``None`` for no row.
+    """
+    masks: dict[torch.dtype, torch.Tensor] = {}  # the mask in each row dtype, cast once
+    totals = []
+    for row in rows:
+        row = row.detach()
+        cast = masks.get(row.dtype)
+        if cast is None:
+            cast = masks[row.dtype] = mask if mask.dtype == row.dtype else mask.to(row.dtype)
+        totals.append(masked_sum(row.expand(mask.shape) if row.shape != mask.shape else row, cast))
+        del row
+    if not totals:
+        return None
+    return totals[0].reshape(1) if len(totals) == 1 else torch.stack(totals)  # one row: a view, no op
+
+
+def stacked_masked_totals(groups: list, mask: torch.Tensor) -> torch.Tensor:
+    """``[k]`` totals ``sum(row * mask)`` of every row of every group (a list or a stacked tensor).
+
+    The batched form: a group given stacked (``[k, *mask.shape]``) is one matrix-vector product
+    where it is, with no copy; each run of rows given one by one is one ``stack`` and one product.
+    """
+    first = groups[0] if isinstance(groups[0], torch.Tensor) else groups[0][0]
+    flat_mask = (mask if mask.dtype == first.dtype else mask.to(first.dtype)).reshape(-1)
+    parts: list[torch.Tensor] = []
+    loose: list[torch.Tensor] = []
+
+    def flush() -> None:
+        if loose:
+            rows = [r.expand(mask.shape) if r.shape != mask.shape else r for r in loose]
+            parts.append(torch.stack(rows).reshape(len(rows), -1) @ flat_mask)
+            loose.clear()
+
+    for group in groups:
+        if isinstance(group, torch.Tensor) and group.shape[1:] == mask.shape:
+            flush()  # keep the rows in declaration order
+            matrix = group.detach()  # already one [k, *mask.shape] tensor: no copy
+            parts.append(matrix.reshape(matrix.shape[0], -1) @ flat_mask)
+        else:
+            loose.extend(r.detach() for r in (group if isinstance(group, (list, tuple)) else group.unbind(0)))
+    flush()
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def masked_extrema(values: list[torch.Tensor], penalties: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([k] minima, [k] maxima)`` of each ``values[i]`` where its penalty is 0 (``+-finfo.max`` if nowhere).
+
+    One ``amin`` and one ``amax`` for all of them (the CPU form passes one row at a time).
+    """
+    big = torch.finfo(values[0].dtype).max
+    k = len(values)
+    if values[0].numel() == 0:
+        return values[0].new_full((k,), big), values[0].new_full((k,), -big)
+    v = torch.stack(values).reshape(k, -1) if k > 1 else values[0].reshape(1, -1)
+    if all(p is penalties[0] for p in penalties):
+        p = penalties[0].reshape(1, -1)  # one mask for all: broadcast, no stack
+    else:
+        p = torch.stack([q.expand(values[0].shape) for q in penalties]).reshape(k, -1)
+    return (v + p).amin(-1), (v - p).amax(-1)
+
+
+def reduce_over_ranks(values: torch.Tensor, reductions: Sequence[str], groups: SequenceGroups) -> torch.Tensor:
+    """``values`` reduced over ``groups`` by each entry's reduction, in one SUM and one MAX collective."""
+    is_sum = torch.tensor([r == "sum" for r in reductions], device=values.device)
+    is_max = torch.tensor([r == "max" for r in reductions], device=values.device)
+    is_min = torch.tensor([r == "min" for r in reductions], device=values.device)
+    summed = torch.where(is_sum, values, torch.zeros_like(values))
+    # Extrema in one MAX collective: minima negated; other entries are neutral.
+    neutral = torch.full_like(values, -float("inf"))
+    maxed = torch.where(is_max, values, torch.where(is_min, -values, neutral))
+    summed, maxed = reduce_sequence_statistics(summed.unsqueeze(0), maxed.unsqueeze(0), groups)
+    summed, maxed = summed[0], maxed[0]
+    values = torch.where(is_sum, summed, values)
+    values = torch.where(is_max, maxed, values)
+    return torch.where(is_min, -maxed, values)
