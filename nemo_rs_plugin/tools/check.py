@@ -14,11 +14,16 @@ fields (:mod:`~nemo_rs_plugin.tools.grpo_setup`) is checked per NeMo-RL version:
 the run may use refuses the recipe, a warning naming the versions that refuse it where only some
 do (the version is not known without ``--nemo-rl``), and a ``not checked`` line where an input is
 not resolved.
+
+This module loads the recipe and assembles the report: which loss the recipe selects, its section
+validated (NeMo-RL's version rules and ``MasterConfig`` where NeMo-RL is found), then the checks of
+:mod:`~nemo_rs_plugin.tools.grpo_setup`, :mod:`~nemo_rs_plugin.tools.policy_setup` (backend, sharded
+logits, log-prob chunks, packing) and :mod:`~nemo_rs_plugin.tools.correction_warnings` (the
+correction at the recipe's response length).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -30,38 +35,22 @@ from nemo_rs_plugin.core.config import (
     RSClippedPGLossConfig,
     own_loss_problems,
 )
-from nemo_rs_plugin.core.filter_statistics import filter_statistic_entry
 from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME, selects_nemo_rl_loss
-from nemo_rs_plugin.nemo_rl.host import (
-    fused_sharded_problem,
-    training_time_filtering_problem,
-)
-from nemo_rs_plugin.parallel.vocab_parallel import DEFAULT_LOGPROB_CHUNK_SIZE, chunk_size_problem
+from nemo_rs_plugin.tools.correction_warnings import warn_about_correction
 from nemo_rs_plugin.tools.grpo_setup import grpo_setup_problems
+from nemo_rs_plugin.tools.policy_setup import packing_problems, parallelism_problems
 from nemo_rs_plugin.tools.recipe_loading import (
     HOW_TO_CHECK,
     INHERITED_NOT_FOUND,
     flatten,
     load_recipe,
     one_line,
-    recipe_value,
 )
 
 __all__ = ["CheckReport", "check_recipe", "load_recipe"]
 
-LONG_RESPONSE_TOKENS = 2048
-#: The response length of the rejection estimate where neither ``--response-tokens`` nor the recipe
-#: (``policy.generation.max_new_tokens``, ``policy.max_total_sequence_length``) gives one (docs/cli.md).
-FALLBACK_RESPONSE_TOKENS = 4096
-#: A lone B = 1 call against NeMo-RL's loss (benchmarks/bench_packing.py --compiled; docs/performance.md).
-ONE_SEQUENCE_CALL_COST = (
-    "1.5-1.6x NeMo-RL's loss per call eager, 0.54-0.67x with loss_fn.compile: true (forward + backward, "
-    "512 tokens, one CPU thread); on an H200 1.1-1.2x eager, 0.35x compiled (host time per call)"
-)
 #: Sections of NeMo-RL's other algorithms' configs (examples/configs/{sft,dpo,rm,distillation}*.yaml).
 OTHER_ALGORITHMS = ("sft", "dpo", "rm", "distillation")
-# Sequences in the simulated batch of the rejection estimate (fewer at long lengths: same cost).
-_ESTIMATE_RESPONSES, _ESTIMATE_TOKENS = 64, 8192 * 64
 
 
 @dataclass
@@ -144,150 +133,6 @@ def _host_loss_section(loss: dict, report: CheckReport) -> dict:
     return dict(read)
 
 
-#: Qwen3's vocabulary (the shipped recipes' models): what ``check`` sizes a log-prob chunk's buffer by.
-QWEN3_VOCABULARY = 151_936
-
-
-def _parallelism_problems(cfg: dict, config: RSClippedPGLossConfig, report: CheckReport) -> list[str]:
-    """Combinations docs/parallelism.md#sharded-input calls invalid."""
-    if not config.sharded_logits_input:
-        return []
-    problems = []
-    megatron = recipe_value(cfg, "policy.megatron_cfg.enabled")
-    dtensor = recipe_value(cfg, "policy.dtensor_cfg.enabled")
-    if megatron is not True and (megatron is False or dtensor is True):
-        problems.append(
-            "loss_fn.sharded_logits_input: got true with the DTensor backend (policy.megatron_cfg.enabled "
-            "is not true); local logits shards need the Megatron backend: set sharded_logits_input: false "
-            "or policy.megatron_cfg.enabled: true"
-        )
-    elif megatron is not True:
-        report.warnings.append(
-            "loss_fn.sharded_logits_input needs the Megatron backend, and policy.megatron_cfg.enabled is not set here"
-        )
-    fused = fused_sharded_problem(megatron is True, recipe_value(cfg, "policy.megatron_cfg.use_fused_linear_logprobs"))
-    filtering = training_time_filtering_problem(
-        recipe_value(cfg, "policy.generation.top_k"), recipe_value(cfg, "policy.generation.top_p")
-    )
-    problems += [f"loss_fn.{p}" for p in (fused, filtering) if p is not None]
-    chunk_problem = chunk_size_problem(recipe_value(cfg, "policy.logprob_chunk_size"))
-    if chunk_problem is not None:
-        problems.append(chunk_problem)
-    else:
-        _logprob_chunk_notes(cfg, report)
-    return problems
-
-
-def _logprob_chunk_notes(cfg: dict, report: CheckReport) -> None:
-    """Which chunk size the log-probs from the logits shard take, what it costs, and the logits' dtype.
-
-    Measured in docs/performance.md#log-probs-from-logits-memory.
-    """
-    chunk = recipe_value(cfg, "policy.logprob_chunk_size")
-    tp = recipe_value(cfg, "policy.megatron_cfg.tensor_model_parallel_size")
-    tp = tp if isinstance(tp, int) and tp >= 1 else 1
-    size = chunk if chunk is not None else DEFAULT_LOGPROB_CHUNK_SIZE
-    source = (
-        "policy.logprob_chunk_size (NeMo-RL v0.7.0 on passes it to the loss; v0.6.0 does not, and the "
-        f"plugin's default, {DEFAULT_LOGPROB_CHUNK_SIZE}, applies there)"
-        if chunk is not None
-        else "the plugin's default; policy.logprob_chunk_size is unset"
-    )
-    buffer_mib = size * (QWEN3_VOCABULARY / tp) * 4 / 2**20
-    # The chunk spans every sequence of a loss call: one under packing (a call per sequence).
-    per_call = recipe_value(cfg, "policy.train_micro_batch_size")
-    several = recipe_value(cfg, "policy.sequence_packing.enabled") is not True and isinstance(per_call, int)
-    calls = (
-        f"; {per_call} sequences per loss call without packing: {per_call * buffer_mib:.0f} MiB"
-        if several and per_call > 1
-        else ""
-    )
-    report.notes.append(
-        f"log-probs from the logits shard in chunks of {size} positions ({source}): one float32 buffer of "
-        f"{size} x V/{tp} x 4 bytes per sequence at a time ({buffer_mib:.0f} MiB for Qwen3's "
-        f"{QWEN3_VOCABULARY:,}-token vocabulary{calls}) besides the logits' gradient; nothing of the logits' "
-        "size is saved for backward (docs/performance.md#log-probs-from-logits-memory)"
-    )
-    if recipe_value(cfg, "policy.megatron_cfg.defer_fp32_logits") is not True:
-        report.notes.append(
-            "policy.megatron_cfg.defer_fp32_logits is not true: NeMo-RL's Megatron worker hands the loss float32 "
-            "logits, twice the memory of bf16 ones, and their gradient is float32 too; set it to true (NeMo-RL "
-            "requires it with policy.logprob_chunk_size) and the plugin converts one chunk at a time "
-            "(docs/performance.md#log-probs-from-logits-memory)"
-        )
-
-
-def _packing_problems(
-    cfg: dict, config: RSClippedPGLossConfig, report: CheckReport, loss_name: Optional[str]
-) -> list[str]:
-    """Which of NeMo-RL's packing wrappers the recipe takes, and what that wrapper cannot run.
-
-    ``policy.sequence_packing.enabled`` without ``fuse_loss`` (or on the DTensor backend, which
-    has no fused wrapper): the loss is called once per sequence (docs/guide.md#sequence-packing).
-    """
-    if recipe_value(cfg, "policy.sequence_packing.enabled") is not True:
-        _one_sequence_calls_note(cfg, config, report, loss_name)
-        return []
-    megatron = recipe_value(cfg, "policy.megatron_cfg.enabled")  # None: not set here (an unresolved `defaults`)
-    fuse = recipe_value(cfg, "policy.sequence_packing.fuse_loss") is True
-    problems: list[str] = []
-    if fuse and megatron is False:
-        report.warnings.append(
-            "policy.sequence_packing.fuse_loss: true is read by the Megatron backend only; here NeMo-RL calls "
-            "the loss once per sequence (SequencePackingLossWrapper)"
-        )
-    if fuse and megatron is not False:
-        if config.sharded_logits_input:
-            problems.append(
-                "policy.sequence_packing.fuse_loss: got true with loss_fn.sharded_logits_input: true; NeMo-RL's "
-                "fused packing (prepare_packed_loss_input) takes log-probs only: set fuse_loss: false or "
-                "sharded_logits_input: false"
-            )
-        if megatron is True:
-            report.notes.append("sequence packing, fused: NeMo-RL calls the loss once per microbatch")
-            return problems
-        report.notes.append(
-            "sequence packing with fuse_loss: one loss call per microbatch on the Megatron backend "
-            "(policy.megatron_cfg.enabled is not set here; on the DTensor backend one call per sequence)"
-        )
-    if not fuse or megatron is False:
-        report.notes.append(
-            "sequence packing without fuse_loss: NeMo-RL calls the loss once per sequence; the loss keeps "
-            + (
-                "each sequence's log-probs, made from its logits shard in that call,"
-                if config.sharded_logits_input
-                else "each sequence's log-probs"
-            )
-            + " and computes the whole microbatch in the last call, as unpacked (docs/guide.md#sequence-packing)"
-        )
-    return problems
-
-
-def _one_sequence_calls_note(
-    cfg: dict, config: RSClippedPGLossConfig, report: CheckReport, loss_name: Optional[str]
-) -> None:
-    """Packing off with one sequence per microbatch: every loss call pays the loss's fixed cost.
-
-    Said only where both are known (packing explicitly off: NeMo-RL's base GRPO config turns it
-    on, so an unset value may be inherited; no dynamic batching, which sizes microbatches by
-    tokens instead) and where ``compile: true`` would help: the plugin's loss, eager,
-    unsharded (the sharded path stays eager whatever ``compile`` says).
-    """
-    if recipe_value(cfg, "policy.sequence_packing.enabled") is not False:
-        return
-    if recipe_value(cfg, "policy.dynamic_batching.enabled") is True:
-        return
-    if recipe_value(cfg, "policy.train_micro_batch_size") != 1 or loss_name != PLUGIN_LOSS_NAME:
-        return
-    if config.compile or config.sharded_logits_input:
-        return
-    report.notes.append(
-        "policy.train_micro_batch_size: 1 without sequence packing: every loss call holds one sequence and "
-        f"pays the loss's fixed per-call cost, {ONE_SEQUENCE_CALL_COST}: set loss_fn.compile: true, or turn "
-        "policy.sequence_packing on (docs/performance.md#per-call-cost-under-packing)"
-    )
-
-
 def check_recipe(
     path: str,
     overrides: Sequence[str] = (),
@@ -368,8 +213,8 @@ def _check(
                 report.errors.extend(p for p in _master_config_problems(cfg, report) if not p.startswith("loss_fn"))
             grpo_setup_problems(cfg, loss, report)
             return
-    report.errors.extend(_parallelism_problems(cfg, config, report))
-    report.errors.extend(_packing_problems(cfg, config, report, name))
+    report.errors.extend(parallelism_problems(cfg, config, report))
+    report.errors.extend(packing_problems(cfg, config, report, name))
     if report.nemo_rl:
         report.errors.extend(_master_config_problems(cfg, report))
     grpo_setup_problems(cfg, loss, report)
@@ -377,7 +222,7 @@ def _check(
     if unresolved:  # a pipeline or a rejection estimate without those fields would not be the recipe's
         return
     report.pipeline = _describe(config)
-    _warn(report, cfg, config, mismatch, response_tokens)
+    warn_about_correction(report, cfg, config, mismatch, response_tokens)
 
 
 def _follows_from_unresolved(problem: str, unresolved: list[str]) -> bool:
@@ -464,88 +309,3 @@ def _describe(config: RSClippedPGLossConfig) -> list[str]:
     from nemo_rs_plugin.tools.describe import describe_pipeline
 
     return describe_pipeline(config)
-
-
-def _warn(
-    report: CheckReport, cfg: dict, config: RSClippedPGLossConfig, mismatch: float, response_tokens: Optional[int]
-) -> None:
-    tokens = (
-        response_tokens
-        or recipe_value(cfg, "policy.generation.max_new_tokens")
-        or recipe_value(cfg, "policy.max_total_sequence_length")
-    )
-    if (
-        config.use_importance_sampling_correction
-        and config.is_level_entry.grows_with_length
-        and isinstance(tokens, int)
-        and tokens > LONG_RESPONSE_TOKENS
-    ):
-        spread = mismatch * math.sqrt(tokens)
-        level = f"{config.effective_is_level} ({config.is_level_entry.formula})"
-        report.warnings.append(
-            f"is_correction_level is {level} with responses up to {tokens} tokens: at {mismatch:g} "
-            f"per-token mismatch the log-weight spreads by ~{spread:.2g} nats, so most weights collapse "
-            "towards 0 and the learning rate shrinks silently; use is_correction_level: sequence_mean"
-        )
-    zeroes_sequences = config.truncation_entry is not None and config.truncation_entry.per_sequence
-    if config.rejection_sampling or zeroes_sequences:
-        length = tokens if isinstance(tokens, int) else FALLBACK_RESPONSE_TOKENS
-        _warn_rejection(report, config, mismatch, length)
-    if recipe_value(cfg, "grpo.async_grpo.enabled", False) and any(
-        f.aggregation_entry is not None
-        and f.aggregation_entry.sums_tokens
-        and filter_statistic_entry(f.metric).log_space
-        for f in config.rejection_sampling
-    ):
-        report.notes.append(
-            "async GRPO with a sequence ratio band: staleness shifts whole sequences by far more than "
-            "precision mismatch (docs/lab.md#confirmation: two batches stale, Geo-RS [0.99, 1.01] kept "
-            "25% of the sequences, and a band calibrated from the run beat it by +0.253 [+0.219, +0.287] on the "
-            "area under the eval curve, 38 seeds); set the band from your own run's "
-            "log-probs (loss_fn.record_logprobs: true for a few steps): nemo-rs calibrate --from <record_dir> "
-            "--recipe <this recipe>"
-        )
-
-
-def _warn_rejection(report: CheckReport, config: RSClippedPGLossConfig, mismatch: float, tokens: int) -> None:
-    """Estimate the rejection at the recipe's response length; warn above the unhealthy share."""
-    from nemo_rs_plugin.core.health import UNHEALTHY_SEQ_REJECTION
-    from nemo_rs_plugin.tools.simulate import MAX_SYNTHETIC_TOKENS, MismatchModel, loss_metrics, synthetic_batch
-
-    length = max(16, tokens)
-    responses = max(16, min(_ESTIMATE_RESPONSES, _ESTIMATE_TOKENS // length))
-    if responses * length > MAX_SYNTHETIC_TOKENS:
-        report.warnings.append(
-            f"rejection not estimated: responses of up to {length} tokens are too long to simulate here "
-            f"(at most {MAX_SYNTHETIC_TOKENS // 16}); pass --response-tokens with a typical length"
-        )
-        return
-    model = MismatchModel(responses=responses, length=length, mismatch=mismatch, seed=1)
-    fields = config.model_dump()
-    fields.update(name=None, reference_policy_kl_penalty=0.0, sharded_logits_input=False, record_logprobs=False)
-    metrics, _ = loss_metrics(fields, synthetic_batch(model))
-    stages = [
-        (f"rejection stage {i}", metrics.get(f"rs/{f.label}/seq_rejected_frac", 0.0))
-        for i, f in enumerate(config.rejection_sampling, 1)
-        if f.level_entry.whole_sequences
-    ]
-    entry = config.truncation_entry
-    if entry is not None and entry.per_sequence:  # it zeroes whole sequences, as a sequence filter does
-        stages.append((entry.name, metrics.get("is_oob_ratio", 0.0)))
-    total = metrics.get("rs_seq_rejected_frac", 0.0)
-    limit = UNHEALTHY_SEQ_REJECTION
-    advice = (
-        f"more than {limit:.0%} is unhealthy (docs/guide.md, 'When rejection eats the batch'): widen the "
-        "bounds, set them from your run with nemo-rs calibrate, or state your mismatch with --mismatch"
-    )
-    for label, frac in stages:
-        if frac > limit:
-            report.warnings.append(
-                f"{label} would reject ~{frac:.0%} of sequences at {mismatch:g} per-token "
-                f"mismatch over responses of up to {model.length} tokens; {advice}"
-            )
-    if total > limit and not any(frac > limit for _, frac in stages):
-        report.warnings.append(
-            f"the filters together would reject ~{total:.0%} of sequences at {mismatch:g} per-token mismatch "
-            f"over responses of up to {model.length} tokens; {advice}"
-        )

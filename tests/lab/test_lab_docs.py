@@ -96,7 +96,7 @@ ADVICE = [
     DOCS / "guide.md",
     DOCS / "troubleshooting.md",
     *sorted((REPO / "recipes").glob("*.yaml")),
-    REPO / "nemo_rs_plugin" / "tools" / "check.py",
+    REPO / "nemo_rs_plugin" / "tools" / "correction_warnings.py",
     REPO / "nemo_rs_plugin" / "core" / "presets.py",
     REPO / "nemo_rs_plugin" / "core" / "health.py",
 ]

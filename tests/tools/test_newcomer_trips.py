@@ -25,7 +25,7 @@ from nemo_rs_plugin.core.config import ConfigWarning, RSClippedPGLossConfig
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
 from nemo_rs_plugin.nemo_rl.recording import LogprobRecorder
 from nemo_rs_plugin.tools import recipe_loading
-from nemo_rs_plugin.tools.check import FALLBACK_RESPONSE_TOKENS
+from nemo_rs_plugin.tools.correction_warnings import FALLBACK_RESPONSE_TOKENS
 
 REPO = Path(__file__).resolve().parents[2]
 BAND = "    - level: sequence\n      metric: ratio\n      agg: mean\n      lower: {lower}\n      upper: {upper}\n"
