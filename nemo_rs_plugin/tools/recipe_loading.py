@@ -12,13 +12,16 @@ that were not found, an environment variable) leaves that field out, listed as n
 ``report.unchecked`` and in ``report.unresolved``. Problems are one line each in
 ``report.errors``; what could not be loaded the way NeMo-RL loads it is in
 ``report.unchecked``; nothing raises.
+
+This module chooses the way and writes the report; reading the YAML without NeMo-RL is
+:mod:`~nemo_rs_plugin.tools.recipe_yaml`'s job, resolving its interpolations
+:mod:`~nemo_rs_plugin.tools.recipe_interpolations`'s.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -27,14 +30,15 @@ from typing import Any, Optional, Protocol, cast
 import yaml
 
 from nemo_rs_plugin.core.config import ConfigError
-from nemo_rs_plugin.nemo_rl.recipe_defaults import defaults_of, parent_paths
+from nemo_rs_plugin.nemo_rl.recipe_defaults import defaults_of
+from nemo_rs_plugin.tools.recipe_interpolations import resolve_interpolations
 from nemo_rs_plugin.tools.recipe_overrides import OverrideError, apply_override, one_line, override_key
+from nemo_rs_plugin.tools.recipe_yaml import defaults_found, load_with_defaults, parent_with_loss_mapping, read_yaml
 
 __all__ = [
     "HOW_TO_CHECK",
     "HOW_TO_CHECK_IN_NEMO_RL",
     "INHERITED_NOT_FOUND",
-    "NEMO_RL_RESOLVERS",
     "LoadReport",
     "LoadedRecipe",
     "OverrideError",
@@ -59,9 +63,6 @@ HOW_TO_CHECK_IN_NEMO_RL = (
     "what NeMo-RL's modules import, listed in .ci/nemo-rl-host-requirements.txt of nemo-rs-plugin's "
     "source (its sdist and git tree; pip install -r it)"
 )
-#: The OmegaConf resolvers NeMo-RL registers (``register_omegaconf_resolvers`` in
-#: ``nemo_rl/utils/config.py``: ``mul``, ``div``, ``max`` in every supported version, ``add`` on main).
-NEMO_RL_RESOLVERS = ("add", "mul", "div", "max")
 
 
 def recipe_value(cfg: dict, dotted: str, default: Any = None) -> Any:
@@ -176,106 +177,6 @@ def _find_nemo_rl(nemo_rl_path: Optional[str], report: LoadReport) -> tuple[bool
     return True, root
 
 
-def _defaults_resolve(path: str) -> bool:
-    try:
-        raw = _read_yaml(path)
-    except (yaml.YAMLError, OSError, UnicodeDecodeError):
-        return True
-    return all(os.path.isfile(p) for p in parent_paths(path, raw))
-
-
-def _merge(base: Any, override: Any) -> Any:
-    if isinstance(base, dict) and isinstance(override, dict):
-        out = dict(base)
-        for k, v in override.items():
-            out[k] = _merge(base[k], v) if k in base else v
-        return out
-    return override
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.safe_load`` keeps the last of two equal keys silently; OmegaConf (NeMo-RL) refuses them."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged keys may be overridden
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (the first would be ignored)", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-class _RecipeLoader(_UniqueKeyLoader):
-    """Plain scalars read as NeMo-RL's loader, OmegaConf's, reads them.
-
-    OmegaConf (``get_yaml_loader``, 2.3 and 2.4) adds this float rule to PyYAML's and drops
-    timestamps: ``1e-4`` and ``1e4`` are numbers (YAML 1.1, PyYAML alone: strings) and
-    ``2024-01-01`` stays a string, so a recipe means here what it means in the run.
-    """
-
-
-_RecipeLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:
-         [-+]?[0-9]+(?:_[0-9]+)*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?[0-9]+(?:_[0-9]+)*(?:[eE][-+]?[0-9]+)
-        |\.[0-9]+(?:_[0-9]+)*(?:[eE][-+][0-9]+)?
-        |[-+]?[0-9]+(?:_[0-9]+)*(?::[0-5]?[0-9])+\.[0-9_]*
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
-_RecipeLoader.yaml_implicit_resolvers = {
-    first: [(tag, rule) for tag, rule in rules if tag != "tag:yaml.org,2002:timestamp"]
-    for first, rules in _RecipeLoader.yaml_implicit_resolvers.items()
-}
-
-
-def _read_yaml(path: str) -> dict:
-    with open(path) as fh:
-        data = yaml.load(fh, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise yaml.YAMLError(f"top level is a {type(data).__name__}, expected a mapping")
-    return data
-
-
-def _load_plain(path: str, missing: list[str]) -> dict:
-    """Resolve ``defaults`` relative to each file, as NeMo-RL does, where the files exist."""
-    raw = _read_yaml(path)
-    parents = zip(defaults_of(raw), parent_paths(path, raw))
-    raw.pop("defaults", None)
-    merged: dict = {}
-    for parent, parent_path in parents:
-        if not os.path.isfile(parent_path):
-            missing.append(parent)
-            continue
-        merged = _merge(merged, _load_plain(parent_path, missing))
-    return _merge(merged, raw)
-
-
-def _inherited_loss_mapping(path: str) -> Optional[str]:
-    """The parent (from ``defaults``) that defines a ``loss_fn`` mapping, if any."""
-    raw = _read_yaml(path)
-    for parent, parent_path in zip(defaults_of(raw), parent_paths(path, raw)):
-        try:
-            inherited = _load_plain(parent_path, []) if os.path.isfile(parent_path) else {}
-        except (yaml.YAMLError, OSError, UnicodeDecodeError):
-            continue  # reported by the loader that follows
-        if isinstance(inherited.get("loss_fn"), dict):
-            return parent
-    return None
-
-
 def load_recipe(path: str, overrides: list[str], nemo_rl_path: Optional[str], report: LoadReport) -> Optional[dict]:
     """The resolved recipe as plain data, or ``None`` with ``report.errors`` filled.
 
@@ -289,7 +190,7 @@ def load_recipe(path: str, overrides: list[str], nemo_rl_path: Optional[str], re
         report.errors.append(f"{path}: no such file")
         return None
     try:
-        raw = _read_yaml(path)
+        raw = read_yaml(path)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
@@ -310,7 +211,7 @@ def load_recipe(path: str, overrides: list[str], nemo_rl_path: Optional[str], re
         return None
     with tempfile.TemporaryDirectory(prefix="nemo-rs-check-") as tmp:
         load_path = path
-        if root and defaults_of(raw) and not _defaults_resolve(path):
+        if root and defaults_of(raw) and not defaults_found(path):
             # A shipped recipe outside a checkout: resolve its defaults as if it sat in
             # <NeMo-RL>/examples/configs/recipes/llm/ (where `nemo-rs recipes` puts it).
             from nemo_rs_plugin.tools.recipes import export_recipe
@@ -318,7 +219,7 @@ def load_recipe(path: str, overrides: list[str], nemo_rl_path: Optional[str], re
             load_path = str(export_recipe(path, tmp, root))
             report.notes.append(f"defaults resolved against {root}")
         if isinstance(raw.get("loss_fn"), str):
-            parent = _inherited_loss_mapping(load_path)
+            parent = parent_with_loss_mapping(load_path)
             if parent is not None:
                 report.errors.append(
                     f"loss_fn: the shorthand `loss_fn: {raw['loss_fn']}` would replace the loss_fn "
@@ -372,7 +273,7 @@ def _load_with_nemo_rl(load_path: str, path: str, overrides: list[str], report: 
 def _load_without_nemo_rl(load_path: str, path: str, overrides: list[str], report: LoadReport) -> Optional[dict]:
     missing: list[str] = []
     try:
-        cfg = _load_plain(load_path, missing)
+        cfg = load_with_defaults(load_path, missing)
     except (yaml.YAMLError, OSError, UnicodeDecodeError) as exc:
         report.errors.append(f"{path}: a file it inherits through defaults does not load ({one_line(exc)})")
         return None
@@ -392,117 +293,21 @@ def _load_without_nemo_rl(load_path: str, path: str, overrides: list[str], repor
     return None if report.errors else cfg
 
 
-def _interpolated_leaves(node: Any, path: tuple = ()) -> list[tuple]:
-    """Paths (tuples of keys / indices) of the string leaves holding a ``${...}`` interpolation."""
-    if isinstance(node, dict):
-        return [p for k, v in node.items() for p in _interpolated_leaves(v, path + (k,))]
-    if isinstance(node, list):
-        return [p for i, v in enumerate(node) for p in _interpolated_leaves(v, path + (i,))]
-    return [path] if isinstance(node, str) and "${" in node else []
-
-
-@dataclass(frozen=True)
-class _Unresolved:
-    """Why one interpolation does not resolve here; ``error``: NeMo-RL refuses the recipe for it too."""
-
-    why: str
-    error: bool = False
-    needs_nemo_rl: bool = False
-
-
-def _first_line(exc: BaseException) -> str:
-    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-
-
-def _why_unresolved(exc: Exception, complete: bool) -> _Unresolved:
-    """Classify OmegaConf's failure to resolve one interpolation (``complete``: every ``defaults`` file was found)."""
-    from omegaconf import errors as oc_errors
-
-    message = _first_line(exc)
-    if isinstance(exc, oc_errors.GrammarParseError):
-        return _Unresolved(f"is not a valid interpolation ({message}); NeMo-RL's OmegaConf refuses it too", error=True)
-    if isinstance(exc, (oc_errors.InterpolationKeyError, oc_errors.InterpolationToMissingValueError)):
-        if complete:
-            return _Unresolved(
-                f"does not resolve: {message}; NeMo-RL resolves the recipe when the run starts and refuses it "
-                "then: define that key in the recipe, or correct the reference",
-                error=True,
-            )
-        return _Unresolved(f"{message} (it may come from the defaults that were not found)")
-    if isinstance(exc, oc_errors.UnsupportedInterpolationType):
-        found = re.search(r"Unsupported interpolation type (\S+)", message)
-        resolver = found.group(1) if found else "?"
-        if resolver in NEMO_RL_RESOLVERS:
-            return _Unresolved(f"NeMo-RL's resolver {resolver}, registered only where NeMo-RL is", needs_nemo_rl=True)
-        return _Unresolved(
-            f"the resolver {resolver} is not registered here (NeMo-RL registers {', '.join(NEMO_RL_RESOLVERS)}; "
-            "another must be registered by the program that loads the recipe)"
-        )
-    return _Unresolved(f"{message} (OmegaConf, here; the run's environment may differ)")
-
-
 def _resolve_interpolations(cfg: dict, report: LoadReport, complete: bool) -> None:
-    """Replace each ``${...}`` leaf of ``cfg`` by its value, in place, as NeMo-RL's OmegaConf would.
+    """Resolve ``cfg``'s ``${...}`` leaves in place (:func:`resolve_interpolations`); report those that do not.
 
     An interpolation NeMo-RL would refuse too (a key not in the recipe when every ``defaults``
     file was found, a malformed one) is an error naming the field. One that only NeMo-RL's
     environment may resolve (its resolvers, a key from ``defaults`` not found, an environment
-    variable), or every one without OmegaConf, is removed from ``cfg`` and listed in
+    variable), or every one without OmegaConf, is left out of ``cfg`` and listed in
     ``report.unresolved`` and ``report.unchecked`` (one line per field of ``loss_fn``, one line
     for all the others): refusing ``ratio_clip_max: ${loss_fn.ratio_clip_min}`` as "a string"
     would be wrong, and so would be reading a filter without its bound.
     """
-    leaves = _interpolated_leaves(cfg)
-    if not leaves:
-        return
-    outcome: dict[tuple, Any] = {}
-    try:
-        from omegaconf import OmegaConf
-        from omegaconf import errors as oc_errors
-    except ImportError as exc:
-        missing = _Unresolved(
-            f"OmegaConf is not importable ({one_line(exc)}); nemo-rs-plugin depends on it: pip install omegaconf"
-        )
-        outcome = {path: missing for path in leaves}
-    else:
-        for path in leaves:  # a malformed interpolation would make the whole container fail
-            try:
-                OmegaConf.create({"value": _at(cfg, path)})
-            except oc_errors.GrammarParseError as exc:
-                outcome[path] = _why_unresolved(exc, complete)
-        readable = _without(cfg, [p for p in outcome])
-        try:
-            container = OmegaConf.create(readable)
-        except Exception as exc:  # noqa: BLE001 - e.g. a value of a type OmegaConf does not hold
-            refused = _Unresolved(f"OmegaConf cannot hold this recipe ({one_line(exc)})")
-            container = None
-            outcome.update({path: refused for path in leaves if path not in outcome})
-        for path in leaves:
-            if path in outcome or container is None:
-                continue
-            try:
-                node: Any = container
-                for key in path:
-                    node = node[key]  # reading a node resolves its interpolation
-                if OmegaConf.is_config(node):  # `${grpo}`: a whole section
-                    node = OmegaConf.to_container(node, resolve=True)
-                outcome[path] = node
-            except Exception as exc:  # noqa: BLE001 - classified: an error, or not checked
-                outcome[path] = _why_unresolved(exc, complete)
     others: dict[str, list[str]] = {}
     needs_nemo_rl = False
-    texts = {path: _at(cfg, path) for path in leaves}
-    for path in reversed(leaves):  # the last first: removing a list entry leaves the earlier ones in place
-        parent = _at(cfg, path[:-1])
-        if isinstance(outcome[path], _Unresolved):
-            del parent[path[-1]]
-        else:
-            parent[path[-1]] = outcome[path]
-    for path in leaves:
-        value, text = outcome[path], texts[path]
+    for path, text, value in resolve_interpolations(cfg, complete):
         dotted = ".".join(str(k) for k in path)
-        if not isinstance(value, _Unresolved):
-            continue
         if value.error:
             report.errors.append(f"{dotted}: the interpolation {text} {value.why}")
             continue
@@ -520,28 +325,3 @@ def _resolve_interpolations(cfg: dict, report: LoadReport, complete: bool) -> No
             f"{count} interpolation(s) outside loss_fn do not resolve here, so these fields are not checked: "
             f"{fields}{f'; {HOW_TO_CHECK}' if needs_nemo_rl else ''}"
         )
-
-
-def _at(cfg: Any, path: tuple) -> Any:
-    for key in path:
-        cfg = cfg[key]
-    return cfg
-
-
-def _without(node: Any, paths: list[tuple]) -> Any:
-    """A copy of ``node`` with the leaves at ``paths`` set to ``None`` (the containers copied, leaves shared)."""
-    if isinstance(node, dict):
-        node = dict(node)
-        keys = node.items()
-    elif isinstance(node, list):
-        node = list(node)
-        keys = enumerate(node)
-    else:
-        return node
-    for key, value in list(keys):
-        inner = [p[1:] for p in paths if p[:1] == (key,)]
-        if () in inner:
-            node[key] = None
-        elif inner:
-            node[key] = _without(value, inner)
-    return node

@@ -24,7 +24,7 @@ from nemo_rs_plugin.cli import EXIT_INVALID, EXIT_UNCHECKED, build_parser, main
 from nemo_rs_plugin.core.config import ConfigWarning, RSClippedPGLossConfig
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
 from nemo_rs_plugin.nemo_rl.recording import LogprobRecorder
-from nemo_rs_plugin.tools import recipe_loading
+from nemo_rs_plugin.tools import recipe_yaml
 from nemo_rs_plugin.tools.correction_warnings import FALLBACK_RESPONSE_TOKENS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -168,7 +168,7 @@ def test_the_plain_loader_reads_scalars_as_omegaconf_does():
             + ["12:30", "1.5", "1_0.5e-3", "+7", "null", "~", "true", "1e", "e4", "1.0e+4"]
         )
     )
-    ours = yaml.load(text, Loader=recipe_loading._RecipeLoader)  # noqa: S506 - a SafeLoader subclass
+    ours = yaml.load(text, Loader=recipe_yaml._RecipeLoader)  # noqa: S506 - a SafeLoader subclass
     assert ours == OmegaConf.to_container(OmegaConf.create(text)), ours
 
 
