@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
     # With --json, stdout is the JSON object alone: anything NeMo-RL prints while loading goes to stderr.
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
-    from nemo_rs_plugin.tools.doctor import worker_links_now, wrote_worker_links
+    from nemo_rs_plugin.tools.doctor_workers import worker_links_now, wrote_worker_links
 
     links = worker_links_now()
     with warnings.catch_warnings(record=True) as caught, quiet:

@@ -98,13 +98,13 @@ def test_an_override_after_nemo_rl_is_read_as_one(recipe, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- doctor --venvs
 def test_doctor_missing_venvs_is_one_fail_line_not_a_fail_then_a_warn(monkeypatch, tmp_path):
-    from nemo_rs_plugin.tools import doctor
+    from nemo_rs_plugin.tools import doctor, doctor_driver, doctor_workers
 
     fake_nemo_rl = types.SimpleNamespace(__file__=str(tmp_path / "RL" / "nemo_rl" / "__init__.py"))
-    for name in ("_hook", "_selectors", "_build", "_project"):
-        monkeypatch.setattr(doctor, name, lambda *a, **k: None)
-    monkeypatch.setattr(doctor, "_nemo_rl", lambda report: fake_nemo_rl)
-    monkeypatch.setattr(doctor, "_worker_path", lambda report, hook: str(tmp_path / "shim"))
+    for name in ("check_hook", "check_selectors", "check_loss", "check_install"):
+        monkeypatch.setattr(doctor_driver, name, lambda *a, **k: None)
+    monkeypatch.setattr(doctor_driver, "check_nemo_rl", lambda report: fake_nemo_rl)
+    monkeypatch.setattr(doctor_workers, "check_worker_path", lambda report, hook: str(tmp_path / "shim"))
     out = io.StringIO()
     missing = str(tmp_path / "missing")
     assert doctor.run_checks(venvs=missing, out=out) == 1
@@ -223,12 +223,13 @@ def test_check_says_where_it_wrote_the_worker_link(recipe, tmp_path, monkeypatch
 
 def test_doctor_says_where_it_wrote_the_worker_link(tmp_path, monkeypatch):
     from nemo_rs_plugin.nemo_rl import workers
-    from nemo_rs_plugin.tools import doctor
+    from nemo_rs_plugin.tools.doctor_report import DoctorReport
+    from nemo_rs_plugin.tools.doctor_workers import check_worker_path
 
     monkeypatch.setenv(workers.WORKER_PATH_ENV, str(tmp_path / "wp"))
     monkeypatch.setenv("PYTHONPATH", "")
     out = io.StringIO()
-    assert doctor._worker_path(doctor._Report(out), None) is not None
+    assert check_worker_path(DoctorReport(out), None) is not None
     notes = [line for line in out.getvalue().splitlines() if line.startswith("note")]
     assert notes == [
         f"note worker path: the plugin's worker-path link was written under {tmp_path / 'wp'} (as training writes "
@@ -259,7 +260,7 @@ def test_doctor_names_the_nemo_rl_commit_a_version_cannot_tell(tmp_path):
     import subprocess
     import types
 
-    from nemo_rs_plugin.tools.doctor import nemo_rl_commit
+    from nemo_rs_plugin.tools.doctor_driver import nemo_rl_commit
 
     package = tmp_path / "RL" / "nemo_rl"
     package.mkdir(parents=True)
