@@ -10,6 +10,8 @@ comparable across machines.
 
 Targets (issue "Ready for the GPU"): each upstream-equivalent config dispatches no more ops
 than NeMo-RL's loss on the same config; the five-stage pipeline at most 1.5x NeMo-RL's plain.
+Issue 43: the three upstream-equivalent configs together at most 0.68x NeMo-RL's (the line
+"all three"; ``--json`` writes the numbers for tests/nemo_rl/test_operator_budget.py).
 
 The plugin evaluates its metrics and input checks stacked on accelerators and row by row on
 the CPU (``nemo_rs_plugin.core.metrics.batched_evaluation``); the counts here are those of the GPU
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import sys
 
@@ -153,6 +156,7 @@ def main(argv=None) -> int:
     parser.add_argument("--size", default="4x256", help="B x S of the batch (op counts do not depend on it)")
     parser.add_argument("--top", type=int, default=8, help="most frequent operators to list per config")
     parser.add_argument("--cpu-form", action="store_true", help="count the CPU form (metrics row by row)")
+    parser.add_argument("--json", metavar="PATH", help="also write the counts as JSON to PATH")
     args = parser.parse_args(argv)
     batched = not args.cpu_form
     B, S = (int(v) for v in args.size.lower().split("x"))
@@ -185,6 +189,7 @@ def main(argv=None) -> int:
         f"{'config':42s} {'plugin':>7s} {'NeMo-RL':>8s} {'ratio':>6s} {'host transfers':>15s} {'vs NeMo-RL plain':>17s}"
         f" {'saved for backward, [B,T] fp32':>31s}"
     )
+    summary: dict = {"rows": {}}
     for name, ours, theirs in rows:
         syncs = ours.pop("<host transfers>")
         their_syncs = theirs.pop("<host transfers>") if theirs is not None else None
@@ -196,6 +201,15 @@ def main(argv=None) -> int:
         transfers = f"{syncs} vs {their_syncs}" if their_syncs is not None else str(syncs)
         ref_text = ref if ref is not None else "-"
         print(f"{name:42s} {total:7d} {ref_text:>8} {ratio} {transfers:>15s} {plain} {kept:>31s}")
+        summary["rows"][name] = {"plugin": total, "nemo_rl": ref, "host_transfers": syncs}
+    upstream = [r for n, r in summary["rows"].items() if n.startswith("upstream-equivalent/")]
+    if all(r["nemo_rl"] for r in upstream):
+        ours_all, theirs_all = sum(r["plugin"] for r in upstream), sum(r["nemo_rl"] for r in upstream)
+        summary["upstream_ratio"] = ours_all / theirs_all
+        print(f"{'upstream-equivalent, all three':42s} {ours_all:7d} {theirs_all:8d} {ours_all / theirs_all:6.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
     for name, ours, theirs in rows:
         top = ", ".join(f"{op} {n}" for op, n in ours.most_common(args.top))
         print(f"  {name}: {top}")

@@ -2,17 +2,19 @@
 
 Values the loss cannot judge without reading tensors: the global counts against the
 microbatch's own, a ``token_mask`` other than 0/1 (errors), and positive log-probs (a warning:
-probabilities passed where log-probs go). Each is counted on the device, registered in the
-:class:`~nemo_rs_plugin.core.metrics.MetricSet`, and decided by
-:meth:`~nemo_rs_plugin.core.metrics.MetricSet.finalize` after its one ``tolist()``: no extra
-sync (tests/core/test_cuda_sync.py counts them on a GPU). See: docs/troubleshooting.md#input-errors
+probabilities passed where log-probs go). Two steps, both called by the loss, in order:
+:func:`count_global_counts` and :func:`count_positive_logprobs` count on the device, as hidden
+(``_``-prefixed) entries of the :class:`~nemo_rs_plugin.core.metrics.MetricSet`; after its one
+``tolist()`` the loss hands those values to :func:`judge_inputs`, which raises or warns. No
+extra sync (tests/core/test_cuda_sync.py counts them on a GPU), and the metric set calls nothing
+here. See: docs/troubleshooting.md#input-errors
 """
 
 from __future__ import annotations
 
 import math
-from functools import partial
-from typing import Iterable
+import warnings
+from typing import Iterable, Mapping
 
 import torch
 
@@ -24,8 +26,9 @@ __all__ = [
     "POSITIVE_LOGPROB_SLACK",
     "SPLIT_API_PLACEHOLDER",
     "InputWarning",
-    "check_global_counts",
-    "check_logprob_signs",
+    "count_global_counts",
+    "count_positive_logprobs",
+    "judge_inputs",
 ]
 
 #: Log-probs above this are not log-probs (rounding of a fused log-softmax stays far below it).
@@ -43,12 +46,13 @@ class InputWarning(UserWarning):
     """Inputs the loss accepts (NeMo-RL's loss does too) that are almost surely a caller's mistake."""
 
 
-def check_logprob_signs(metrics: MetricSet, clean: SanitizedInputs, force_on_policy: bool) -> None:
-    """Warn when a log-prob input is positive on a valid token (beyond ``POSITIVE_LOGPROB_SLACK``).
+def count_positive_logprobs(metrics: MetricSet, clean: SanitizedInputs, force_on_policy: bool) -> None:
+    """Count, per log-prob input, the valid tokens where it is positive (beyond ``POSITIVE_LOGPROB_SLACK``).
 
     ``log p <= 0``: a positive value is a probability passed as a log-prob, or a flipped sign,
     and the weights ``exp(d)`` it feeds are then meaningless without any error. Counted on the
-    device (one masked total per input), decided on the host with the one metrics transfer.
+    device (one masked total per input, ``_positive_<key>_count``), warned about by
+    :func:`judge_inputs` on the host, after the one metrics transfer.
     A warning, not an error: NeMo-RL's loss accepts any real number (its own tests feed
     ``randn`` log-probs), and this loss stays a drop-in for it. Shown once per input and place
     (Python's default warning filter; the text names the input, not the count).
@@ -58,7 +62,6 @@ def check_logprob_signs(metrics: MetricSet, clean: SanitizedInputs, force_on_pol
     dtype = clean.masks.valid_bin.dtype
     rows: Iterable[torch.Tensor]
     if clean.stacked is not None:  # GPU form: one comparison over the stacked inputs, one matvec
-        keys = [sources[row] for row in clean.input_names if row in sources]
         names = [
             f"_positive_{sources[row]}_count" if row in sources else f"_positive_{row}" for row in clean.input_names
         ]
@@ -76,21 +79,14 @@ def check_logprob_signs(metrics: MetricSet, clean: SanitizedInputs, force_on_pol
             above = [i for i, value in enumerate(largest) if value > POSITIVE_LOGPROB_SLACK]
             present, names = [present[i] for i in above], [names[i] for i in above]
         rows = ((t.detach() > POSITIVE_LOGPROB_SLACK).to(dtype) for _, t in present)  # one at a time
-        keys = [key for key, _ in present]
     metrics.add_masked_totals(names, rows, clean.masks.valid_bin, "none", "sum")
-    # Bound to the input names only: a tensor it held would outlive the call (and a compiled core
-    # would return it as a graph output, gradient and all). A module-level function, not a
-    # closure: a compiled core rebuilds every closure it returns on each call.
-    metrics.warn(partial(_positive_input_messages, tuple(keys)), InputWarning)
 
 
-def _positive_input_messages(keys: tuple[str, ...], out: dict) -> list[str]:
-    return [
+def _positive_input_message(key: str) -> str:
+    return (
         f"{key}: log-probs above 0 on valid tokens; log-probs are <= 0 (were probabilities or negated "
         "log-probs passed?): the importance weights and ratios built from them are meaningless"
-        for key in keys
-        if out[f"_positive_{key}_count"] > 0
-    ]
+    )
 
 
 #: Relative slack of "global count >= the microbatch's own" (sums of fractional sample masks round).
@@ -99,8 +95,8 @@ _COUNT_SLACK = 1e-5
 SPLIT_API_PLACEHOLDER = 1.0
 
 
-def check_global_counts(metrics: MetricSet, counts: GlobalCounts, masks: TokenMasks) -> None:
-    """Register the input checks of ``CorrectedPGLoss.compute`` decided on the host: the counts, the token mask.
+def count_global_counts(metrics: MetricSet, counts: GlobalCounts, masks: TokenMasks) -> None:
+    """Declare what :func:`judge_inputs` reads of the counts and the token mask (hidden entries, no sync).
 
     A global count is wrong when it is negative or not finite, or below the microbatch's own
     count of the units it counts (0 included while this microbatch has one), unless it is
@@ -118,24 +114,49 @@ def check_global_counts(metrics: MetricSet, counts: GlobalCounts, masks: TokenMa
     """
     metrics.add("_global_valid_toks", counts.tokens, "none", "replicated")
     metrics.add("_global_valid_seqs", counts.sequences, "none", "replicated")
-    metrics.add("_local_valid_toks", masks.valid.sum(), "none", "sum")
-    metrics.add("_local_valid_seqs", masks.sample_mask.sum(), "none", "replicated")
-    _check_token_mask(metrics, masks.token_mask, masks.valid.dtype)
-    for name, local, unit in (
-        ("global_valid_toks", "_local_valid_toks", "valid tokens (token_mask * sample_mask)"),
-        ("global_valid_seqs", "_local_valid_seqs", "valid sequences (sample_mask)"),
-    ):
-        metrics.check(partial(_count_failed, name, local), partial(_count_error, name, local, unit))
+    metrics.add("_local_valid_toks", masks.valid_total, "none", "sum")
+    metrics.add("_local_valid_seqs", masks.sample_total, "none", "replicated")
+    _count_token_mask_entries(metrics, masks.token_mask, masks.valid.dtype)
 
 
-def _count_failed(name: str, local: str, out: dict) -> bool:
+#: (global count, the microbatch's own, the unit both count), as :func:`count_global_counts` declares them.
+_COUNTS = (
+    ("global_valid_toks", "_local_valid_toks", "valid tokens (token_mask * sample_mask)"),
+    ("global_valid_seqs", "_local_valid_seqs", "valid sequences (sample_mask)"),
+)
+
+
+def judge_inputs(values: Mapping[str, float]) -> None:
+    """Raise the first input error, then warn of suspicious inputs, from the transferred values.
+
+    ``values``: the metric set's hidden entries after its one host transfer (``MetricSet.private``),
+    reduced over the ranks that split the sequences, so every rank of a group decides alike.
+    Each check runs where its counts were declared (:func:`count_global_counts`,
+    :func:`count_positive_logprobs`): the token mask, then the two counts, then one warning per
+    log-prob input that is positive somewhere.
+    """
+    if "_token_mask_min" in values and _integer_mask_failed(values):
+        raise _integer_mask_error(values)
+    if "_token_mask_other" in values and _float_mask_failed(values):
+        raise _float_mask_error(values)
+    for name, local, unit in _COUNTS:
+        if f"_{name}" in values and _count_failed(name, local, values):
+            raise _count_error(name, local, unit, values)
+    for entry, count in values.items():
+        if entry.startswith("_positive_") and entry.endswith("_count") and count > 0:
+            key = entry[len("_positive_") : -len("_count")]
+            # stacklevel: judge_inputs, CorrectedPGLoss.compute, its caller
+            warnings.warn(_positive_input_message(key), InputWarning, stacklevel=3)
+
+
+def _count_failed(name: str, local: str, out: Mapping[str, float]) -> bool:
     count = out[f"_{name}"]
     own = out[local]
     below_own = own > 0 and count < own * (1 - _COUNT_SLACK) and count != SPLIT_API_PLACEHOLDER
     return not math.isfinite(count) or count < 0 or below_own
 
 
-def _count_error(name: str, local: str, unit: str, out: dict) -> ValueError:
+def _count_error(name: str, local: str, unit: str, out: Mapping[str, float]) -> ValueError:
     return ValueError(
         f"{name}: got {out[f'_{name}']:g} while this microbatch has "
         f"{out[local]:g} {unit}; expected the count of {unit} over the whole "
@@ -145,8 +166,8 @@ def _count_error(name: str, local: str, unit: str, out: dict) -> ValueError:
     )
 
 
-def _check_token_mask(metrics: MetricSet, token_mask: torch.Tensor, dtype: torch.dtype) -> None:
-    """``token_mask`` entries other than 0 and 1: found on the device, refused on the host.
+def _count_token_mask_entries(metrics: MetricSet, token_mask: torch.Tensor, dtype: torch.dtype) -> None:
+    """``token_mask`` entries other than 0 and 1: found on the device, refused on the host (:func:`judge_inputs`).
 
     A bool mask holds nothing else. An integer mask holds 0 and 1 only when its smallest entry
     is at least 0 and its largest at most 1: one ``aminmax``, no ``[B, T]`` temporary. A float
@@ -161,8 +182,6 @@ def _check_token_mask(metrics: MetricSet, token_mask: torch.Tensor, dtype: torch
         lo, hi = row_lo.amin(), row_hi.amax()  # integers: MetricSet.stack promotes them
         metrics.add("_token_mask_min", lo, "none", "min")
         metrics.add("_token_mask_max", hi, "none", "max")
-
-        metrics.check(_integer_mask_failed, _integer_mask_error)
         return
     mask = token_mask if token_mask.dtype == dtype else token_mask.to(dtype)
     other = (mask != 0) & (mask != 1)
@@ -170,24 +189,23 @@ def _check_token_mask(metrics: MetricSet, token_mask: torch.Tensor, dtype: torch
     # the smallest and largest of those entries, for the message
     metrics.add("_token_mask_other_min", torch.where(other, mask, math.inf).amin(), "none", "min")
     metrics.add("_token_mask_other_max", torch.where(other, mask, -math.inf).amax(), "none", "max")
-    metrics.check(_float_mask_failed, _float_mask_error)
 
 
-def _integer_mask_failed(out: dict) -> bool:
+def _integer_mask_failed(out: Mapping[str, float]) -> bool:
     return out["_token_mask_min"] < 0 or out["_token_mask_max"] > 1
 
 
-def _integer_mask_error(out: dict) -> ValueError:
+def _integer_mask_error(out: Mapping[str, float]) -> ValueError:
     lo, hi = out["_token_mask_min"], out["_token_mask_max"]
     extremes = [f"smallest entry {lo:g}"] * (lo < 0) + [f"largest entry {hi:g}"] * (hi > 1)
     return _token_mask_error(f"got entries other than 0 and 1 ({', '.join(extremes)})")
 
 
-def _float_mask_failed(out: dict) -> bool:
+def _float_mask_failed(out: Mapping[str, float]) -> bool:
     return out["_token_mask_other"] > 0
 
 
-def _float_mask_error(out: dict) -> ValueError:
+def _float_mask_error(out: Mapping[str, float]) -> ValueError:
     n = int(out["_token_mask_other"])
     lo, hi = out["_token_mask_other_min"], out["_token_mask_other_max"]
     values = f"{lo:g}" if lo == hi else f"from {lo:g} to {hi:g}"

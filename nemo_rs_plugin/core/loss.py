@@ -26,15 +26,11 @@ import torch
 
 from nemo_rs_plugin.core.compiled import core_fn, free_host_reads, metrics_form
 from nemo_rs_plugin.core.config import ConfigWarning, RSClippedPGLossConfig
-from nemo_rs_plugin.core.correction import (
-    PolicyLogProbs,
-    apply_correction,
-    plan_correction,
-)
+from nemo_rs_plugin.core.correction import PolicyLogProbs, compute_correction
 from nemo_rs_plugin.core.correction.filters import sequence_counts
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
 from nemo_rs_plugin.core.health import RejectionMonitor
-from nemo_rs_plugin.core.input_checks import check_global_counts, check_logprob_signs
+from nemo_rs_plugin.core.input_checks import count_global_counts, count_positive_logprobs, judge_inputs
 from nemo_rs_plugin.core.inputs import LossInputs, global_counts
 from nemo_rs_plugin.core.metric_catalog import metric_specs
 from nemo_rs_plugin.core.metrics import MetricSet, batched_evaluation
@@ -198,7 +194,8 @@ class CorrectedPGLoss:
         batched = metrics_form(self, core, x.curr.device)
         host_reads = free_host_reads(self, core, x.curr.device, groups, batched)
         loss, metrics = core(self, x, global_valid_seqs, global_valid_toks, groups, batched, host_reads, microbatch)
-        reported = metrics.finalize(groups)
+        reported = metrics.finalize(groups)  # the one host transfer
+        judge_inputs(metrics.private)  # raises on a bad count or token mask, warns on positive log-probs
         if self.rejection_monitor is not None:
             counts = sequence_counts(metrics.private)  # None where no filter ran
             if counts is not None:
@@ -230,22 +227,20 @@ class CorrectedPGLoss:
         masks = clean.masks
         nonfinite_metrics(metrics, masks, clean.nonfinite, clean.input_names)
         clean.nonfinite = None  # counted: the [B, T] masks need not live on (the CPU form reduced them)
+        # ---- input checks: counted here, judged on the host after the one transfer (compute) ----
+        count_global_counts(metrics, counts, masks)
+        count_positive_logprobs(metrics, clean, cfg.force_on_policy_ratio)
 
         # ---- the off-policy correction: plan (local) -> reduce (one collective) -> apply ----
-        plan = plan_correction(
+        corr = compute_correction(
             cfg,
             clean.d,
             masks,
+            None,
+            groups,
             log_probs=PolicyLogProbs(curr=x.curr.detach(), prev=clean.prev_raw.detach(), gen=x.generation),
             advantages=clean.advantages,
-        )
-        stats = plan.reduce(groups)
-        corr = apply_correction(
-            cfg,
-            plan,
-            stats,
-            metrics,
-            groups,
+            metrics=metrics,
             batch_norm_factor=None if microbatch is None else microbatch.batch_norm_factor,
         )
         totals = microbatch if microbatch is not None else self.objective.totals_of(corr, masks, x.rewards)
@@ -254,8 +249,6 @@ class CorrectedPGLoss:
         terms = objective.terms(
             clean, corr, objective.aggregation(counts, corr, masks, groups, totals), x.rewards, totals
         )
-        check_global_counts(metrics, counts, masks)
-        check_logprob_signs(metrics, clean, cfg.force_on_policy_ratio)
         # Metrics average over valid tokens whose inputs are all finite; without filters these
         # are exactly the tokens that reach the loss.
         loss_tokens = corr.loss_tokens
@@ -279,14 +272,16 @@ class CorrectedPGLoss:
             cfg = self.cfg
             batched = batched_evaluation(x.curr.device)  # the device's form; its metrics are dropped
             clean = sanitize_inputs(x, cfg.force_on_policy_ratio, x.reference is not None, batched)
-            plan = plan_correction(
+            corr = compute_correction(
                 cfg,
                 clean.d,
                 clean.masks,
+                None,
+                groups,
                 log_probs=PolicyLogProbs(curr=x.curr, prev=clean.prev_raw, gen=x.generation),
                 advantages=clean.advantages,
+                metrics=MetricSet(None, batched),
             )
-            corr = apply_correction(cfg, plan, plan.reduce(groups), MetricSet(None, batched), groups)
             return self.objective.totals_of(corr, clean.masks, x.rewards)
 
 

@@ -26,6 +26,15 @@ __all__ = [
 EPS = 1e-8
 
 
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(-1)`` of two ``[B, T]`` tensors of one dtype: ``[B]``, as one batched matrix product.
+
+    One kernel and no ``[B, T]`` temporary, where the product and the sum are two of each (the
+    per-sequence statistics take several of these on every call).
+    """
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(-1)).reshape(a.shape[0])  # [B, 1, 1] -> [B], a view
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``sum(values * mask)``, as one dot product when the shapes match.
 
@@ -106,6 +115,9 @@ class TokenMasks:
     * ``inputs_finite``: every log-prob input (``curr``, ``prev - gen``, the reference) was finite;
     * ``usable_bin``: ``valid_bin * inputs_finite``, the tokens per-token extremes range over,
       and ``usable_penalty`` its :func:`extrema_penalty`;
+    * ``valid_total``, ``sample_total``: ``[]`` sums of ``valid`` and ``sample_mask``, this
+      microbatch's own counts, summed once for every reader (the input checks, the ESS's units,
+      ``num_valid_samples``);
     * ``all_finite``: every input is known finite (read on the host, eager CPU only): the
       two finite masks are one read-only ``[B, T]`` view of a single 1 and ``usable_bin`` is
       ``valid_bin``.
@@ -119,6 +131,8 @@ class TokenMasks:
     inputs_finite: torch.Tensor
     usable_bin: torch.Tensor
     usable_penalty: torch.Tensor
+    valid_total: torch.Tensor
+    sample_total: torch.Tensor
     all_finite: bool = False
 
     @classmethod
@@ -175,6 +189,8 @@ class TokenMasks:
             inputs_finite=inputs_finite,
             usable_bin=usable_bin,
             usable_penalty=extrema_penalty(usable_bin),
+            valid_total=valid.sum(),
+            sample_total=sample_mask.sum(),
             all_finite=all_finite,
         )
 
@@ -186,7 +202,7 @@ class TokenMasks:
         """``[B]``: per sequence, the valid tokens whose ``prev - gen`` was not finite."""
         if self.all_finite:
             return torch.zeros_like(self.sample_mask)
-        return (self.valid_bin * (1.0 - self.d_finite)).sum(-1)
+        return row_dot(self.valid_bin, 1.0 - self.d_finite)
 
 
 def _valid_masks(

@@ -4,19 +4,72 @@ Row totals one dot product at a time (the CPU form: no copy), masked totals stac
 matrix-vector product per mask (the GPU form: a handful of kernels whatever the number of
 metrics), masked extrema in one ``amin`` and one ``amax``, and the one reduction of the
 stacked vector over the ranks that split a sequence (SUM, MAX, MIN rows; replicated rows
-untouched). :mod:`nemo_rs_plugin.core.metrics` declares and finalizes; this module computes.
+untouched); and the few values computed on the host from the transferred ones (the
+:data:`HostFormula` entries: data, so that the metric set evaluates them without calling back
+into the module that declared them). :mod:`nemo_rs_plugin.core.metrics` declares and finalizes;
+this module computes.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+import math
+from typing import Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from nemo_rs_plugin.core.distributed import SequenceGroups, reduce_sequence_statistics
-from nemo_rs_plugin.core.masking import masked_sum
 
-__all__ = ["masked_extrema", "reduce_over_ranks", "row_totals", "stacked_masked_totals"]
+__all__ = [
+    "ClippedExtreme",
+    "Constant",
+    "EffectiveSampleSize",
+    "HostFormula",
+    "host_value",
+    "masked_extrema",
+    "reduce_over_ranks",
+    "row_totals",
+    "stacked_masked_totals",
+]
+
+
+class Constant(NamedTuple):
+    """A value known without reading a tensor (a term that is off, a count known to be 0)."""
+
+    value: float = 0.0
+
+
+class EffectiveSampleSize(NamedTuple):
+    """``(sum w)^2 / (n sum w^2)`` from the normalised sums named here (the normalisation cancels); 0 without units."""
+
+    mean: str
+    sq_mean: str
+    units: str
+
+
+class ClippedExtreme(NamedTuple):
+    """``source`` clipped to ``[low, high]``; the "no unit" sentinels (+-inf) stay as they are.
+
+    The clamp is monotonic, so the extremes of clip(r) are clip(extremes of r).
+    """
+
+    source: str
+    low: float
+    high: float
+
+
+#: A metric computed on the host from the reduced, transferred values (``MetricSet.derive``).
+HostFormula = Union[Constant, EffectiveSampleSize, ClippedExtreme]
+
+
+def host_value(formula: HostFormula, out: Mapping[str, float]) -> float:
+    """The value of ``formula`` over the transferred values ``out`` (hidden ``_`` entries included)."""
+    if isinstance(formula, Constant):
+        return formula.value
+    if isinstance(formula, EffectiveSampleSize):
+        mean, sq_mean, units = out[formula.mean], out[formula.sq_mean], out[formula.units]
+        return mean * mean / (units * sq_mean) if sq_mean > 0 and units > 0 else 0.0
+    value = out[formula.source]
+    return value if not math.isfinite(value) else min(max(value, formula.low), formula.high)
 
 
 def row_totals(rows: Iterable[torch.Tensor], mask: torch.Tensor) -> Optional[torch.Tensor]:
@@ -32,7 +85,9 @@ def row_totals(rows: Iterable[torch.Tensor], mask: torch.Tensor) -> Optional[tor
         cast = masks.get(row.dtype)
         if cast is None:
             cast = masks[row.dtype] = mask if mask.dtype == row.dtype else mask.to(row.dtype)
-        totals.append(masked_sum(row.expand(mask.shape) if row.shape != mask.shape else row, cast))
+        # masked_sum's dot product, written out (the row is expanded and the mask cast here already)
+        row = row.expand(mask.shape) if row.shape != mask.shape else row
+        totals.append(torch.dot(row.reshape(-1), cast.reshape(-1)))
         del row
     if not totals:
         return None

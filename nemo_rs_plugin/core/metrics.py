@@ -30,15 +30,22 @@ Each metric carries:
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal, Mapping, NamedTuple, Optional, Protocol, Union
+from typing import Iterable, Literal, Mapping, NamedTuple, Optional, Protocol, Union
 
 import torch
 
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
 from nemo_rs_plugin.core.masking import EPS
-from nemo_rs_plugin.core.metric_kernels import masked_extrema, reduce_over_ranks, row_totals, stacked_masked_totals
+from nemo_rs_plugin.core.metric_kernels import (
+    Constant,
+    HostFormula,
+    host_value,
+    masked_extrema,
+    reduce_over_ranks,
+    row_totals,
+    stacked_masked_totals,
+)
 
 __all__ = ["CatalogSpec", "GlobalCounts", "MetricSet", "Normalization", "Reduction", "batched_evaluation"]
 
@@ -75,19 +82,16 @@ class CatalogSpec(Protocol):
     def per_call(self) -> bool: ...  # noqa: D102
 
 
-def _check_catalog(
-    catalog: Mapping[str, CatalogSpec], name: str, normalization: Normalization, reduction: _Declared, per_call: bool
-) -> None:
-    """``name`` as declared is what the catalog says for this configuration (see ``MetricSet``)."""
-    spec = catalog.get(name)
+def _catalog_error(
+    name: str, spec: Optional[CatalogSpec], normalization: Normalization, reduction: _Declared, per_call: bool
+) -> Exception:
+    """The error of a declaration the catalog does not hold as declared (see ``MetricSet``)."""
     if spec is None:
-        raise KeyError(f"metric {name!r} is not in the catalog for this configuration (core/metric_catalog.py)")
-    same_reduction = reduction == spec.reduction or reduction == "derived"
-    if spec.normalization != normalization or not same_reduction or spec.per_call != per_call:
-        raise ValueError(
-            f"metric {name!r} declared as ({normalization}, {reduction}, per_call={per_call}); the catalog says "
-            f"({spec.normalization}, {spec.reduction}, per_call={spec.per_call})"
-        )
+        return KeyError(f"metric {name!r} is not in the catalog for this configuration (core/metric_catalog.py)")
+    return ValueError(
+        f"metric {name!r} declared as ({normalization}, {reduction}, per_call={per_call}); the catalog says "
+        f"({spec.normalization}, {spec.reduction}, per_call={spec.per_call})"
+    )
 
 
 class _Extreme(NamedTuple):
@@ -158,31 +162,37 @@ class MetricSet:
         self._totals: dict[Normalization, list[tuple[list[str], torch.Tensor]]] = {}  # normalization -> (names, totals)
         self._masked: list[tuple[torch.Tensor, Normalization, list]] = []  # (mask, normalization, [(names, rows)])
         self._extrema: dict[tuple[int, torch.dtype], list[_Extreme]] = {}  # (rank, dtype) -> its extremes
-        self._derived: list[tuple[str, str, Callable[[dict[str, float]], float]]] = []
-        self._checks: list[tuple[Callable[[dict[str, float]], bool], Callable[[dict[str, float]], Exception]]] = []
-        self._warnings: list[tuple[Callable[[dict[str, float]], list[str]], type[Warning]]] = []
+        self._derived: list[tuple[str, HostFormula]] = []  # name -> its formula over the transferred values
         self._stacked: Optional[tuple[list[str], torch.Tensor]] = None
         self.private: dict[str, float] = {}  # the ``_``-prefixed entries, set by finalize()
 
     # ------------------------------------------------------------------ declaring
-    def _declare(self, name: str, normalization: Normalization, reduction: _Declared, per_call: bool = False) -> None:
-        if name in self._declared:
-            raise KeyError(f"metric {name!r} declared twice")
-        if self._stacked is not None:
-            raise RuntimeError(f"metric {name!r} declared after MetricSet.stack()")
-        if self.catalog is not None and not name.startswith("_"):
-            _check_catalog(self.catalog, name, normalization, reduction, per_call)
-        self._declared[name] = (normalization, reduction)
-        if per_call:
-            self._per_call.add(name)
-
     def _skips(self, per_call: bool) -> bool:
         """Whether a metric declared with ``per_call`` is left uncomputed (see ``__init__``)."""
         return per_call and not self.computes_per_call
 
-    def _declare_all(self, names: list[str], normalization: Normalization, reduction: Reduction) -> None:
+    def _declare_all(
+        self, names: Iterable[str], normalization: Normalization, reduction: _Declared, per_call: bool = False
+    ) -> None:
+        """Record each name once, checked against the catalog (one loop, no nested call: it runs per metric)."""
+        if self._stacked is not None:
+            raise RuntimeError(f"metrics {list(names)} declared after MetricSet.stack()")
+        catalog = self.catalog
         for name in names:
-            self._declare(name, normalization, reduction)
+            if name in self._declared:
+                raise KeyError(f"metric {name!r} declared twice")
+            if catalog is not None and not name.startswith("_"):
+                spec = catalog.get(name)
+                if (
+                    spec is None
+                    or spec.normalization != normalization
+                    or (reduction != "derived" and spec.reduction != reduction)
+                    or spec.per_call != per_call
+                ):
+                    raise _catalog_error(name, spec, normalization, reduction, per_call)
+            self._declared[name] = (normalization, reduction)
+            if per_call:
+                self._per_call.add(name)
 
     def add(
         self, name: str, value: torch.Tensor, normalization: Normalization, reduction: Reduction, per_call: bool = False
@@ -193,18 +203,18 @@ class MetricSet:
         :func:`~nemo_rs_plugin.core.masking.extrema_penalty`); :meth:`finalize` reports them as
         ``+-inf``, as NeMo-RL does.
         """
-        self._declare(name, normalization, reduction, per_call)
+        self._declare_all((name,), normalization, reduction, per_call)
         if self._skips(per_call):
             return
         self._values[name] = value.detach().reshape(())
 
     def add_total(self, name: str, total: torch.Tensor, normalization: Normalization, reduction: Reduction) -> None:
         """Record a 0-dim sum; its value is ``total / (count + 1e-8)`` for the count of ``normalization``."""
-        if normalization == "none":
-            self.add(name, total, normalization, reduction)
-            return
-        self._declare(name, normalization, reduction)
-        self._totals.setdefault(normalization, []).append(([name], total.detach().reshape(())))
+        self._declare_all((name,), normalization, reduction)
+        if normalization == "none":  # a final value, as add() records it
+            self._values[name] = total.detach().reshape(())
+        else:
+            self._totals.setdefault(normalization, []).append(([name], total.detach().reshape(())))
 
     def add_masked_total(
         self, name: str, values: torch.Tensor, mask: torch.Tensor, normalization: Normalization, reduction: Reduction
@@ -267,8 +277,8 @@ class MetricSet:
         between metrics of one mask). With an empty mask the values are the ``+-finfo.max``
         sentinels that :meth:`finalize` reports as ``(inf, -inf)``.
         """
-        self._declare(min_name, "none", "min", per_call)
-        self._declare(max_name, "none", "max", per_call)
+        self._declare_all((min_name,), "none", "min", per_call)
+        self._declare_all((max_name,), "none", "max", per_call)
         if self._skips(per_call):
             return
         if not self.batched:  # CPU form: reduced now (see add_masked_totals), final values as add() records them
@@ -280,34 +290,21 @@ class MetricSet:
         key = (values.dim(), values.dtype)
         self._extrema.setdefault(key, []).append(_Extreme(min_name, max_name, values.detach(), penalty))
 
-    def derive(
-        self, name: str, normalization: Normalization, fn: Callable[[dict[str, float]], float], per_call: bool = False
-    ) -> None:
-        """Declare a metric :meth:`finalize` computes on the host from the reduced values."""
-        self._declare(name, normalization, "derived", per_call)
+    def derive(self, name: str, normalization: Normalization, formula: HostFormula, per_call: bool = False) -> None:
+        """Declare a metric :meth:`finalize` computes on the host from the reduced values.
+
+        ``formula`` is data (:data:`~nemo_rs_plugin.core.metric_kernels.HostFormula`), not a
+        callback: the metric set evaluates it itself. Checks of the inputs that read the
+        transferred values are not the metric set's either: the loss runs them on
+        :attr:`private` after :meth:`finalize` (:func:`~nemo_rs_plugin.core.input_checks.judge_inputs`).
+        """
+        self._declare_all((name,), normalization, "derived", per_call)
         if not self._skips(per_call):
-            self._derived.append((name, normalization, fn))
+            self._derived.append((name, formula))
 
     def add_zero(self, name: str, normalization: Normalization) -> None:
         """Declare a metric that is 0 by construction (a term that is off, a count known to be 0): no tensor."""
-        self.derive(name, normalization, _zero)
-
-    def check(self, failed: Callable[[dict[str, float]], bool], error: Callable[[dict[str, float]], Exception]) -> None:
-        """Raise ``error(values)`` from :meth:`finalize` when ``failed(values)`` holds.
-
-        Input checks that depend on tensor values are decided on the host, after the one
-        transfer and the reduction (every rank of a group raises together), instead of
-        syncing on their own; they read every value, hidden (``_``-prefixed) ones included.
-        """
-        self._checks.append((failed, error))
-
-    def warn(self, messages: Callable[[dict[str, float]], list[str]], category: type[Warning]) -> None:
-        """Issue ``messages(values)`` (each a warning of ``category``) from :meth:`finalize`.
-
-        The warning counterpart of :meth:`check`: decided on the host from the one transfer,
-        for inputs the loss accepts but that are almost surely a caller's mistake.
-        """
-        self._warnings.append((messages, category))
+        self.derive(name, normalization, Constant(0.0))
 
     def normalizations(self, per_call: bool = True) -> dict[str, str]:
         """Public metric name -> the normalization declared with it (what NeMo-RL's ``MetricNormalizer`` reads).
@@ -390,7 +387,7 @@ class MetricSet:
         return self._stacked
 
     def finalize(self, groups: SequenceGroups = NO_GROUPS, per_call: Optional[bool] = None) -> dict[str, float]:
-        """Reduce over ``groups``, transfer once, check, derive; public metrics in declaration order.
+        """Reduce over ``groups``, transfer once, derive; public metrics in declaration order.
 
         ``per_call=False`` leaves out the per-call metrics (see the module docstring); ``None``:
         included where they were computed.
@@ -403,12 +400,6 @@ class MetricSet:
             values = reduce_over_ranks(values, reductions, groups)
         host = values.tolist() if names else []  # the one host transfer of the loss call
         out = dict(zip(names, host))
-        for failed, error in self._checks:
-            if failed(out):
-                raise error(out)
-        for messages, category in self._warnings:
-            for text in messages(out):
-                warnings.warn(text, category, stacklevel=3)  # at the loss call's caller of finalize
         # Extremes over no unit hold +-finfo.max of their dtype; float32's half range flags
         # them whatever dtype the vector was promoted to.
         half = torch.finfo(torch.float32).max / 2
@@ -417,17 +408,13 @@ class MetricSet:
                 out[name] = float("inf")  # no unit: NeMo-RL's sentinel
             elif red == "max" and out[name] <= -half:
                 out[name] = float("-inf")
-        for name, _, fn in self._derived:
-            out[name] = fn(out)
+        for name, formula in self._derived:
+            out[name] = host_value(formula, out)
         # Private entries (``_name``) ride on the same transfer for the loss's own bookkeeping
-        # (the run-time rejection warning); NeMo-RL never sees them.
+        # (its input checks, the run-time rejection warning); NeMo-RL never sees them.
         public, private = self._public_and_private(per_call)
         self.private = {n: out[n] for n in private}
         return {n: out[n] for n in public}
-
-
-def _zero(out: dict[str, float]) -> float:
-    return 0.0
 
 
 def _check_row_count(names: list[str], count: int) -> None:

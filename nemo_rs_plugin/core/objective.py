@@ -69,6 +69,8 @@ class Objective:
         kept_tokens = kept_seqs = correct_count = None
         if cfg.rejection_denominator == "kept":
             seqs = sequence_counts_of(corr)
+            if seqs.kept_tokens is None or seqs.kept_sequences is None:
+                raise RuntimeError("rejection_denominator: kept reads kept counts the correction did not compute")
             n_valid = seqs.token_count.sum()
             n_seqs = masks.sample_mask @ torch.sign(seqs.token_count)
             kept_tokens = seqs.kept_tokens / n_valid.clamp_min(EPS)

@@ -8,12 +8,12 @@ extremes are derived on the host from the reduced extremes of the ratio.
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction import CorrectionResult
+from nemo_rs_plugin.core.metric_kernels import ClippedExtreme
 from nemo_rs_plugin.core.metrics import MetricSet, Normalization
 from nemo_rs_plugin.core.objective import LossTerms, Objective
 from nemo_rs_plugin.core.policy_loss import kl_estimate
@@ -73,7 +73,7 @@ def record_nemo_rl_metrics(
             metrics.add_zero("kl_penalty", grad_norm)
         if not cfg.is_level_entry.per_token:
             _sequence_sampling_importance_ratio(metrics, corr.is_weight, clean.masks.sample_mask)
-        metrics.add("num_valid_samples", clean.masks.sample_mask.sum(), "none", "replicated")
+        metrics.add("num_valid_samples", clean.masks.sample_total, "none", "replicated")
         if terms.sampler_kl is not None:
             metrics.add("sampler_kl_penalty", terms.sampler_kl, grad_norm, "sum")
         if nll is not None:
@@ -90,10 +90,8 @@ def _clamped_extremes(cfg: RSClippedPGLossConfig, metrics: MetricSet) -> None:
     """
     unclamped = cfg.force_on_policy_ratio or cfg.disable_ppo_ratio  # no clamp in these modes
     lo, hi = (-math.inf, math.inf) if unclamped else (1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
-    # Module-level functions bound with partial, not closures: a compiled core rebuilds every
-    # closure it returns on each call.
-    metrics.derive("probs_ratio_clamped_min", "none", partial(_clipped_extreme, "probs_ratio_min", lo, hi))
-    metrics.derive("probs_ratio_clamped_max", "none", partial(_clipped_extreme, "probs_ratio_max", lo, hi))
+    metrics.derive("probs_ratio_clamped_min", "none", ClippedExtreme("probs_ratio_min", lo, hi))
+    metrics.derive("probs_ratio_clamped_max", "none", ClippedExtreme("probs_ratio_max", lo, hi))
 
 
 def _sequence_sampling_importance_ratio(metrics: MetricSet, is_weight: torch.Tensor, sample_mask: torch.Tensor) -> None:
@@ -108,9 +106,3 @@ def _sequence_sampling_importance_ratio(metrics: MetricSet, is_weight: torch.Ten
     """
     w_seq = is_weight.squeeze(-1)  # [B]
     metrics.add_masked_total("sampling_importance_ratio", w_seq, sample_mask, "sequences", "replicated")
-
-
-def _clipped_extreme(source: str, lo: float, hi: float, out: dict[str, float]) -> float:
-    """``out[source]`` clipped to ``[lo, hi]``; the "no token" sentinels (+-inf) stay as they are."""
-    value = out[source]
-    return value if not math.isfinite(value) else min(max(value, lo), hi)

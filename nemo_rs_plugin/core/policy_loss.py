@@ -244,12 +244,12 @@ def kl_penalty_per_token(
     input_clamp, output_clamp = options.input_clamp, options.output_clamp
     with torch.no_grad():
         log_ratio = reference - curr
-        inside = None
+        clamped_away = None
         if input_clamp is not None:
             clamped = log_ratio.clamp(-input_clamp, input_clamp)
-            # masking.out_of_bounds's test, negated, on the clamp computed anyway: a clamp
-            # passes the gradient on its closed interval.
-            inside = log_ratio == clamped
+            # masking.out_of_bounds's test on the clamp computed anyway: a clamp passes the
+            # gradient on its closed interval.
+            clamped_away = log_ratio != clamped
             log_ratio = clamped
         kl = kl_estimate(log_ratio, options.kl_type)
         slope = _kl_slope_over_weight(log_ratio, options.kl_type)
@@ -258,8 +258,8 @@ def kl_penalty_per_token(
             kl, slope = kl * weights, slope * weights
         # Selected, not multiplied by the 0/1 masks: w (k - k') overflows to inf before w does
         # (curr - gen > ~85), and a clamp that stops it must give 0 there, not inf * 0 = NaN.
-        if inside is not None:
-            slope = torch.where(inside, slope, 0.0)
+        if clamped_away is not None:  # in place (slope is this function's own): no scalar tensor, no copy
+            slope = slope.masked_fill_(clamped_away, 0.0)
         if output_clamp is not None:
             slope = torch.where(kl.abs() <= output_clamp, slope, 0.0)
             kl = kl.clamp(-output_clamp, output_clamp)

@@ -28,7 +28,11 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nemo_rs_plugin.core.aggregations import DEFAULT_AGGREGATION, SequenceAggregation, sequence_aggregation
+from nemo_rs_plugin.core.aggregations import (
+    DEFAULT_AGGREGATION,
+    SEQUENCE_AGGREGATIONS,
+    SequenceAggregation,
+)
 from nemo_rs_plugin.core.filter_levels import FILTER_LEVELS, RejectionLevel, rejection_level
 from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS, filter_statistics_text
 
@@ -150,9 +154,14 @@ class RejectionFilter(BaseModel):
 
     @property
     def aggregation_entry(self) -> Optional[SequenceAggregation]:
-        """The :data:`~nemo_rs_plugin.core.aggregations.SEQUENCE_AGGREGATIONS` entry of :attr:`aggregation`."""
-        agg = self.aggregation
-        return None if agg is None else sequence_aggregation(agg)
+        """The :data:`~nemo_rs_plugin.core.aggregations.SEQUENCE_AGGREGATIONS` entry of :attr:`aggregation`.
+
+        Read on every loss call with a sequence filter: plain lookups of validated names (the
+        ``Literal`` fields hold only registry keys), no nested call.
+        """
+        if not FILTER_LEVELS[self.level].whole_sequences:
+            return None
+        return SEQUENCE_AGGREGATIONS[self.agg or DEFAULT_AGGREGATION]
 
     @property
     def label(self) -> str:

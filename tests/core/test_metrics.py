@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nemo_rs_plugin.core.masking import EPS, extrema_penalty
+from nemo_rs_plugin.core.metric_kernels import ClippedExtreme, EffectiveSampleSize
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
 from tests.support.references import tensors_reachable
 
@@ -75,18 +76,28 @@ def test_masked_extrema_with_sentinels_for_an_empty_mask():
     assert out["empty_lo"] == math.inf and out["empty_hi"] == -math.inf
 
 
-def test_derived_metrics_and_checks_read_the_transferred_values():
+def test_derived_metrics_are_data_evaluated_on_the_transferred_values():
+    """Derived metrics are formulas (``metric_kernels.HostFormula``), evaluated by the metric set
+    itself on the reduced values, hidden entries included; hidden entries are not returned."""
     m = MetricSet()
-    m.add("_hidden", torch.tensor(3.0), "none", "sum")
-    m.derive("twice", "none", lambda out: 2 * out["_hidden"])
+    m.add("_mean", torch.tensor(0.5), "none", "sum")
+    m.add("_sq_mean", torch.tensor(0.5), "none", "sum")
+    m.add("_units", torch.tensor(2.0), "none", "sum")
+    m.add("_low", torch.tensor(0.25), "none", "min")
+    m.add("_empty", torch.tensor(float("inf")), "none", "min")
+    m.derive("ess", "none", EffectiveSampleSize("_mean", "_sq_mean", "_units"))
+    m.derive("clipped", "none", ClippedExtreme("_low", 0.5, 2.0))
+    m.derive("clipped_empty", "none", ClippedExtreme("_empty", 0.5, 2.0))
+    m.add_zero("off", "none")
     out = m.finalize()
-    assert out == {"twice": 6.0}  # hidden entries are read, not returned
-
-    failing = MetricSet()
-    failing.add("_count", torch.tensor(-1.0), "none", "replicated")
-    failing.check(lambda out: out["_count"] < 0, lambda out: ValueError(f"count {out['_count']:g}"))
-    with pytest.raises(ValueError, match="count -1"):
-        failing.finalize()
+    # (sum w)^2 / (n sum w^2) = 0.25 / (2 * 0.5); a clipped extreme; a sentinel stays; a constant
+    assert out == {"ess": 0.25, "clipped": 0.5, "clipped_empty": math.inf, "off": 0.0}
+    assert m.private == {"_mean": 0.5, "_sq_mean": 0.5, "_units": 2.0, "_low": 0.25, "_empty": math.inf}
+    no_units = MetricSet()
+    for name in ("_mean", "_sq_mean", "_units"):
+        no_units.add(name, torch.tensor(0.0), "none", "sum")
+    no_units.derive("ess", "none", EffectiveSampleSize("_mean", "_sq_mean", "_units"))
+    assert no_units.finalize() == {"ess": 0.0}
 
 
 def test_declaration_mistakes_are_errors():
@@ -190,7 +201,7 @@ def test_names_must_match_rows_and_derived_names_are_declared_once():
             other.add_masked_totals(["a"], iter([]), torch.ones(4), "none", "sum")
         other.add_masked_total("a", torch.ones(4), torch.ones(4), "none", "sum")
         assert other.finalize() == {"a": 4.0}
-    m.derive("d", "none", lambda out: 0.0)
+    m.add_zero("d", "none")
     with pytest.raises(KeyError, match="declared twice"):
         m.add("d", torch.tensor(1.0), "none", "sum")
 

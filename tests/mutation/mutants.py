@@ -119,8 +119,8 @@ MUTANTS: list[Mutant] = [
     # ---- counts behind rejection_denominator: kept
     Mutant(
         CP,
-        "kept_seq_count = (seq_in_loss * sample_mask) @ has_tokens",
-        "kept_seq_count = (seq_in_loss * sample_mask).sum()",
+        "kept_tokens, kept_sequences = kept_per_row.sum(), in_loss @ has_tokens",
+        "kept_tokens, kept_sequences = kept_per_row.sum(), in_loss.sum()",
         "kept_seq_count counts empty sequences",
     ),
     Mutant(
@@ -200,12 +200,12 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         CW,
-        'metrics.add_total("_ess_units", masks.valid.sum(), "tokens", "sum")',
+        'metrics.add_total("_ess_units", masks.valid_total, "tokens", "sum")',
         'metrics.add_total("_ess_units", torch.sign(loss_tokens).sum(), "tokens", "sum")',
         "is_ess divides by the kept units instead of all units",
     ),
     Mutant(
-        CW,
+        MK,
         "return mean * mean / (units * sq_mean) if sq_mean > 0 and units > 0 else 0.0",
         "return mean / (units * sq_mean) if sq_mean > 0 and units > 0 else 0.0",
         "is_ess from the mean, not its square",
@@ -266,8 +266,8 @@ MUTANTS: list[Mutant] = [
         "kl_penalty reported times the KL coefficient",
     ),
     Mutant(
-        PM,
-        "return value if not math.isfinite(value) else min(max(value, lo), hi)",
+        MK,
+        "return value if not math.isfinite(value) else min(max(value, formula.low), formula.high)",
         "return value",
         "probs_ratio_clamped_min/max not clamped",
     ),
@@ -286,8 +286,8 @@ MUTANTS: list[Mutant] = [
     # ---- the metric set: masked totals, normalisation, extrema
     Mutant(
         MK,
-        "totals.append(masked_sum(row.expand(mask.shape) if row.shape != mask.shape else row, cast))",
-        "totals.append((row.expand(mask.shape) if row.shape != mask.shape else row).sum())",
+        "totals.append(torch.dot(row.reshape(-1), cast.reshape(-1)))",
+        "totals.append(row.sum())",
         "masked totals ignore their mask (CPU form)",
     ),
     Mutant(
@@ -362,7 +362,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         P,
-        "slope = torch.where(inside, slope, 0.0)",
+        "slope = slope.masked_fill_(clamped_away, 0.0)",
         "slope = slope",
         "KL gradient not stopped where the input clamp is active",
     ),
@@ -566,7 +566,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         M,
-        "return (self.valid_bin * (1.0 - self.d_finite)).sum(-1)",
+        "return row_dot(self.valid_bin, 1.0 - self.d_finite)",
         "return torch.zeros_like(self.sample_mask)",
         "a sequence with a non-finite log-ratio is not counted as such (sequence IS levels weight it)",
     ),

@@ -41,7 +41,7 @@ from nemo_rs_plugin.core.correction.statistics import (
     TokenStageStatistics,
 )
 from nemo_rs_plugin.core.filter_statistics import PROBABILITY_CLAMP, filter_statistic_entry
-from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, out_of_bounds, sanitize
+from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, out_of_bounds, row_dot, sanitize
 from nemo_rs_plugin.core.metrics import MetricSet
 
 __all__ = [
@@ -224,7 +224,7 @@ def plan_token_filter(
     rejected = alive - kept
     stage = TokenStageStatistics(
         rejected=rejected.sum(-1),
-        rejected_negative=(rejected * negative).sum(-1) if negative is not None else None,
+        rejected_negative=row_dot(rejected, negative) if negative is not None else None,
     )
     return stage, kept
 
@@ -250,7 +250,7 @@ def plan_sequence_filter(
             finite=alive_fin,
             count=alive.sum(-1),
             nonfinite=(alive - alive_fin).sum(-1),
-            negative=(alive * negative).sum(-1) if negative is not None else None,
+            negative=row_dot(alive, negative) if negative is not None else None,
             big=big,
         )
     )
@@ -260,7 +260,9 @@ def plan_sequence_filter(
 def _sequence_rejects(f: RejectionFilter, s: SequenceStage) -> torch.Tensor:
     """``[B]`` bool: the sequence filter rejects the row, decided on reduced statistics."""
     lo, hi = filter_bounds(f)
-    low, high = sequence_filter_statistic(f, s)
+    entry = f.aggregation_entry
+    assert entry is not None, "a sequence filter has an aggregation"
+    low, high = entry.finalize(s)  # as sequence_filter_statistic, one frame less on every call
     if low is high:
         reject = out_of_bounds(low, lo, hi)
     else:  # any: some valid token outside the bounds

@@ -4,7 +4,8 @@
 statistic; :meth:`CorrectionPlan.reduce` passes all of them through one collective
 (:meth:`~nemo_rs_plugin.core.correction.statistics.SequenceStatistics.reduce`);
 :func:`apply_correction` derives masks, weights and metrics from the reduced statistics only.
-The loss calls them in order; :func:`compute_correction` chains them.
+:func:`compute_correction` chains them, the one place they are chained: the loss's call, its
+microbatch totals and the one-call API (``nemo-rs simulate``, the tests) all go through it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from nemo_rs_plugin.core.correction.weights import (
     record_token_weight_metrics,
 )
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
-from nemo_rs_plugin.core.masking import TokenMasks, sanitize
+from nemo_rs_plugin.core.masking import TokenMasks, row_dot, sanitize
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet, batched_evaluation
 
 __all__ = [
@@ -46,14 +47,15 @@ class SequenceCounts:
     Attributes:
         token_count: ``[B]`` valid tokens per sequence (``sum_t m``).
         mask_count: ``[B]`` ``token_mask`` tokens per sequence.
-        kept_tokens: ``[]`` kept valid tokens (for ``kept`` denominators).
-        kept_sequences: ``[]`` kept valid sequences.
+        kept_tokens: ``[]`` kept valid tokens, with ``rejection_denominator: kept`` (its only
+            reader; ``None`` otherwise).
+        kept_sequences: ``[]`` kept valid sequences, likewise.
     """
 
     token_count: torch.Tensor
     mask_count: torch.Tensor
-    kept_tokens: torch.Tensor
-    kept_sequences: torch.Tensor
+    kept_tokens: Optional[torch.Tensor]
+    kept_sequences: Optional[torch.Tensor]
 
 
 @dataclass
@@ -178,12 +180,15 @@ def plan_correction(
         # the valid tokens a token filter rejected (a rejected token gets no gradient; as
         # VERL, whose rejection edits the response mask its GSPO ratio reads).
         ratio_mask = masks.where_inputs_finite(masks.token_mask) * (1.0 - masks.valid_bin + alive)
+    valid_per_row = masks.valid.sum(-1)
+    # Without a token filter every valid token is alive (alive is valid_bin, and valid_bin * valid = valid).
+    kept_per_row = valid_per_row if alive is masks.valid_bin else row_dot(alive, masks.valid)
     statistics = SequenceStatistics(
-        d_sum=(d * masks.valid).sum(-1),  # sum_t m d
-        valid=masks.valid.sum(-1),  # n_i
+        d_sum=row_dot(d, masks.valid),  # sum_t m d
+        valid=valid_per_row,  # n_i
         token_mask=masks.token_mask.sum(-1).to(d.dtype),
         nonfinite=masks.nonfinite_d_per_sequence(),
-        kept=(alive * masks.valid).sum(-1),
+        kept=kept_per_row,
         stages=stages,
         kept_negative=(alive * masks.valid * negative).sum(-1) if negative is not None else None,
         ratio_tokens=ratio_mask.sum(-1).to(d.dtype) if ratio_mask is not None else None,
@@ -197,23 +202,6 @@ def plan_correction(
         statistics=statistics,
         policy_gradient_keep=policy_gradient_keep,
     )
-
-
-def _apply_rejection(
-    cfg: RSClippedPGLossConfig,
-    plan: CorrectionPlan,
-    stats: SequenceStatistics,
-    metrics: MetricSet,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(keep, seq_in_loss, kept_token_count)``: sequence decisions, the combined mask, per-stage metrics."""
-    masks = plan.masks
-    if not cfg.rejection_sampling or plan.alive is None:  # alive: set with the statistics
-        return masks.inputs_finite, torch.ones_like(masks.sample_mask), stats.kept.sum()
-    outcome = apply_filters(cfg.rejection_sampling, stats, masks.sample_mask, metrics)
-    keep = masks.where_inputs_finite(plan.alive * outcome.sequence_kept.unsqueeze(-1))
-    if outcome.conditional_rows is not None and plan.negative is not None:  # set together
-        keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1) * plan.negative)
-    return keep, outcome.sequence_in_loss, outcome.kept_tokens.sum()
 
 
 def apply_correction(
@@ -239,16 +227,31 @@ def apply_correction(
     masks = plan.masks
     sample_mask = masks.sample_mask
     sequences = ratio = None
+    seq_in_loss = has_tokens = None  # [B] 0/1 rows no filter dropped, rows with a valid token (None: not read)
     if stats is None:  # token level, token-level loss, no filter: nothing reads a sequence
-        keep, seq_in_loss, has_tokens = masks.inputs_finite, torch.ones_like(sample_mask), None
+        keep = masks.inputs_finite
         loss_tokens = masks.where_inputs_finite(masks.valid)
     else:
-        keep, seq_in_loss, kept_token_count = _apply_rejection(cfg, plan, stats, metrics)
+        if not cfg.rejection_sampling or plan.alive is None:  # alive: set with the statistics
+            keep, kept_per_row = masks.inputs_finite, stats.kept
+        else:  # sequence decisions, the combined mask, per-stage metrics
+            outcome = apply_filters(cfg.rejection_sampling, stats, sample_mask, metrics)
+            keep = masks.where_inputs_finite(plan.alive * outcome.sequence_kept.unsqueeze(-1))
+            if outcome.conditional_rows is not None and plan.negative is not None:  # set together
+                keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1) * plan.negative)
+            seq_in_loss, kept_per_row = outcome.sequence_in_loss, outcome.kept_tokens
         # [B, T] valid tokens that reach the loss (without filters keep is inputs_finite)
         loss_tokens = masks.valid * keep if cfg.rejection_sampling else masks.where_inputs_finite(masks.valid)
-        has_tokens = (stats.valid > 0).to(stats.valid.dtype)  # [B] 0/1
-        kept_seq_count = (seq_in_loss * sample_mask) @ has_tokens
-        sequences = SequenceCounts(stats.valid, stats.token_mask, kept_token_count, kept_seq_count)
+        # Computed where read only (each is a kernel on every call): the weights' units of a
+        # per-sequence level, the kept counts of rejection_denominator: kept.
+        kept_denominators = cfg.rejection_denominator == "kept"
+        if not cfg.is_level_entry.per_token or kept_denominators:
+            has_tokens = (stats.valid > 0).to(stats.valid.dtype)
+        kept_tokens = kept_sequences = None
+        if kept_denominators and has_tokens is not None:  # has_tokens: set just above
+            in_loss = sample_mask if seq_in_loss is None else seq_in_loss * sample_mask
+            kept_tokens, kept_sequences = kept_per_row.sum(), in_loss @ has_tokens
+        sequences = SequenceCounts(stats.valid, stats.token_mask, kept_tokens, kept_sequences)
         if plan.ratio_mask is not None and stats.ratio_tokens is not None:  # the GSPO ratio's, set together
             ratio = RatioTokens(plan.ratio_mask, stats.ratio_tokens)
 
@@ -286,22 +289,27 @@ def apply_correction(
     )
 
 
-# 7 parameters: the one-call public API (tools/simulate, the tests) takes the loss's inputs by name;
-# plan_correction -> reduce -> apply_correction is the small-step form.
+# The one place plan -> reduce -> apply is written: the loss's call (its metric set, the
+# microbatch's batch-normalisation factor), its microbatch totals and the one-call public API
+# (tools/simulate, the tests, which pass the loss's inputs by name and get a metric set of their own).
 def compute_correction(
     cfg: RSClippedPGLossConfig,
     d: torch.Tensor,
     masks: TokenMasks,
-    counts: GlobalCounts,
+    counts: Optional[GlobalCounts],
     groups: SequenceGroups = NO_GROUPS,
     *,
     log_probs: Optional[PolicyLogProbs] = None,
     advantages: Optional[torch.Tensor] = None,
+    metrics: Optional[MetricSet] = None,
+    batch_norm_factor: Optional[torch.Tensor] = None,
 ) -> CorrectionResult:
     """The whole correction of one microbatch: :func:`plan_correction`, the reduction, :func:`apply_correction`.
 
     ``d = prev - gen`` (``[B, T]``, non-finite entries already replaced by 0; ``masks.d_finite``
-    marks them); ``counts`` are NeMo-RL's global valid tokens and sequences.
+    marks them); ``counts`` are NeMo-RL's global valid tokens and sequences, for a metric set of
+    its own in the device's form; ``metrics``: declare into this one instead (the loss's; then
+    ``counts`` may be ``None``). ``batch_norm_factor``: as :func:`apply_correction`.
 
     Order: token filters are local decisions and run first; each sequence filter aggregates
     over the valid tokens kept by the token filters listed *before* it (SkyRL's order when a
@@ -313,6 +321,7 @@ def compute_correction(
     Token masks are 0/1 floats throughout: on CPU, float arithmetic is several times cheaper
     than boolean ops, and none of it syncs with the host.
     """
+    if metrics is None:
+        metrics = MetricSet(counts, batched_evaluation(d.device))
     plan = plan_correction(cfg, d, masks, log_probs=log_probs, advantages=advantages)
-    stats = plan.reduce(groups)
-    return apply_correction(cfg, plan, stats, MetricSet(counts, batched_evaluation(d.device)), groups)
+    return apply_correction(cfg, plan, plan.reduce(groups), metrics, groups, batch_norm_factor)

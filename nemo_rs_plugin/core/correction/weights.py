@@ -25,8 +25,12 @@ from nemo_rs_plugin.core.correction.statistics import SequenceStatistics
 from nemo_rs_plugin.core.is_levels import is_level
 from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, finite_exp, masked_sum
 from nemo_rs_plugin.core.metric_catalog import WEIGHT_TAIL
+from nemo_rs_plugin.core.metric_kernels import EffectiveSampleSize
 from nemo_rs_plugin.core.metrics import MetricSet, Normalization, Reduction
 from nemo_rs_plugin.core.truncation import truncation
+
+#: ``is_ess = (sum w)^2 / (n sum w^2)`` from the two weight sums and the units, each divided by the same count.
+_EFFECTIVE_SAMPLE_SIZE = EffectiveSampleSize("is_weight_mean", "is_weight_sq_mean", "_ess_units")
 
 __all__ = [
     "WEIGHT_TAIL",
@@ -132,12 +136,12 @@ def record_token_weight_metrics(
     applied = weight * loss_tokens  # [B, T] the weights as the loss applies them
     metrics.add_total("is_weight_mean", applied.sum(), "tokens", "sum")
     metrics.add_total("is_weight_sq_mean", masked_sum(weight, applied), "tokens", "sum")  # sum_t w_t^2 m_t
-    metrics.add_total("_ess_units", masks.valid.sum(), "tokens", "sum")
+    metrics.add_total("_ess_units", masks.valid_total, "tokens", "sum")
     _record_tails(metrics, raw_weight, masks.usable_penalty, "tokens", "sum")
     metrics.add_masked_extrema("is_weight_raw_min", "is_weight_raw_max", raw_weight, masks.usable_penalty)
     applied_penalty = extrema_penalty(applied.sign_())  # kept tokens with a weight (applied is read: reused)
     metrics.add_masked_extrema("is_weight_min", "is_weight_max", weight, applied_penalty)
-    metrics.derive("is_ess", "none", _effective_sample_size, per_call=True)
+    metrics.derive("is_ess", "none", _EFFECTIVE_SAMPLE_SIZE, per_call=True)
 
 
 def record_sequence_weight_metrics(
@@ -145,14 +149,14 @@ def record_sequence_weight_metrics(
     raw_weight: torch.Tensor,  # [B, 1]
     weight: torch.Tensor,  # [B, 1] truncated (and normalised)
     units: torch.Tensor,  # [B] sample_mask of sequences with a valid token
-    seq_in_loss: torch.Tensor,  # [B] 0/1 not dropped by a sequence filter
+    seq_in_loss: Optional[torch.Tensor],  # [B] 0/1 not dropped by a sequence filter (None: no filter ran)
 ) -> None:
     """Per-sequence IS weight statistics: sums over sequences / ``global_valid_seqs``, identical on CP ranks.
 
     As :func:`record_token_weight_metrics`, with a sequence (that has a valid token) as the unit.
     """
     raw, applied = raw_weight.squeeze(-1), weight.squeeze(-1)
-    kept_units = units * seq_in_loss
+    kept_units = units if seq_in_loss is None else units * seq_in_loss
     metrics.add_masked_total("is_weight_raw_mean", raw, units, "sequences", "replicated")
     metrics.add_masked_totals(
         ["is_weight_mean", "is_weight_sq_mean"],
@@ -168,7 +172,7 @@ def record_sequence_weight_metrics(
     metrics.add_masked_extrema(
         "is_weight_min", "is_weight_max", applied, extrema_penalty(torch.sign(applied * kept_units))
     )
-    metrics.derive("is_ess", "none", _effective_sample_size, per_call=True)
+    metrics.derive("is_ess", "none", _EFFECTIVE_SAMPLE_SIZE, per_call=True)
 
 
 def _record_tails(
@@ -187,13 +191,8 @@ def _record_tails(
     count: they add up over calls, microbatches and ranks.
     """
     # count_nonzero, not sum(dtype=...): a float sum of a bool tensor casts it into a [B, T] temporary.
-    low = torch.count_nonzero((raw_weight + penalty) < 1.0 / WEIGHT_TAIL).to(raw_weight.dtype)
-    high = torch.count_nonzero((raw_weight - penalty) > WEIGHT_TAIL).to(raw_weight.dtype)
+    # Integer counts: MetricSet.stack's cat promotes them to the metrics' float dtype (no cast kernel).
+    low = torch.count_nonzero((raw_weight + penalty) < 1.0 / WEIGHT_TAIL)
+    high = torch.count_nonzero((raw_weight - penalty) > WEIGHT_TAIL)
     metrics.add_total("is_weight_raw_low_frac", low, normalization, reduction)
     metrics.add_total("is_weight_raw_high_frac", high, normalization, reduction)
-
-
-def _effective_sample_size(out: dict[str, float]) -> float:
-    """``(sum w)^2 / (n sum w^2)`` from the three normalised sums (the normalisation cancels)."""
-    mean, sq_mean, units = out["is_weight_mean"], out["is_weight_sq_mean"], out["_ess_units"]
-    return mean * mean / (units * sq_mean) if sq_mean > 0 and units > 0 else 0.0
