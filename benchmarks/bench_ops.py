@@ -147,7 +147,12 @@ def nemo_rl_loss(cfg: dict):
     except Exception:  # noqa: BLE001 - NeMo-RL not importable: plugin numbers alone
         return None, None
     full = {"reference_policy_kl_penalty": 0.01, **cfg}
-    config = host.ClippedPGLossConfig(**full) if hasattr(host.ClippedPGLossConfig, "model_fields") else full
+    if hasattr(host.ClippedPGLossConfig, "model_fields"):  # v0.7.0 on: pydantic, with NeMo-RL's defaults
+        config = host.ClippedPGLossConfig(**full)
+    else:  # v0.6.0: a TypedDict without defaults; its recipes set every field, as here
+        from tests.support.nemo_rl_live_parity import BASE
+
+        config = {**BASE, **full}
     return host.ClippedPGLossFn(config), BatchedDataDict
 
 

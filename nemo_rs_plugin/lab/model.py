@@ -67,9 +67,9 @@ def build_model(s: "ModelSize", dtype: torch.dtype = torch.float32):
 class RoutingRecorder:
     """Records each MoE router's top-k expert indices, per call, via forward hooks."""
 
-    def __init__(self, model):
+    def __init__(self, model: torch.nn.Module) -> None:
         self.calls: list[list[torch.Tensor]] = []
-        self._hooks = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
         if not routers:
             raise RuntimeError("no MoE router found in the model")
@@ -78,13 +78,13 @@ class RoutingRecorder:
         self.n_layers = len(routers)
         self._current: list[torch.Tensor] = []
 
-    def _hook(self, module, args, out):
+    def _hook(self, module: torch.nn.Module, args: tuple, out: tuple) -> None:
         self._current.append(out[2].detach().sort(-1).values)
         if len(self._current) == self.n_layers:
             self.calls.append(self._current)
             self._current = []
 
-    def clear(self):
+    def clear(self) -> None:
         self.calls, self._current = [], []
 
 

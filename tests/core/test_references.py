@@ -48,7 +48,7 @@ FILTERS = ["Geo-RS", "IcePop", "AReaL PR #1088", "AReaL PR #1218", "SkyRL PR #84
 MODULES = {
     "policy_loss.py": ["GSPO", "CISPO", "KL estimators"],
     "is_levels.py": ["NeMo-RL PR #2269", "GSPO", "SkyRL PR #849"],
-    "correction/weights.py": ["NeMo-RL PR #2269", "TIS", "IcePop", "NeMo-RL PR #1899", "Geo-RS"],
+    "correction/weights.py": ["NeMo-RL PR #2269"],  # the truncation types: cited in truncation.py
     "truncation.py": ["TIS", "IcePop", "NeMo-RL PR #1899", "Geo-RS"],
     "aggregations.py": ["Geo-RS", "AReaL PR #1088"],
     "correction/statistics.py": ["GSPO", "Geo-RS"],

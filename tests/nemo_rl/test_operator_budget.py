@@ -6,8 +6,9 @@ host syncs. Issue 43 set the budget: NeMo-RL's three configurations the plugin r
 and backward, in the accelerator (stacked) form, with one host transfer per call. The counts
 come from the benchmark script itself, run in NeMo-RL's environment, so the test and the
 number docs/performance.md quotes are one measurement. Counts depend on the torch version, not
-on the batch size; NeMo-RL v0.6.0's config has no defaults for the script's partial sections,
-so the newest host measures.
+on the batch size. The budget is against NeMo-RL's current loss, the newest host given; v0.6.0's
+loss dispatches about a tenth fewer operators (fewer metrics, no seq-mask-tis bookkeeping), and
+the same plugin measures 0.75x against it (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.slow, no_hosts_mark()]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_ops.py"
 BUDGET = 0.68  # issue 43: was 0.72 after issues 39-42, 0.68 before them
-HOSTS = [h for h in nemo_rl_hosts() if host_label(h) != "v0.6.0"][-1:]
+HOSTS = nemo_rl_hosts()[-1:]  # the newest: NEMO_RS_NEMO_RL_CHECKOUTS lists the oldest first
 
 
 @pytest.mark.parametrize("host", HOSTS, ids=host_label)

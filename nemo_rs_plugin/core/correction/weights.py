@@ -5,13 +5,8 @@ log-weight of a sequence from its reduced statistics). See: docs/guide.md#is-cor
 
 References:
     - ``is_correction_level``: NeMo-RL PR #2269, https://github.com/NVIDIA-NeMo/RL/pull/2269
-    - ``tis``: TIS, Yao, Liu et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-      Training", https://fengyao.notion.site/off-policy-rl
-    - ``icepop``: IcePop (Ant Group's Ling team), https://ringtech.notion.site/icepop; the Ring-1T report,
-      https://arxiv.org/abs/2510.18855
-    - ``seq-mask-tis``: NeMo-RL PR #1899, https://github.com/NVIDIA-NeMo/RL/pull/1899, after Liu, Li et
-      al., "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch",
-      https://yingru.notion.site/When-Speed-Kills-Stability-Demystifying-RL-Collapse-from-the-Training-Inference-Mismatch-271211a558b7808d8b12d403fd15edda
+    - the truncation types (``tis``, ``icepop``, ``seq-mask-tis``): their papers and PRs are cited
+      once, in :mod:`nemo_rs_plugin.core.truncation`, the registry that defines them.
 """
 
 from __future__ import annotations
