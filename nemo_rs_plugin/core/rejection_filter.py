@@ -148,16 +148,16 @@ class RejectionFilter(BaseModel):
     @property
     def aggregation(self) -> Optional[str]:
         """The effective aggregation (``mean`` when a sequence filter leaves it unset); ``None`` per token."""
-        if not self.level_entry.whole_sequences:
-            return None
-        return self.agg or DEFAULT_AGGREGATION
+        entry = self.aggregation_entry
+        return None if entry is None else entry.name
 
     @property
     def aggregation_entry(self) -> Optional[SequenceAggregation]:
         """The :data:`~nemo_rs_plugin.core.aggregations.SEQUENCE_AGGREGATIONS` entry of :attr:`aggregation`.
 
         Read on every loss call with a sequence filter: plain lookups of validated names (the
-        ``Literal`` fields hold only registry keys), no nested call.
+        ``Literal`` fields hold only registry keys), no nested call; the one place the default
+        aggregation is applied (:attr:`aggregation` reads its name).
         """
         if not FILTER_LEVELS[self.level].whole_sequences:
             return None

@@ -260,9 +260,7 @@ def plan_sequence_filter(
 def _sequence_rejects(f: RejectionFilter, s: SequenceStage) -> torch.Tensor:
     """``[B]`` bool: the sequence filter rejects the row, decided on reduced statistics."""
     lo, hi = filter_bounds(f)
-    entry = f.aggregation_entry
-    assert entry is not None, "a sequence filter has an aggregation"
-    low, high = entry.finalize(s)  # as sequence_filter_statistic, one frame less on every call
+    low, high = sequence_filter_statistic(f, s)
     if low is high:
         reject = out_of_bounds(low, lo, hi)
     else:  # any: some valid token outside the bounds
