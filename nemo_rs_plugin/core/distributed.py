@@ -17,11 +17,14 @@ Entry points:
 * :func:`reduce_batch_totals`: detached totals over the whole batch (IS batch
   normalisation): one SUM of two numbers per group.
 * :func:`all_reduce_sum_with_grad`: differentiable SUM (GSPO ratio, sequence-level loss).
+* :func:`agree_before_collectives`: the ranks of the loss's groups agree that every rank's
+  inputs are well-formed (the same shapes, no local problem) before the first collective whose
+  size depends on them; otherwise every rank raises the same error, and none waits.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, overload
+from typing import Any, NamedTuple, Optional, Sequence, overload
 
 import torch
 import torch.distributed as dist
@@ -32,6 +35,7 @@ __all__ = [
     "reduce_batch_totals",
     "all_reduce_sum_with_grad",
     "group_is_active",
+    "agree_before_collectives",
 ]
 
 
@@ -179,3 +183,124 @@ def all_reduce_sum_with_grad(x: torch.Tensor, groups: SequenceGroups = NO_GROUPS
     for group in groups.groups:
         x = _AllReduceSumWithGrad.apply(x, group)
     return x
+
+
+#: Bytes of a problem's text carried in the call header (a longer text is cut there).
+_HEADER_TEXT_BYTES = 1024
+#: Dimensions of each tensor's shape in the header (the loss's inputs have at most 3).
+_HEADER_DIMS = 3
+
+
+def agree_before_collectives(
+    problem: Optional[BaseException],
+    shapes: Sequence[tuple[str, Optional[tuple[int, ...]]]],
+    groups: Sequence[tuple[str, Any]],
+    device: torch.device,
+) -> None:
+    """Every rank of ``groups`` learns whether any rank has a problem, before a collective that would wait for it.
+
+    A problem one rank sees alone (a tensor's shape, a local setting) would otherwise raise on
+    that rank while its peers wait in the loss's next collective until the job's collective
+    timeout (NCCL: 10-30 minutes). Each rank sends a fixed-size header (its global rank, its
+    problem's text, the shape of each named tensor) to its peers with one ``all_gather`` per
+    group, in order. A tensor whose shape differs between ranks is a problem of its own, named
+    with the shape on each rank. A rank that learns of a problem in one group passes it on in
+    the next, so over a TP x CP grid every rank knows it after the two gathers. Then every rank
+    raises the same ``ValueError``; with no problem anywhere, nothing happens.
+
+    Args:
+        problem: this rank's local problem (an exception it caught), or ``None``.
+        shapes: ``(name, shape or None)`` of the tensors every rank of a group must hold alike,
+            in the same order on every rank.
+        groups: ``(label, process group)`` pairs (``"tensor-parallel"``, ...); ``None`` and
+            one-rank groups are skipped. Without any active group ``problem`` is raised as it is.
+        device: the device of the inputs. Under NCCL the header travels on a side stream of that
+            device, so reading it waits for the peers' headers, not for the kernels queued on the
+            compute stream (the forward pass): no device synchronisation of the step.
+
+    Cost: one all-gather of ``3 + 4 * len(shapes) + 128`` int64 numbers per rank and group, and
+    a read of the gathered rows on the host (docs/performance.md#call-header).
+    """
+    active = [(label, group) for label, group in groups if group_is_active(group)]
+    if not active:
+        if problem is not None:
+            raise problem
+        return
+    rank = dist.get_rank()
+    text = None if problem is None else f"rank {rank}: {type(problem).__name__}: {problem}"
+    for label, group in active:
+        rows = _all_gather_header(_encode_header(rank, text, shapes), group, device)
+        # A problem already known (this rank's, or passed on by a peer) before a new disagreement:
+        # every rank then names the first problem found, in the groups' order.
+        text = _first_problem(rows) or _shape_disagreement(rows, shapes, label)
+    if text is not None:
+        error = ValueError(f"{text} (every rank of the loss's tensor- and context-parallel groups raises this error)")
+        raise error from problem
+
+
+def _encode_header(
+    rank: int, text: Optional[str], shapes: Sequence[tuple[str, Optional[tuple[int, ...]]]]
+) -> list[int]:
+    """``[rank, has problem, text bytes, 4 ints per shape (ndim or -1, dims), the text as int64 words]``."""
+    raw = (text or "").encode("utf-8")[:_HEADER_TEXT_BYTES]
+    header = [rank, int(text is not None), len(raw)]
+    for _, shape in shapes:
+        dims = list(shape or ())[:_HEADER_DIMS]
+        header += [-1 if shape is None else len(shape)] + dims + [0] * (_HEADER_DIMS - len(dims))
+    padded = raw.ljust(_HEADER_TEXT_BYTES, b"\0")
+    header += [int.from_bytes(padded[i : i + 8], "little", signed=True) for i in range(0, _HEADER_TEXT_BYTES, 8)]
+    return header
+
+
+def _all_gather_header(header: list[int], group: Any, device: torch.device) -> list[list[int]]:
+    """Every rank's header in ``group``, read on the host."""
+    size = dist.get_world_size(group)
+    if device.type == "cuda" and "nccl" in str(dist.get_backend(group)).lower():
+        stream = torch.cuda.Stream(device=device)  # not the compute stream: see agree_before_collectives
+        with torch.cuda.stream(stream):
+            local = torch.tensor(header, dtype=torch.int64, device=device)
+            parts = [torch.empty_like(local) for _ in range(size)]
+            dist.all_gather(parts, local, group=group)
+            return torch.stack(parts).tolist()
+    local = torch.tensor(header, dtype=torch.int64)
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local, group=group)
+    return torch.stack(parts).tolist()
+
+
+def _decode_text(row: list[int], n_shapes: int) -> str:
+    start = 3 + (1 + _HEADER_DIMS) * n_shapes
+    raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in row[start:])
+    return raw[: row[2]].decode("utf-8", errors="replace")
+
+
+def _first_problem(rows: list[list[int]]) -> Optional[str]:
+    """The text of the first rank (in group order) that reports a problem."""
+    n_shapes = (len(rows[0]) - 3 - _HEADER_TEXT_BYTES // 8) // (1 + _HEADER_DIMS)
+    for row in rows:
+        if row[1]:
+            return _decode_text(row, n_shapes)
+    return None
+
+
+def _shape_disagreement(
+    rows: list[list[int]], shapes: Sequence[tuple[str, Optional[tuple[int, ...]]]], label: str
+) -> Optional[str]:
+    """The first named tensor whose shape differs between the ranks, with the shape on each rank."""
+    width = 1 + _HEADER_DIMS
+    for i, (name, _) in enumerate(shapes):
+        cut = slice(3 + i * width, 3 + (i + 1) * width)
+        seen: dict[str, list[int]] = {}
+        for row in rows:
+            ndim, *dims = row[cut]
+            shown = "absent" if ndim < 0 else str(tuple(dims[: min(ndim, _HEADER_DIMS)]))
+            seen.setdefault(shown, []).append(row[0])
+        if len(seen) > 1:
+            sides = "; ".join(
+                f"{shape} on rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}" for shape, r in seen.items()
+            )
+            return (
+                f"{name}: shape differs between the ranks of one {label} group ({sides}); every rank of the "
+                f"group must be given the same shapes (the same microbatch, its logits cut alike)"
+            )
+    return None

@@ -19,6 +19,7 @@ from typing import Iterable, Mapping
 import torch
 
 from nemo_rs_plugin.core.masking import TokenMasks
+from nemo_rs_plugin.core.metric_catalog import NONFINITE_LOGIT_ROWS
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
 from nemo_rs_plugin.core.sanitizing import SanitizedInputs
 
@@ -29,6 +30,7 @@ __all__ = [
     "count_global_counts",
     "count_positive_logprobs",
     "judge_inputs",
+    "warn_nonfinite_logits",
 ]
 
 #: Log-probs above this are not log-probs (rounding of a fused log-softmax stays far below it).
@@ -217,3 +219,34 @@ def _token_mask_error(found: str) -> ValueError:
         f"token_mask: {found}; allowed: 0 and 1 only (1: a response token the loss trains on); another value "
         "scales that token's loss but counts it as one token: weight whole sequences with sample_mask"
     )
+
+
+#: The warning of a call whose logits held a NaN or +inf (one text, so Python shows it once per place).
+NONFINITE_LOGITS_MESSAGE = (
+    "logits: NaN or +inf at some positions; those positions get no gradient and count as non-finite "
+    f"current log-probs where they are valid tokens ({NONFINITE_LOGIT_ROWS} counts every such position; "
+    "docs/guide.md#non-finite-inputs): a numerical problem in the model's forward pass (bf16/fp16 overflow, "
+    "a NaN weight or activation)"
+)
+
+
+#: Whether this process has warned of non-finite logits (once per process: NeMo-RL unpickles a new
+#: loss every step, and Python's own once-per-place filter is reset by any ``catch_warnings``).
+_warned_nonfinite_logits = False
+
+
+def warn_nonfinite_logits(reported: Mapping[str, float], private: Mapping[str, float]) -> bool:
+    """An :class:`InputWarning`, once per process, when the logits input held a NaN or +inf.
+
+    ``reported``/``private``: the metric set's values after its one transfer, where
+    :func:`~nemo_rs_plugin.core.sanitizing.nonfinite_logit_metric` declared the count (the count
+    goes on in the metric every call). No extra sync. Returns whether it warned.
+    """
+    global _warned_nonfinite_logits
+    count = reported.get(NONFINITE_LOGIT_ROWS, private.get(f"_{NONFINITE_LOGIT_ROWS}", 0.0))
+    if count > 0 and not _warned_nonfinite_logits:
+        _warned_nonfinite_logits = True
+        # stacklevel: warn_nonfinite_logits, CorrectedPGLoss.compute, its caller
+        warnings.warn(NONFINITE_LOGITS_MESSAGE, InputWarning, stacklevel=3)
+        return True
+    return False

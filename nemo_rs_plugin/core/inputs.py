@@ -37,6 +37,9 @@ class LossInputs:
     sample_mask: torch.Tensor
     rewards: Optional[torch.Tensor] = None
     curr_unfiltered: Optional[torch.Tensor] = None
+    #: ``[B]``: per sequence, the positions whose logits held a NaN or +inf (the logits input path,
+    #: :mod:`nemo_rs_plugin.parallel.sharded`, counts every position; ``None`` for log-prob input).
+    nonfinite_logit_rows: Optional[torch.Tensor] = None
 
     @classmethod
     def from_nemo_rl(
@@ -100,7 +103,7 @@ class LossInputs:
 
         Raises:
             ValueError: no part, or an optional field (``prev``, ``reference``, ``rewards``,
-                ``curr_unfiltered``) present in some parts only.
+                ``curr_unfiltered``, ``nonfinite_logit_rows``) present in some parts only.
         """
         if not parts:
             raise ValueError("LossInputs.stack_rows: no part to stack")
@@ -129,6 +132,7 @@ class LossInputs:
             sample_mask=required("sample_mask", per_token=False),
             rewards=rows("rewards", False),
             curr_unfiltered=rows("curr_unfiltered", True),
+            nonfinite_logit_rows=rows("nonfinite_logit_rows", False),
         )
 
     def compute_dtype(self) -> torch.dtype:
@@ -166,6 +170,7 @@ class LossInputs:
             sample_mask=_cast(self.sample_mask, dtype),
             rewards=self.rewards,
             curr_unfiltered=_cast(self.curr_unfiltered, dtype),
+            nonfinite_logit_rows=_cast(self.nonfinite_logit_rows, dtype),
         )
 
     def validate(self) -> None:

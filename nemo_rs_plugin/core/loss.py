@@ -30,14 +30,19 @@ from nemo_rs_plugin.core.correction import PolicyLogProbs, compute_correction
 from nemo_rs_plugin.core.correction.filters import sequence_counts
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
 from nemo_rs_plugin.core.health import RejectionMonitor
-from nemo_rs_plugin.core.input_checks import count_global_counts, count_positive_logprobs, judge_inputs
+from nemo_rs_plugin.core.input_checks import (
+    count_global_counts,
+    count_positive_logprobs,
+    judge_inputs,
+    warn_nonfinite_logits,
+)
 from nemo_rs_plugin.core.inputs import LossInputs, global_counts
 from nemo_rs_plugin.core.metric_catalog import metric_specs
 from nemo_rs_plugin.core.metrics import MetricSet, batched_evaluation
 from nemo_rs_plugin.core.microbatch import MicrobatchTotals, missing_totals
 from nemo_rs_plugin.core.objective import Objective
 from nemo_rs_plugin.core.parity_metrics import record_nemo_rl_metrics
-from nemo_rs_plugin.core.sanitizing import nonfinite_metrics, sanitize_inputs
+from nemo_rs_plugin.core.sanitizing import nonfinite_logit_metric, nonfinite_metrics, sanitize_inputs
 
 #: The warning of a section that asks :class:`CorrectedPGLoss` itself to record (it never does).
 RECORDS_NOTHING = (
@@ -196,6 +201,7 @@ class CorrectedPGLoss:
         loss, metrics = core(self, x, global_valid_seqs, global_valid_toks, groups, batched, host_reads, microbatch)
         reported = metrics.finalize(groups)  # the one host transfer
         judge_inputs(metrics.private)  # raises on a bad count or token mask, warns on positive log-probs
+        warn_nonfinite_logits(reported, metrics.private)
         if self.rejection_monitor is not None:
             counts = sequence_counts(metrics.private)  # None where no filter ran
             if counts is not None:
@@ -226,6 +232,7 @@ class CorrectedPGLoss:
         clean = sanitize_inputs(x, cfg.force_on_policy_ratio, self.kl_coef != 0, batched, host_reads)
         masks = clean.masks
         nonfinite_metrics(metrics, masks, clean.nonfinite, clean.input_names)
+        nonfinite_logit_metric(metrics, x.nonfinite_logit_rows, self.metric_specs)
         clean.nonfinite = None  # counted: the [B, T] masks need not live on (the CPU form reduced them)
         # ---- input checks: counted here, judged on the host after the one transfer (compute) ----
         count_global_counts(metrics, counts, masks)

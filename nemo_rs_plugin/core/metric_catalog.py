@@ -23,7 +23,15 @@ from nemo_rs_plugin.core.metrics import Normalization, Reduction
 #: A reduction, or ``derived``: computed on the host from the reduced values.
 Reduced = Union[Reduction, Literal["derived"]]
 
-__all__ = ["METRIC_CATALOG", "WEIGHT_TAIL", "MetricEntry", "MetricSpec", "catalog_entry", "metric_specs"]
+__all__ = [
+    "METRIC_CATALOG",
+    "NONFINITE_LOGIT_ROWS",
+    "WEIGHT_TAIL",
+    "MetricEntry",
+    "MetricSpec",
+    "catalog_entry",
+    "metric_specs",
+]
 
 #: ``is_level``: the IS level's unit (``tokens``, summed over ranks, per token; ``sequences``,
 #: replicated, per sequence). ``loss``: the loss's (``tokens`` with ``token_level_loss``, else
@@ -37,6 +45,9 @@ FILTER = "<filter>"  # a filter's label in a pattern
 #: does not: NeMo-RL sums it too). ``C = 2``, the same number as the usual TIS cap
 #: (``presets.TIS_CAP``) but not tied to it: a metric's threshold does not follow a preset.
 WEIGHT_TAIL = 2.0
+
+#: The logits input path's count of positions with a NaN or +inf logit (summed over CP ranks).
+NONFINITE_LOGIT_ROWS = "nonfinite_logit_rows_count"
 
 
 class MetricSpec(NamedTuple):
@@ -115,6 +126,13 @@ METRIC_CATALOG: tuple[MetricEntry, ...] = (
     MetricEntry("nonfinite_log_ratio_count", "valid tokens whose `prev - gen` was NaN or infinite", "none"),
     MetricEntry("nonfinite_reference_logprobs_count", _NONFINITE, "none"),
     MetricEntry("nonfinite_advantages_count", _NONFINITE, "none"),
+    MetricEntry(
+        NONFINITE_LOGIT_ROWS,
+        "positions whose logits held a NaN or +inf, any position (prompt, masked, last) "
+        "([below](#non-finite-inputs)); `sharded_logits_input` only",
+        "none",
+        emitted=lambda cfg: cfg.sharded_logits_input,
+    ),
     # ---- rejection sampling, per filter (in the filters' order) and all together
     MetricEntry(
         f"rs/{FILTER}/seq_rejected_frac",

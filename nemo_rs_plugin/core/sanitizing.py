@@ -12,15 +12,23 @@ declares the counts of the tokens left out. See: docs/guide.md#non-finite-inputs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Union
+from typing import Mapping, NamedTuple, Optional, Union
 
 import torch
 
 from nemo_rs_plugin.core.inputs import LossInputs
 from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, sanitize
+from nemo_rs_plugin.core.metric_catalog import NONFINITE_LOGIT_ROWS
 from nemo_rs_plugin.core.metrics import MetricSet
 
-__all__ = ["KLInputs", "NonFinite", "SanitizedInputs", "nonfinite_metrics", "sanitize_inputs"]
+__all__ = [
+    "KLInputs",
+    "NonFinite",
+    "SanitizedInputs",
+    "nonfinite_logit_metric",
+    "nonfinite_metrics",
+    "sanitize_inputs",
+]
 
 #: Where each checked input is not finite: ``None`` (all finite), a ``[K, B, T]`` 0/1 tensor (the
 #: batched form) or a list of ``K`` ``[B, T]`` ones (the CPU form).
@@ -221,3 +229,19 @@ def nonfinite_metrics(metrics: MetricSet, masks: TokenMasks, nonfinite: NonFinit
         metrics.add_masked_totals(names, nonfinite, masks.valid_bin, "none", "sum")
     if "reference" not in inputs:
         metrics.add_zero(_NONFINITE_COUNTS["reference"], "none")
+
+
+def nonfinite_logit_metric(metrics: MetricSet, rows: Optional[torch.Tensor], catalog: Mapping[str, object]) -> None:
+    """Declare the positions whose logits held a NaN or +inf (``rows``: ``[B]`` per-sequence counts, or ``None``).
+
+    Only the logits input path counts them (``LossInputs.nonfinite_logit_rows``); summed over the
+    ranks that split a sequence. Returned as :data:`~nemo_rs_plugin.core.metric_catalog.NONFINITE_LOGIT_ROWS`
+    where the configuration says ``sharded_logits_input`` (the catalog has it), else kept as an
+    internal value: :func:`~nemo_rs_plugin.core.input_checks.warn_nonfinite_logits` reads it either way.
+    """
+    public = NONFINITE_LOGIT_ROWS in catalog
+    if rows is None:
+        if public:  # log-probs given to a configuration that says logits: nothing to count
+            metrics.add_zero(NONFINITE_LOGIT_ROWS, "none")
+        return
+    metrics.add_total(NONFINITE_LOGIT_ROWS if public else f"_{NONFINITE_LOGIT_ROWS}", rows.sum(), "none", "sum")

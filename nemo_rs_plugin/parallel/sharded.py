@@ -33,12 +33,17 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from nemo_rs_plugin.core.distributed import SequenceGroups, all_reduce_sum_with_grad, group_is_active
+from nemo_rs_plugin.core.distributed import (
+    SequenceGroups,
+    agree_before_collectives,
+    all_reduce_sum_with_grad,
+    group_is_active,
+)
 from nemo_rs_plugin.core.inputs import LossInputs
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
 from nemo_rs_plugin.core.microbatch import MicrobatchTotals
 from nemo_rs_plugin.parallel.layout import cp_shard, shift_left
-from nemo_rs_plugin.parallel.vocab_parallel import target_logprobs
+from nemo_rs_plugin.parallel.vocab_parallel import chunk_size_problem, target_logprobs_and_nonfinite_rows
 
 __all__ = ["sharded_loss", "sharded_loss_inputs", "sharded_loss_of_inputs"]
 
@@ -84,25 +89,35 @@ def sharded_loss_inputs(
     Position ``t`` of every returned tensor holds the prediction of token ``t + 1`` of the
     full sequence (data shifted left *before* sharding); the last position of each sequence
     has ``token_mask = 0``.
+
+    Before the first collective (the vocabulary all-gather over ``tp_group``) the ranks of
+    ``tp_group`` and ``cp_group`` agree that each holds well-formed inputs of the same shapes
+    (:func:`~nemo_rs_plugin.core.distributed.agree_before_collectives`): a problem one rank sees
+    makes every rank raise the same ``ValueError`` instead of leaving its peers waiting.
     """
-    if "curr_logprobs_unfiltered" in data:
-        raise ValueError(
-            "curr_logprobs_unfiltered: training-time top-k/top-p filtering is not supported with "
-            "sharded_logits_input; disable the filtering or the sharded input"
-        )
     cp, cp_rank = _size_rank(cp_group)
-    if pad_to_shard:
-        data = _pad_sequences(data, logits.shape[1] * cp)
-    input_ids = data["input_ids"]
-    B, S = input_ids.shape
-    targets = shift_left(input_ids)
+    try:  # every problem this rank can see alone, before the first collective (the TP all-gather)
+        _check_local_inputs(logits, data, cp, chunk_size)
+        if pad_to_shard:
+            data = _pad_sequences(data, logits.shape[1] * cp)
+        B, S = data["input_ids"].shape
+        _check_layout(logits, B, S, cp)
+        problem = None
+    except (ValueError, KeyError, TypeError) as exc:
+        problem = exc
+    agree_before_collectives(
+        problem,
+        _call_shapes(logits, data),
+        (("tensor-parallel", tp_group), ("context-parallel", cp_group)),
+        logits.device,
+    )
+    targets = shift_left(data["input_ids"])
     aligned = {name: shift_left(data[key]) for name, key in _ALIGNED_KEYS.items() if key in data}
-    _check_layout(logits, B, S, cp)
 
     def shard(x: torch.Tensor) -> torch.Tensor:
         return cp_shard(x, cp, cp_rank)
 
-    curr = target_logprobs(logits, shard(targets), tp_group, chunk_size)
+    curr, nonfinite_rows = target_logprobs_and_nonfinite_rows(logits, shard(targets), tp_group, chunk_size)
     parts = {name: shard(t) for name, t in aligned.items()}
     return LossInputs(
         curr=curr,
@@ -113,7 +128,53 @@ def sharded_loss_inputs(
         token_mask=parts["token_mask"],
         sample_mask=data["sample_mask"],
         rewards=data.get("rewards"),
+        nonfinite_logit_rows=nonfinite_rows.sum(-1, dtype=torch.float32),
     )
+
+
+#: The data dict's tensors every rank of a TP or CP group holds alike (the whole microbatch).
+_SHARED_KEYS = ("input_ids", *_ALIGNED_KEYS.values(), "sample_mask")
+
+
+def _call_shapes(logits: Any, data: Mapping[str, Any]) -> list[tuple[str, Optional[tuple[int, ...]]]]:
+    """The shapes the ranks of a TP or CP group must agree on: the logits shard's and the data's."""
+
+    def shape(value: Any) -> Optional[tuple[int, ...]]:
+        return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+    return [("logits", shape(logits))] + [(f"data[{key!r}]", shape(data.get(key))) for key in _SHARED_KEYS]
+
+
+def _check_local_inputs(logits: Any, data: Mapping[str, Any], cp: int, chunk_size: Optional[int]) -> None:
+    """Raise on what this rank can judge alone: settings, the logits' rank, the data's shapes."""
+    if "curr_logprobs_unfiltered" in data:
+        raise ValueError(
+            "curr_logprobs_unfiltered: training-time top-k/top-p filtering is not supported with "
+            "sharded_logits_input; disable the filtering or the sharded input"
+        )
+    problem = chunk_size_problem(chunk_size, field="chunk_size")
+    if problem is not None:
+        raise ValueError(problem)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        raise ValueError(f"logits: got shape {tuple(getattr(logits, 'shape', ()))}; expected [B, S/cp, V/tp]")
+    required = ("input_ids", "sample_mask", "generation_logprobs", "advantages", "token_mask")
+    for key in (*required, *(k for k in _ALIGNED_KEYS.values() if k in data)):
+        if key not in data or not isinstance(data[key], torch.Tensor):
+            raise KeyError(f"data[{key!r}] is missing or not a tensor; the sharded loss path needs it")
+    input_ids = data["input_ids"]
+    if input_ids.dim() != 2:
+        raise ValueError(f"data['input_ids']: got shape {tuple(input_ids.shape)}; expected [B, S]")
+    for key in _ALIGNED_KEYS.values():
+        if key in data and tuple(data[key].shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"data[{key!r}]: shape {tuple(data[key].shape)} does not match input_ids "
+                f"{tuple(input_ids.shape)}; every per-token field of the data dict is [B, S]"
+            )
+    if tuple(data["sample_mask"].shape) != tuple(input_ids.shape[:1]):
+        raise ValueError(
+            f"data['sample_mask']: shape {tuple(data['sample_mask'].shape)} does not match batch size "
+            f"{input_ids.shape[0]}"
+        )
 
 
 def _check_layout(logits: torch.Tensor, B: int, S: int, cp: int) -> None:

@@ -31,7 +31,12 @@ import torch.distributed as dist
 
 from nemo_rs_plugin.core.distributed import group_is_active
 
-__all__ = ["DEFAULT_LOGPROB_CHUNK_SIZE", "chunk_size_problem", "target_logprobs"]
+__all__ = [
+    "DEFAULT_LOGPROB_CHUNK_SIZE",
+    "chunk_size_problem",
+    "target_logprobs",
+    "target_logprobs_and_nonfinite_rows",
+]
 
 #: Positions per chunk when NeMo-RL's ``policy.logprob_chunk_size`` is unset: the smallest value
 #: NeMo-RL's own recipes set. The float32 chunk of Qwen3's vocabulary over TP 4 (V_local 37,984)
@@ -67,7 +72,7 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
     @staticmethod
     def forward(  # noqa: D102
         ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any, chunk_size: int
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, v_local = logits.shape
         tp = dist.get_world_size(group) if group is not None else 1
         start = dist.get_rank(group) * v_local if tp > 1 else 0
@@ -82,10 +87,13 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         shift = torch.empty(B, T, dtype=torch.float32, device=logits.device)
         lse_rel = torch.empty_like(shift)
         target_rel = torch.empty_like(shift)
+        # A row holding a NaN or +inf logit has a NaN or +inf maximum (amax propagates NaN).
+        local_bad = torch.empty(B, T, dtype=torch.bool, device=logits.device)
         for s in range(0, T, chunk_size):
             e = s + chunk_size
             chunk = logits[:, s:e]
             m = chunk.amax(-1, keepdim=True).to(torch.float32)
+            local_bad[:, s:e] = ~(m < float("inf")).squeeze(-1)
             m.masked_fill_(m == float("-inf"), 0.0)
             shift[:, s:e] = m.squeeze(-1)
             target_rel[:, s:e] = chunk.gather(-1, local_idx[:, s:e]).squeeze(-1).to(torch.float32) - shift[:, s:e]
@@ -94,14 +102,17 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
             del z
         if tp == 1:
             logprobs, lse_minus_shift = target_rel - lse_rel, lse_rel
+            bad = local_bad
         else:
-            # The call's one collective: every rank's rows [true maximum, lse_rel, z_y - m].
-            true_max = shift.masked_fill(lse_rel == float("-inf"), float("-inf"))
+            # The call's one collective: every rank's rows [true maximum, lse_rel, z_y - m]; a
+            # row with a non-finite logit on any rank sends NaN as its maximum.
+            true_max = shift.masked_fill(lse_rel == float("-inf"), float("-inf")).masked_fill_(local_bad, float("nan"))
             local = torch.stack([true_max, lse_rel, target_rel.masked_fill(~held, 0.0)])
             parts = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(parts, local, group=group)
             ranks = torch.stack(parts)  # [tp, 3, B, T]
             maxima = ranks[:, 0]
+            bad = ~(maxima < float("inf")).all(0)  # a NaN or +inf logit on some rank: the same rows on every rank
             top = maxima.amax(0)  # M, the maximum over the whole vocabulary
             top = top.masked_fill(top == float("-inf"), 0.0)
             # A shard of -inf adds exp(-inf) = 0, whatever the others' scale.
@@ -110,14 +121,18 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
             holder = (target // v_local).clamp(0, tp - 1).unsqueeze(0)  # the rank holding y
             logprobs = ranks[:, 2].sum(0) + (shifts.gather(0, holder).squeeze(0) - top) - lse_minus_top
             lse_minus_shift = lse_minus_top + (top - shift)  # LSE - m, for this shard's softmax
+        # A row with a NaN or +inf logit (on any rank) has a NaN maximum or log-sum-exp, so its
+        # log-prob is NaN already: the loss counts and masks it as any non-finite input, and the
+        # backward gives it no gradient. A target outside the vocabulary: 0.
         logprobs = logprobs.masked_fill(~valid, 0.0)
-        ctx.save_for_backward(logits, shift, lse_minus_shift, local_idx, valid, held)
+        ctx.save_for_backward(logits, shift, lse_minus_shift, local_idx, valid, held, bad)
+        ctx.mark_non_differentiable(bad)
         ctx.chunk_size = chunk_size
-        return logprobs
+        return logprobs, bad
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):  # noqa: D102
-        logits, shift, lse_minus_shift, local_idx, valid, held = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor, _bad_grad: Any):  # noqa: D102
+        logits, shift, lse_minus_shift, local_idx, valid, held, bad = ctx.saved_tensors
         chunk_size = ctx.chunk_size
         grad = grad.to(torch.float32) * valid  # no gradient where the target is outside the vocabulary
         target_grad = grad * held
@@ -134,6 +149,9 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
             # softmax = exp((z - m) - (LSE - m)); the gradient is -softmax * g, plus g at the target
             p.sub_(lse_minus_shift[:, s:e].unsqueeze(-1)).exp_().mul_(grad[:, s:e].neg().unsqueeze(-1))
             p.scatter_add_(-1, local_idx[:, s:e], target_grad[:, s:e].unsqueeze(-1))
+            # A row with a NaN or +inf logit: its softmax is NaN whatever its incoming gradient
+            # (0 * NaN); its logits get no gradient, wherever the row is (prompt, masked, last).
+            p.masked_fill_(bad[:, s:e].unsqueeze(-1), 0.0)
             if not in_place:
                 out.copy_(p)
                 del p
@@ -156,10 +174,27 @@ def target_logprobs(
             takes :data:`DEFAULT_LOGPROB_CHUNK_SIZE`. It bounds the float32 memory, not the result.
 
     A target id outside the vocabulary (``< 0`` or ``>= V_local * tp``, padding) gets log-prob 0
-    and no gradient, as NeMo-RL's vocab-range mask gives it.
+    and no gradient, as NeMo-RL's vocab-range mask gives it. A position whose logits hold a NaN
+    or ``+inf`` on any rank of ``tp_group`` gets log-prob NaN and no gradient (its logits'
+    gradient is 0, finite): :func:`target_logprobs_and_nonfinite_rows` also says where.
 
     Raises:
         ValueError: shapes that disagree, or a chunk size that is not a positive integer.
+    """
+    return target_logprobs_and_nonfinite_rows(logits, target, tp_group, chunk_size)[0]
+
+
+def target_logprobs_and_nonfinite_rows(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    tp_group: Optional[Any] = None,
+    chunk_size: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`target_logprobs` and the ``[B, T]`` bool mask of the positions whose logits hold a NaN or ``+inf``.
+
+    The mask is the same on every rank of ``tp_group`` (it rides on the forward's one all-gather);
+    every such position is in it, prompt, masked and last positions included. ``-inf`` logits are
+    not in it: they are masked vocabulary entries, probability 0.
     """
     if logits.dim() != 3 or logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target ids {tuple(target.shape)} disagree on [B, T]")
@@ -167,4 +202,7 @@ def target_logprobs(
     if problem is not None:
         raise ValueError(problem)
     group = tp_group if group_is_active(tp_group) and dist.get_world_size(tp_group) > 1 else None
-    return _ChunkedTargetLogprob.apply(logits, target, group, chunk_size or DEFAULT_LOGPROB_CHUNK_SIZE)
+    logprobs, nonfinite_rows = _ChunkedTargetLogprob.apply(
+        logits, target, group, chunk_size or DEFAULT_LOGPROB_CHUNK_SIZE
+    )
+    return logprobs, nonfinite_rows

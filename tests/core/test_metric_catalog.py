@@ -59,6 +59,7 @@ def _grid():
         }
     yield {}  # NeMo-RL's defaults
     yield {"sequence_level_importance_ratios": True, "token_level_loss": False}  # GSPO
+    yield {"sharded_logits_input": True}  # the logits input path's count (0 here: log-probs given)
 
 
 def _data():

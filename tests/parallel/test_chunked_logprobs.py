@@ -220,3 +220,63 @@ def test_the_default_chunk_size_is_what_a_long_shard_is_cut_by(monkeypatch):
     target_logprobs(z, torch.zeros(1, T, dtype=torch.long)).sum().backward()
     # forward then backward (bf16 would be the same; float32's backward works in place)
     assert chunks == [DEFAULT_LOGPROB_CHUNK_SIZE, DEFAULT_LOGPROB_CHUNK_SIZE, 5], chunks
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nonfinite_logit_gives_a_nan_logprob_a_zero_gradient_row_and_is_flagged(value, dtype):
+    """A NaN/+inf logit: that position's log-prob is NaN (the loss counts and masks it) and its
+    logits get gradient 0, the other positions exactly what finite logits give; -inf is a masked
+    vocabulary entry, not a fault."""
+    from nemo_rs_plugin.parallel.vocab_parallel import target_logprobs_and_nonfinite_rows
+
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(2, 7, 9, generator=g).to(dtype)
+    target = torch.randint(0, 9, (2, 7), generator=g)
+    bad = z.clone()
+    bad[1, 3, 4] = value
+    bad[0, 2, 5] = float("-inf")
+    bad.requires_grad_(True)
+    lp, rows = target_logprobs_and_nonfinite_rows(bad, target, None, 3)
+    weights = torch.randn(2, 7, generator=g)
+    (torch.nan_to_num(lp, nan=0.0) * weights).sum().backward()
+    expected_rows = torch.zeros(2, 7, dtype=torch.bool)
+    expected_rows[1, 3] = True
+    assert torch.equal(rows, expected_rows)
+    assert torch.isnan(lp[1, 3]) and torch.isfinite(lp[~expected_rows]).all()
+    assert torch.isfinite(bad.grad).all() and not bad.grad[1, 3].any()
+    ref = z.clone()
+    ref[0, 2, 5] = float("-inf")
+    ref.requires_grad_(True)
+    ref_lp = target_logprobs(ref, target, None, 3)
+    (ref_lp * weights * ~expected_rows).sum().backward()
+    torch.testing.assert_close(lp[~expected_rows], ref_lp[~expected_rows])
+    torch.testing.assert_close(bad.grad, ref.grad * ~expected_rows.unsqueeze(-1))
+
+
+def test_nonfinite_logits_are_counted_at_every_position_and_warned_of_once(monkeypatch):
+    """The sharded path's metric counts every position with a NaN/+inf logit (prompt, masked row,
+    last position, valid token), and the InputWarning fires once per process."""
+    import warnings
+
+    from nemo_rs_plugin.core import input_checks
+    from nemo_rs_plugin.core.input_checks import InputWarning
+
+    monkeypatch.setattr(input_checks, "_warned_nonfinite_logits", False)
+    logits, data, gvs, gvt = make_data(3, 8, 6)
+    data["sample_mask"][2] = 0
+    bad = logits.clone()
+    for row, position in ((0, 0), (2, 4), (1, 7), (0, 5)):  # prompt, masked row, last, valid token
+        bad[row, position, 1] = float("nan")
+    loss_fn = CorrectedPGLoss({"sharded_logits_input": True})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            z = bad.clone().requires_grad_(True)
+            loss, metrics = sharded_loss(loss_fn, z, data, gvs, gvt)
+            loss.backward()
+            assert torch.isfinite(loss) and torch.isfinite(z.grad).all()
+            assert metrics["nonfinite_logit_rows_count"] == 4
+    assert [w.category for w in seen].count(InputWarning) == 1, [str(w.message) for w in seen]
+    _, clean = sharded_loss(loss_fn, logits, data, gvs, gvt)
+    assert clean["nonfinite_logit_rows_count"] == 0

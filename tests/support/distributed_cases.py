@@ -336,7 +336,12 @@ def check_bad_groups(rank, world_size):
         ),
         "divisibility": (
             lambda: sharded_loss(
-                loss_fn, logits[:, :7], {**data, "input_ids": data["input_ids"][:, :14]}, gvs, gvt, cp_group=group
+                loss_fn,
+                logits[:, :7],
+                {k: v[:, :14] if v.dim() == 2 else v for k, v in data.items()},
+                gvs,
+                gvt,
+                cp_group=group,
             ),
             "not divisible by 2 * cp",
         ),
@@ -353,7 +358,8 @@ def check_bad_groups(rank, world_size):
 
 def check_collective_budget(rank, world_size):
     """One loss call: the mask statistics cost one SUM and one MAX all-reduce of O(batch)
-    bytes, and nothing is all-gathered."""
+    bytes, and the only all-gather is the call header's (fixed size, int64, once per group:
+    ``agree_before_collectives``)."""
     from nemo_rs_plugin.core.correction import statistics as correction_mod
 
     group = dist.new_group(list(range(world_size)))
@@ -364,8 +370,17 @@ def check_collective_budget(rank, world_size):
         calls.append((str(op), tensor.numel()))
         return orig_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
+    orig_all_gather = dist.all_gather
+    header_gathers = []
+
+    def header_gather_only(parts, tensor, group=None, async_op=False):
+        if tensor.dtype != torch.int64 or tensor.dim() != 1:
+            raise AssertionError(f"all_gather of {tensor.dtype} {tuple(tensor.shape)} issued")
+        header_gathers.append(tensor.numel())
+        return orig_all_gather(parts, tensor, group=group, async_op=async_op)
+
     def no_gather(*args, **kwargs):
-        raise AssertionError("all_gather issued")
+        raise AssertionError("all_gather_into_tensor issued")
 
     stat_calls, total_calls = [], []
     orig_reduce = correction_mod.reduce_sequence_statistics
@@ -384,7 +399,7 @@ def check_collective_budget(rank, world_size):
         return out
 
     saved = (dist.all_reduce, dist.all_gather, dist.all_gather_into_tensor)
-    dist.all_reduce, dist.all_gather, dist.all_gather_into_tensor = counting_all_reduce, no_gather, no_gather
+    dist.all_reduce, dist.all_gather, dist.all_gather_into_tensor = counting_all_reduce, header_gather_only, no_gather
     correction_mod.reduce_sequence_statistics = spy
     correction_mod.reduce_batch_totals = spy_totals
     failures = []
@@ -399,6 +414,7 @@ def check_collective_budget(rank, world_size):
         ):
             stat_calls.clear()
             total_calls.clear()
+            header_gathers.clear()
             loss, _ = sharded_loss(
                 CorrectedPGLoss(CONFIGS[name]),
                 cp_shard(logits, world_size, rank).requires_grad_(True),
@@ -408,6 +424,8 @@ def check_collective_budget(rank, world_size):
                 cp_group=group,
             )
             loss.backward()
+            if len(header_gathers) != 1 or header_gathers[0] > 256:
+                failures.append(f"{name}: call headers gathered {header_gathers}, expected one of at most 256 numbers")
             if len(stat_calls) != 1:
                 failures.append(f"{name}: statistics reduced {len(stat_calls)} times, expected once")
             elif len(stat_calls[0]) > 2 or any(n > 64 * B for _, n in stat_calls[0]):

@@ -253,17 +253,17 @@ def check_sharded_equals_gathered(rank, world_size, host):
     from nemo_rs_plugin.parallel import sharded
 
     chunk_sizes_used = []
-    real_target_logprobs = sharded.target_logprobs
+    real_target_logprobs = sharded.target_logprobs_and_nonfinite_rows
 
     def recording(logits, target, tp_group, chunk_size):
         chunk_sizes_used.append(chunk_size)
         return real_target_logprobs(logits, target, tp_group, chunk_size)
 
-    sharded.target_logprobs = recording
+    sharded.target_logprobs_and_nonfinite_rows = recording
     try:
         return _sharded_equals_gathered(rank, m, RSClippedPGLossFn, chunk_sizes_used)
     finally:
-        sharded.target_logprobs = real_target_logprobs
+        sharded.target_logprobs_and_nonfinite_rows = real_target_logprobs
 
 
 def _sharded_equals_gathered(rank, m, RSClippedPGLossFn, chunk_sizes_used):
