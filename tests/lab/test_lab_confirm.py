@@ -153,8 +153,25 @@ def test_a_protocol_refuses_a_comparison_without_seeds():
         exploration_seeds=(1,),
         confirmation_seeds=(2,),
     )
-    with pytest.raises(ValueError, match="fewer than 2 paired seeds"):
+    with pytest.raises(ValueError, match="no paired seeds"):
         confirm(_outcomes({}), p)
+
+
+def test_a_one_seed_confirmation_reports_its_differences_and_says_why_no_verdict(tmp_path):
+    """One paired seed: the differences and counts, and for each interval, test and verdict the reason (issue 49)."""
+    c0 = PROTOCOL.primary[0]
+    path = tmp_path / "lab_confirm_seeds.csv"
+    write_seed_csv(_outcomes({(c0.a, c0.b, c0.lag): 0.15}, seeds=[5000]), path)
+    rows = confirm(read_seed_csv(path))
+    assert rows[0]["diff"] == pytest.approx(0.15) and rows[0]["better_seeds"] == 1
+    for r in rows:
+        assert all(math.isnan(r[k]) for k in ("low", "high", "low90", "high90", "p", "p_holm", "p_sign_flip"))
+        assert r["verdict"] == "no verdict: it needs 2 or more paired seeds" and r["collapsed_p"] == 1.0
+    text = format_confirmation(read_seed_csv(path))
+    assert text.startswith("1 paired seed (5000), not in the exploration (100-115).")
+    assert "With 1 seed there is no interval, t-test, sign-flip test or verdict" in text
+    assert "+0.150 [no interval: it needs 2 or more paired seeds]" in text
+    assert "| no sign-flip test: it needs 2 or more paired seeds |" in text and "nan" not in text.lower()
 
 
 # ---------------------------------------------------------------------------- the length study
@@ -183,6 +200,20 @@ def test_the_length_study_compares_each_arm_with_none_at_each_length(tmp_path):
     text = format_length_study(back)
     assert "| arm | 16 tokens | 256 tokens |" in text and "over the study's 4 comparisons" in text
     assert "ESS 0.50" in text
+
+
+def test_a_one_seed_length_study_says_why_no_interval():
+    outcomes = []
+    for config, auc in (("none", 0.3), ("sequence_mean", 0.32), ("sequence", 0.1)):
+        o = _o(config, 2, 6000, auc)
+        o.update(length=64, is_ess_mean=1.0)
+        outcomes.append(o)
+    rows = {r["config"]: r for r in length_comparisons(outcomes)}
+    assert rows["sequence"]["diff"] == pytest.approx(-0.2) and math.isnan(rows["sequence"]["p_holm"])
+    text = format_length_study(outcomes)
+    assert text.startswith("1 paired seed (6000), lag 2") and "With 1 seed there is no t interval or t-test" in text
+    assert "0.100 (-0.200 [no interval: it needs 2 or more paired seeds]); ESS 1.00" in text
+    assert "| `sequence` | no t-test: it needs 2 or more paired seeds |" in text and "nan" not in text.lower()
 
 
 # ---------------------------------------------------------------------------- command line
