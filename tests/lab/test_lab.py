@@ -9,6 +9,7 @@ reports, it is not tuned.
 
 import csv
 import math
+import sys
 
 import pytest
 
@@ -226,3 +227,15 @@ def test_a_one_seed_run_keeps_its_csvs_and_succeeds(kind, argv, csvs, said, tmp_
         assert {r["seed"] for r in rows if "seed" in r} <= {"11", "5000"}, name
     printed = capsys.readouterr().out
     assert said in printed and "nan" not in printed.lower()
+
+
+def test_lab_without_transformers_names_the_lab_extra(monkeypatch, capsys, tmp_path):
+    """The install line names the ``[lab]`` extra, which brings transformers with the figures and statistics."""
+    from nemo_rs_plugin.lab import cli as lab
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    assert lab.main(["--quick", "--out", str(tmp_path / "o")]) == lab.EXIT_INVALID
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nemo-rs lab needs transformers" in err
+    assert "pip install 'nemo-rs-plugin[lab]'" in err and 'pip install -e ".[lab]"' in err
+    assert not (tmp_path / "o").exists()  # refused before anything is created
