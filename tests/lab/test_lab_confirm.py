@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import yaml
 
@@ -38,6 +39,7 @@ from nemo_rs_plugin.lab.length import (  # noqa: E402
     read_length_csv,
     write_length_csv,
 )
+from nemo_rs_plugin.lab.stats import SIGNIFICANCE, t_interval  # noqa: E402
 from nemo_rs_plugin.tools.recipes import recipe_dir  # noqa: E402
 from tests.lab.outcomes import seed_outcome  # noqa: E402
 
@@ -155,6 +157,50 @@ def test_a_protocol_refuses_a_comparison_without_seeds():
     )
     with pytest.raises(ValueError, match="no paired seeds"):
         confirm(_outcomes({}), p)
+
+
+def _tost_boundary_diffs(mean=0.02, seeds=12):
+    """Paired differences whose 90% t interval ends just inside +0.1 and whose 95% one ends outside it."""
+    from scipy import stats
+
+    z = np.array([(5 * i) % 7 - 3.0 for i in range(seeds)])
+    z = (z - z.mean()) / z.std(ddof=1)
+    t90, t95 = stats.t.ppf(0.95, seeds - 1), stats.t.ppf(0.975, seeds - 1)
+    # the standard error that puts the 90% interval's upper end halfway between +0.1 and where the 95% one crosses it
+    se = ((0.1 - mean) / t90 + (0.1 - mean) / t95) / 2
+    return (mean + z * se * math.sqrt(seeds)).tolist()
+
+
+def test_equivalence_is_judged_on_the_90_percent_interval():
+    """TOST at 5%: "equivalent within ±0.1" when the 90% interval lies inside, even where the 95% one does not.
+
+    The case sits at the boundary where the two intervals disagree (the reverse cannot happen:
+    the 95% interval holds the 90% one). Judged on the 95% interval, its verdict would be "not shown".
+    """
+    c0 = PROTOCOL.primary[0]
+    diffs = _tost_boundary_diffs()
+    low90, high90 = t_interval(diffs, level=0.90)
+    low95, high95 = t_interval(diffs)
+    assert -0.1 < low90 and high90 < 0.1  # inside at 90%
+    assert high95 > 0.1 and low95 < 0 < high95  # not inside at 95%; and no detectable difference
+    assert high95 - 0.1 > 0.005 and 0.1 - high90 > 0.005  # not a rounding question either way
+
+    runs = {}  # (arm, lag, seed) -> eval_auc: every other comparison without a difference
+    for i, d in enumerate(diffs):
+        base = 0.4 + 0.05 * ((3 * i) % 5)
+        for c in PROTOCOL.primary:
+            runs[(c.a, c.lag, 5000 + i)] = runs[(c.b, c.lag, 5000 + i)] = base
+        runs[(c0.a, c0.lag, 5000 + i)] = base + d
+    outcomes = [_o(arm, lag, seed, auc) for (arm, lag, seed), auc in runs.items()]
+    first = confirm(outcomes)[0]
+    assert (first["a"], first["b"], first["lag"]) == (c0.a, c0.b, c0.lag)
+    assert first["p_holm"] >= SIGNIFICANCE
+    assert first["verdict"] == "no detectable difference; equivalent within ±0.1"
+    assert (first["low90"], first["high90"]) == pytest.approx((low90, high90))
+    assert (first["low"], first["high"]) == pytest.approx((low95, high95))
+    # the verdict's own rule, given both intervals: the 90% one decides
+    assert verdict(first["diff"], low95, high95, first["p_holm"], 0.1, low90, high90).endswith("within ±0.1")
+    assert "not shown" in verdict(first["diff"], low95, high95, first["p_holm"], 0.1, low95, high95)
 
 
 def test_a_one_seed_confirmation_reports_its_differences_and_says_why_no_verdict(tmp_path):
