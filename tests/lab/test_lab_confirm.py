@@ -329,6 +329,7 @@ def test_plan_and_report_read_saved_runs(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == expected
 
 
+@pytest.mark.slow  # 15-40 s on 2 cores: 6 arm-lag runs x 2 seeds, then 2 lengths x 2 arms x 2 seeds
 def test_quick_confirmation_and_length_runs(tmp_path):
     """``--quick --confirm`` and ``--quick --lengths``: the whole machinery, in seconds."""
     pytest.importorskip("transformers")

@@ -420,6 +420,7 @@ def test_report_rerenders_a_saved_csv(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------- the quick run (CI)
+@pytest.mark.slow  # 15-40 s on 2 cores: 5 arm-lag runs x 2 seeds x 6 steps, then one run again
 def test_quick_dose_response_run(tmp_path):
     """``nemo-rs lab --quick --lags 0 2``: the whole machinery, in seconds."""
     pytest.importorskip("transformers")
