@@ -333,7 +333,12 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print("error: nemo-rs lab needs transformers: pip install 'transformers>=5.5,<5.9'", file=sys.stderr)
+        print(
+            "error: nemo-rs lab needs transformers: install the [lab] extra, pip install 'nemo-rs-plugin[lab]' "
+            """(from a clone: pip install -e ".[lab]"), which brings it (transformers>=5.5,<5.9) with the """
+            "lab's statistics and figures",
+            file=sys.stderr,
+        )
         return EXIT_INVALID
     try:  # permission bits lie for root (/proc says writable): the creation itself decides
         os.makedirs(args.out, exist_ok=True)

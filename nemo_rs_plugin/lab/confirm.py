@@ -31,12 +31,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from nemo_rs_plugin.lab.dose import OUTCOME_LABELS, by_seed
-from nemo_rs_plugin.lab.dose_report import interval_text, signed
+from nemo_rs_plugin.lab.dose_report import interval_text, p_text, signed, too_few_seeds_sentence
 from nemo_rs_plugin.lab.stats import (
+    MIN_SEEDS,
     SIGNIFICANCE,
     format_p,
     holm,
     mcnemar_exact,
+    needs_seeds,
     power_of,
     seeds_for_power,
     sign_flip_p,
@@ -175,8 +177,10 @@ def power_plan(exploration: list[dict], protocol: Protocol = PROTOCOL) -> list[d
     for c in protocol.primary:
         pa, pb = _paired(exploration, c)
         d = _diffs(pa, pb, protocol.outcome)
-        if len(d) < 2 or any(math.isnan(x) for x in d):
-            raise ValueError(f"{c.label}: the exploration has no paired {protocol.outcome} for it (need 2+ seeds)")
+        if len(d) < MIN_SEEDS or any(math.isnan(x) for x in d):
+            raise ValueError(
+                f"{c.label}: the exploration has no paired {protocol.outcome} for it (need {MIN_SEEDS}+ seeds)"
+            )
         sd = _sd(d)
         rows.append(
             {
@@ -197,8 +201,11 @@ def verdict(
 
     Separated (Holm p < alpha): "a higher" / "a lower". Otherwise "no detectable difference",
     with "within ±delta" when the 90% t interval lies inside ``(-delta, delta)`` (two one-sided
-    tests at 5%: equivalence shown), else "not shown equivalent within ±delta".
+    tests at 5%: equivalence shown), else "not shown equivalent within ±delta". No 90% interval
+    (one paired seed): no verdict, and why.
     """
+    if math.isnan(tost_low) or math.isnan(tost_high):
+        return needs_seeds("verdict")
     if p_holm < SIGNIFICANCE:
         return "a higher" if diff > 0 else "a lower"
     if -delta < tost_low and tost_high < delta:
@@ -207,12 +214,16 @@ def verdict(
 
 
 def confirm(outcomes: list[dict], protocol: Protocol = PROTOCOL) -> list[dict]:
-    """The primary family on ``outcomes``: one row per comparison, Holm over the family only."""
+    """The primary family on ``outcomes``: one row per comparison, Holm over the family only.
+
+    A comparison with one paired seed has its difference and counts but no interval, test or
+    verdict (NaN; the verdict says why); one with none is refused.
+    """
     rows = []
     for c in protocol.primary:
         pa, pb = _paired(outcomes, c)
-        if len(pa) < 2:
-            raise ValueError(f"{c.label}: fewer than 2 paired seeds in the confirmation outcomes")
+        if not pa:
+            raise ValueError(f"{c.label}: no paired seeds in the confirmation outcomes")
         d = _diffs(pa, pb, protocol.outcome)
         low, high = t_interval(d)
         tost_low, tost_high = t_interval(d, level=0.90)
@@ -280,6 +291,8 @@ def format_power_plan(plan: list[dict], protocol: Protocol = PROTOCOL) -> str:
 
 def _span(seeds: tuple[int, ...]) -> str:
     s = sorted(seeds)
+    if len(s) == 1:
+        return str(s[0])
     return f"{s[0]}-{s[-1]}" if s == list(range(s[0], s[-1] + 1)) else ", ".join(map(str, s))
 
 
@@ -288,11 +301,13 @@ def format_confirmation(outcomes: list[dict], protocol: Protocol = PROTOCOL) -> 
     rows = confirm(outcomes, protocol)
     seeds = sorted({o["seed"] for o in outcomes})
     lines = [
-        f"{len(seeds)} paired seeds ({_span(tuple(seeds))}), none of them in the exploration "
+        f"{len(seeds)} paired seed{'s' if len(seeds) != 1 else ''} ({_span(tuple(seeds))}), "
+        f"{'none of them' if len(seeds) != 1 else 'not'} in the exploration "
         f"({_span(protocol.exploration_seeds)}). Primary outcome `{protocol.outcome}` (the mean of every "
         f"evaluation of the run); 95% paired t interval; p: paired t-test, Holm over the "
         f"{len(protocol.primary)} primary comparisons only (sign-flip p beside it needs no normality). "
-        f"Equivalence: the 90% interval inside ±{protocol.delta:g}, the smallest effect the advice acts on.",
+        f"Equivalence: the 90% interval inside ±{protocol.delta:g}, the smallest effect the advice acts on."
+        + too_few_seeds_sentence(len(seeds), "interval, t-test, sign-flip test or verdict"),
         "",
         report.markdown_table(
             [
@@ -311,8 +326,8 @@ def format_confirmation(outcomes: list[dict], protocol: Protocol = PROTOCOL) -> 
                     f"{r['mean_a']:.3f}",
                     f"{r['mean_b']:.3f}",
                     f"{signed(r['diff'])} {interval_text(r['low'], r['high'])}",
-                    f"{format_p(r['p'])} ({format_p(r['p_holm'])})",
-                    format_p(r["p_sign_flip"]),
+                    p_text(r["p"]) if math.isnan(r["p"]) else f"{format_p(r['p'])} ({format_p(r['p_holm'])})",
+                    p_text(r["p_sign_flip"], "sign-flip test"),
                     f"{r['better_seeds']} / {r['worse_seeds']}",
                     r["verdict"],
                 ]

@@ -24,7 +24,8 @@ Comparisons (:func:`dose_comparisons`): every arm against ``none`` at each lag, 
 against the on-policy reference at each lag, on the paired seeds: the sign-flip test and a
 paired t interval and t-test on ``final_eval``, exact McNemar tests on ``collapsed`` and ``at_chance``,
 and Holm's correction over every test of the run; "separated" means a Holm-adjusted
-p < :data:`~nemo_rs_plugin.lab.stats.SIGNIFICANCE`.
+p < :data:`~nemo_rs_plugin.lab.stats.SIGNIFICANCE`. With one paired seed there is no t interval
+or t-test (NaN, left out of Holm's family; the tables say so) and no sd over seeds.
 
 The tables and the figure, rendered from the per-seed outcomes as :func:`write_seed_csv` writes
 them, are in :mod:`~nemo_rs_plugin.lab.dose_report`.
@@ -40,7 +41,7 @@ from typing import Any, Optional, Union
 
 from nemo_rs_plugin.lab.experiment import CONFIGS, LabSettings
 from nemo_rs_plugin.lab.model import chance_reward
-from nemo_rs_plugin.lab.stats import SIGNIFICANCE, holm, mcnemar_exact, t_interval, t_test_p
+from nemo_rs_plugin.lab.stats import MIN_SEEDS, SIGNIFICANCE, holm, mcnemar_exact, t_interval, t_test_p
 from nemo_rs_plugin.tools import report
 
 __all__ = [
@@ -294,9 +295,10 @@ def smallest_p(seeds: int) -> float:
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
+    """The mean and the sample sd (NaN for one value: no spread to estimate)."""
     n = len(values)
     m = sum(values) / n
-    return m, math.sqrt(sum((v - m) ** 2 for v in values) / max(n - 1, 1))
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1)) if n >= MIN_SEEDS else math.nan
 
 
 def dose_table(outcomes: list[dict], comparisons: list[dict]) -> list[dict]:

@@ -11,6 +11,7 @@ comparisons mean: :mod:`~nemo_rs_plugin.lab.dose`.
 from __future__ import annotations
 
 import difflib
+import math
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -31,12 +32,15 @@ from nemo_rs_plugin.lab.dose import (
     reference_of,
     smallest_p,
 )
-from nemo_rs_plugin.lab.stats import SIGNIFICANCE, format_p
+from nemo_rs_plugin.lab.stats import MIN_SEEDS, SIGNIFICANCE, format_p, needs_seeds
 from nemo_rs_plugin.tools import report
 
 __all__ = [
     "BLOCKS",
     "interval_text",
+    "mean_sd_text",
+    "p_text",
+    "too_few_seeds_sentence",
     "signed",
     "doc_block_mismatch",
     "format_dose_comparisons",
@@ -55,8 +59,30 @@ def signed(x: float) -> str:
 
 
 def interval_text(lo: float, hi: float) -> str:
-    """An interval as the tables print it: ``[+0.023, +0.103]``."""
+    """An interval as the tables print it: ``[+0.023, +0.103]``; NaN (one paired seed) says why there is none."""
+    if math.isnan(lo) or math.isnan(hi):
+        return f"[{needs_seeds('interval')}]"
     return f"[{lo:+.3f}, {hi:+.3f}]"
+
+
+def p_text(p: float, what: str = "t-test") -> str:
+    """A p-value as :func:`~nemo_rs_plugin.lab.stats.format_p` prints it; NaN (one paired seed) says why it is none."""
+    return needs_seeds(what) if math.isnan(p) else format_p(p)
+
+
+def mean_sd_text(mean: float, sd: float, seeds: int) -> str:
+    """``0.412 ± 0.087``; with one seed, that it has no sd."""
+    return f"{mean:.3f} ± {sd:.3f}" if seeds >= MIN_SEEDS else f"{mean:.3f} ({needs_seeds('sd', 'seeds', seeds)})"
+
+
+def too_few_seeds_sentence(seeds: int, lacking: str) -> str:
+    """The sentence a report adds when its run has fewer than ``MIN_SEEDS`` seeds (empty otherwise)."""
+    if seeds >= MIN_SEEDS:
+        return ""
+    return (
+        f" With {seeds} seed there is no {lacking}: each needs {MIN_SEEDS} or more paired seeds, "
+        "and the tables say so in their place."
+    )
 
 
 def _seed_list(seeds: list[int]) -> str:
@@ -84,25 +110,29 @@ def format_dose_response(outcomes: list[dict], comparisons: Optional[list[dict]]
     arms = [c for c in configs if c != ref]
     seeds = sorted({o["seed"] for o in outcomes})
     chance = outcomes[0]["chance"]
-    tests = len(comparisons) * len(TESTED)
+    tests = sum(not math.isnan(c[f"{k}_p"]) for c in comparisons for k in TESTED)  # Holm's family: tests run
     floor = smallest_p(len(seeds))
     found = {(c["a"], c["b"], c["lag"]): c for c in comparisons}
     header = ["arm", *(f"lag {lag}" for lag in lags)]
 
+    word = "seed" if len(seeds) == 1 else "seeds"
     lines = [
-        f"{len(seeds)} paired seeds ({_seed_list(seeds)}); lags in optimizer steps (2 per rollout batch). "
+        f"{len(seeds)} paired {word} ({_seed_list(seeds)}); lags in optimizer steps (2 per rollout batch). "
         f"Final eval: the mean of the trainer's last {FINAL_EVALS} evaluations. Chance {chance:.4f} "
         f"(a uniform sampler over the model's vocabulary). Collapsed: the evaluation peaked at "
         f"{COLLAPSE_PEAK:g}x chance or more and final eval ended at or below {COLLAPSE_DROP:g}x that peak; "
         f"at chance: the last {FINAL_EVALS} evaluations all at most {AT_CHANCE:g}x chance. "
         f"Intervals: 95% paired t. * separated: Holm-adjusted p < {SIGNIFICANCE:g} over all "
         f"{tests} tests of the run (paired t-test on final eval, exact McNemar on the counts; with "
-        f"{len(seeds)} seeds no McNemar p is below {floor:.2g}, {min(1.0, floor * tests):.2g} after Holm's correction)."
+        f"{len(seeds)} {word} no McNemar p is below {floor:.2g}, {min(1.0, floor * tests):.2g} after Holm's "
+        "correction)."
+        + too_few_seeds_sentence(len(seeds), "paired t interval or t-test on final eval and no sd over seeds")
     ]
     if ref is not None and (ref, "") in table:
         r = table[(ref, "")]
         lines.append(
-            f"\n{_arm(ref)} (reference, no lag): final eval {r['final_eval']:.3f} ± {r['final_eval_sd']:.3f}, "
+            f"\n{_arm(ref)} (reference, no lag): final eval "
+            f"{mean_sd_text(r['final_eval'], r['final_eval_sd'], r['seeds'])}, "
             f"collapsed {r['collapsed']}/{r['seeds']}, at chance {r['at_chance']}/{r['seeds']}."
         )
 
@@ -168,7 +198,9 @@ def format_dose_comparisons(outcomes: list[dict], comparisons: Optional[list[dic
             str(c["lag"]),
             str(c["seeds"]),
             f"{signed(c['final_eval_diff'])} {interval_text(c['final_eval_low'], c['final_eval_high'])}",
-            f"{format_p(c['final_eval_p'])} ({format_p(c['final_eval_p_holm'])})",
+            p_text(c["final_eval_p"])
+            if math.isnan(c["final_eval_p"])
+            else f"{format_p(c['final_eval_p'])} ({format_p(c['final_eval_p_holm'])})",
             f"{c['collapsed']} ({format_p(c['collapsed_p'])}; {format_p(c['collapsed_p_holm'])})",
             f"{c['at_chance']} ({format_p(c['at_chance_p'])}; {format_p(c['at_chance_p_holm'])})",
             ", ".join(OUTCOME_LABELS[k] for k in c["separated"]) or "no",

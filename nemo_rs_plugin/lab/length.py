@@ -14,7 +14,8 @@ Outcomes per run are the dose-response run's (:func:`~nemo_rs_plugin.lab.dose.ru
 ``eval_auc`` first, the final evaluation, collapse counts) and the mean IS effective sample
 size over the run (``is_ess_mean``). Each arm is compared with ``none`` at each length on the
 primary outcome ``eval_auc`` (paired t interval and test), Holm's correction over this
-study's comparisons only.
+study's comparisons only. With one paired seed a comparison has its difference but no interval
+or test (the table says so).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from nemo_rs_plugin.lab.dose import BASELINE, SEED_FIELDS, by_seed, read_seed_csv, write_seed_csv
+from nemo_rs_plugin.lab.dose_report import interval_text, p_text, too_few_seeds_sentence
 from nemo_rs_plugin.lab.stats import SIGNIFICANCE, format_p, holm, t_interval, t_test_p
 from nemo_rs_plugin.tools import report
 
@@ -89,10 +91,10 @@ def length_comparisons(outcomes: list[dict]) -> list[dict]:
                 "high": math.nan,
                 "p": math.nan,
             }
-            if config != BASELINE and len(seeds) >= 2:
+            if config != BASELINE and seeds:
                 d = [runs[s][OUTCOME] - base[s][OUTCOME] for s in seeds]
                 row["diff"] = sum(d) / len(d)
-                row["low"], row["high"] = t_interval(d)
+                row["low"], row["high"] = t_interval(d)  # NaN with one paired seed
                 row["p"] = t_test_p(d)
             rows.append(row)
     for row, adjusted in zip(rows, holm([r["p"] for r in rows])):
@@ -107,12 +109,13 @@ def format_length_study(outcomes: list[dict]) -> str:
     seeds = sorted({o["seed"] for o in outcomes})
     lag = outcomes[0]["lag"]
     tests = sum(not math.isnan(r["p"]) for r in rows)
+    span = f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else f"{seeds[0]}"
     head = (
-        f"{len(seeds)} paired seeds ({seeds[0]}-{seeds[-1]}), lag {lag}, response lengths "
+        f"{len(seeds)} paired seed{'s' if len(seeds) != 1 else ''} ({span}), lag {lag}, response lengths "
         f"{', '.join(map(str, lengths))} tokens. Each cell: `{OUTCOME}` (mean of every evaluation), in brackets "
         f"the paired difference from `{BASELINE}` with its 95% t interval (* Holm p < {SIGNIFICANCE:g} over "
         f"the study's {tests} comparisons); then the mean IS effective sample size over the run, and seeds "
-        "collapsed / at chance."
+        "collapsed / at chance." + too_few_seeds_sentence(len(seeds), "t interval or t-test")
     )
 
     def cell(config: str, length: int) -> str:
@@ -122,7 +125,7 @@ def format_length_study(outcomes: list[dict]) -> str:
         text = f"{r['auc']:.3f}"
         if not math.isnan(r["diff"]):
             mark = " *" if r["p_holm"] < SIGNIFICANCE else ""
-            text += f" ({r['diff']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}]{mark})"
+            text += f" ({r['diff']:+.3f} {interval_text(r['low'], r['high'])}{mark})"
         return f"{text}; ESS {r['is_ess']:.2f}; {r['collapsed']} / {r['at_chance']} of {r['seeds']}"
 
     configs = list(dict.fromkeys(o["config"] for o in outcomes))
@@ -137,7 +140,7 @@ def format_length_study(outcomes: list[dict]) -> str:
                 f"`{c}`",
                 *(
                     next(
-                        f"{format_p(r['p'])} ({format_p(r['p_holm'])})"
+                        f"{format_p(r['p'])} ({format_p(r['p_holm'])})" if not math.isnan(r["p"]) else p_text(r["p"])
                         for r in rows
                         if r["config"] == c and r["length"] == length
                     )

@@ -18,7 +18,7 @@ from statistics import median
 import torch
 
 from nemo_rs_plugin.lab.experiment import CONFIGS, STEP_METRICS, LabSettings
-from nemo_rs_plugin.lab.stats import SIGNIFICANCE, fisher_exact, format_p, permutation_p
+from nemo_rs_plugin.lab.stats import MIN_SEEDS, SIGNIFICANCE, fisher_exact, format_p, needs_seeds, permutation_p
 from nemo_rs_plugin.tools import report
 
 __all__ = [
@@ -89,9 +89,10 @@ def seed_outcomes(rows: list[dict], s: LabSettings) -> list[dict]:
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
+    """The mean and the sample sd (NaN for one value: no spread to estimate)."""
     n = len(values)
     m = sum(values) / n
-    return m, math.sqrt(sum((v - m) ** 2 for v in values) / max(n - 1, 1))
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1)) if n >= MIN_SEEDS else math.nan
 
 
 def summarize(outcomes: list[dict], s: LabSettings) -> list[dict]:
@@ -147,7 +148,10 @@ def default_pairs(configs: list[str]) -> list[tuple[str, str]]:
 
 
 def compare(outcomes: list[dict], pairs: list[tuple[str, str]]) -> list[dict]:
-    """For each pair ``(a, b)``: the difference of final evaluation rewards and the counts, with p-values."""
+    """For each pair ``(a, b)``: the difference of final evaluation rewards and the counts, with p-values.
+
+    ``eval_p`` is NaN (no test) where an arm has one seed; Fisher's exact test is defined at any count.
+    """
     out = []
     for a, b in pairs:
         oa = [o for o in outcomes if o["config"] == a]
@@ -192,6 +196,10 @@ def format_table(summary: list[dict], s: LabSettings) -> str:
     return report.markdown_table(header, [_table_cells(r) for r in summary])
 
 
+def _mean_pm_sd(mean: float, sd: float, n: int) -> str:
+    return f"{mean:.3f} ± {sd:.3f}" if n >= MIN_SEEDS else f"{mean:.3f} ({needs_seeds('sd', 'seeds', n)})"
+
+
 def _table_cells(r: dict) -> list[str]:
     n = r["seeds"]
     reach = "-" if r["steps_to_threshold"] is None else str(r["steps_to_threshold"])
@@ -200,8 +208,8 @@ def _table_cells(r: dict) -> list[str]:
     band = "-" if math.isnan(lo) else f"[{lo:.3f}, {hi:.3f}]"
     return [
         name,
-        f"{r['eval_final']:.3f} ± {r['eval_final_sd']:.3f}",
-        f"{r['final_reward']:.3f} ± {r['final_reward_sd']:.3f}",
+        _mean_pm_sd(r["eval_final"], r["eval_final_sd"], n),
+        _mean_pm_sd(r["final_reward"], r["final_reward_sd"], n),
         f"{reach} ({r['seeds_reaching']}/{n})",
         f"{r['seeds_spiked']}/{n}",
         f"{r['max_grad_norm_median']:.2g}; {r['max_grad_norm_max']:.2g}",
@@ -214,6 +222,13 @@ def _table_cells(r: dict) -> list[str]:
         f"{r['is_ess_mean']:.3f}",
         band,
     ]
+
+
+def _eval_p_text(c: dict) -> str:
+    """The permutation p, or why there is none (an arm with one seed)."""
+    if not math.isnan(c["eval_p"]):
+        return format_p(c["eval_p"])
+    return needs_seeds("permutation p", "seeds per arm")
 
 
 def format_comparisons(comparisons: list[dict]) -> str:
@@ -229,7 +244,7 @@ def format_comparisons(comparisons: list[dict]) -> str:
     rows = [
         [
             f"`{c['a']}` vs `{c['b']}`",
-            f"{c['eval_diff']:+.3f} ({format_p(c['eval_p'])})",
+            f"{c['eval_diff']:+.3f} ({_eval_p_text(c)})",
             f"{c['spiked']} ({format_p(c['spiked_p'])})",
             f"{c['collapsed']} ({format_p(c['collapsed_p'])})",
             f"{c['at_chance']} ({format_p(c['at_chance_p'])})",

@@ -77,21 +77,24 @@ def write_outputs(rows: list, s: LabSettings, out: str, run_facts: dict) -> str:
 
     ``run_facts`` (workers, wall time) go into ``lab_settings.json`` beside the settings and the
     versions. Returns the table (summary, then the pairwise comparisons).
+
+    The run's own data (``lab_steps.csv``, ``lab_seeds.csv``) is written before any statistic
+    over seeds is computed (and the settings that read it): a statistic that fails cannot lose it.
     """
+    write_csv(rows, os.path.join(out, "lab_steps.csv"))
     outcomes = seed_outcomes(rows, s)
+    write_summary_csv(outcomes, os.path.join(out, "lab_seeds.csv"))
+    _write_settings(os.path.join(out, "lab_settings.json"), dataclasses.asdict(s), run_facts)
     summary = summarize(outcomes, s)
     comparisons = compare(outcomes, default_pairs(s.configs))
     table = format_table(summary, s)
     if comparisons:
         table += "\n\n" + format_comparisons(comparisons)
-    write_csv(rows, os.path.join(out, "lab_steps.csv"))
-    write_summary_csv(outcomes, os.path.join(out, "lab_seeds.csv"))
     write_summary_csv(summary, os.path.join(out, "lab_summary.csv"))
     if comparisons:
         write_summary_csv(comparisons, os.path.join(out, "lab_comparisons.csv"))
     with open(os.path.join(out, "lab_summary.md"), "w") as fh:
         fh.write(table + "\n")
-    _write_settings(os.path.join(out, "lab_settings.json"), dataclasses.asdict(s), run_facts)
     try:
         write_plot(
             rows,
@@ -112,11 +115,14 @@ def write_dose_outputs(rows: list, s: LabSettings, lags: list[int], out: str, ru
     """Write the dose-response run's CSVs, tables, settings and figure; return the tables (markdown).
 
     Every table is rendered from ``lab_dose_seeds.csv`` as written, so ``--report`` on it
-    prints the same text.
+    prints the same text. The steps, the per-seed outcomes and the settings are written before
+    any statistic over seeds is computed.
     """
     write_csv(rows, os.path.join(out, "lab_dose_steps.csv"))
     seeds_csv = os.path.join(out, SEEDS_CSV)
     write_seed_csv(dose_outcomes(rows, s), seeds_csv)
+    settings = {k: v for k, v in dataclasses.asdict(s).items() if k != "lag"}
+    _write_settings(os.path.join(out, "lab_dose_settings.json"), {**settings, "lags": list(lags)}, run_facts)
     outcomes = read_seed_csv(seeds_csv)
     comparisons = dose_comparisons(outcomes)
     write_summary_csv(dose_table(outcomes, comparisons), os.path.join(out, "lab_dose.csv"))
@@ -125,8 +131,6 @@ def write_dose_outputs(rows: list, s: LabSettings, lags: list[int], out: str, ru
     blocks = render_blocks(outcomes)
     with open(os.path.join(out, "lab_dose.md"), "w") as fh:
         fh.write(blocks)
-    settings = {k: v for k, v in dataclasses.asdict(s).items() if k != "lag"}
-    _write_settings(os.path.join(out, "lab_dose_settings.json"), {**settings, "lags": list(lags)}, run_facts)
     try:
         write_dose_plot(
             outcomes,
@@ -169,13 +173,13 @@ def dose_main(s: LabSettings, args: argparse.Namespace) -> int:
 
 
 def write_confirm_outputs(rows: list, s: LabSettings, out: str, run_facts: dict) -> str:
-    """Write the confirmation's CSVs, its table (``lab_confirm.md``) and settings; return the table."""
+    """Write the confirmation's CSVs, its settings and its table (``lab_confirm.md``); return the table.
+
+    The CSVs and the settings are written before any statistic over seeds is computed.
+    """
     write_csv(rows, os.path.join(out, "lab_confirm_steps.csv"))
     seeds_csv = os.path.join(out, CONFIRM_SEEDS_CSV)
     write_seed_csv(dose_outcomes(rows, s), seeds_csv)
-    block = format_confirmation(read_seed_csv(seeds_csv))
-    with open(os.path.join(out, "lab_confirm.md"), "w") as fh:
-        fh.write(f"<!-- lab:confirmation:begin -->\n{block}\n<!-- lab:confirmation:end -->\n")
     settings = {k: v for k, v in dataclasses.asdict(s).items() if k != "lag"}
     protocol = {
         "primary": [dataclasses.asdict(c) for c in PROTOCOL.primary],
@@ -186,6 +190,9 @@ def write_confirm_outputs(rows: list, s: LabSettings, out: str, run_facts: dict)
         "exploration_seeds": list(PROTOCOL.exploration_seeds),
     }
     _write_settings(os.path.join(out, "lab_confirm_settings.json"), {**settings, "protocol": protocol}, run_facts)
+    block = format_confirmation(read_seed_csv(seeds_csv))
+    with open(os.path.join(out, "lab_confirm.md"), "w") as fh:
+        fh.write(f"<!-- lab:confirmation:begin -->\n{block}\n<!-- lab:confirmation:end -->\n")
     return block
 
 
@@ -227,12 +234,12 @@ def length_main(s: LabSettings, args: argparse.Namespace) -> int:
     write_csv(rows, os.path.join(args.out, "lab_length_steps.csv"))
     seeds_csv = os.path.join(args.out, LENGTH_SEEDS_CSV)
     write_length_csv(outcomes, seeds_csv)
-    block = format_length_study(read_length_csv(seeds_csv))
-    with open(os.path.join(args.out, "lab_length.md"), "w") as fh:
-        fh.write(f"<!-- lab:length:begin -->\n{block}\n<!-- lab:length:end -->\n")
     settings = {k: v for k, v in dataclasses.asdict(s).items() if k != "length"}
     facts = {"workers": args.workers, "total_wall_s": round(total, 1)}
     _write_settings(os.path.join(args.out, "lab_length_settings.json"), {**settings, "lengths": lengths}, facts)
+    block = format_length_study(read_length_csv(seeds_csv))  # the statistics, after the run's data is saved
+    with open(os.path.join(args.out, "lab_length.md"), "w") as fh:
+        fh.write(f"<!-- lab:length:begin -->\n{block}\n<!-- lab:length:end -->\n")
     print(block)
     print(f"total wall time {total:.0f}s; outputs in {args.out}/")
     return 0

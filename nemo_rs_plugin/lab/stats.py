@@ -29,6 +29,12 @@ Unpaired (the earlier single-lag run, docs/lab.md):
 * :func:`permutation_p`: a per-seed number in two arms; the permutation test on the difference
   of means (seeded draws).
 
+A test or interval that needs more seeds than it is given (:data:`MIN_SEEDS`: the t interval and
+t-test, the sign-flip and permutation tests, with one seed or one difference) answers NaN, "no
+test", never SciPy's error: a one-seed run keeps its outputs and its report says which statistic
+it lacks (:func:`needs_seeds`). The exact counts' tests (Fisher, McNemar) and Holm's correction
+are defined at any count.
+
 :func:`format_p` prints a p-value with the digits it has (``0.017``, ``4.2e-04``), never
 ``0.000``.
 """
@@ -36,16 +42,18 @@ Unpaired (the earlier single-lag run, docs/lab.md):
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 __all__ = [
+    "MIN_SEEDS",
     "SIGNIFICANCE",
     "fisher_exact",
     "format_p",
     "holm",
     "mcnemar_exact",
+    "needs_seeds",
     "permutation_p",
     "power_of",
     "seeds_for_power",
@@ -56,6 +64,18 @@ __all__ = [
 
 #: The level at which the page says "the seeds separate them".
 SIGNIFICANCE = 0.05
+
+#: The fewest seeds (per arm; paired: differences) a spread, a t interval, a t-test or a permutation
+#: test needs. With fewer, those answer NaN and the reports say so (:func:`needs_seeds`).
+MIN_SEEDS = 2
+
+
+def needs_seeds(what: str, per: str = "paired seeds", have: Optional[int] = None) -> str:
+    """The words a report prints instead of a statistic the run has too few seeds for.
+
+    ``needs_seeds("t interval", have=1)``: ``"no t interval: it needs 2 or more paired seeds, this run has 1"``.
+    """
+    return f"no {what}: it needs {MIN_SEEDS} or more {per}" + ("" if have is None else f", this run has {have}")
 
 
 def _stats():
@@ -90,7 +110,7 @@ def t_interval(diffs: Sequence[float], level: float = 0.95) -> tuple[float, floa
     if not 0.0 < level < 1.0:
         raise ValueError(f"t_interval: level must be in (0, 1), got {level}")
     d = _finite(diffs, "t_interval")
-    if d.size < 2:
+    if d.size < MIN_SEEDS:
         return math.nan, math.nan
     if _no_spread(d):
         return float(d.mean()), float(d.mean())
@@ -104,7 +124,7 @@ def t_test_p(diffs: Sequence[float]) -> float:
     One difference: NaN (no test). Equal differences (up to rounding): 1 if they are 0, else 0.
     """
     d = _finite(diffs, "t_test_p")
-    if d.size < 2:
+    if d.size < MIN_SEEDS:
         return math.nan
     if _no_spread(d):
         return 1.0 if abs(float(d.mean())) <= 1e-12 else 0.0
@@ -114,11 +134,13 @@ def t_test_p(diffs: Sequence[float]) -> float:
 def sign_flip_p(diffs: Sequence[float], draws: int = 20000, seed: int = 0, exact_up_to: int = 16) -> float:
     """Two-sided sign-flip permutation p-value of ``mean(diffs) = 0`` (SciPy's ``permutation_test``).
 
-    With ``n <= exact_up_to`` every one of the ``2^n`` sign patterns (exact: ``p >= 2 / 2^n``
-    unless every difference is 0, where ``p = 1``); above it ``draws`` seeded patterns,
-    ``(1 + hits) / (1 + draws)``.
+    One difference: NaN (no test; SciPy needs two). With ``n <= exact_up_to`` every one of the
+    ``2^n`` sign patterns (exact: ``p >= 2 / 2^n`` unless every difference is 0, where ``p = 1``);
+    above it ``draws`` seeded patterns, ``(1 + hits) / (1 + draws)``.
     """
     d = _finite(diffs, "sign_flip_p")
+    if d.size < MIN_SEEDS:
+        return math.nan
     if not d.any():
         return 1.0
     n_resamples = 2**d.size if d.size <= exact_up_to else draws
@@ -196,8 +218,13 @@ def fisher_exact(hits_a: int, n_a: int, hits_b: int, n_b: int) -> float:
 
 
 def permutation_p(a: Sequence[float], b: Sequence[float], draws: int = 20000, seed: int = 0) -> float:
-    """Two-sided permutation p-value of ``mean(a) - mean(b)`` (SciPy's ``permutation_test``, seeded)."""
+    """Two-sided permutation p-value of ``mean(a) - mean(b)`` (SciPy's ``permutation_test``, seeded).
+
+    An arm with one value: NaN (no test; SciPy needs two in each).
+    """
     xa, xb = _finite(a, "permutation_p"), _finite(b, "permutation_p")
+    if min(xa.size, xb.size) < MIN_SEEDS:
+        return math.nan
 
     def difference(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
         return np.mean(x, axis=axis) - np.mean(y, axis=axis)

@@ -1,25 +1,31 @@
 """Guards the lab (lab/): the quick run CI uses, the outcomes, the tests of separation.
 
 The quick run must complete, be deterministic and finite, and calibrate its band after the
-pilot steps. The outcome rules (spike, collapse, at chance, warned) and the two tests of
-separation are checked on constructed rows with known answers. No assertion about which
-correction learns better: the experiment reports, it is not tuned.
+pilot steps; a run of every kind with one seed keeps its CSVs and succeeds. The outcome rules
+(spike, collapse, at chance, warned) and the two tests of separation are checked on constructed
+rows with known answers. No assertion about which correction learns better: the experiment
+reports, it is not tuned.
+
+Only the tests that train need transformers (the ``[lab]`` extra; the ``[test]`` extra brings
+it too): each skips alone without it, the rest run.
 """
 
 import csv
 import math
+import sys
 
 import pytest
 
 from nemo_rs_plugin.lab.experiment import BASE_LOSS, CONFIGS, STEP_METRICS, LabSettings, run_one
-from nemo_rs_plugin.lab.run_report import compare, seed_outcomes, summarize
+from nemo_rs_plugin.lab.run_report import compare, format_comparisons, format_table, seed_outcomes, summarize
 from nemo_rs_plugin.lab.stats import fisher_exact, permutation_p
 
 _MAY_BE_NAN = ("eval_reward", "band_lower", "band_upper")  # set only at evaluations / after calibration
 
 
-@pytest.mark.skipif(not pytest.importorskip("transformers"), reason="needs transformers")
+@pytest.mark.slow  # 15-40 s on 2 cores: 2 arms x 2 seeds x 4 steps of training, then one run again
 def test_quick_mode_completes_deterministic_finite_and_calibrates(tmp_path):
+    pytest.importorskip("transformers")
     from nemo_rs_plugin.lab import cli as lab
 
     out = tmp_path / "lab"
@@ -160,3 +166,90 @@ def test_compare_reports_only_supported_separations():
     (row,) = compare(seed_outcomes(rows, s), [("token-tis", "none")])
     assert row["spiked"] == "0/6 vs 6/6" and row["spiked_p"] < 0.01
     assert row["separated"] == ["spiked"]  # not the reward, not collapse
+
+
+# ---------------------------------------------------------------------------- one seed
+def test_a_one_seed_report_says_what_it_cannot_compute():
+    """One seed per arm: no sd and no permutation p, each said in words where the number would be; no NaN printed."""
+    s = LabSettings(configs=["none", "token-tis"], seeds=[11], steps=10)
+    rows = _rows("none", 11, [0.3] * 10, evals={10: 0.3}) + _rows("token-tis", 11, [0.3] * 10, evals={10: 0.4})
+    outcomes = seed_outcomes(rows, s)
+    summary = summarize(outcomes, s)
+    assert all(math.isnan(r["eval_final_sd"]) and math.isnan(r["final_reward_sd"]) for r in summary)
+    (row,) = compare(outcomes, [("token-tis", "none")])
+    assert row["eval_diff"] == pytest.approx(0.1) and math.isnan(row["eval_p"])
+    assert row["spiked_p"] == 1.0 and row["separated"] == []  # Fisher's test is defined at one seed
+    text = format_table(summary, s) + "\n" + format_comparisons([row])
+    assert "0.400 (no sd: it needs 2 or more seeds, this run has 1)" in text
+    assert "+0.100 (no permutation p: it needs 2 or more seeds per arm)" in text
+    assert "nan" not in text.lower()
+
+
+_TINY = ["--quick", "--steps", "2", "--eval-every", "1", "--workers", "1"]
+
+
+@pytest.mark.parametrize(
+    "kind, argv, csvs, said",
+    [
+        (
+            "single",
+            ["--seeds", "11", "--length", "4", "--calibration-steps", "1"],
+            ("lab_steps.csv", "lab_seeds.csv", "lab_summary.csv", "lab_comparisons.csv"),
+            "no permutation p: it needs 2 or more seeds per arm",
+        ),
+        (
+            "dose",
+            ["--seeds", "11", "--length", "4", "--lags", "0", "2"],
+            ("lab_dose_steps.csv", "lab_dose_seeds.csv", "lab_dose.csv", "lab_dose_comparisons.csv"),
+            "no t-test: it needs 2 or more paired seeds",
+        ),
+        (
+            "confirm",
+            ["--confirm", "--seeds", "5000", "--length", "4", "--calibration-steps", "1"],
+            ("lab_confirm_steps.csv", "lab_confirm_seeds.csv"),
+            "no verdict: it needs 2 or more paired seeds",
+        ),
+        (
+            "length",
+            ["--seeds", "11", "--lengths", "4"],
+            ("lab_length_steps.csv", "lab_length_seeds.csv"),
+            "no t-test: it needs 2 or more paired seeds",
+        ),
+    ],
+)
+def test_a_one_seed_run_keeps_its_csvs_and_succeeds(kind, argv, csvs, said, tmp_path, capsys):
+    """``nemo-rs lab --seeds 11``: every statistic that needs 2 seeds says so; the run's data is kept (issue 49)."""
+    pytest.importorskip("transformers")
+    from nemo_rs_plugin.lab import cli as lab
+
+    out = tmp_path / kind
+    assert lab.main([*_TINY, *argv, "--out", str(out)]) == 0
+    for name in csvs:
+        with open(out / name) as fh:
+            rows = list(csv.DictReader(fh))
+        assert rows, name
+        assert {r["seed"] for r in rows if "seed" in r} <= {"11", "5000"}, name
+    printed = capsys.readouterr().out
+    assert said in printed and "nan" not in printed.lower()
+
+
+def test_lab_without_transformers_names_the_lab_extra(monkeypatch, capsys, tmp_path):
+    """The install line names the ``[lab]`` extra, which brings transformers with the figures and statistics."""
+    from nemo_rs_plugin.lab import cli as lab
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    assert lab.main(["--quick", "--out", str(tmp_path / "o")]) == lab.EXIT_INVALID
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nemo-rs lab needs transformers" in err
+    assert "pip install 'nemo-rs-plugin[lab]'" in err and 'pip install -e ".[lab]"' in err
+    assert not (tmp_path / "o").exists()  # refused before anything is created
+
+
+def test_the_test_extra_brings_what_the_lab_tests_need():
+    """``pip install -e ".[test]"`` brings every ``[lab]`` requirement: no lab test skips for want of one (issue 51)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert set(extras["lab"]) <= set(extras["test"])

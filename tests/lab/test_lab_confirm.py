@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import yaml
 
@@ -38,6 +39,7 @@ from nemo_rs_plugin.lab.length import (  # noqa: E402
     read_length_csv,
     write_length_csv,
 )
+from nemo_rs_plugin.lab.stats import SIGNIFICANCE, t_interval  # noqa: E402
 from nemo_rs_plugin.tools.recipes import recipe_dir  # noqa: E402
 from tests.lab.outcomes import seed_outcome  # noqa: E402
 
@@ -153,8 +155,69 @@ def test_a_protocol_refuses_a_comparison_without_seeds():
         exploration_seeds=(1,),
         confirmation_seeds=(2,),
     )
-    with pytest.raises(ValueError, match="fewer than 2 paired seeds"):
+    with pytest.raises(ValueError, match="no paired seeds"):
         confirm(_outcomes({}), p)
+
+
+def _tost_boundary_diffs(mean=0.02, seeds=12):
+    """Paired differences whose 90% t interval ends just inside +0.1 and whose 95% one ends outside it."""
+    from scipy import stats
+
+    z = np.array([(5 * i) % 7 - 3.0 for i in range(seeds)])
+    z = (z - z.mean()) / z.std(ddof=1)
+    t90, t95 = stats.t.ppf(0.95, seeds - 1), stats.t.ppf(0.975, seeds - 1)
+    # the standard error that puts the 90% interval's upper end halfway between +0.1 and where the 95% one crosses it
+    se = ((0.1 - mean) / t90 + (0.1 - mean) / t95) / 2
+    return (mean + z * se * math.sqrt(seeds)).tolist()
+
+
+def test_equivalence_is_judged_on_the_90_percent_interval():
+    """TOST at 5%: "equivalent within ±0.1" when the 90% interval lies inside, even where the 95% one does not.
+
+    The case sits at the boundary where the two intervals disagree (the reverse cannot happen:
+    the 95% interval holds the 90% one). Judged on the 95% interval, its verdict would be "not shown".
+    """
+    c0 = PROTOCOL.primary[0]
+    diffs = _tost_boundary_diffs()
+    low90, high90 = t_interval(diffs, level=0.90)
+    low95, high95 = t_interval(diffs)
+    assert -0.1 < low90 and high90 < 0.1  # inside at 90%
+    assert high95 > 0.1 and low95 < 0 < high95  # not inside at 95%; and no detectable difference
+    assert high95 - 0.1 > 0.005 and 0.1 - high90 > 0.005  # not a rounding question either way
+
+    runs = {}  # (arm, lag, seed) -> eval_auc: every other comparison without a difference
+    for i, d in enumerate(diffs):
+        base = 0.4 + 0.05 * ((3 * i) % 5)
+        for c in PROTOCOL.primary:
+            runs[(c.a, c.lag, 5000 + i)] = runs[(c.b, c.lag, 5000 + i)] = base
+        runs[(c0.a, c0.lag, 5000 + i)] = base + d
+    outcomes = [_o(arm, lag, seed, auc) for (arm, lag, seed), auc in runs.items()]
+    first = confirm(outcomes)[0]
+    assert (first["a"], first["b"], first["lag"]) == (c0.a, c0.b, c0.lag)
+    assert first["p_holm"] >= SIGNIFICANCE
+    assert first["verdict"] == "no detectable difference; equivalent within ±0.1"
+    assert (first["low90"], first["high90"]) == pytest.approx((low90, high90))
+    assert (first["low"], first["high"]) == pytest.approx((low95, high95))
+    # the verdict's own rule, given both intervals: the 90% one decides
+    assert verdict(first["diff"], low95, high95, first["p_holm"], 0.1, low90, high90).endswith("within ±0.1")
+    assert "not shown" in verdict(first["diff"], low95, high95, first["p_holm"], 0.1, low95, high95)
+
+
+def test_a_one_seed_confirmation_reports_its_differences_and_says_why_no_verdict(tmp_path):
+    """One paired seed: the differences and counts, and for each interval, test and verdict the reason (issue 49)."""
+    c0 = PROTOCOL.primary[0]
+    path = tmp_path / "lab_confirm_seeds.csv"
+    write_seed_csv(_outcomes({(c0.a, c0.b, c0.lag): 0.15}, seeds=[5000]), path)
+    rows = confirm(read_seed_csv(path))
+    assert rows[0]["diff"] == pytest.approx(0.15) and rows[0]["better_seeds"] == 1
+    for r in rows:
+        assert all(math.isnan(r[k]) for k in ("low", "high", "low90", "high90", "p", "p_holm", "p_sign_flip"))
+        assert r["verdict"] == "no verdict: it needs 2 or more paired seeds" and r["collapsed_p"] == 1.0
+    text = format_confirmation(read_seed_csv(path))
+    assert text.startswith("1 paired seed (5000), not in the exploration (100-115).")
+    assert "With 1 seed there is no interval, t-test, sign-flip test or verdict" in text
+    assert "+0.150 [no interval: it needs 2 or more paired seeds]" in text
+    assert "| no sign-flip test: it needs 2 or more paired seeds |" in text and "nan" not in text.lower()
 
 
 # ---------------------------------------------------------------------------- the length study
@@ -183,6 +246,20 @@ def test_the_length_study_compares_each_arm_with_none_at_each_length(tmp_path):
     text = format_length_study(back)
     assert "| arm | 16 tokens | 256 tokens |" in text and "over the study's 4 comparisons" in text
     assert "ESS 0.50" in text
+
+
+def test_a_one_seed_length_study_says_why_no_interval():
+    outcomes = []
+    for config, auc in (("none", 0.3), ("sequence_mean", 0.32), ("sequence", 0.1)):
+        o = _o(config, 2, 6000, auc)
+        o.update(length=64, is_ess_mean=1.0)
+        outcomes.append(o)
+    rows = {r["config"]: r for r in length_comparisons(outcomes)}
+    assert rows["sequence"]["diff"] == pytest.approx(-0.2) and math.isnan(rows["sequence"]["p_holm"])
+    text = format_length_study(outcomes)
+    assert text.startswith("1 paired seed (6000), lag 2") and "With 1 seed there is no t interval or t-test" in text
+    assert "0.100 (-0.200 [no interval: it needs 2 or more paired seeds]); ESS 1.00" in text
+    assert "| `sequence` | no t-test: it needs 2 or more paired seeds |" in text and "nan" not in text.lower()
 
 
 # ---------------------------------------------------------------------------- command line
@@ -252,6 +329,7 @@ def test_plan_and_report_read_saved_runs(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == expected
 
 
+@pytest.mark.slow  # 15-40 s on 2 cores: 6 arm-lag runs x 2 seeds, then 2 lengths x 2 arms x 2 seeds
 def test_quick_confirmation_and_length_runs(tmp_path):
     """``--quick --confirm`` and ``--quick --lengths``: the whole machinery, in seconds."""
     pytest.importorskip("transformers")

@@ -265,6 +265,27 @@ def test_tables_render_from_the_csv_and_a_pages_block_is_checked(tmp_path):
         marked_block("<!-- lab:x:end --> <!-- lab:x:begin -->", "x")
 
 
+def test_one_seed_tables_say_which_statistics_need_more_seeds(tmp_path):
+    """One paired seed: differences and counts, and in place of each interval, t-test and sd the reason (issue 49)."""
+    path = tmp_path / "lab_dose_seeds.csv"
+    write_seed_csv(_synthetic(seeds=1), path)
+    outcomes = read_seed_csv(path)
+    rows = dose_comparisons(outcomes)
+    assert len(rows) == 6 and all(r["seeds"] == 1 for r in rows)
+    assert all(math.isnan(r[k]) for r in rows for k in ("final_eval_low", "final_eval_high", "final_eval_p"))
+    assert all(r["collapsed_p"] == 1.0 and r["separated"] == [] for r in rows)
+    table = {(r["config"], r["lag"]): r for r in dose_table(outcomes, rows)}
+    assert math.isnan(table[("on-policy", "")]["final_eval_sd"])
+    text = render_blocks(outcomes)
+    assert "nan" not in text.lower()
+    assert "1 paired seed (0);" in text and "over all 12 tests of the run" in text  # the McNemar tests only
+    assert "With 1 seed there is no paired t interval or t-test on final eval and no sd over seeds" in text
+    assert "final eval 0.570 (no sd: it needs 2 or more seeds, this run has 1)" in text
+    assert "| `token-mis` | 0.460 (-0.010 [no interval: it needs 2 or more paired seeds]) |" in text
+    assert "| no t-test: it needs 2 or more paired seeds |" in text
+    assert render_from_csv(path) == text  # --report says the same
+
+
 def test_a_csv_written_before_eval_auc_reads_it_as_nan(tmp_path):
     """The exploration (docs/lab/lab_dose_seeds.csv) predates eval_auc: its tables still render."""
     path = tmp_path / "old.csv"
@@ -399,6 +420,7 @@ def test_report_rerenders_a_saved_csv(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------- the quick run (CI)
+@pytest.mark.slow  # 15-40 s on 2 cores: 5 arm-lag runs x 2 seeds x 6 steps, then one run again
 def test_quick_dose_response_run(tmp_path):
     """``nemo-rs lab --quick --lags 0 2``: the whole machinery, in seconds."""
     pytest.importorskip("transformers")

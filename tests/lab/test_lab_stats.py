@@ -17,10 +17,12 @@ pytest.importorskip("scipy")
 pytest.importorskip("statsmodels")
 
 from nemo_rs_plugin.lab.stats import (  # noqa: E402
+    MIN_SEEDS,
     fisher_exact,
     format_p,
     holm,
     mcnemar_exact,
+    needs_seeds,
     permutation_p,
     power_of,
     seeds_for_power,
@@ -136,6 +138,33 @@ def test_p_values_print_their_digits():
     assert format_p(0.0004) == "4.0e-04" and format_p(0.0171) == "0.017" and format_p(0.05) == "0.050"
     assert format_p(math.nan) == "-" and format_p(1.0) == "1.000"
     assert all(format_p(p) != "0.000" for p in (1e-9, 4e-4, 9.9e-4))
+
+
+# ---------------------------------------------------------------------------- one seed
+def test_one_seed_gives_no_test_instead_of_scipys_error():
+    """What needs a spread answers NaN ("no test") at one seed or one difference; SciPy would raise (issue 49)."""
+    assert MIN_SEEDS == 2
+    assert math.isnan(permutation_p([0.3], [0.1]))  # SciPy: "each sample ... two or more observations"
+    assert math.isnan(permutation_p([0.3], [0.1, 0.2])) and math.isnan(permutation_p([0.1, 0.2], [0.3]))
+    assert math.isnan(sign_flip_p([0.2])) and math.isnan(sign_flip_p([0.0]))
+    assert all(math.isnan(x) for x in t_interval([0.2], level=0.9))
+    assert math.isnan(t_test_p([0.0]))
+    # Defined at one seed (exact tests of counts): p = 1, nothing separates.
+    assert mcnemar_exact(1, 0) == 1.0 and mcnemar_exact(0, 0) == 1.0
+    assert fisher_exact(1, 1, 0, 1) == 1.0 and fisher_exact(0, 1, 0, 1) == 1.0
+    # Holm leaves a test not run out of the family.
+    assert all(math.isnan(p) for p in holm([math.nan, math.nan]))
+    adjusted = holm([math.nan, 0.5, 0.01])
+    assert math.isnan(adjusted[0]) and adjusted[1:] == pytest.approx([0.5, 0.02])
+    # Two is enough: the tests run.
+    assert 0 < permutation_p([0.3, 0.35], [0.1, 0.12]) <= 1 and sign_flip_p([0.2, 0.3]) == pytest.approx(0.5)
+    with pytest.raises(ValueError):  # none at all stays an error
+        permutation_p([], [0.1, 0.2])
+
+
+def test_needs_seeds_is_one_clause_naming_the_statistic_and_the_count():
+    assert needs_seeds("t interval", have=1) == "no t interval: it needs 2 or more paired seeds, this run has 1"
+    assert needs_seeds("permutation p", "seeds per arm") == "no permutation p: it needs 2 or more seeds per arm"
 
 
 # ---------------------------------------------------------------------------- coverage
