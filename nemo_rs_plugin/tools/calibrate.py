@@ -213,7 +213,10 @@ def run(args: argparse.Namespace) -> int:
         for line in few:
             print(f"error: {line}", file=sys.stderr)
         return EXIT_INVALID
-    _print(args, filters, stages, as_written, batch)
+    data_bands = (
+        stages if args.allow_tighter else calibrate_filters(filters, prev, gen, mask, args.target, widen_only=False)
+    )
+    _print(args, filters, stages, as_written, batch, data_bands)
     for line in _warnings(args.target, filters, stages):
         print(f"warning: {line}", file=sys.stderr)
     if args.json:
@@ -293,19 +296,40 @@ def _fmt(v: Optional[float]) -> str:
     return "open" if v is None else f"{v:.6g}"
 
 
-def _print(args, filters, stages, as_written, batch) -> None:
+def _tighter_sides(template, data_band) -> list[str]:
+    """The sides on which the data's own band lies inside the template's (kept as written by widen-only)."""
+    sides = []
+    if template.lower is not None and data_band.lower is not None and data_band.lower > template.lower:
+        sides.append("lower")
+    if template.upper is not None and data_band.upper is not None and data_band.upper < template.upper:
+        sides.append("upper")
+    return sides
+
+
+def _print(args, filters, stages, as_written, batch, data_bands) -> None:
     n_seq = int((batch["sample_mask"] > 0).sum())
     print(f"{args.from_file}: {n_seq} sequences; target rejection {args.target:g} per stage")
-    for i, (f, st, written) in enumerate(zip(filters, stages, as_written)):
+    for i, (f, st, written, own) in enumerate(zip(filters, stages, as_written, data_bands)):
         unit = f.level_entry.units
         q = st.quantiles
         print(f"stage {i} ({f.label}, {st.units} {unit}):")
         print(f"  statistic on the data: p1 {q['p1']:.6g}, median {q['p50']:.6g}, p99 {q['p99']:.6g}")
         print(f"  as written [{_fmt(f.lower)}, {_fmt(f.upper)}]: rejects {written:.1%} of the {unit}")
+        tighter = [] if args.allow_tighter else _tighter_sides(f, own.filter)
+        moved = (st.filter.lower, st.filter.upper) != (f.lower, f.upper)
+        label = "calibrated" if moved or not tighter else "kept as written"
         print(
-            f"  calibrated [{_fmt(st.filter.lower)}, {_fmt(st.filter.upper)}]: rejects {st.rejected_frac:.1%} "
+            f"  {label} [{_fmt(st.filter.lower)}, {_fmt(st.filter.upper)}]: rejects {st.rejected_frac:.1%} "
             f"of the {unit}"
         )
+        if tighter:
+            which = " and ".join(tighter)
+            print(
+                f"  the data's band [{_fmt(own.filter.lower)}, {_fmt(own.filter.upper)}] (rejects "
+                f"{own.rejected_frac:.1%} of the {unit}) is narrower on the {which} side: calibration only widens "
+                f"by default, so the {which} bound{'s stay' if len(tighter) > 1 else ' stays'} as written; "
+                "--allow-tighter uses the data's band"
+            )
     print("loss_fn:\n  rejection_sampling:")
     for st in stages:
         print(f"    - {_flow(st.filter)}")
