@@ -85,6 +85,7 @@ def test_two_runs_in_one_folder_keep_their_records_and_calibrate_reads_one(tmp_p
     from nemo_rs_plugin.tools.batch_formats import load_with_records
 
     assert _same(load_with_records(str(tmp_path), run=first.run_id)[0], mbs_first)
+    assert _same(load_batch(first.run_dir), mbs_first)  # --from may name one run's folder
     code, _, err = _calibrate(capsys, "--from", tmp_path, "--run", "nope")
     assert code == 2 and f"--run nope: no such run with records in {tmp_path}; runs here: {second.run_id}" in err
 
