@@ -74,5 +74,5 @@ def fields_digest(fields: Mapping[str, object]) -> str:
             continue
         value = value.detach().to("cpu").contiguous()
         h.update(f"{key}:{value.dtype}:{tuple(value.shape)};".encode())
-        h.update(value.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
+        h.update(value.reshape(-1).view(torch.uint8).numpy().data)  # the buffer itself, no copy
     return h.hexdigest()
