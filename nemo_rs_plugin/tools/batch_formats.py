@@ -58,8 +58,9 @@ def load_with_records(
     Torch file (``.pt``/``.pth``/``.torch``): a dict of tensors in NeMo-RL's ``train_data``
     layout: ``prev_logprobs`` and ``generation_logprobs`` ``[B, S]`` (real dtype),
     optional ``token_mask`` ``[B, S]`` (0/1), ``advantages`` ``[B]``, ``[B, 1]`` or
-    ``[B, S]``, ``sample_mask`` ``[B]`` (0/1, or a weight >= 0, kept as it is); other keys are
-    ignored. As in NeMo-RL's loss, position 0 is dropped (its log-prob belongs to no predicted token), so ``S >= 2``.
+    ``[B, S]``, ``sample_mask`` ``[B]`` (0/1; in the loss's records a weight >= 0, kept as it
+    is); other keys are ignored. As in NeMo-RL's loss, position 0 is dropped (its log-prob
+    belongs to no predicted token), so ``S >= 2``.
 
     A folder: the records the loss writes with ``record_logprobs: true`` (``record_dir``, or one
     run's folder in it): one run's (the newest), of its ``newest_steps`` newest recorded steps
@@ -215,8 +216,12 @@ def read_torch(p: Path) -> dict:
     return raw
 
 
-def torch_batch(p: Path, raw: dict) -> dict[str, torch.Tensor]:
-    """A torch file's dict (:func:`read_torch`) validated into the batch layout (see :func:`load_batch`)."""
+def torch_batch(p: Path, raw: dict, weighted_samples: bool = False) -> dict[str, torch.Tensor]:
+    """A torch file's dict (:func:`read_torch`) validated into the batch layout (see :func:`load_batch`).
+
+    ``weighted_samples``: ``sample_mask`` may hold any finite weight >= 0, kept as it is (the loss's
+    records: NeMo-RL's ``sample_mask`` is a per-sequence weight); else 0/1 only.
+    """
     for key in raw:  # other keys are ignored (train_data holds many), but not a misspelt one we read
         close = difflib.get_close_matches(str(key), _TORCH_FIELDS, n=1, cutoff=0.85)
         if close and key not in _TORCH_FIELDS:
@@ -248,10 +253,13 @@ def torch_batch(p: Path, raw: dict) -> dict[str, torch.Tensor]:
     else:
         adv = torch.ones(B)
     out["advantages"] = (adv.reshape(B, 1).expand(B, S) if adv.numel() == B else adv).contiguous()
-    sample = _real_tensor(p, raw, "sample_mask", ((B,),)).float() if "sample_mask" in raw else torch.ones(B)
-    if not bool((torch.isfinite(sample) & (sample >= 0)).all()):  # a weight: fractional values are kept
+    sample = _real_tensor(p, raw, "sample_mask", ((B,),)) if "sample_mask" in raw else torch.ones(B)
+    if not weighted_samples:
+        out["sample_mask"] = _zero_one(p, "sample_mask", sample)
+    elif bool((torch.isfinite(sample.float()) & (sample.float() >= 0)).all()):
+        out["sample_mask"] = sample.float()  # a weight: a fractional value is kept
+    else:
         raise BatchFormatError(f"{p}: field 'sample_mask' must hold finite numbers >= 0 (0/1, or a weight)")
-    out["sample_mask"] = sample
     return out
 
 

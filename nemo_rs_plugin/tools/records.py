@@ -132,7 +132,7 @@ def read_records(
             if (step, digest) in seen:  # another rank's copy of a microbatch already read
                 info.copies += 1
                 continue
-            part = torch_batch(path, raw)
+            part = torch_batch(path, raw, weighted_samples=True)
         except BatchFormatError as exc:
             if not skip_bad:
                 raise BatchFormatError(
