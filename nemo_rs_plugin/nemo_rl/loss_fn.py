@@ -53,7 +53,7 @@ from nemo_rs_plugin.nemo_rl.packing import (
     loss_callers,
     per_sequence_wrapper_call,
 )
-from nemo_rs_plugin.nemo_rl.recording import LogprobRecorder
+from nemo_rs_plugin.nemo_rl.recording import FAILURES_METRIC, LogprobRecorder
 from nemo_rs_plugin.parallel.vocab_parallel import chunk_size_problem
 
 __all__ = ["RSClippedPGLossFn", "batch_data_parallel_group", "megatron_groups"]
@@ -113,6 +113,8 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         self._totals = TotalsCache()
         # record_logprobs: what `nemo-rs calibrate --from DIR` reads (nemo_rs_plugin.nemo_rl.recording)
         self._recorder = LogprobRecorder(config.record_dir, config.record_every) if config.record_logprobs else None
+        if self._recorder is not None:
+            self._recorder.check()  # a ConfigError naming record_dir and the cause, before step 1
         problem = fused_sharded_problem(config.sharded_logits_input, use_fused_linear_logprobs)
         if problem is not None:
             raise ConfigError([problem])
@@ -120,6 +122,8 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         self.input_type = LossInputType.LOGIT if config.sharded_logits_input else LossInputType.LOGPROB
         if MetricNormalizer is not None:
             self.metric_normalizations = {k: MetricNormalizer(v) for k, v in self.core.metric_normalizations().items()}
+            if self._recorder is not None:  # a count of records, summed as it is
+                self.metric_normalizations[FAILURES_METRIC] = MetricNormalizer("none")
 
     def __getstate__(self) -> dict:
         """Pickled for NeMo-RL's Ray workers without a microbatch's gathered sequences or totals."""
@@ -171,13 +175,15 @@ class RSClippedPGLossFn(ClippedPGLossFn):
                 next_token_logprobs, data = gathered
             if self._recorder is not None:
                 self._recorder.observe(global_valid_toks, _whole_microbatch(packed, data))
-            return self.core(
-                next_token_logprobs,
-                data,
-                global_valid_seqs,
-                global_valid_toks,
-                SequenceGroups.of(data_parallel=dp_group),
-                microbatch,
+            return self._with_record_failures(
+                self.core(
+                    next_token_logprobs,
+                    data,
+                    global_valid_seqs,
+                    global_valid_toks,
+                    SequenceGroups.of(data_parallel=dp_group),
+                    microbatch,
+                )
             )
         if logits is None:
             raise TypeError("rs_clipped_pg with sharded_logits_input: logits are required")
@@ -202,27 +208,42 @@ class RSClippedPGLossFn(ClippedPGLossFn):
             stacked = self._gather.add_inputs(packed, inputs)
             if stacked is None:  # not the microbatch's last sequence: counted in the last call
                 return logits.new_zeros((), dtype=inputs.compute_dtype()), {}
-            return sharded_loss_of_inputs(
+            return self._with_record_failures(
+                sharded_loss_of_inputs(
+                    self.core,
+                    stacked,
+                    global_valid_seqs,
+                    global_valid_toks,
+                    cp_group=cp_group,
+                    data_parallel_group=dp_group,
+                )
+            )
+        return self._with_record_failures(
+            sharded_loss(
                 self.core,
-                stacked,
+                logits,
+                data,
                 global_valid_seqs,
                 global_valid_toks,
                 cp_group=cp_group,
+                tp_group=tp_group,
+                pad_to_shard=True,
                 data_parallel_group=dp_group,
+                microbatch=microbatch,
+                chunk_size=chunk_size,
             )
-        return sharded_loss(
-            self.core,
-            logits,
-            data,
-            global_valid_seqs,
-            global_valid_toks,
-            cp_group=cp_group,
-            tp_group=tp_group,
-            pad_to_shard=True,
-            data_parallel_group=dp_group,
-            microbatch=microbatch,
-            chunk_size=chunk_size,
         )
+
+    def _with_record_failures(self, result: tuple[Any, dict]) -> tuple[Any, dict]:
+        """With ``record_logprobs``: the metric ``record_write_failures`` added to a call's metrics.
+
+        Records this rank did not write since the last call that returned metrics (host-side, no
+        collective): NeMo-RL sums it over microbatches and ranks into the step's count.
+        """
+        loss, metrics = result
+        if self._recorder is not None:
+            metrics[FAILURES_METRIC] = float(self._recorder.take_failures())
+        return loss, metrics
 
     def _per_sequence_totals(self, call: WrapperCall, dp_group: Any) -> Optional[MicrobatchTotals]:
         """The whole microbatch's totals for a per-sequence call computed on its own sequence.

@@ -20,7 +20,7 @@ import torch
 
 from nemo_rs_plugin.core.input_checks import POSITIVE_LOGPROB_SLACK
 
-__all__ = ["BatchFormatError", "TORCH_SUFFIXES", "load_batch"]
+__all__ = ["BatchFormatError", "TORCH_SUFFIXES", "check_values", "load_batch", "read_torch", "torch_batch"]
 
 
 class BatchFormatError(ValueError):
@@ -34,11 +34,14 @@ TORCH_SUFFIXES = (".pt", ".pth", ".torch")
 _TORCH_FIELDS = ("prev_logprobs", "generation_logprobs", "token_mask", "advantages", "sample_mask")
 
 
-#: A file the loss's recording writes (nemo_rs_plugin.nemo_rl.recording.record_name): step, rank, microbatch.
-_RECORD = re.compile(r"^step(\d+)-dp(\d+)-mb(\d+)\.pt$")
-
-
 def load_batch(path: str, newest_steps: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """:func:`load_with_records`'s batch (a folder: its newest run, every record verified)."""
+    return load_with_records(path, newest_steps)[0]
+
+
+def load_with_records(
+    path: str, newest_steps: Optional[int] = None, run: Optional[str] = None, skip_bad: bool = False
+) -> tuple[dict[str, torch.Tensor], Any]:
     """Per-token log-probs saved from a real run: JSONL (one sequence per line), torch, or a records folder.
 
     JSONL (any suffix but ``.pt``/``.pth``/``.torch``), one JSON object per line, blank lines
@@ -55,62 +58,46 @@ def load_batch(path: str, newest_steps: Optional[int] = None) -> dict[str, torch
     Torch file (``.pt``/``.pth``/``.torch``): a dict of tensors in NeMo-RL's ``train_data``
     layout: ``prev_logprobs`` and ``generation_logprobs`` ``[B, S]`` (real dtype),
     optional ``token_mask`` ``[B, S]`` (0/1), ``advantages`` ``[B]``, ``[B, 1]`` or
-    ``[B, S]``, ``sample_mask`` ``[B]`` (0/1); other keys are ignored. As in NeMo-RL's
-    loss, position 0 is dropped (its log-prob belongs to no predicted token), so ``S >= 2``.
+    ``[B, S]``, ``sample_mask`` ``[B]`` (0/1; in the loss's records a weight >= 0, kept as it
+    is); other keys are ignored. As in NeMo-RL's loss, position 0 is dropped (its log-prob
+    belongs to no predicted token), so ``S >= 2``.
 
-    A folder: the files the loss writes with ``record_logprobs: true`` (``record_dir``, named
-    ``stepNNNNNN-dpRRR-mbMMM.pt``, each a torch file as above), of the ``newest_steps`` newest
-    recorded steps (``None``: every step), every rank and microbatch, in one batch (rows padded
-    to the longest, ``token_mask`` 0 there).
+    A folder: the records the loss writes with ``record_logprobs: true`` (``record_dir``, or one
+    run's folder in it): one run's (the newest), of its ``newest_steps`` newest recorded steps
+    (``None``: every step), every rank and microbatch, each verified against its digest and read
+    once however many ranks wrote a copy, in one batch (rows padded to the longest,
+    ``token_mask`` 0 there): :func:`nemo_rs_plugin.tools.records.read_records`, which also says
+    which run it read.
 
     Returns a batch in the layout of :func:`~nemo_rs_plugin.tools.simulate.synthetic_batch`
-    (position 0 a dummy position).
+    (position 0 a dummy position), and for a folder what was read
+    (:class:`~nemo_rs_plugin.tools.records.RecordsRead`; ``None`` for a file).
 
     Raises:
         BatchFormatError: one line naming the file, the record (line) and the field.
     """
     p = Path(path)
+    read: Any = None
+    lines: Optional[list[int]] = None
     if p.is_dir():
-        batch, lines = _load_records(p, newest_steps), None
+        from nemo_rs_plugin.tools.records import read_records
+
+        batch, read = read_records(p, newest_steps, run, skip_bad)
         p = p / "*"
     elif not p.is_file():
         raise BatchFormatError(f"{path}: no such file")
     elif p.suffix in TORCH_SUFFIXES:
-        batch, lines = _load_torch(p), None
+        batch = _load_torch(p)
     else:
         batch, lines = _load_jsonl(p)
     valid = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
     if not bool((valid != 0).any()):
         raise BatchFormatError(f"{p}: no valid token in any sequence (every one is empty or masked)")
-    _check_values(p, batch, valid != 0, lines)
-    return batch
+    check_values(p, batch, valid != 0, lines)
+    return batch, read
 
 
-def _load_records(folder: Path, newest_steps: Optional[int]) -> dict[str, torch.Tensor]:
-    """The recorded microbatches of the newest steps in ``folder``, stacked (see :func:`load_batch`)."""
-    found = sorted((int(m.group(1)), f.name) for f in folder.iterdir() if (m := _RECORD.match(f.name)))
-    if not found:
-        raise BatchFormatError(
-            f"{folder}: a folder without records (stepNNNNNN-dpRRR-mbMMM.pt); record them with the loss's "
-            "record_logprobs: true (record_dir names the folder), or name a JSONL or torch file"
-        )
-    steps = sorted({step for step, _ in found})
-    if newest_steps is not None:
-        steps = steps[-newest_steps:]
-    parts = [_load_torch(folder / name) for step, name in found if step in steps]
-    width = max(part["prev_logprobs"].shape[1] for part in parts)
-    return {
-        key: torch.cat([_padded(part[key], width) for part in parts])
-        for key in ("prev_logprobs", "generation_logprobs", "token_mask", "advantages", "sample_mask")
-    }
-
-
-def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
-    """A ``[B, S]`` tensor padded with zeros to ``width`` columns (``[B]`` as it is)."""
-    return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.dim() == 2 else t
-
-
-def _check_values(p: Path, batch: dict, valid: torch.Tensor, lines: Optional[list[int]]) -> None:
+def check_values(p: Path, batch: dict, valid: torch.Tensor, lines: Optional[list[int]]) -> None:
     """Values on valid tokens that would make the simulation meaningless: one line, the first found.
 
     A log-prob field with no finite value (all null or NaN) gives NaN results; a positive
@@ -197,6 +184,11 @@ def _not_torch(p: Path) -> str:
 
 
 def _load_torch(p: Path) -> dict[str, torch.Tensor]:
+    return torch_batch(p, read_torch(p))
+
+
+def read_torch(p: Path) -> dict:
+    """A torch file's dict as saved (``torch.load(weights_only=True)``), or one :class:`BatchFormatError` line."""
     what = _not_torch(p)
     if what:
         raise BatchFormatError(f"{p}: {what}")
@@ -221,6 +213,15 @@ def _load_torch(p: Path) -> dict[str, torch.Tensor]:
         raise BatchFormatError(f"{p}: not a readable torch file ({first})") from None
     if not isinstance(raw, dict):
         raise BatchFormatError(f"{p}: expected a dict of tensors, got {type(raw).__name__}")
+    return raw
+
+
+def torch_batch(p: Path, raw: dict, weighted_samples: bool = False) -> dict[str, torch.Tensor]:
+    """A torch file's dict (:func:`read_torch`) validated into the batch layout (see :func:`load_batch`).
+
+    ``weighted_samples``: ``sample_mask`` may hold any finite weight >= 0, kept as it is (the loss's
+    records: NeMo-RL's ``sample_mask`` is a per-sequence weight); else 0/1 only.
+    """
     for key in raw:  # other keys are ignored (train_data holds many), but not a misspelt one we read
         close = difflib.get_close_matches(str(key), _TORCH_FIELDS, n=1, cutoff=0.85)
         if close and key not in _TORCH_FIELDS:
@@ -253,7 +254,12 @@ def _load_torch(p: Path) -> dict[str, torch.Tensor]:
         adv = torch.ones(B)
     out["advantages"] = (adv.reshape(B, 1).expand(B, S) if adv.numel() == B else adv).contiguous()
     sample = _real_tensor(p, raw, "sample_mask", ((B,),)) if "sample_mask" in raw else torch.ones(B)
-    out["sample_mask"] = _zero_one(p, "sample_mask", sample)
+    if not weighted_samples:
+        out["sample_mask"] = _zero_one(p, "sample_mask", sample)
+    elif bool((torch.isfinite(sample.float()) & (sample.float() >= 0)).all()):
+        out["sample_mask"] = sample.float()  # a weight: a fractional value is kept
+    else:
+        raise BatchFormatError(f"{p}: field 'sample_mask' must hold finite numbers >= 0 (0/1, or a weight)")
     return out
 
 

@@ -41,7 +41,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--steps",
         type=int,
         metavar="N",
-        help="with a record_dir: the newest N recorded optimizer steps (default: every recorded step)",
+        help="with a record_dir: the newest N recorded optimizer steps of the run read (default: every recorded step)",
+    )
+    p.add_argument(
+        "--run",
+        metavar="ID",
+        help="with a record_dir: the run to read (its id, as calibrate prints it; 'legacy': records from before "
+        "runs had folders); default: the newest run",
+    )
+    p.add_argument(
+        "--skip-bad-records",
+        action="store_true",
+        help="with a record_dir: leave out records that fail their checksum or cannot be read, and say how many "
+        "(default: an error naming the first)",
     )
     p.add_argument(
         "--target",
@@ -136,6 +148,11 @@ def run(args: argparse.Namespace) -> int:
         problems.append(
             f"--steps: reads a record_dir (a folder of the loss's records); --from {args.from_file} is not one"
         )
+    for flag, given in (("--run", args.run is not None), ("--skip-bad-records", args.skip_bad_records)):
+        if given and not os.path.isdir(args.from_file):
+            problems.append(
+                f"{flag}: reads a record_dir (a folder of the loss's records); --from {args.from_file} is not one"
+            )
     if not (math.isfinite(args.target) and 0.0 <= args.target < 1.0):
         problems.append(f"--target: got {args.target}; allowed: 0 <= target < 1 (a share, e.g. 0.05)")
     if args.json:
@@ -145,12 +162,12 @@ def run(args: argparse.Namespace) -> int:
         if same_file(args.json, args.from_file):
             problems.append(f"--json {args.json}: is the --from file; writing it would destroy your log-probs")
     templates = _templates(args, problems)
-    filters, batch = [], None
+    filters, batch, read = [], None, None
     if not problems:
         from pydantic import ValidationError
 
         from nemo_rs_plugin.core.config import RejectionFilter
-        from nemo_rs_plugin.tools.batch_formats import BatchFormatError, load_batch
+        from nemo_rs_plugin.tools.batch_formats import BatchFormatError, load_with_records
 
         if args.recipe:  # validated as check validates them: each problem names the stage, field, value, allowed
             filters = _recipe_filters(args.recipe, templates, problems)
@@ -161,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
                 except ValidationError as e:
                     problems.append(f"stage {i}: {'; '.join(err['msg'] for err in e.errors())}")
         try:
-            batch = load_batch(args.from_file, newest_steps=args.steps)
+            batch, read = load_with_records(args.from_file, args.steps, args.run, args.skip_bad_records)
         except BatchFormatError as e:
             problems.append(f"--from: {e}")
     if problems:
@@ -171,6 +188,15 @@ def run(args: argparse.Namespace) -> int:
     from nemo_rs_plugin.core.correction.calibration import calibrate_filters, rejected_fractions
 
     assert batch is not None  # loaded above, or a problem returned
+    if read is not None:  # a records folder: which run, which steps, what was left out
+        print(f"note: {read.summary()}", file=sys.stderr)
+        for line in read.notes:
+            print(f"note: {line}", file=sys.stderr)
+        if read.skipped:
+            print(
+                f"warning: --skip-bad-records: left out {len(read.skipped)} bad record(s): " + "; ".join(read.skipped),
+                file=sys.stderr,
+            )
     prev, gen = batch["prev_logprobs"][:, 1:], batch["generation_logprobs"][:, 1:]
     mask = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
     try:
@@ -187,12 +213,15 @@ def run(args: argparse.Namespace) -> int:
         for line in few:
             print(f"error: {line}", file=sys.stderr)
         return EXIT_INVALID
-    _print(args, filters, stages, as_written, batch)
+    data_bands = (
+        stages if args.allow_tighter else calibrate_filters(filters, prev, gen, mask, args.target, widen_only=False)
+    )
+    _print(args, filters, stages, as_written, batch, data_bands)
     for line in _warnings(args.target, filters, stages):
         print(f"warning: {line}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(_as_json(args, filters, stages, as_written), fh, indent=2)
+            json.dump(_as_json(args, filters, stages, as_written, read), fh, indent=2)
     return 0
 
 
@@ -267,19 +296,40 @@ def _fmt(v: Optional[float]) -> str:
     return "open" if v is None else f"{v:.6g}"
 
 
-def _print(args, filters, stages, as_written, batch) -> None:
+def _tighter_sides(template, data_band) -> list[str]:
+    """The sides on which the data's own band lies inside the template's (kept as written by widen-only)."""
+    sides = []
+    if template.lower is not None and data_band.lower is not None and data_band.lower > template.lower:
+        sides.append("lower")
+    if template.upper is not None and data_band.upper is not None and data_band.upper < template.upper:
+        sides.append("upper")
+    return sides
+
+
+def _print(args, filters, stages, as_written, batch, data_bands) -> None:
     n_seq = int((batch["sample_mask"] > 0).sum())
     print(f"{args.from_file}: {n_seq} sequences; target rejection {args.target:g} per stage")
-    for i, (f, st, written) in enumerate(zip(filters, stages, as_written)):
+    for i, (f, st, written, own) in enumerate(zip(filters, stages, as_written, data_bands)):
         unit = f.level_entry.units
         q = st.quantiles
         print(f"stage {i} ({f.label}, {st.units} {unit}):")
         print(f"  statistic on the data: p1 {q['p1']:.6g}, median {q['p50']:.6g}, p99 {q['p99']:.6g}")
         print(f"  as written [{_fmt(f.lower)}, {_fmt(f.upper)}]: rejects {written:.1%} of the {unit}")
+        tighter = [] if args.allow_tighter else _tighter_sides(f, own.filter)
+        moved = (st.filter.lower, st.filter.upper) != (f.lower, f.upper)
+        label = "calibrated" if moved or not tighter else "kept as written"
         print(
-            f"  calibrated [{_fmt(st.filter.lower)}, {_fmt(st.filter.upper)}]: rejects {st.rejected_frac:.1%} "
+            f"  {label} [{_fmt(st.filter.lower)}, {_fmt(st.filter.upper)}]: rejects {st.rejected_frac:.1%} "
             f"of the {unit}"
         )
+        if tighter:
+            which = " and ".join(tighter)
+            print(
+                f"  the data's band [{_fmt(own.filter.lower)}, {_fmt(own.filter.upper)}] (rejects "
+                f"{own.rejected_frac:.1%} of the {unit}) is narrower on the {which} side: calibration only widens "
+                f"by default, so the {which} bound{'s stay' if len(tighter) > 1 else ' stays'} as written; "
+                "--allow-tighter uses the data's band"
+            )
     print("loss_fn:\n  rejection_sampling:")
     for st in stages:
         print(f"    - {_flow(st.filter)}")
@@ -292,9 +342,19 @@ def _flow(f) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
-def _as_json(args, filters, stages, as_written) -> dict:
+def _as_json(args, filters, stages, as_written, read) -> dict:
+    records = None
+    if read is not None:  # a records folder: what was read of it
+        records = {
+            "run": read.run,
+            "steps": read.steps,
+            "records": read.records,
+            "rank_copies_read_once": read.copies,
+            "bad_records_skipped": len(read.skipped),
+        }
     return {
         "from": args.from_file,
+        "records": records,
         "target": args.target,
         "stages": [
             {

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nemo_rs_plugin.core import presets
 from nemo_rs_plugin.core.config import ConfigError, RejectionFilter, RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction.calibration import calibrate_filters
+from nemo_rs_plugin.nemo_rl.record_format import MANIFEST, META, fields_digest, parse_record_name
 from nemo_rs_plugin.nemo_rl.recording import RECORDED_FIELDS, LogprobRecorder, record_name
 from nemo_rs_plugin.tools.batch_formats import BatchFormatError, load_batch
 from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
@@ -54,14 +55,22 @@ def _steps(recorder, n_steps, per_step=2, seed=0):
     return batches
 
 
+def _records(folder):
+    """The record files in a folder (not the manifest), sorted."""
+    return sorted(name for name in os.listdir(folder) if parse_record_name(name))
+
+
 def test_every_nth_step_is_recorded_one_file_per_microbatch(tmp_path):
     recorder = LogprobRecorder(str(tmp_path), every=3, writer=lambda: (True, 5))
     _steps(recorder, 7)
-    names = sorted(os.listdir(tmp_path))
+    assert os.listdir(tmp_path) == [recorder.run_id]  # the run's own folder
+    names = _records(recorder.run_dir)
     assert names == [record_name(s, 5, k) for s in (0, 3, 6) for k in (0, 1)]
-    saved = torch.load(tmp_path / names[0], weights_only=True)
-    assert set(saved) == set(RECORDED_FIELDS)
+    assert sorted(os.listdir(recorder.run_dir)) == sorted(names + [MANIFEST])  # no temporary file left
+    saved = torch.load(Path(recorder.run_dir) / names[0], weights_only=True)
+    assert set(saved) == set(RECORDED_FIELDS) | {META}
     assert saved["token_mask"].dtype == torch.int8 and saved["prev_logprobs"].dtype == torch.float32
+    assert saved[META]["run_id"] == recorder.run_id and saved[META]["sha256"] == fields_digest(saved)
 
 
 def test_the_packing_wrapper_microbatch_is_recorded_once(tmp_path):
@@ -69,13 +78,13 @@ def test_the_packing_wrapper_microbatch_is_recorded_once(tmp_path):
     counts, mb = torch.tensor(5.0), _microbatch(0)
     for _ in range(4):  # the per-sequence wrapper's calls, each passing its whole microbatch
         recorder.observe(counts, mb)
-    assert os.listdir(tmp_path) == [record_name(0, 0, 0)]
+    assert _records(recorder.run_dir) == [record_name(0, 0, 0)]
 
 
 def test_a_rank_that_does_not_write_writes_nothing(tmp_path):
     recorder = LogprobRecorder(str(tmp_path / "r"), every=1, writer=lambda: (False, 1))
     _steps(recorder, 2)
-    assert not (tmp_path / "r").exists() and recorder.written == []
+    assert not (tmp_path / "r").exists() and recorder.written == []  # nothing checked, nothing written
 
 
 def test_steps_that_do_not_record_dispatch_no_operator(tmp_path):
@@ -100,13 +109,15 @@ def test_the_count_survives_the_loss_nemo_rl_sends_again_every_step(tmp_path):
     """NeMo-RL pickles the driver's loss to its workers with every ``policy.train`` call: a worker
     unpickles a fresh recorder each GRPO step, and the step count must go on, not restart."""
     driver = LogprobRecorder(str(tmp_path), every=3)  # the default writer: one process, rank 0
+    driver.check()  # where the loss is built
     sent = pickle.dumps(driver)
     for step in range(7):  # one GRPO step = one optimizer step here, two microbatches
         worker = pickle.loads(sent)
         counts = torch.tensor(100.0 + step)
         for k in range(2):
             worker.observe(counts, _microbatch(10 * step + k))
-    assert sorted(os.listdir(tmp_path)) == [record_name(s, 0, k) for s in (0, 3, 6) for k in (0, 1)]
+    assert os.listdir(tmp_path) == [driver.run_id]  # the workers write the driver's run
+    assert _records(driver.run_dir) == [record_name(s, 0, k) for s in (0, 3, 6) for k in (0, 1)]
 
 
 def test_calibrate_reads_the_records_to_the_in_memory_numbers(tmp_path):
@@ -161,7 +172,8 @@ batches = ph._microbatches()
 gvs, gvt = ph._global_counts(batches)
 for logits, data, lengths in batches:  # one optimizer step, two microbatches, one call per sequence
     ph._call("per_sequence", loss, logits, data, lengths, gvs, gvt, pad_multiple=2 if {sharded} else 1)
-print(sorted(os.listdir({out!r})))
+(run,) = os.listdir({out!r})
+print(sorted(n for n in os.listdir(os.path.join({out!r}, run)) if n.startswith("step")))
 """
 
 

@@ -133,3 +133,24 @@ def test_check_notes_an_async_sequence_band_but_not_a_veto(tmp_path):
     with open(path, "w") as fh:
         fh.write(yaml.safe_dump(cfg))
     assert not [n for n in check_recipe(path).notes if "nemo-rs calibrate" in n]
+
+
+def test_a_band_kept_because_the_datas_is_narrower_says_so(tmp_path, capsys):
+    """Widen-only keeps the template where the data's band is narrower: not "calibrated" (issue 51, item 5)."""
+    path = tmp_path / "tight.jsonl"
+    with open(path, "w") as fh:
+        for i in range(64):  # mean log-ratio within +-0.0032: a band far inside [0.99, 1.01]
+            gen = [-1.0 - 0.01 * t for t in range(50)]
+            fh.write(json.dumps({"prev_logprobs": [g + (i - 31.5) / 10000 for g in gen], "generation_logprobs": gen}))
+            fh.write("\n")
+    assert main(["calibrate", "--from", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated [" not in out
+    assert "kept as written [0.99, 1.01]: rejects 0.0% of the sequences" in out
+    line = next(line for line in out.splitlines() if "the data's band" in line)
+    assert "is narrower on the lower and upper side" in line and "--allow-tighter uses the data's band" in line
+    lower, upper = (float(x) for x in line.split("[")[1].split("]")[0].split(", "))
+    assert 0.99 < lower < 1.0 < upper < 1.01
+    assert main(["calibrate", "--from", str(path), "--allow-tighter"]) == 0
+    out = capsys.readouterr().out
+    assert f"calibrated [{lower:.6g}, {upper:.6g}]" in out and "the data's band" not in out

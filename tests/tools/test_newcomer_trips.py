@@ -275,7 +275,9 @@ def test_the_docs_recording_example_runs_and_calibrate_reads_it(capsys, tmp_path
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "docs/cli.md", "exec"), {})
-    assert sorted(os.listdir(tmp_path / "my-records")) == ["step000000-dp000-mb000.pt", "step000001-dp000-mb000.pt"]
+    (run_id,) = os.listdir(tmp_path / "my-records")  # the recorder's run, in its own folder
+    records = sorted(os.listdir(tmp_path / "my-records" / run_id))
+    assert records == ["manifest.json", "step000000-dp000-mb000.pt", "step000001-dp000-mb000.pt"]
     capsys.readouterr()
     status, out, err = run(capsys, "calibrate", "--from", "my-records", "--allow-few")
     assert status == 0 and "my-records: 8 sequences" in out, err
