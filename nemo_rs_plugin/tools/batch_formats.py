@@ -8,30 +8,25 @@ and a torch file in NeMo-RL's ``train_data`` layout. Every malformed input is on
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
-import re
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from nemo_rs_plugin.core.input_checks import POSITIVE_LOGPROB_SLACK
+from nemo_rs_plugin.tools.torch_batch import (
+    REQUIRED_FIELDS,
+    TORCH_SUFFIXES,
+    BatchFormatError,
+    read_torch,
+    torch_batch,
+)
 
 __all__ = ["BatchFormatError", "TORCH_SUFFIXES", "check_values", "load_batch", "read_torch", "torch_batch"]
 
-
-class BatchFormatError(ValueError):
-    """A malformed ``--from`` file; the message names the record and the field."""
-
-
-_REQUIRED = ("prev_logprobs", "generation_logprobs")
 _JSONL_FIELDS = ("prev_logprobs", "generation_logprobs", "token_mask", "advantage")
-TORCH_SUFFIXES = (".pt", ".pth", ".torch")
-# The fields a torch file's dict is read for (NeMo-RL's train_data names).
-_TORCH_FIELDS = ("prev_logprobs", "generation_logprobs", "token_mask", "advantages", "sample_mask")
 
 
 def load_batch(path: str, newest_steps: Optional[int] = None) -> dict[str, torch.Tensor]:
@@ -112,7 +107,7 @@ def check_values(p: Path, batch: dict, valid: torch.Tensor, lines: Optional[list
         return f"{p}: field {key!r} is {value:.6g} at sequence {i}, token {t + 1}"
 
     finite_both = torch.ones_like(valid)
-    for key in _REQUIRED:
+    for key in REQUIRED_FIELDS:
         values = batch[key][:, 1:]
         finite = torch.isfinite(values) & valid
         finite_both &= finite
@@ -139,128 +134,8 @@ def check_values(p: Path, batch: dict, valid: torch.Tensor, lines: Optional[list
         raise BatchFormatError(f"{p}: field 'advantages' is {value} at sequence {i}; expected a finite number")
 
 
-def _real_tensor(p: Path, raw: dict, key: str, shapes: tuple[tuple[int, ...], ...]) -> torch.Tensor:
-    t = raw[key]
-    if not isinstance(t, torch.Tensor):
-        raise BatchFormatError(f"{p}: field {key!r} must be a tensor, got {type(t).__name__}")
-    if t.is_complex() or (t.dtype == torch.bool and key not in ("token_mask", "sample_mask")):
-        raise BatchFormatError(f"{p}: field {key!r} must hold real numbers, got dtype {t.dtype}")
-    if tuple(t.shape) not in shapes:
-        expected = " or ".join(str(list(s)) for s in shapes)
-        raise BatchFormatError(f"{p}: field {key!r} has shape {list(t.shape)}, expected {expected}")
-    return t
-
-
-def _zero_one(p: Path, key: str, t: torch.Tensor) -> torch.Tensor:
-    t = t.float()
-    if not bool(((t == 0) | (t == 1)).all()):
-        raise BatchFormatError(f"{p}: field {key!r} must hold 0 or 1 only")
-    return t
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_SAVE_HINT = "save a dict of torch tensors: torch.save({k: torch.as_tensor(v) for k, v in batch.items()}, path)"
-
-
-def _not_torch(p: Path) -> str:
-    """What a file that is not a torch file is, from its first bytes, or "" when it may be one."""
-    with open(p, "rb") as fh:
-        head = fh.read(512)
-    if head.startswith(b"PK\x03\x04") or head.startswith(b"\x80"):  # torch's zip format, a pickle
-        return ""
-    if head.startswith(b"\x93NUMPY"):
-        return f"a NumPy .npy file, not a torch file; {_SAVE_HINT}"
-    try:
-        head.decode("utf-8")
-        text = bool(head) and all(ch.isprintable() or ch in "\t\r\n" for ch in head.decode("utf-8"))
-    except UnicodeDecodeError:
-        text = False
-    if text:
-        return (
-            "a text file, not a torch file (torch's files are binary); a JSONL batch needs a suffix other "
-            f"than {', '.join(TORCH_SUFFIXES)}"
-        )
-    return f"not a torch file (neither torch's zip format nor a pickle); {_SAVE_HINT}"
-
-
 def _load_torch(p: Path) -> dict[str, torch.Tensor]:
     return torch_batch(p, read_torch(p))
-
-
-def read_torch(p: Path) -> dict:
-    """A torch file's dict as saved (``torch.load(weights_only=True)``), or one :class:`BatchFormatError` line."""
-    what = _not_torch(p)
-    if what:
-        raise BatchFormatError(f"{p}: {what}")
-    try:
-        with warnings.catch_warnings():  # e.g. torch's note on the pickle protocol: the error says it all
-            warnings.simplefilter("ignore")
-            raw = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is a format error
-        message = _ANSI.sub("", str(exc))
-        with open(p, "rb") as fh:
-            names_numpy = b"numpy" in fh.read(1 << 16)  # a pickle names the modules of its classes
-        if names_numpy or "numpy" in message.lower():
-            raise BatchFormatError(
-                f"{p}: holds NumPy arrays, which torch.load(weights_only=True) refuses; {_SAVE_HINT}"
-            ) from None
-        if "weights only load failed" in message.lower() or "weights_only" in message:
-            raise BatchFormatError(
-                f"{p}: holds Python objects other than tensors, which torch.load(weights_only=True) "
-                f"refuses; {_SAVE_HINT}"
-            ) from None
-        first = message.strip().splitlines()[0] if message.strip() else type(exc).__name__
-        raise BatchFormatError(f"{p}: not a readable torch file ({first})") from None
-    if not isinstance(raw, dict):
-        raise BatchFormatError(f"{p}: expected a dict of tensors, got {type(raw).__name__}")
-    return raw
-
-
-def torch_batch(p: Path, raw: dict, weighted_samples: bool = False) -> dict[str, torch.Tensor]:
-    """A torch file's dict (:func:`read_torch`) validated into the batch layout (see :func:`load_batch`).
-
-    ``weighted_samples``: ``sample_mask`` may hold any finite weight >= 0, kept as it is (the loss's
-    records: NeMo-RL's ``sample_mask`` is a per-sequence weight); else 0/1 only.
-    """
-    for key in raw:  # other keys are ignored (train_data holds many), but not a misspelt one we read
-        close = difflib.get_close_matches(str(key), _TORCH_FIELDS, n=1, cutoff=0.85)
-        if close and key not in _TORCH_FIELDS:
-            raise BatchFormatError(f"{p}: field {key!r} is not read; did you mean {close[0]!r}?")
-    for key in _REQUIRED:
-        if key not in raw:
-            raise BatchFormatError(f"{p}: field {key!r} is missing")
-        if not isinstance(raw[key], torch.Tensor) or raw[key].dim() != 2:
-            shape = list(raw[key].shape) if isinstance(raw[key], torch.Tensor) else type(raw[key]).__name__
-            raise BatchFormatError(f"{p}: field {key!r} must be a [B, S] tensor, got {shape}")
-    B, S = raw["prev_logprobs"].shape
-    if B == 0:
-        raise BatchFormatError(f"{p}: field 'prev_logprobs' holds no sequence (B = 0)")
-    if S < 2:
-        raise BatchFormatError(
-            f"{p}: field 'prev_logprobs' has S = {S}; position 0 is dropped as in NeMo-RL's "
-            "loss, so S must be at least 2"
-        )
-    out = {}
-    for key in _REQUIRED:
-        t = _real_tensor(p, raw, key, ((B, S),))
-        if not t.is_floating_point():
-            raise BatchFormatError(f"{p}: field {key!r} must hold floating-point log-probs, got dtype {t.dtype}")
-        out[key] = t.float()
-    mask = _real_tensor(p, raw, "token_mask", ((B, S),)) if "token_mask" in raw else torch.ones(B, S)
-    out["token_mask"] = _zero_one(p, "token_mask", mask).long()
-    if "advantages" in raw:
-        adv = _real_tensor(p, raw, "advantages", ((B,), (B, 1), (B, S))).float()
-    else:
-        adv = torch.ones(B)
-    out["advantages"] = (adv.reshape(B, 1).expand(B, S) if adv.numel() == B else adv).contiguous()
-    sample = _real_tensor(p, raw, "sample_mask", ((B,),)) if "sample_mask" in raw else torch.ones(B)
-    if not weighted_samples:
-        out["sample_mask"] = _zero_one(p, "sample_mask", sample)
-    elif bool((torch.isfinite(sample.float()) & (sample.float() >= 0)).all()):
-        out["sample_mask"] = sample.float()  # a weight: a fractional value is kept
-    else:
-        raise BatchFormatError(f"{p}: field 'sample_mask' must hold finite numbers >= 0 (0/1, or a weight)")
-    return out
 
 
 def _is_number(v: Any) -> bool:
@@ -298,7 +173,7 @@ def _jsonl_record(p: Path, lineno: int, line: str) -> tuple[dict, int, float]:
     if unknown:
         raise BatchFormatError(f"{where}: field {unknown[0]!r} is unknown (fields: {', '.join(_JSONL_FIELDS)})")
     n = None
-    for key in _REQUIRED + ("token_mask",):
+    for key in REQUIRED_FIELDS + ("token_mask",):
         if key not in rec:
             if key == "token_mask":
                 continue

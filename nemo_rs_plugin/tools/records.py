@@ -30,7 +30,7 @@ from nemo_rs_plugin.nemo_rl.record_format import (
     fields_digest,
     parse_record_name,
 )
-from nemo_rs_plugin.tools.batch_formats import BatchFormatError, read_torch, torch_batch
+from nemo_rs_plugin.tools.torch_batch import BatchFormatError, read_torch, torch_batch
 
 __all__ = ["LEGACY", "RecordsRead", "read_records"]
 

@@ -80,9 +80,9 @@ class _Collect(logging.Handler):
 
 
 def check_failed_writes_never_stop_the_call(rank: int, world_size: int, host: str, folder: str) -> list[str]:
-    from tests.support.real_megatron_cases import _host_modules, _local_logits, _train_step, make_batch
-
     import faulthandler
+
+    from tests.support.real_megatron_cases import _host_modules, _local_logits, _train_step, make_batch
 
     faulthandler.dump_traceback_later(200)  # a rank still here then is stuck: show where (stderr)
     m = _host_modules(host)

@@ -1,4 +1,4 @@
-"""Records calibrate can trust (issue 49): ``calibrate --from <record_dir>`` reads one run, verified, each sequence once.
+"""Records calibrate can trust (issue 49): ``calibrate --from <record_dir>`` reads one run, verified, once each.
 
 Written with the loss's own recorder (``nemo_rs_plugin/nemo_rl/recording.py``), read by
 ``nemo_rs_plugin/tools/records.py``: two runs sharing a folder, a resumed run, a corrupted or
