@@ -86,7 +86,9 @@ def check_hook(report: DoctorReport) -> Any:
             "NeMo-RL builds its own loss, and recipes naming a plugin loss are refused.",
             stop=True,
         )
-    report.ok("start-up hook", f"active in {sys.executable} ({hook.__file__})")
+    if hook.unrecognised_setting() is not None:
+        report.warn("start-up hook", hook.state())
+    report.ok("start-up hook", f"active in {sys.executable} ({hook.__file__}); {hook.state()}")
     return hook
 
 
