@@ -144,9 +144,10 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         gathered path's gradients.
 
         Raises ``ValueError`` for a ``token_mask`` other than 0/1 and for a global count below the
-        microbatch's own other than the split API's placeholder 1 (decided on the one host transfer
-        of the metrics: no extra sync); a count at least the microbatch's own but below the true
-        global batch's cannot be detected here (docs/troubleshooting.md#input-errors).
+        microbatch's own other than the split API's placeholder, 1 for both (which warns once per
+        process; decided on the one host transfer of the metrics: no extra sync); a count at least
+        the microbatch's own but below the true global batch's cannot be detected here
+        (docs/troubleshooting.md#input-errors).
         """
         if data is None:
             raise TypeError("rs_clipped_pg: the data dict is required")
