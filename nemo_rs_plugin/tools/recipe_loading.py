@@ -177,6 +177,16 @@ def _find_nemo_rl(nemo_rl_path: Optional[str], report: LoadReport) -> tuple[bool
     return True, root
 
 
+def _indentation_problem(path: str, line: int) -> Optional[str]:
+    from nemo_rs_plugin.tools.recipe_yaml import indentation_problem
+
+    try:
+        with open(path) as fh:
+            return indentation_problem(fh.read(), line)
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def load_recipe(path: str, overrides: list[str], nemo_rl_path: Optional[str], report: LoadReport) -> Optional[dict]:
     """The resolved recipe as plain data, or ``None`` with ``report.errors`` filled.
 
@@ -195,6 +205,9 @@ def load_recipe(path: str, overrides: list[str], nemo_rl_path: Optional[str], re
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
+        indentation = _indentation_problem(path, mark.line) if mark is not None else None
+        if indentation is not None:  # PyYAML names a token ("found '?'") that is not in the file
+            problem = f"mis-indented: {indentation} (PyYAML: {problem})"
         report.errors.append(f"{path}{where}: invalid YAML: {problem}")
         return None
     except (OSError, UnicodeDecodeError) as exc:
