@@ -248,8 +248,17 @@ def _float_mask_failed(out: Mapping[str, float]) -> bool:
 def _float_mask_error(out: Mapping[str, float]) -> ValueError:
     n = int(out["_token_mask_other"])
     lo, hi = out["_token_mask_other_min"], out["_token_mask_other_max"]
-    values = f"{lo:g}" if lo == hi else f"from {lo:g} to {hi:g}"
+    values = _not_0_or_1(lo) if lo == hi else f"from {_not_0_or_1(lo)} to {_not_0_or_1(hi)}"
     return _token_mask_error(f"got {n} {'entry' if n == 1 else 'entries'} other than 0 and 1 ({values})")
+
+
+def _not_0_or_1(value: float) -> str:
+    """``value`` with the digits that tell it from 0 and 1 (``:g`` shows 0.99999988 as ``1``)."""
+    for digits in range(6, 18):
+        shown = f"{value:.{digits}g}"
+        if float(shown) not in (0.0, 1.0):
+            return shown
+    return repr(value)
 
 
 def _token_mask_error(found: str) -> ValueError:

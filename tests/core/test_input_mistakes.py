@@ -35,6 +35,29 @@ def test_token_mask_other_than_zero_one_is_an_error(cfg, value):
     assert "\n" not in msg
 
 
+@pytest.mark.parametrize(
+    "value, shown", [(0.99999988, "(0.9999999)"), (1.0000001, "(1.0000001)"), (1e-9, "(1e-09)"), (0.5, "(0.5)")]
+)
+def test_a_token_mask_entry_near_0_or_1_is_shown_with_the_digits_that_tell_it_apart(value, shown):
+    lp, data, gvs, gvt = batch()
+    data["token_mask"] = data["token_mask"].float()
+    data["token_mask"][1, 3] = value
+    with pytest.raises(ValueError) as info:
+        CorrectedPGLoss({})(lp, data, gvs, gvt)
+    assert str(info.value).startswith(f"token_mask: got 1 entry other than 0 and 1 {shown}; "), str(info.value)
+
+
+@pytest.mark.parametrize("shape", [(4,), (4, 1)])
+def test_per_sequence_advantages_get_the_broadcast_that_fixes_them(shape):
+    lp, data, gvs, gvt = batch()
+    data["advantages"] = torch.randn(*shape)
+    with pytest.raises(ValueError) as info:
+        CorrectedPGLoss({})(lp, data, gvs, gvt)
+    msg = str(info.value)
+    assert msg.startswith(f"data['advantages']: got shape {shape}; expected [B, S] = (4, 9)"), msg
+    assert "one advantage per token, as NeMo-RL's GRPO stores them: broadcast a per-sequence advantage" in msg, msg
+
+
 @pytest.mark.parametrize("batched", [False, True], ids=["cpu-form", "gpu-form"])
 @pytest.mark.parametrize(
     "values, found",
