@@ -92,6 +92,19 @@ def check_hook(report: DoctorReport) -> Any:
     return hook
 
 
+def use_checkout(report: DoctorReport, path: str) -> None:
+    """``--nemo-rl PATH``: NeMo-RL from that checkout, put first on the path as ``nemo-rs check --nemo-rl`` does."""
+    root = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(os.path.join(root, "nemo_rl", "__init__.py")):
+        if os.path.isfile(root):
+            what = "it is a file (an archive?): extract it and name the folder"
+        else:
+            what = "no such directory" if not os.path.isdir(root) else "no nemo_rl/__init__.py in it"
+        report.fail("NeMo-RL", f"--nemo-rl {path}: not a NeMo-RL checkout ({what})", stop=True)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
 def check_nemo_rl(report: DoctorReport) -> Any:
     """NeMo-RL imports here and its loss API is supported; the ``nemo_rl`` package."""
     try:

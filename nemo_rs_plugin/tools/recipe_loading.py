@@ -61,7 +61,9 @@ HOW_TO_CHECK_IN_NEMO_RL = (
     "(where `import nemo_rl.algorithms.grpo` works, e.g. `uv run nemo-rs check ...` in the NeMo-RL "
     "checkout with nemo-rs-plugin installed there); a checkout named by --nemo-rl outside it also needs "
     "what NeMo-RL's modules import, listed in .ci/nemo-rl-host-requirements.txt of nemo-rs-plugin's "
-    "source (its sdist and git tree; pip install -r it)"
+    "source (its sdist and git tree; pip install -r it), and NeMo-RL v0.7.0 and main need Python >= 3.12 "
+    "for their MasterConfig (nemo_rl.algorithms.grpo does not import on an older Python; v0.6.0's is a "
+    "TypedDict, which NeMo-RL does not validate)"
 )
 
 
