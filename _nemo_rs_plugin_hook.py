@@ -95,7 +95,7 @@ def state():
     )
 
 
-_warned = []
+_warned: list = []  # the values warned about in this process
 
 
 def warn_unrecognised():
