@@ -17,7 +17,10 @@ own modules are imported does anything happen:
 * ``nemo_rl.utils.config``: ``load_config`` gets the ``loss_fn: <name>`` shorthand, and refuses
   a recipe naming a plugin loss when the selector could not be installed.
 
-``NEMO_RS_PLUGIN_DISABLE=1`` switches the plugin off: nothing of the package is imported and
+``NEMO_RS_PLUGIN_DISABLE=1`` (or ``true``, ``yes``, ``on``) switches the plugin off; unset,
+empty, ``0``, ``false``, ``no`` and ``off`` leave it on, and any other value leaves it on with a
+warning naming the value (:class:`PluginDisableWarning`, when NeMo-RL's modules load; ``nemo-rs
+check`` and ``doctor`` say it too). Off, nothing of the package is imported and
 NeMo-RL builds its own loss. The hook then only guards: a recipe that still names a plugin
 loss (``loss_fn.name`` other than ``clipped_pg``) is refused when ``load_config`` reads it or
 when NeMo-RL's ``ClippedPGLossFn`` is built from it, instead of training with a loss the recipe
@@ -35,6 +38,9 @@ import os
 import sys
 
 DISABLE_ENV = "NEMO_RS_PLUGIN_DISABLE"
+#: Values of ``NEMO_RS_PLUGIN_DISABLE`` (stripped, lower case) that switch the plugin off, and that leave it on.
+OFF_VALUES = ("1", "true", "yes", "on")
+ON_VALUES = ("", "0", "false", "no", "off")
 #: NeMo-RL's setup modules that build the loss as ``ClippedPGLossFn(cfg, ...)``.
 LOSS_MODULES = (
     "nemo_rl.algorithms.grpo",
@@ -56,9 +62,51 @@ class PluginDisabledError(RuntimeError):
     """A recipe names a plugin loss while ``NEMO_RS_PLUGIN_DISABLE`` switches the plugin off."""
 
 
+class PluginDisableWarning(UserWarning):
+    """``NEMO_RS_PLUGIN_DISABLE`` holds a value that is neither an on nor an off spelling: the plugin stays on."""
+
+
 def disabled():
     """Whether ``NEMO_RS_PLUGIN_DISABLE`` switches the plugin off in this process."""
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in OFF_VALUES
+
+
+def unrecognised_setting():
+    """``NEMO_RS_PLUGIN_DISABLE``'s value where it is neither an off nor an on spelling (it stays on), else None."""
+    value = os.environ.get(DISABLE_ENV)
+    if value is None or value.strip().lower() in OFF_VALUES + ON_VALUES:
+        return None
+    return value
+
+
+def state():
+    """Which state the plugin is in here, and why: one line (``nemo-rs check`` and ``doctor`` print it)."""
+    value = os.environ.get(DISABLE_ENV)
+    if value is None:
+        return f"nemo-rs-plugin is on ({DISABLE_ENV} is not set)"
+    if disabled():
+        return f"nemo-rs-plugin is off ({DISABLE_ENV}={value})"
+    if unrecognised_setting() is None:
+        return f"nemo-rs-plugin is on ({DISABLE_ENV}={value})"
+    return (
+        f"nemo-rs-plugin is on: {DISABLE_ENV}={value!r} is not a value it reads (off: "
+        f"{', '.join(OFF_VALUES)}; on: unset, empty, {', '.join(v for v in ON_VALUES if v)}), so it does not switch "
+        "the plugin off"
+    )
+
+
+_warned: list = []  # the values warned about in this process
+
+
+def warn_unrecognised():
+    """Warn once per process about an unrecognised ``NEMO_RS_PLUGIN_DISABLE`` (:class:`PluginDisableWarning`)."""
+    value = unrecognised_setting()
+    if value is None or value in _warned:
+        return
+    _warned.append(value)
+    import warnings
+
+    warnings.warn(state(), PluginDisableWarning, stacklevel=2)
 
 
 def loss_name_of(loss):
@@ -160,6 +208,7 @@ class _Finder:
 
 
 def _patch(fullname, module):
+    warn_unrecognised()
     if disabled():
         _guard_disabled(fullname, module)
         return

@@ -10,6 +10,7 @@ on its own is left out of the combination checks, so that one mistake is one lin
 
 from __future__ import annotations
 
+import difflib
 import numbers
 import re
 import typing
@@ -160,6 +161,15 @@ def format_validation_error(exc: ValidationError) -> list[str]:
             # the list position for rejection filters.
             for line in msg.split("\n"):
                 lines.append(f"{loc}: {line}" if loc and not line.startswith(loc) else line)
+        elif err["type"] == "extra_forbidden" and len(err["loc"]) == 3 and err["loc"][0] == "rejection_sampling":
+            # as a top-level field's: the field named, a close one suggested (pydantic: "Extra inputs ...")
+            key = str(err["loc"][-1])
+            guess = difflib.get_close_matches(key, sorted(RejectionFilter.model_fields), n=1, cutoff=0.6)
+            hint = f"did you mean {guess[0]!r}? " if guess else ""
+            lines.append(
+                f"{loc}: unknown field of a rejection_sampling stage; {hint}(fields: "
+                f"{', '.join(RejectionFilter.model_fields)})"
+            )
         elif err["loc"] == ("rejection_sampling",) and err["type"] in ("tuple_type", "list_type"):
             lines.append(
                 f"{loc}: got {err.get('input')!r}; allowed: a list of stages (in YAML, start each stage "

@@ -80,7 +80,12 @@ def filter_bound_warnings(i: int, f: RejectionFilter) -> list[str]:
     what = f"a {f.level_entry.unit}'s" + (f" {f.aggregation}" if f.aggregation is not None else "")
     clamped = f"; below {hi:g} with the probabilities clamped" if entry.clamped else ""
     w = []
-    if f.upper is not None and f.upper >= hi:
+    if f.upper == math.inf and hi == math.inf:
+        w.append(
+            f"rejection_sampling.{i}.upper: got {f.upper} with metric {f.metric!r}: an infinite upper bound never "
+            "rejects; remove it (no upper bound means the same)"
+        )
+    elif f.upper is not None and f.upper >= hi:
         w.append(
             f"rejection_sampling.{i}.upper: got {f.upper} with metric {f.metric!r}, which is at most {hi:g} "
             f"({what}{clamped}): this bound never rejects; set an upper bound below {hi:g}, or remove it"

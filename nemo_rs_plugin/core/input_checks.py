@@ -102,10 +102,12 @@ def count_global_counts(metrics: MetricSet, counts: GlobalCounts, masks: TokenMa
 
     A global count is wrong when it is negative or not finite, or below the microbatch's own
     count of the units it counts (0 included while this microbatch has one), unless it is
-    exactly 1: the global count covers every microbatch and data-parallel rank, so it is never
-    smaller, and a smaller one scales the loss up without a word (3 for 32 valid tokens: a loss
-    about 10x too large). 1 is the placeholder of NeMo-RL's split API (its Megatron worker
-    passes 1 and rescales the summed fragments by the true count at the end), so it passes.
+    exactly 1 for both counts: the global count covers every microbatch and data-parallel rank,
+    so it is never smaller, and a smaller one scales the loss up without a word (3 for 32 valid
+    tokens: a loss about 10x too large). 1 for both is the placeholder of NeMo-RL's split API
+    (its Megatron worker passes 1 for both and rescales the summed fragments by the true counts at
+    the end), so it passes, with one :class:`InputWarning` per process where the microbatch's own
+    counts exceed it (a caller other than the split API gets a loss that many times too large).
     ``token_mask`` must hold 0 and 1 only (a 2 counts a token twice; weight samples with
     ``sample_mask``). The counts, the microbatch's own (summed over the ranks that split its
     tokens) and the mask's non-0/1 entries ride on the one host transfer of the metrics, so
@@ -144,6 +146,8 @@ def judge_inputs(values: Mapping[str, float]) -> None:
     for name, local, unit in _COUNTS:
         if f"_{name}" in values and _count_failed(name, local, values):
             raise _count_error(name, local, unit, values)
+    if _placeholder_below_own(values):
+        _warn_placeholder_once(values)
     for entry, count in values.items():
         if entry.startswith("_positive_") and entry.endswith("_count") and count > 0:
             key = entry[len("_positive_") : -len("_count")]
@@ -151,11 +155,47 @@ def judge_inputs(values: Mapping[str, float]) -> None:
             warnings.warn(_positive_input_message(key), InputWarning, stacklevel=3)
 
 
+def _split_placeholder(out: Mapping[str, float]) -> bool:
+    """Both global counts are 1: the shape of NeMo-RL's split API (it passes 1 for both, never for one alone)."""
+    return out.get("_global_valid_toks") == SPLIT_API_PLACEHOLDER and out.get("_global_valid_seqs") == (
+        SPLIT_API_PLACEHOLDER
+    )
+
+
 def _count_failed(name: str, local: str, out: Mapping[str, float]) -> bool:
     count = out[f"_{name}"]
     own = out[local]
-    below_own = own > 0 and count < own * (1 - _COUNT_SLACK) and count != SPLIT_API_PLACEHOLDER
+    below_own = own > 0 and count < own * (1 - _COUNT_SLACK) and not _split_placeholder(out)
     return not math.isfinite(count) or count < 0 or below_own
+
+
+def _placeholder_below_own(out: Mapping[str, float]) -> bool:
+    """The split API's placeholder where the microbatch's own counts exceed it (any other caller: a wrong count)."""
+    if not _split_placeholder(out) or "_local_valid_toks" not in out:
+        return False
+    return out["_local_valid_toks"] > SPLIT_API_PLACEHOLDER or out["_local_valid_seqs"] > SPLIT_API_PLACEHOLDER
+
+
+#: Whether this process was told about the split API's placeholder already (once: the split API passes it every call).
+_placeholder_said = [False]
+
+
+def _warn_placeholder_once(out: Mapping[str, float]) -> None:
+    if _placeholder_said[0]:
+        return
+    _placeholder_said[0] = True
+    toks, seqs = out["_local_valid_toks"], out["_local_valid_seqs"]
+    # stacklevel: _warn_placeholder_once, judge_inputs, CorrectedPGLoss.compute, its caller
+    warnings.warn(
+        f"global_valid_seqs and global_valid_toks: got 1 and 1 while this microbatch has {seqs:g} valid sequences "
+        f"and {toks:g} valid tokens: taken as the placeholder of NeMo-RL's split API (begin_train_step/"
+        "finish_train_step), whose caller rescales the summed loss and metrics by the true counts. Any other "
+        f"caller gets a loss, gradient and mean metrics (is_weight_mean) {toks:g}x (token-level loss) or "
+        f"{seqs:g}x (sequence-level) too large: pass the counts of the whole global batch. Said once per process "
+        "(docs/troubleshooting.md#input-errors)",
+        InputWarning,
+        stacklevel=4,
+    )
 
 
 def _count_error(name: str, local: str, unit: str, out: Mapping[str, float]) -> ValueError:
@@ -163,8 +203,8 @@ def _count_error(name: str, local: str, unit: str, out: Mapping[str, float]) -> 
         f"{name}: got {out[f'_{name}']:g} while this microbatch has "
         f"{out[local]:g} {unit}; expected the count of {unit} over the whole "
         "global batch (all microbatches and data-parallel ranks): a finite number, at least "
-        "the microbatch's own (0 only for a fully masked global batch; 1 as the split API's "
-        "placeholder)"
+        "the microbatch's own (0 only for a fully masked global batch; 1 for both counts as the split "
+        "API's placeholder)"
     )
 
 
@@ -210,8 +250,17 @@ def _float_mask_failed(out: Mapping[str, float]) -> bool:
 def _float_mask_error(out: Mapping[str, float]) -> ValueError:
     n = int(out["_token_mask_other"])
     lo, hi = out["_token_mask_other_min"], out["_token_mask_other_max"]
-    values = f"{lo:g}" if lo == hi else f"from {lo:g} to {hi:g}"
+    values = _not_0_or_1(lo) if lo == hi else f"from {_not_0_or_1(lo)} to {_not_0_or_1(hi)}"
     return _token_mask_error(f"got {n} {'entry' if n == 1 else 'entries'} other than 0 and 1 ({values})")
+
+
+def _not_0_or_1(value: float) -> str:
+    """``value`` with the digits that tell it from 0 and 1 (``:g`` shows 0.99999988 as ``1``)."""
+    for digits in range(6, 18):
+        shown = f"{value:.{digits}g}"
+        if float(shown) not in (0.0, 1.0):
+            return shown
+    return repr(value)
 
 
 def _token_mask_error(found: str) -> ValueError:

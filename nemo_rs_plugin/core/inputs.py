@@ -65,12 +65,19 @@ class LossInputs:
 
         def col(key: str) -> torch.Tensor:
             t = _required(data, key)
-            if t.dim() != 2:
+            # [B, 1]: one advantage per sequence, which slicing would leave [B, 0]
+            per_sequence = key == "advantages" and t.dim() == 2 and t.shape[1] == 1 and lp_shape[1:] != (0,)
+            if t.dim() != 2 or per_sequence:
                 hint = ""
                 if key == "advantages" and t.dim() == 1:
                     hint = (
                         "; one advantage per token, as NeMo-RL's GRPO stores them: broadcast a "
                         "per-sequence advantage with advantages.unsqueeze(-1).expand(-1, S)"
+                    )
+                if per_sequence:
+                    hint = (
+                        "; one advantage per token, as NeMo-RL's GRPO stores them: broadcast a "
+                        "per-sequence advantage with advantages.expand(-1, S)"
                     )
                 raise ValueError(
                     f"data[{key!r}]: got shape {tuple(t.shape)}; expected [B, S] = {want}, "

@@ -36,13 +36,11 @@ from nemo_rs_plugin.core.inputs import LossInputs
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
 from nemo_rs_plugin.core.microbatch import MicrobatchTotals, current_policy_problems, needs_microbatch_totals
 from nemo_rs_plugin.nemo_rl.host import (
-    fused_sharded_problem,
     host_accepts_fused_flag,
     host_api,
     host_config,
     host_field_problems,
     per_sequence_packing_problem,
-    training_time_filtering_problem,
     v06_semantics,
 )
 from nemo_rs_plugin.nemo_rl.packing import (
@@ -54,7 +52,7 @@ from nemo_rs_plugin.nemo_rl.packing import (
     per_sequence_wrapper_call,
 )
 from nemo_rs_plugin.nemo_rl.recording import FAILURES_METRIC, LogprobRecorder
-from nemo_rs_plugin.parallel.vocab_parallel import chunk_size_problem
+from nemo_rs_plugin.nemo_rl.refusals import run_time_refusal
 
 __all__ = ["RSClippedPGLossFn", "batch_data_parallel_group", "megatron_groups"]
 
@@ -115,7 +113,10 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         self._recorder = LogprobRecorder(config.record_dir, config.record_every) if config.record_logprobs else None
         if self._recorder is not None:
             self._recorder.check()  # a ConfigError naming record_dir and the cause, before step 1
-        problem = fused_sharded_problem(config.sharded_logits_input, use_fused_linear_logprobs)
+        # The recipe-dependent refusals are those of nemo_rs_plugin.nemo_rl.refusals (`nemo-rs check` reads them too).
+        problem = run_time_refusal("fused_linear_logprobs").judge(
+            config.sharded_logits_input, use_fused_linear_logprobs
+        )
         if problem is not None:
             raise ConfigError([problem])
         # See: docs/parallelism.md#sharded-input
@@ -147,9 +148,10 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         gathered path's gradients.
 
         Raises ``ValueError`` for a ``token_mask`` other than 0/1 and for a global count below the
-        microbatch's own other than the split API's placeholder 1 (decided on the one host transfer
-        of the metrics: no extra sync); a count at least the microbatch's own but below the true
-        global batch's cannot be detected here (docs/troubleshooting.md#input-errors).
+        microbatch's own other than the split API's placeholder, 1 for both (which warns once per
+        process; decided on the one host transfer of the metrics: no extra sync); a count at least
+        the microbatch's own but below the true global batch's cannot be detected here
+        (docs/troubleshooting.md#input-errors).
         """
         if data is None:
             raise TypeError("rs_clipped_pg: the data dict is required")
@@ -325,7 +327,7 @@ def _logprob_chunk_size(prepare_keywords: Mapping[str, Any]) -> Optional[int]:
     NeMo-RL's own chunked path would divide by it.
     """
     value = prepare_keywords.get("chunk_size")
-    problem = chunk_size_problem(value)
+    problem = run_time_refusal("logprob_chunk_size").judge(True, value)
     if problem is not None:
         raise ConfigError([problem])
     return value
@@ -342,7 +344,9 @@ def _refuse_training_time_filtering(params: Any) -> None:
     """Top-k/top-p training-time filtering cannot be honoured from logits: refuse it."""
     if params is None:
         return
-    problem = training_time_filtering_problem(getattr(params, "top_k", None), getattr(params, "top_p", 1.0))
+    problem = run_time_refusal("training_time_filtering").judge(
+        True, getattr(params, "top_k", None), getattr(params, "top_p", 1.0)
+    )
     if problem is not None:
         raise ConfigError([problem])
 
@@ -388,13 +392,8 @@ def batch_data_parallel_group(config: RSClippedPGLossConfig) -> Any:
         return parallel_state.get_data_parallel_group()
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ConfigError(
-            [
-                "is_batch_normalization: got 'data_parallel', but no data-parallel group is known "
-                "here (megatron-core's parallel_state is not initialised, as under NeMo-RL's DTensor "
-                "backend); allowed here: 'microbatch', or call the core loss with "
-                "SequenceGroups(data_parallel=...)"
-            ]
-        )
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    problem = run_time_refusal("data_parallel_group").judge(config.is_batch_normalization, False, ranks)
+    if problem is not None:
+        raise ConfigError([problem])
     return None

@@ -249,10 +249,18 @@ def _without_unresolved_stages(section: dict, unresolved: list[str]) -> Optional
 
 
 def _plugin_disabled(report: CheckReport, name: Optional[str]) -> None:
-    """``NEMO_RS_PLUGIN_DISABLE`` set here: the run refuses a recipe naming a plugin loss (``PluginDisabledError``)."""
+    """``NEMO_RS_PLUGIN_DISABLE`` set here: the run refuses a recipe naming a plugin loss (``PluginDisabledError``).
+
+    Set to a value that leaves the plugin on: a note saying so, a warning where the value is not
+    one the plugin reads (``disabled``, ``2``: it stays on).
+    """
     from nemo_rs_plugin.nemo_rl.activation import hook
 
     if not hook.disabled():
+        if hook.unrecognised_setting() is not None:  # on, though the variable was likely meant to switch it off
+            report.warnings.append(hook.state())
+        elif os.environ.get(hook.DISABLE_ENV) is not None:
+            report.notes.append(hook.state())
         return
     setting = f"{hook.DISABLE_ENV}={os.environ.get(hook.DISABLE_ENV)}"
     if selects_nemo_rl_loss(name):

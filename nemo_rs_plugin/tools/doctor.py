@@ -1,4 +1,4 @@
-"""``python -m nemo_rs_plugin.tools.doctor [RECIPE]``: prove the plugin is active where NeMo-RL runs.
+"""``python -m nemo_rs_plugin.tools.doctor [RECIPE] [--nemo-rl PATH]``: prove the plugin is active where NeMo-RL runs.
 
 Run it the way training runs, from NeMo-RL's checkout (``uv run python -m
 nemo_rs_plugin.tools.doctor my-recipe.yaml``). In this interpreter, the driver, it checks that:
@@ -47,10 +47,15 @@ HELP = "prove the plugin is active where NeMo-RL runs (driver and worker venvs)"
 
 
 def run_checks(
-    recipe: Optional[str] = None, venvs: Optional[str] = None, workers: bool = True, out: Optional[TextIO] = None
+    recipe: Optional[str] = None,
+    venvs: Optional[str] = None,
+    workers: bool = True,
+    out: Optional[TextIO] = None,
+    nemo_rl_path: Optional[str] = None,
 ) -> int:
     """Run every check, printing one line each (to ``out``, else the current ``sys.stdout``).
 
+    ``nemo_rl_path``: a NeMo-RL checkout to import NeMo-RL from (``--nemo-rl``, as ``nemo-rs check``'s).
     Returns the number of failed checks.
     """
     report = DoctorReport(out if out is not None else sys.stdout)
@@ -68,6 +73,8 @@ def run_checks(
             doctor_driver.check_recipe_files(report, recipe)
             recipe_loads = True
         hook = doctor_driver.check_hook(report)
+        if nemo_rl_path:
+            doctor_driver.use_checkout(report, nemo_rl_path)
         nemo_rl = doctor_driver.check_nemo_rl(report)
         grpo = doctor_driver.check_selectors(report, hook)
         loss = doctor_driver.check_loss(report, grpo, hook, recipe)
@@ -94,6 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The doctor's options, for ``nemo-rs doctor`` and ``python -m nemo_rs_plugin.tools.doctor``."""
     parser.add_argument("recipe", nargs="?", help="a recipe to load with NeMo-RL's load_config and build")
     parser.add_argument(
+        "--nemo-rl",
+        metavar="PATH",
+        help="NeMo-RL checkout to import NeMo-RL from (as nemo-rs check --nemo-rl); default: the importable one",
+    )
+    parser.add_argument(
         "--venvs",
         metavar="DIR",
         help="worker virtual environments (default: $NEMO_RL_VENV_DIR, else venvs/ in NeMo-RL)",
@@ -105,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the checks for parsed ``args``; the exit status (0: active, 1: not)."""
-    return 1 if run_checks(args.recipe, args.venvs, args.workers) else 0
+    return 1 if run_checks(args.recipe, args.venvs, args.workers, nemo_rl_path=args.nemo_rl) else 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -86,8 +86,23 @@ def check_hook(report: DoctorReport) -> Any:
             "NeMo-RL builds its own loss, and recipes naming a plugin loss are refused.",
             stop=True,
         )
-    report.ok("start-up hook", f"active in {sys.executable} ({hook.__file__})")
+    if hook.unrecognised_setting() is not None:
+        report.warn("start-up hook", hook.state())
+    report.ok("start-up hook", f"active in {sys.executable} ({hook.__file__}); {hook.state()}")
     return hook
+
+
+def use_checkout(report: DoctorReport, path: str) -> None:
+    """``--nemo-rl PATH``: NeMo-RL from that checkout, put first on the path as ``nemo-rs check --nemo-rl`` does."""
+    root = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(os.path.join(root, "nemo_rl", "__init__.py")):
+        if os.path.isfile(root):
+            what = "it is a file (an archive?): extract it and name the folder"
+        else:
+            what = "no such directory" if not os.path.isdir(root) else "no nemo_rl/__init__.py in it"
+        report.fail("NeMo-RL", f"--nemo-rl {path}: not a NeMo-RL checkout ({what})", stop=True)
+    if root not in sys.path:
+        sys.path.insert(0, root)
 
 
 def check_nemo_rl(report: DoctorReport) -> Any:

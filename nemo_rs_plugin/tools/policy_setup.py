@@ -14,7 +14,7 @@ from typing import Optional
 
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
 from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
-from nemo_rs_plugin.nemo_rl.host import fused_sharded_problem, training_time_filtering_problem
+from nemo_rs_plugin.nemo_rl.refusals import recipe_refusals
 from nemo_rs_plugin.parallel.vocab_parallel import DEFAULT_LOGPROB_CHUNK_SIZE, chunk_size_problem
 from nemo_rs_plugin.tools.grpo_setup import SetupReport
 from nemo_rs_plugin.tools.recipe_loading import recipe_value
@@ -32,9 +32,15 @@ QWEN3_VOCABULARY = 151_936
 
 
 def parallelism_problems(cfg: dict, config: RSClippedPGLossConfig, report: SetupReport) -> list[str]:
-    """Combinations docs/parallelism.md#sharded-input calls invalid."""
+    """Combinations docs/parallelism.md#sharded-input calls invalid, and every run-time refusal of the loss.
+
+    The loss's refusals that depend on the recipe come from the one list the loss reads,
+    :data:`~nemo_rs_plugin.nemo_rl.refusals.RUN_TIME_REFUSALS`.
+    """
+    refused, warnings = recipe_refusals(cfg, config)
+    report.warnings.extend(warnings)
     if not config.sharded_logits_input:
-        return []
+        return refused
     problems = []
     megatron = recipe_value(cfg, "policy.megatron_cfg.enabled")
     dtensor = recipe_value(cfg, "policy.dtensor_cfg.enabled")
@@ -48,17 +54,9 @@ def parallelism_problems(cfg: dict, config: RSClippedPGLossConfig, report: Setup
         report.warnings.append(
             "loss_fn.sharded_logits_input needs the Megatron backend, and policy.megatron_cfg.enabled is not set here"
         )
-    fused = fused_sharded_problem(megatron is True, recipe_value(cfg, "policy.megatron_cfg.use_fused_linear_logprobs"))
-    filtering = training_time_filtering_problem(
-        recipe_value(cfg, "policy.generation.top_k"), recipe_value(cfg, "policy.generation.top_p")
-    )
-    problems += [f"loss_fn.{p}" for p in (fused, filtering) if p is not None]
-    chunk_problem = chunk_size_problem(recipe_value(cfg, "policy.logprob_chunk_size"))
-    if chunk_problem is not None:
-        problems.append(chunk_problem)
-    else:
+    if chunk_size_problem(recipe_value(cfg, "policy.logprob_chunk_size")) is None:  # else among `refused`
         _logprob_chunk_notes(cfg, report)
-    return problems
+    return problems + refused
 
 
 def _logprob_chunk_notes(cfg: dict, report: SetupReport) -> None:

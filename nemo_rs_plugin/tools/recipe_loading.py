@@ -61,7 +61,9 @@ HOW_TO_CHECK_IN_NEMO_RL = (
     "(where `import nemo_rl.algorithms.grpo` works, e.g. `uv run nemo-rs check ...` in the NeMo-RL "
     "checkout with nemo-rs-plugin installed there); a checkout named by --nemo-rl outside it also needs "
     "what NeMo-RL's modules import, listed in .ci/nemo-rl-host-requirements.txt of nemo-rs-plugin's "
-    "source (its sdist and git tree; pip install -r it)"
+    "source (its sdist and git tree; pip install -r it), and NeMo-RL v0.7.0 and main need Python >= 3.12 "
+    "for their MasterConfig (nemo_rl.algorithms.grpo does not import on an older Python; v0.6.0's is a "
+    "TypedDict, which NeMo-RL does not validate)"
 )
 
 
@@ -177,6 +179,16 @@ def _find_nemo_rl(nemo_rl_path: Optional[str], report: LoadReport) -> tuple[bool
     return True, root
 
 
+def _indentation_problem(path: str, line: int) -> Optional[str]:
+    from nemo_rs_plugin.tools.recipe_yaml import indentation_problem
+
+    try:
+        with open(path) as fh:
+            return indentation_problem(fh.read(), line)
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def load_recipe(path: str, overrides: list[str], nemo_rl_path: Optional[str], report: LoadReport) -> Optional[dict]:
     """The resolved recipe as plain data, or ``None`` with ``report.errors`` filled.
 
@@ -195,6 +207,9 @@ def load_recipe(path: str, overrides: list[str], nemo_rl_path: Optional[str], re
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
+        indentation = _indentation_problem(path, mark.line) if mark is not None else None
+        if indentation is not None:  # PyYAML names a token ("found '?'") that is not in the file
+            problem = f"mis-indented: {indentation} (PyYAML: {problem})"
         report.errors.append(f"{path}{where}: invalid YAML: {problem}")
         return None
     except (OSError, UnicodeDecodeError) as exc:

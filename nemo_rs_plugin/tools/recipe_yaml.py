@@ -17,7 +17,7 @@ import yaml
 
 from nemo_rs_plugin.nemo_rl.recipe_defaults import defaults_of, parent_paths
 
-__all__ = ["defaults_found", "load_with_defaults", "parent_with_loss_mapping", "read_yaml"]
+__all__ = ["defaults_found", "indentation_problem", "load_with_defaults", "parent_with_loss_mapping", "read_yaml"]
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -124,3 +124,79 @@ def defaults_found(path: str) -> bool:
     except (yaml.YAMLError, OSError, UnicodeDecodeError):
         return True
     return all(os.path.isfile(p) for p in parent_paths(path, raw))
+
+
+# ----------------------------------------------------------------------------- indentation errors
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
+
+
+def _content(line: str) -> bool:
+    stripped = line.strip()
+    return bool(stripped) and not stripped.startswith("#")
+
+
+def _is_entry(line: str) -> bool:
+    stripped = line.strip()
+    return stripped == "-" or stripped.startswith("- ")
+
+
+def _has_value(line: str) -> bool:
+    """``key: value`` (a value after the colon on the line itself), not ``key:`` opening a block."""
+    stripped = line.strip()
+    if _is_entry(stripped):
+        stripped = stripped[1:].strip()
+    key, sep, value = stripped.partition(": ")
+    return bool(sep) and bool(value.split(" #")[0].strip())
+
+
+def _spaces(n: int) -> str:
+    return f"{n} space{'' if n == 1 else 's'}"
+
+
+def indentation_problem(text: str, line_no: int) -> Optional[str]:
+    """What is mis-indented under what, for PyYAML's indentation errors at 0-based ``line_no`` (or ``None``).
+
+    PyYAML reports the token it stopped at ("found '?'", "found '<block mapping start>'",
+    "mapping values are not allowed here"), which is not in the file; this says which line is
+    indented how, under which key, and where its siblings are.
+    """
+    lines = text.splitlines()
+    if not 0 <= line_no < len(lines) or not _content(lines[line_no]):
+        return None
+    line = lines[line_no]
+    n = _indent(line)
+    above = [(i, lines[i]) for i in range(line_no - 1, -1, -1) if _content(lines[i])]
+    if not above:
+        return None
+    where = f"line {line_no + 1}: `{line.strip()}`"
+    prev_i, prev = above[0]
+    if n > _indent(prev) and _has_value(prev):
+        # the column of prev's key: after the "- " of a list entry
+        column = _indent(prev) + (len(prev.strip()) - len(prev.strip()[1:].lstrip()) if _is_entry(prev) else 0)
+        return (
+            f"{where} is indented by {_spaces(n)}, more than `{prev.strip()}` (line {prev_i + 1}), which already has "
+            f"a value and so cannot hold it: indent it by {_spaces(column)} to make it a sibling of that key"
+        )
+    parent = next(((i, t) for i, t in above if _indent(t) < n), None)
+    under = f"`{parent[1].strip()}` (line {parent[0] + 1})" if parent is not None else "the top level"
+    start = parent[0] if parent is not None else -1
+    siblings = [(i, t) for i, t in above if i > start and (parent is None or _indent(t) > _indent(parent[1]))]
+    if not siblings:
+        return None
+    level = min(_indent(t) for _, t in siblings)
+    first_i, first = min(((i, t) for i, t in siblings if _indent(t) == level), key=lambda x: x[0])
+    if n != level:
+        ends = f", or by {_spaces(_indent(parent[1]))} to end it" if parent is not None else ""
+        return (
+            f"{where} is indented by {_spaces(n)} under {under}, whose entries are at {_spaces(level)} "
+            f"(`{first.strip()}`, line {first_i + 1}): indent it by {_spaces(level)} to put it there{ends}"
+        )
+    if _is_entry(line) != _is_entry(first):
+        kind, others = ("a list entry", "keys") if _is_entry(line) else ("a key", "list entries")
+        return (
+            f"{where} is {kind} at {_spaces(n)} under {under}, whose entries at that indentation are {others} "
+            f"(`{first.strip()}`, line {first_i + 1}): a block holds keys or list entries, not both; indent it "
+            "under one of them, or make it the same kind"
+        )
+    return None

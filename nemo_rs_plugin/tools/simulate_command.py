@@ -48,8 +48,10 @@ def _from_file_source(path: str, batch: dict) -> str:
     valid = (batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]) != 0
     lp = torch.stack([batch["prev_logprobs"][:, 1:], batch["generation_logprobs"][:, 1:]])
     nonfinite = int((~torch.isfinite(lp).all(0) & valid).sum())
-    if nonfinite:  # null or NaN in the file: the loss zeroes those tokens (docs/guide.md#non-finite-inputs)
-        source += f", {nonfinite} valid token(s) with a non-finite log-prob (null/NaN), left out of the loss"
+    if nonfinite:  # null, NaN or infinite in the file: the loss zeroes those tokens (docs/guide.md#non-finite-inputs)
+        infinite = int((torch.isinf(lp).any(0) & valid).sum())
+        kinds = "null/NaN" if not infinite else "infinite" if infinite == nonfinite else "null/NaN or infinite"
+        source += f", {nonfinite} valid token(s) with a non-finite log-prob ({kinds}), left out of the loss"
     return source
 
 

@@ -6,6 +6,14 @@ cases add the generated kernels' numerics and take ~30 s of compilation per conf
 a 2-core CPU, so they are marked slow, as is every case here over ~10 s under aot_eager (the four
 parity cases, ~25 s; the full configuration's sizes, ~10 s). ``NEMO_RS_TEST_DEVICE=cuda`` runs them
 on a GPU.
+
+Compilation is the cost, so each configuration family is compiled once per backend and every
+check of that family runs on that one graph: under inductor, the four parity families (numerics
+against eager and NeMo-RL) and the kernel budget's two configurations, whose test also calls
+other microbatch sizes (no recompile, equal to eager); under aot_eager, the sizes test also
+passes the global counts as Python numbers, and the graph-shape tests share one trace per
+configuration. Inductor compiles in this process (``compile_threads=1``): on 2 cores its worker
+pool costs more to start than it saves.
 """
 
 import pytest
@@ -42,11 +50,12 @@ TOKEN_LEVEL_FILTER = {
 
 @pytest.fixture
 def compile_on(request):
-    """The requested backend, from a clean dynamo cache."""
+    """The requested backend, from a clean dynamo cache (inductor compiling in this process)."""
     torch._dynamo.reset()
     compiled._COMPILED.clear()
     counters.clear()
-    yield request.param
+    with torch._inductor.config.patch(compile_threads=1):
+        yield request.param
     torch._dynamo.reset()
     compiled._COMPILED.clear()
 
@@ -73,13 +82,54 @@ def test_compiled_equals_eager_on_parity_cases(compile_on):
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def call_compiled(loss_fn, cfg, B, T, counts=None):
+    """One call of ``loss_fn`` on a ``[B, T]`` batch, forward and backward, against the eager loss.
+
+    ``counts``: the global counts as the caller passes them (Python numbers), else the batch's tensors.
+    """
+    lp, data, gvs, gvt = batch(B, T)
+    lp = lp.detach().to(DEVICE)
+    data = {k: v.to(DEVICE) for k, v in data.items()}
+    gvs, gvt = counts if counts is not None else (gvs.to(DEVICE), gvt.to(DEVICE))
+    leaf = lp.clone().requires_grad_(True)
+    loss, metrics = loss_fn(leaf, data, gvs, gvt)
+    loss.backward()
+    assert torch.isfinite(loss) and leaf.grad is not None
+    eager_leaf = lp.clone().requires_grad_(True)
+    eager_loss, eager_metrics = CorrectedPGLoss(cfg)(eager_leaf, data, gvs, gvt)
+    eager_loss.backward()
+    torch.testing.assert_close(loss, eager_loss)
+    torch.testing.assert_close(leaf.grad, eager_leaf.grad)
+    # inductor's kernels reorder float32 reductions: a metric within ~1e-6 relative, as the parity cases allow
+    assert metrics == pytest.approx(eager_metrics, rel=1e-5, abs=1e-6, nan_ok=True)
+    return metrics
+
+
+# Sizes after the first call's (3, 6): longer, shorter, the first again.
+OTHER_SIZES = [(2, 9), (3, 40), (2, 6)]
+# The global counts as Python numbers (the split API's placeholder 1, a simulator): the compiled
+# core specialises Python floats (compiled.py), so the loss turns the counts into tensors before
+# it, not inside it, where every new count would recompile.
+PYTHON_COUNTS = [(3.0, 18.0), (4.0, 20.0), (7, 41), (1.0, 1.0)]
+
+
+def assert_other_sizes_do_not_recompile(loss_fn, cfg, counts=()):
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises here
+        for B, T in OTHER_SIZES:
+            call_compiled(loss_fn, cfg, B, T)
+        for gvs_gvt in counts:
+            call_compiled(loss_fn, cfg, 3, 6, counts=gvs_gvt)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+# The split API's placeholder (1 and 1) below this microbatch's counts: said once per process, on purpose here.
+@pytest.mark.filterwarnings("ignore:global_valid_seqs and global_valid_toks. got 1 and 1:UserWarning")
 @pytest.mark.parametrize(
     "cfg, compile_on",
     [
         pytest.param({}, "aot_eager", id="plain-aot_eager"),  # ~7 s: the fast subset's compile check
         pytest.param(FULL, "aot_eager", id="full-aot_eager", marks=pytest.mark.slow),  # ~10 s
-        pytest.param({}, "inductor", id="plain-inductor", marks=pytest.mark.slow),
-        pytest.param(FULL, "inductor", id="full-inductor", marks=pytest.mark.slow),
         # A token-level correction with a filter (the async recipe's shape) reaches code FULL's
         # sequence level short-circuits: torch 2.11's dynamo (the GPU image) broke it into 15
         # graphs on a ``bool`` of the filter tuple; torch 2.13 traces that, so only
@@ -88,25 +138,12 @@ def test_compiled_equals_eager_on_parity_cases(compile_on):
     ],
     indirect=["compile_on"],
 )
-def test_other_microbatch_sizes_do_not_recompile(compile_on, cfg):
+def test_other_microbatch_sizes_and_python_counts_do_not_recompile(compile_on, cfg):
+    """Under inductor the same is checked on the kernel budget's two configurations (below)."""
     loss_fn = compiled_loss(cfg, compile_on)
-
-    def call(B, T):
-        lp, data, gvs, gvt = batch(B, T)
-        lp = lp.detach().to(DEVICE).requires_grad_(True)
-        data = {k: v.to(DEVICE) for k, v in data.items()}
-        loss, metrics = loss_fn(lp, data, gvs.to(DEVICE), gvt.to(DEVICE))
-        loss.backward()
-        assert torch.isfinite(loss) and lp.grad is not None
-        return metrics
-
-    call(3, 6)
+    call_compiled(loss_fn, cfg, 3, 6)
     assert counters["stats"]["unique_graphs"] == 1
-    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises here
-        for B, T in [(2, 9), (3, 40), (2, 6)]:
-            call(B, T)
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert_other_sizes_do_not_recompile(loss_fn, cfg, PYTHON_COUNTS)
 
 
 def test_compile_is_opt_in(monkeypatch):
@@ -159,21 +196,27 @@ PIPELINE = {"reference_policy_kl_penalty": 0.01, **BENCH_PIPELINE}
 @pytest.mark.filterwarnings(
     "ignore:dynamo_pgo force disabled by torch.compiler.config.force_disable_caches:UserWarning"
 )
+@pytest.mark.filterwarnings("ignore:global_valid_seqs and global_valid_toks. got 1 and 1:UserWarning")  # as above
 @pytest.mark.parametrize("compile_on", ["inductor"], indirect=True)
 @pytest.mark.parametrize("cfg", [{"reference_policy_kl_penalty": 0.01}, PIPELINE], ids=["plain", "pipeline"])
-def test_compiled_core_generates_about_a_dozen_kernels(compile_on, cfg):
-    if torch.device(DEVICE).type != "cpu":  # Triton counts differently: bench_kernels.py --device cuda
-        pytest.skip("the kernel budget is pinned on the CPU's C++ backend")
+def test_compiled_core_generates_about_a_dozen_kernels_and_does_not_recompile(compile_on, cfg):
+    """The kernel budget, then, on the same graph, inductor's part of the no-recompile check.
+
+    ``plain`` is the default section's family, ``pipeline`` the filters' and truncation's
+    (FULL's, the async recipe's and the 64k recipe's shape): other sizes and Python-number counts
+    reuse the one graph and equal eager.
+    """
     from torch._inductor import metrics as inductor_metrics
 
+    cpu = torch.device(DEVICE).type == "cpu"  # Triton counts differently: bench_kernels.py --device cuda
     inductor_metrics.reset()
-    lp, data, gvs, gvt = batch(3, 64)
-    lp = lp.detach().to(DEVICE).requires_grad_(True)
+    loss_fn = compiled_loss(cfg, compile_on)
     with torch.compiler.config.patch(force_disable_caches=True):  # count, not a cache hit
-        loss, _ = compiled_loss(cfg, compile_on)(lp, {k: v.to(DEVICE) for k, v in data.items()}, gvs, gvt)
-        loss.backward()
-    assert 0 < inductor_metrics.generated_kernel_count <= KERNEL_BUDGET, inductor_metrics.generated_kernel_count
+        call_compiled(loss_fn, cfg, 3, 64)
+    if cpu:  # the kernel budget is pinned on the CPU's C++ backend
+        assert 0 < inductor_metrics.generated_kernel_count <= KERNEL_BUDGET, inductor_metrics.generated_kernel_count
     assert counters["stats"]["unique_graphs"] == 1
+    assert_other_sizes_do_not_recompile(loss_fn, cfg, PYTHON_COUNTS[1:])
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["cpu-form", "gpu-form"])
@@ -193,32 +236,18 @@ def test_the_metric_set_keeps_no_tensor_but_its_vector_after_stack(batched):
     assert held == [], [tuple(t.shape) for t in held]
 
 
-@pytest.mark.parametrize("compile_on", ["aot_eager"], indirect=True)
-def test_global_counts_given_as_python_numbers_do_not_recompile(compile_on):
-    """A caller passing the counts as Python numbers (the split API's placeholder 1, a simulator)
-    gets one graph: the compiled core specialises Python floats (compiled.py), so the loss turns
-    the counts into tensors before it, not inside it, where every new count would recompile."""
-    loss_fn = compiled_loss({}, compile_on)
-
-    def call(gvs, gvt):
-        lp, data, _, _ = batch(3, 6)
-        leaf = lp.detach().clone().requires_grad_(True)
-        loss, metrics = loss_fn(leaf, data, gvs, gvt)
-        loss.backward()
-        return loss, metrics, (lp, data)
-
-    call(3.0, 18.0)
-    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises here
-        for gvs, gvt in [(4.0, 20.0), (7, 41), (1.0, 1.0)]:
-            loss, metrics, (lp, data) = call(gvs, gvt)
-            eager_loss, eager_metrics = CorrectedPGLoss({})(lp, data, gvs, gvt)
-            torch.testing.assert_close(loss, eager_loss)
-            assert metrics == pytest.approx(eager_metrics)
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+_TRACES: dict = {}
 
 
 def _traced_graph(monkeypatch, cfg):
-    """``(example inputs, output nodes)`` of the graph dynamo traces for one call of ``cfg`` compiled."""
+    """``(example inputs, output nodes)`` of the graph dynamo traces for one call of ``cfg`` compiled (once per cfg)."""
+    key = repr(cfg)
+    if key not in _TRACES:
+        _TRACES[key] = _trace(monkeypatch, cfg)
+    return _TRACES[key]
+
+
+def _trace(monkeypatch, cfg):
     traced = {}
 
     def recording_backend(gm, example_inputs):
@@ -235,13 +264,16 @@ def _traced_graph(monkeypatch, cfg):
     return traced["inputs"], traced["outputs"]
 
 
+# A plain section with its own floats: the graph-shape tests' plain configuration (one trace).
+CLIPPED = {"reference_policy_kl_penalty": 0.02, "ratio_clip_min": 0.15, "ratio_clip_max": 0.25}
+
+
 def test_a_configurations_floats_are_constants_of_the_graph(monkeypatch):
     """Clip bounds, the KL coefficient and the module constants (EPS, the slack of the sign
     check) are compiled in, guarded by value: as graph inputs (dynamo's default under
     ``dynamic=True``) each call converted every one of them to a tensor on the host, ~10% of a
     lone B = 1 call (benchmarks/bench_packing.py --compiled)."""
-    cfg = {"reference_policy_kl_penalty": 0.02, "ratio_clip_min": 0.15, "ratio_clip_max": 0.25}
-    graph_inputs, _ = _traced_graph(monkeypatch, cfg)
+    graph_inputs, _ = _traced_graph(monkeypatch, CLIPPED)
     scalars = [x for x in graph_inputs if not isinstance(x, (torch.Tensor, torch.SymInt, int))]
     zero_dim = [x for x in graph_inputs if isinstance(x, torch.Tensor) and x.dim() == 0]
     assert graph_inputs and not scalars, scalars
@@ -249,7 +281,7 @@ def test_a_configurations_floats_are_constants_of_the_graph(monkeypatch):
     assert len(zero_dim) == 2, [(x.dtype, x.item()) for x in zero_dim]
 
 
-@pytest.mark.parametrize("cfg", [{}, FULL], ids=["plain", "full"])
+@pytest.mark.parametrize("cfg", [CLIPPED, FULL], ids=["plain", "full"])
 def test_only_the_loss_and_the_metric_vector_leave_the_graph(monkeypatch, cfg):
     """Every other output of a compiled core is work after the graph on each call: a tensor the
     returned metric set still held (the global counts, views of the caller's: rebuilt as aliases

@@ -264,3 +264,23 @@ def test_tis_at_an_infinite_ratio_is_warned_about():
                 "truncated_importance_sampling_ratio": float("inf"),
             }
         )
+
+
+# --------------------------------------------------------------------------- issue 51, item 8
+@pytest.mark.parametrize("typo, guess", [("lowr", "lower"), ("uper", "upper"), ("metirc", "metric"), ("lvl", None)])
+def test_a_typo_in_a_filter_field_gets_a_did_you_mean(typo, guess):
+    stage = {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}
+    stage.pop(guess, None)
+    [line] = problems_of({**IS_ON, "rejection_sampling": [{**stage, typo: 0.5}]})
+    assert line.startswith(f"loss_fn.rejection_sampling.0.{typo}: unknown field of a rejection_sampling stage; "), line
+    assert "Extra inputs" not in line and "(fields: level, " in line, line
+    assert (f"did you mean {guess!r}?" in line) == (guess is not None), line
+
+
+def test_an_infinite_upper_bound_is_not_said_to_be_at_most_inf():
+    stage = {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": float("inf")}
+    [line] = warnings_of({**IS_ON, "rejection_sampling": [stage]})
+    assert line == (
+        "loss_fn.rejection_sampling.0.upper: got inf with metric 'ratio': an infinite upper bound never rejects; "
+        "remove it (no upper bound means the same)"
+    ), line

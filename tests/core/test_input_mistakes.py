@@ -35,6 +35,29 @@ def test_token_mask_other_than_zero_one_is_an_error(cfg, value):
     assert "\n" not in msg
 
 
+@pytest.mark.parametrize(
+    "value, shown", [(0.99999988, "(0.9999999)"), (1.0000001, "(1.0000001)"), (1e-9, "(1e-09)"), (0.5, "(0.5)")]
+)
+def test_a_token_mask_entry_near_0_or_1_is_shown_with_the_digits_that_tell_it_apart(value, shown):
+    lp, data, gvs, gvt = batch()
+    data["token_mask"] = data["token_mask"].float()
+    data["token_mask"][1, 3] = value
+    with pytest.raises(ValueError) as info:
+        CorrectedPGLoss({})(lp, data, gvs, gvt)
+    assert str(info.value).startswith(f"token_mask: got 1 entry other than 0 and 1 {shown}; "), str(info.value)
+
+
+@pytest.mark.parametrize("shape", [(4,), (4, 1)])
+def test_per_sequence_advantages_get_the_broadcast_that_fixes_them(shape):
+    lp, data, gvs, gvt = batch()
+    data["advantages"] = torch.randn(*shape)
+    with pytest.raises(ValueError) as info:
+        CorrectedPGLoss({})(lp, data, gvs, gvt)
+    msg = str(info.value)
+    assert msg.startswith(f"data['advantages']: got shape {shape}; expected [B, S] = (4, 9)"), msg
+    assert "one advantage per token, as NeMo-RL's GRPO stores them: broadcast a per-sequence advantage" in msg, msg
+
+
 @pytest.mark.parametrize("batched", [False, True], ids=["cpu-form", "gpu-form"])
 @pytest.mark.parametrize(
     "values, found",
@@ -84,13 +107,46 @@ def test_a_global_count_at_or_above_the_microbatch_own_passes():
     assert loss_big.item() == pytest.approx(loss_own.item() / 2, rel=1e-5)
 
 
-def test_the_split_api_placeholder_one_passes():
+@pytest.fixture
+def placeholder_unsaid(monkeypatch):
+    """The split API's placeholder is said once per process: as if not said yet."""
+    from nemo_rs_plugin.core import input_checks
+
+    monkeypatch.setattr(input_checks, "_placeholder_said", [False])
+
+
+def test_the_split_api_placeholder_one_passes_and_is_said_once(placeholder_unsaid):
     # NeMo-RL main's split API passes 1 for both counts and rescales the summed metrics at the end
     # (its own test_split_rescale_matches_sync_normalization runs with the plugin substituted).
+    # Any other caller passing 1 and 1 gets a loss 32x too large here: said, once per process.
     lp, data, gvs, gvt = batch()
-    loss_one, _ = CorrectedPGLoss({})(lp, data, torch.tensor(1.0), torch.tensor(1.0))
+    with pytest.warns(InputWarning) as caught:
+        loss_one, _ = CorrectedPGLoss({})(lp, data, torch.tensor(1.0), torch.tensor(1.0))
+        CorrectedPGLoss({})(lp, data, 1, 1)
+    [warning] = caught
+    message = str(warning.message)
+    assert message.startswith(
+        "global_valid_seqs and global_valid_toks: got 1 and 1 while this microbatch has 4 valid sequences and "
+        "32 valid tokens: taken as the placeholder of NeMo-RL's split API"
+    ), message
+    assert "32x (token-level loss) or 4x (sequence-level) too large" in message, message
     loss_own, _ = CorrectedPGLoss({})(lp, data, gvs, gvt)
     assert loss_one.item() == pytest.approx(loss_own.item() * gvt.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("counts, name", [((1, 32), "global_valid_seqs"), ((4, 1), "global_valid_toks")])
+def test_one_count_of_1_beside_a_real_count_is_not_the_placeholder(counts, name):
+    """The split API passes 1 for both counts; 1 for one alone is a count below the microbatch's own."""
+    lp, data, gvs, gvt = batch()
+    with pytest.raises(ValueError, match=f"^{name}: got 1 while this microbatch has"):
+        CorrectedPGLoss({"token_level_loss": name == "global_valid_toks"})(lp, data, *counts)
+
+
+def test_the_placeholder_is_not_said_where_the_microbatch_holds_one_token(placeholder_unsaid, recwarn):
+    lp, data, gvs, gvt = batch(B=1, T=2)
+    data["token_mask"][:] = torch.tensor([[0, 0, 1]])  # one valid token: 1 and 1 are its true counts
+    CorrectedPGLoss({})(lp, data, 1, 1)
+    assert not [w for w in recwarn.list if issubclass(w.category, InputWarning)]
 
 
 def logprob_batch(B=4, T=8):

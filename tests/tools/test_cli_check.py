@@ -398,7 +398,7 @@ def test_bad_nemo_rl_path_is_one_line(tmp_path, capsys, nemo_rl, needle):
         ("loss_fn.rejection_sampling.0.upper.x=1", "loss_fn.rejection_sampling.0.upper is a float (1.01)"),
         ("~loss_fn.nothere", "nothing to delete at loss_fn.nothere"),
         ("loss_fn..x=1", "'loss_fn..x' is not a dotted key"),
-        ("loss_fn.ratio_clip_max=[1", "the value is not valid YAML"),
+        ("loss_fn.ratio_clip_max=[1", "the value does not parse as Hydra parses it: expected ']', found the end"),
     ],
 )
 def test_bad_override_is_one_line(tmp_path, capsys, no_nemo_rl, override, needle):

@@ -332,3 +332,20 @@ def test_simulate_from_says_how_many_valid_tokens_were_not_finite(capsys, tmp_pa
     )
     assert main(["simulate", "--from", str(dump)]) == 0
     assert "2 sequences, 2 valid token(s) with a non-finite log-prob (null/NaN)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "second, said",
+    [
+        ("-Infinity, -0.25", "1 valid token(s) with a non-finite log-prob (infinite)"),
+        ("null, -Infinity", "2 valid token(s) with a non-finite log-prob (null/NaN or infinite)"),
+    ],
+)
+def test_simulate_from_does_not_call_an_infinity_null_or_nan(capsys, tmp_path, second, said):
+    dump = tmp_path / "inf.jsonl"
+    dump.write_text(
+        '{"prev_logprobs": [-1.0, -0.3, -0.5], "generation_logprobs": [-1.1, -0.4, -0.45]}\n'
+        f'{{"prev_logprobs": [-1.0, -0.2, -0.3], "generation_logprobs": [-1.0, {second}]}}\n'
+    )
+    assert main(["simulate", "--from", str(dump)]) == 0
+    assert said in capsys.readouterr().out
