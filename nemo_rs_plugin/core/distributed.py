@@ -19,7 +19,7 @@ Entry points:
 * :func:`all_reduce_sum_with_grad`: differentiable SUM (GSPO ratio, sequence-level loss).
 * :func:`agree_before_collectives`: the ranks of the loss's groups agree that every rank's
   inputs are well-formed (the same shapes, no local problem) before the first collective whose
-  size depends on them; otherwise every rank raises the same error, and none waits.
+  size depends on them; otherwise every rank raises a ``ValueError`` with the cause, and none waits.
 """
 
 from __future__ import annotations
@@ -206,7 +206,9 @@ def agree_before_collectives(
     group, in order. A tensor whose shape differs between ranks is a problem of its own, named
     with the shape on each rank. A rank that learns of a problem in one group passes it on in
     the next, so over a TP x CP grid every rank knows it after the two gathers. Then every rank
-    raises the same ``ValueError``; with no problem anywhere, nothing happens.
+    raises a ``ValueError`` with that text: the same text within a group (a shape that differs
+    only between groups of the other kind is named by the ranks each group compared); with no
+    problem anywhere, nothing happens.
 
     Args:
         problem: this rank's local problem (an exception it caught), or ``None``.
@@ -215,11 +217,13 @@ def agree_before_collectives(
         groups: ``(label, process group)`` pairs (``"tensor-parallel"``, ...); ``None`` and
             one-rank groups are skipped. Without any active group ``problem`` is raised as it is.
         device: the device of the inputs. Under NCCL the header travels on a side stream of that
-            device, so reading it waits for the peers' headers, not for the kernels queued on the
-            compute stream (the forward pass): no device synchronisation of the step.
+            device rather than the compute stream; NCCL still runs a communicator's collectives
+            in order, so reading it waits for the collectives the forward pass queued on the same
+            group (Megatron's TP all-reduces), not for the rest of the queued compute.
 
     Cost: one all-gather of ``3 + 4 * len(shapes) + 128`` int64 numbers per rank and group, and
-    a read of the gathered rows on the host (docs/performance.md#call-header).
+    one read of the gathered rows on the host per call (per sequence under NeMo-RL's
+    per-sequence packing wrapper): docs/performance.md#call-header.
     """
     active = [(label, group) for label, group in groups if group_is_active(group)]
     if not active:
@@ -242,7 +246,8 @@ def _encode_header(
     rank: int, text: Optional[str], shapes: Sequence[tuple[str, Optional[tuple[int, ...]]]]
 ) -> list[int]:
     """``[rank, has problem, text bytes, 4 ints per shape (ndim or -1, dims), the text as int64 words]``."""
-    raw = (text or "").encode("utf-8")[:_HEADER_TEXT_BYTES]
+    # Cut at a character's boundary: every rank decodes the same bytes, so the cut must not split one.
+    raw = (text or "").encode("utf-8")[:_HEADER_TEXT_BYTES].decode("utf-8", "ignore").encode("utf-8")
     header = [rank, int(text is not None), len(raw)]
     for _, shape in shapes:
         dims = list(shape or ())[:_HEADER_DIMS]
@@ -256,8 +261,7 @@ def _all_gather_header(header: list[int], group: Any, device: torch.device) -> l
     """Every rank's header in ``group``, read on the host."""
     size = dist.get_world_size(group)
     if device.type == "cuda" and "nccl" in str(dist.get_backend(group)).lower():
-        stream = torch.cuda.Stream(device=device)  # not the compute stream: see agree_before_collectives
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(_header_stream(device)):
             local = torch.tensor(header, dtype=torch.int64, device=device)
             parts = [torch.empty_like(local) for _ in range(size)]
             dist.all_gather(parts, local, group=group)
@@ -266,6 +270,18 @@ def _all_gather_header(header: list[int], group: Any, device: torch.device) -> l
     parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local, group=group)
     return torch.stack(parts).tolist()
+
+
+#: One side stream per CUDA device for the header (a stream per call would spread the caching
+#: allocator's small blocks over many streams).
+_HEADER_STREAMS: dict[Any, Any] = {}
+
+
+def _header_stream(device: torch.device) -> Any:
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _HEADER_STREAMS:
+        _HEADER_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _HEADER_STREAMS[key]
 
 
 def _decode_text(row: list[int], n_shapes: int) -> str:

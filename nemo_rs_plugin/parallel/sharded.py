@@ -96,20 +96,22 @@ def sharded_loss_inputs(
     makes every rank raise the same ``ValueError`` instead of leaving its peers waiting.
     """
     cp, cp_rank = _size_rank(cp_group)
+    shapes: list = []
     try:  # every problem this rank can see alone, before the first collective (the TP all-gather)
+        shapes = _call_shapes(logits, data)
         _check_local_inputs(logits, data, cp, chunk_size)
         if pad_to_shard:
             data = _pad_sequences(data, logits.shape[1] * cp)
         B, S = data["input_ids"].shape
         _check_layout(logits, B, S, cp)
         problem = None
-    except (ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the peers must hear of it, not wait
         problem = exc
     agree_before_collectives(
         problem,
-        _call_shapes(logits, data),
+        shapes or [(name, None) for name in _SHAPE_NAMES],
         (("tensor-parallel", tp_group), ("context-parallel", cp_group)),
-        logits.device,
+        getattr(logits, "device", torch.device("cpu")),
     )
     targets = shift_left(data["input_ids"])
     aligned = {name: shift_left(data[key]) for name, key in _ALIGNED_KEYS.items() if key in data}
@@ -134,6 +136,8 @@ def sharded_loss_inputs(
 
 #: The data dict's tensors every rank of a TP or CP group holds alike (the whole microbatch).
 _SHARED_KEYS = ("input_ids", *_ALIGNED_KEYS.values(), "sample_mask")
+#: The header's tensor names, in order (the same on every rank, whatever its inputs).
+_SHAPE_NAMES = ("logits", *(f"data[{key!r}]" for key in _SHARED_KEYS))
 
 
 def _call_shapes(logits: Any, data: Mapping[str, Any]) -> list[tuple[str, Optional[tuple[int, ...]]]]:
@@ -142,7 +146,8 @@ def _call_shapes(logits: Any, data: Mapping[str, Any]) -> list[tuple[str, Option
     def shape(value: Any) -> Optional[tuple[int, ...]]:
         return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
-    return [("logits", shape(logits))] + [(f"data[{key!r}]", shape(data.get(key))) for key in _SHARED_KEYS]
+    values = [logits, *(data.get(key) for key in _SHARED_KEYS)]
+    return [(name, shape(value)) for name, value in zip(_SHAPE_NAMES, values)]
 
 
 def _check_local_inputs(logits: Any, data: Mapping[str, Any], cp: int, chunk_size: Optional[int]) -> None:

@@ -93,7 +93,8 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
             e = s + chunk_size
             chunk = logits[:, s:e]
             m = chunk.amax(-1, keepdim=True).to(torch.float32)
-            local_bad[:, s:e] = ~(m < float("inf")).squeeze(-1)
+            # NaN or +inf somewhere, or -inf everywhere (no finite logit: softmax 0/0)
+            local_bad[:, s:e] = ~(m < float("inf")).squeeze(-1) | (m == float("-inf")).squeeze(-1)
             m.masked_fill_(m == float("-inf"), 0.0)
             shift[:, s:e] = m.squeeze(-1)
             target_rel[:, s:e] = chunk.gather(-1, local_idx[:, s:e]).squeeze(-1).to(torch.float32) - shift[:, s:e]
@@ -105,14 +106,16 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
             bad = local_bad
         else:
             # The call's one collective: every rank's rows [true maximum, lse_rel, z_y - m]; a
-            # row with a non-finite logit on any rank sends NaN as its maximum.
-            true_max = shift.masked_fill(lse_rel == float("-inf"), float("-inf")).masked_fill_(local_bad, float("nan"))
+            # row with a NaN or +inf logit on a rank sends NaN as its maximum there.
+            true_max = shift.masked_fill(lse_rel == float("-inf"), float("-inf"))
+            true_max.masked_fill_(~(true_max == float("-inf")) & local_bad, float("nan"))
             local = torch.stack([true_max, lse_rel, target_rel.masked_fill(~held, 0.0)])
             parts = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(parts, local, group=group)
             ranks = torch.stack(parts)  # [tp, 3, B, T]
             maxima = ranks[:, 0]
-            bad = ~(maxima < float("inf")).all(0)  # a NaN or +inf logit on some rank: the same rows on every rank
+            # A NaN or +inf logit on some rank, or -inf on every rank: the same rows on every rank.
+            bad = ~(maxima < float("inf")).all(0) | (maxima == float("-inf")).all(0)
             top = maxima.amax(0)  # M, the maximum over the whole vocabulary
             top = top.masked_fill(top == float("-inf"), 0.0)
             # A shard of -inf adds exp(-inf) = 0, whatever the others' scale.
@@ -121,9 +124,10 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
             holder = (target // v_local).clamp(0, tp - 1).unsqueeze(0)  # the rank holding y
             logprobs = ranks[:, 2].sum(0) + (shifts.gather(0, holder).squeeze(0) - top) - lse_minus_top
             lse_minus_shift = lse_minus_top + (top - shift)  # LSE - m, for this shard's softmax
-        # A row with a NaN or +inf logit (on any rank) has a NaN maximum or log-sum-exp, so its
-        # log-prob is NaN already: the loss counts and masks it as any non-finite input, and the
-        # backward gives it no gradient. A target outside the vocabulary: 0.
+        # A row with a NaN or +inf logit (on any rank) has a NaN maximum or log-sum-exp, and a
+        # row of -inf only a log-prob of -inf - -inf: its log-prob is NaN already, the loss counts
+        # and masks it as any non-finite input, and the backward gives it no gradient. A target
+        # outside the vocabulary: 0.
         logprobs = logprobs.masked_fill(~valid, 0.0)
         ctx.save_for_backward(logits, shift, lse_minus_shift, local_idx, valid, held, bad)
         ctx.mark_non_differentiable(bad)
@@ -175,8 +179,9 @@ def target_logprobs(
 
     A target id outside the vocabulary (``< 0`` or ``>= V_local * tp``, padding) gets log-prob 0
     and no gradient, as NeMo-RL's vocab-range mask gives it. A position whose logits hold a NaN
-    or ``+inf`` on any rank of ``tp_group`` gets log-prob NaN and no gradient (its logits'
-    gradient is 0, finite): :func:`target_logprobs_and_nonfinite_rows` also says where.
+    or ``+inf`` on any rank of ``tp_group``, or are ``-inf`` over the whole vocabulary, gets
+    log-prob NaN and no gradient (its logits' gradient is 0, finite):
+    :func:`target_logprobs_and_nonfinite_rows` also says where.
 
     Raises:
         ValueError: shapes that disagree, or a chunk size that is not a positive integer.
@@ -193,8 +198,9 @@ def target_logprobs_and_nonfinite_rows(
     """:func:`target_logprobs` and the ``[B, T]`` bool mask of the positions whose logits hold a NaN or ``+inf``.
 
     The mask is the same on every rank of ``tp_group`` (it rides on the forward's one all-gather);
-    every such position is in it, prompt, masked and last positions included. ``-inf`` logits are
-    not in it: they are masked vocabulary entries, probability 0.
+    every such position is in it, prompt, masked and last positions included, and so is a position
+    whose logits are ``-inf`` over the whole vocabulary (no finite logit). A ``-inf`` entry beside
+    finite ones is not: it is a masked vocabulary entry, probability 0.
     """
     if logits.dim() != 3 or logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target ids {tuple(target.shape)} disagree on [B, T]")

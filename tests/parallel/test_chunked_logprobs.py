@@ -225,9 +225,9 @@ def test_the_default_chunk_size_is_what_a_long_shard_is_cut_by(monkeypatch):
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_nonfinite_logit_gives_a_nan_logprob_a_zero_gradient_row_and_is_flagged(value, dtype):
-    """A NaN/+inf logit: that position's log-prob is NaN (the loss counts and masks it) and its
-    logits get gradient 0, the other positions exactly what finite logits give; -inf is a masked
-    vocabulary entry, not a fault."""
+    """A NaN/+inf logit, or a position with -inf over the whole vocabulary: that position's
+    log-prob is NaN (the loss counts and masks it) and its logits get gradient 0, the other
+    positions exactly what finite logits give; one -inf entry is a masked vocabulary entry."""
     from nemo_rs_plugin.parallel.vocab_parallel import target_logprobs_and_nonfinite_rows
 
     g = torch.Generator().manual_seed(3)
@@ -236,15 +236,16 @@ def test_a_nonfinite_logit_gives_a_nan_logprob_a_zero_gradient_row_and_is_flagge
     bad = z.clone()
     bad[1, 3, 4] = value
     bad[0, 2, 5] = float("-inf")
+    bad[1, 6] = float("-inf")  # no finite logit at all: softmax 0/0
     bad.requires_grad_(True)
     lp, rows = target_logprobs_and_nonfinite_rows(bad, target, None, 3)
     weights = torch.randn(2, 7, generator=g)
     (torch.nan_to_num(lp, nan=0.0) * weights).sum().backward()
     expected_rows = torch.zeros(2, 7, dtype=torch.bool)
-    expected_rows[1, 3] = True
+    expected_rows[1, 3] = expected_rows[1, 6] = True
     assert torch.equal(rows, expected_rows)
-    assert torch.isnan(lp[1, 3]) and torch.isfinite(lp[~expected_rows]).all()
-    assert torch.isfinite(bad.grad).all() and not bad.grad[1, 3].any()
+    assert torch.isnan(lp[expected_rows]).all() and torch.isfinite(lp[~expected_rows]).all()
+    assert torch.isfinite(bad.grad).all() and not bad.grad[1, 3].any() and not bad.grad[1, 6].any()
     ref = z.clone()
     ref[0, 2, 5] = float("-inf")
     ref.requires_grad_(True)

@@ -9,9 +9,10 @@ data-parallel replicas: the one without the fault trains).
 
 * Non-finite logits (``sharded_logits_input``, the 64k recipe's path): a NaN or +inf logit at a
   prompt position, in a row with ``sample_mask`` 0, at the last position and at a valid token,
-  in the vocabulary shard of TP rank 1 (TP 2 x CP 2, packed and unpacked; +inf at the valid
-  token). Every rank's logits gradient must be finite, the loss finite, and
-  ``nonfinite_logit_rows_count`` 1 on every rank.
+  in the vocabulary shard of TP rank 1 (TP 2 x CP 2, packed and unpacked; at the valid token
+  also +inf, a position of -inf over the whole vocabulary, and TP rank 1's whole shard -inf
+  beside finite logits, which is no fault). Every rank's logits gradient must be finite, the
+  loss finite, and ``nonfinite_logit_rows_count`` 1 on every rank (0 for the masked shard).
 * A shape fault on one rank (global rank 1): ``generation_logprobs`` one position short, or a
   logits shard one position shorter than its peers'. Every rank must raise, within seconds, the
   same error naming the tensor, instead of waiting in a collective (a hang fails the world's
@@ -54,9 +55,15 @@ def check_nonfinite_logits(rank, world_size, host):
         _layout(m, tp, cp)
         for packed in (False, True):
             for label, row, position in POSITIONS:
-                for value in (math.nan, math.inf) if label == "valid-token" else (math.nan,):
+                values = ("nan", "inf", "row-neginf", "shard-neginf") if label == "valid-token" else ("nan",)
+                for value in values:
                     bad = logits_full.clone()
-                    bad[row, position, V - 1] = value  # the last vocabulary shard: TP rank 1's
+                    if value == "row-neginf":  # no finite logit at this position: softmax 0/0
+                        bad[row, position] = -math.inf
+                    elif value == "shard-neginf":  # TP rank 1's whole shard masked: a finite row
+                        bad[row, position, V // 2 :] = -math.inf
+                    else:  # in the last vocabulary shard: TP rank 1's
+                        bad[row, position, V - 1] = float(value)
                     shard, packed_seq_params = _local_logits(m, bad, data, tp, cp, packed)
                     loss_fn = RSClippedPGLossFn(dict(cfg, sharded_logits_input=True))
                     case = f"tp{tp}cp{cp}/{'packed' if packed else 'unpacked'}/{label}/{value}"
@@ -66,8 +73,9 @@ def check_nonfinite_logits(rank, world_size, host):
                     if not torch.isfinite(out).all():
                         failures.append(f"{case}: loss {out}")
                     count = metrics.get("nonfinite_logit_rows_count")
-                    if count != 1:
-                        failures.append(f"{case}: nonfinite_logit_rows_count {count}, expected 1")
+                    expected = 0 if value == "shard-neginf" else 1
+                    if count != expected:
+                        failures.append(f"{case}: nonfinite_logit_rows_count {count}, expected {expected}")
     return failures
 
 
