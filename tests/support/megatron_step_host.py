@@ -54,7 +54,8 @@ STAND_INS = (
     "moe_utils.te_general_gemm: None (undefined without Transformer Engine; unused by the local spec)",
     "megatron.bridge's get_pg_collection, logical_and_across_model_parallel_group, "
     "reduce_max_stat_across_model_parallel_group: their behaviour (the model-parallel group; MIN/MAX all-reduce)",
-    "the worker's mcore_state: no straggler timer",
+    "the worker's mcore_state: no straggler timer; NeMo-RL main's FLOP count (Megatron-Bridge's "
+    "flop_utils.num_floating_point_operations): 0; torch.cuda.synchronize: a no-op",
     "the optimizer's grad_norms_by_group (newer megatron-core's per-group norms): empty",
     "megatron.training.utils.get_ltor_masks_and_position_ids: Megatron-LM's causal mask and positions",
     "the local spec's torch LayerNorm built under sequence parallelism and marked sequence_parallel, as Apex's "
@@ -76,6 +77,8 @@ _IGNORED_WARNINGS = [
     (r"`torch\.distributed\.\w+` is deprecated", FutureWarning),
     # NeMo-RL's distributed log-softmax (the gathered path) calls torch.distributed.nn.functional
     (r"torch\.distributed\.nn\.functional\.\w+ is deprecated", FutureWarning),
+    # NeMo-RL main's Policy.train reports theoretical FLOPs of unpacked steps from the GPU's name ("cpu")
+    (r"Error getting theoretical flops", UserWarning),
 ]
 
 
@@ -116,6 +119,7 @@ def install(host: str) -> None:
     import torch
 
     torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None  # NeMo-RL main's train synchronises before its timer
     _int_device_mode().__enter__()
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -127,6 +131,10 @@ def install(host: str) -> None:
     _local_attention_masks()
     _torch_norm_under_sequence_parallel()
     importlib.import_module("megatron.training.utils").get_ltor_masks_and_position_ids = _ltor_masks_and_position_ids
+    # NeMo-RL main's train reports FLOPs (unpacked steps) through Megatron-Bridge's flop_utils: none here
+    importlib.import_module("megatron.bridge.training.utils.flop_utils").num_floating_point_operations = (
+        lambda cfg, batch_size=1: 0.0
+    )
     try:
         from megatron.core.transformer.moe import moe_utils
 
@@ -217,7 +225,7 @@ def _load_full_weights(model, tp: int, ep: int) -> None:
             p.copy_(full)
 
 
-def build_model(tp: int, ep: int):
+def build_model(tp: int, ep: int, vocab: int = VOCAB):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -225,7 +233,7 @@ def build_model(tp: int, ep: int):
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False),
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         max_sequence_length=64,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
@@ -360,6 +368,7 @@ def policy_config(split: dict, tp: int, ep: int, chunk: int | None = None) -> di
         "logprob_batch_size": split["mbs"],
         "max_grad_norm": 1e6,
         "make_sequence_length_divisible_by": tp,
+        "max_total_sequence_length": 64,
         "logprob_chunk_size": chunk,
         "megatron_cfg": {
             "enabled": True,
@@ -381,6 +390,7 @@ def policy_config(split: dict, tp: int, ep: int, chunk: int | None = None) -> di
             "train_mb_tokens": split["packing"] or 0,
             "logprob_mb_tokens": split["packing"] or 0,
             "algorithm": "modified_first_fit_decreasing",
+            "fuse_loss": bool(split.get("fuse_loss", False)),
         },
         "generation": None,
     }
@@ -414,8 +424,18 @@ def build_worker(worker_cls, cfg: dict, model, optimizer, lr: float):
     worker.model = model
     worker.optimizer = optimizer
     worker.scheduler = _Scheduler(lr)
-    worker.mcore_state = types.SimpleNamespace(straggler_timer=None)
-    worker.delegate_pack_to_model = False
+    worker.mcore_state = types.SimpleNamespace(
+        straggler_timer=None, cfg=types.SimpleNamespace(model=types.SimpleNamespace(seq_length=64))
+    )
+    worker.media_placeholder_token_id = None  # a text model (NeMo-RL main)
+    # as __init__ sets them (NeMo-RL main asks the model; v0.7.0 has the first only)
+    module = sys.modules[worker_cls.__module__]
+    for attribute, function in (
+        ("delegate_pack_to_model", "_model_self_packs_for_cp"),
+        ("delegate_mtp_loss_mask_to_model", "_model_self_packs_mtp_loss_mask"),
+        ("model_slices_context_parallel_inputs", "_model_slices_context_parallel_inputs"),
+    ):
+        setattr(worker, attribute, getattr(module, function)(model) if hasattr(module, function) else False)
     worker.sampling_params = None
     worker.draft_model = None
     worker.dtype = torch.float32
@@ -532,17 +552,20 @@ def run_case(ctx: dict, case: dict) -> dict:
     )
     lr = 0.5
     cfg = policy_config(split, tp, ep, case.get("chunk"))
-    model = wrap_ddp(build_model(tp, ep))
+    model = wrap_ddp(build_model(tp, ep, case.get("vocab", VOCAB)))
+    record = case.get("record", True)  # False: no gradients or parameters gathered (the benchmark)
     optimizer = build_optimizer(model, lr)
     worker = build_worker(ctx["worker_cls"], cfg, model, optimizer, lr)
     group = _LocalWorkerGroup(worker, ps.get_data_parallel_group())
+    group.cluster = types.SimpleNamespace(world_size=torch.distributed.get_world_size)  # main's FLOP report
     policy = _policy(ctx["policy_cls"], cfg, group)
 
     grads = []
     real_step = optimizer.step
 
     def step():
-        grads.append(full_tensors(model, "grad"))
+        if record:
+            grads.append(full_tensors(model, "grad"))
         return real_step()
 
     optimizer.step = step
@@ -570,7 +593,7 @@ def run_case(ctx: dict, case: dict) -> dict:
     return {
         "microbatches": microbatches,
         "grads": grads,
-        "params": full_tensors(model, "param"),
+        "params": full_tensors(model, "param") if record else {},
         "policy_loss": [float(x) for x in torch.as_tensor(train_results["loss"]).reshape(-1)],
         "grad_norm": _number(
             train_results["grad_norm"][0]
@@ -655,6 +678,27 @@ _MICROBATCHES = [1]
 
 def run_cases(rank: int, world_size: int, host: str, cases: list, out_path: str) -> list[str]:
     """Rank function: every ``{name, kind, section, tp, ep, split}`` case; results to ``OUT.rank<r>``."""
+    started = time.time()
+    ctx, imported = make_context(host)
+    out: dict = {}
+    with open(f"{out_path}.rank{rank}.log", "w") as log:  # where a rank that dies (a collective abort) stopped
+        _run_all(ctx, cases, out, log)
+    out["_meta"] = {
+        "rank": rank,
+        "world_size": world_size,
+        "missing_names": sorted(set(_MISSING_NAMES)),
+        "nemo_rl_shims": __import__("tests.support.nemo_rl_shims", fromlist=["stand_ins"]).stand_ins(),
+        "import_seconds": imported,
+        "seconds": time.time() - started,
+    }
+    import torch
+
+    torch.save(out, f"{out_path}.rank{rank}")
+    return []
+
+
+def make_context(host: str) -> tuple[dict, float]:
+    """This rank's warning policy, stand-ins and NeMo-RL imports; what :func:`run_case` reads, and the import time."""
     from tests.support.training_step_host import suite_warning_filters
 
     suite_warning_filters()
@@ -688,19 +732,7 @@ def run_cases(rank: int, world_size: int, host: str, cases: list, out_path: str)
         "data": make_data(),
         "drivers": driver_aggregations(host or os.path.dirname(os.path.dirname(sys.modules["nemo_rl"].__file__))),
     }
-    out = {}
-    with open(f"{out_path}.rank{rank}.log", "w") as log:  # where a rank that dies (a collective abort) stopped
-        _run_all(ctx, cases, out, log)
-    out["_meta"] = {
-        "rank": rank,
-        "world_size": world_size,
-        "missing_names": sorted(set(_MISSING_NAMES)),
-        "nemo_rl_shims": __import__("tests.support.nemo_rl_shims", fromlist=["stand_ins"]).stand_ins(),
-        "import_seconds": imported,
-        "seconds": time.time() - started,
-    }
-    torch.save(out, f"{out_path}.rank{rank}")
-    return []
+    return ctx, imported
 
 
 def _run_all(ctx: dict, cases: list, out: dict, log) -> None:
