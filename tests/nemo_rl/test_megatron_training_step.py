@@ -1,7 +1,7 @@
 """NeMo-RL's Megatron training step with a real tiny megatron-core MoE ``GPTModel`` on gloo CPU ranks.
 
 The path every shipped recipe trains on (Megatron backend, TP and EP, sequence packing), run end to
-end at NeMo-RL v0.7.0 and main: NeMo-RL's own ``lm_policy.Policy.train`` (the global batch sharded
+end at NeMo-RL v0.6.0, v0.7.0 and main: NeMo-RL's own ``lm_policy.Policy.train`` (the global batch sharded
 over the data-parallel ranks, packing's bins included), ``MegatronPolicyWorkerImpl.train`` (its
 global-batch loop, ``process_global_batch``, ``get_microbatch_iterator`` with and without packing,
 ``megatron_forward_backward`` through megatron-core's ``forward_backward_no_pipelining`` and
@@ -15,9 +15,8 @@ full weights, sliced for its ranks (``tests/support/megatron_step_host.py``).
 
 One world of 2 processes per checkout runs the layouts TP 2 + EP 2 (sequence parallel), TP 1 + EP 2
 with DP 2, and TP 1 + EP 1 with DP 2; splits: one and two global batches, microbatches of 8, 4 and 2
-sequences, sequence packing at 40 and 64 tokens. NeMo-RL v0.6.0 is left out (its Megatron worker
-predates the loop this harness drives; the DTensor test covers v0.6.0). CP 2 is left out: the local
-spec's ``DotProductAttention`` has no context parallelism (megatron-core's CP attention is Transformer
+sequences, sequence packing at 40 and 64 tokens. CP 2 is left out: the local spec's
+``DotProductAttention`` has no context parallelism (megatron-core's CP attention is Transformer
 Engine's).
 
 Replaced at run time in the rank processes (nothing of NeMo-RL or megatron-core is edited):
@@ -55,7 +54,8 @@ Replaced at run time in the rank processes (nothing of NeMo-RL or megatron-core 
   count (Megatron-Bridge's ``flop_utils``) is 0 and its ``torch.cuda.synchronize`` a no-op; Ray's worker group:
   each rank trains its data-parallel shard, results gathered over the data-parallel group.
 
-Asserted at v0.7.0 and main:
+Asserted at every checkout, (a) at v0.7.0 and main only (at v0.6.0 the plugin computes v0.7.0's loss
+on purpose, see ``test_nemo_rl_live_parity.py``):
 
 (a) the plugin with only NeMo-RL's fields equals NeMo-RL's ``ClippedPGLossFn`` in every layout and
     split: every microbatch's metrics, every parameter's gradient before each optimizer step (after
@@ -74,8 +74,9 @@ Asserted at v0.7.0 and main:
     ``fuse_loss`` where it sets it, its ``logprob_chunk_size``) trains one finite step on the tiny
     model at TP 2 + EP 2 with sequence parallelism (the 64k recipe's CP 4 aside).
 
-Run time (this machine, 2 shared cores, one world per checkout): about 3.5 minutes per checkout,
-nearly all of it the two rank processes' imports (about 45 s) and the 60-odd cases of about 1-3 s.
+Run time (one world of 2 processes per checkout, 66 cases; this machine's 2 cores shared with other
+sessions, load average 30-48): v0.6.0 147 s, v0.7.0 237 s, main 378 s (main's alongside a benchmark).
+The rank processes' imports take 20-45 s of it; a case takes 0.4-3 s.
 """
 
 from __future__ import annotations
@@ -89,7 +90,10 @@ import pytest
 from tests.support import training_step_cases as C
 from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
 
-HOSTS = [h for h in nemo_rl_hosts() if host_label(h) != "v0.6.0"]
+HOSTS = nemo_rl_hosts()
+#: v0.6.0 aside: there the plugin computes v0.7.0's loss on purpose (test_nemo_rl_live_parity.py pins
+#: those differences), so the parity with NeMo-RL's own loss is asserted at v0.7.0 and main only.
+PARITY_HOSTS = [h for h in HOSTS if host_label(h) != "v0.6.0"]
 pytestmark = [no_hosts_mark(), pytest.mark.slow, pytest.mark.distributed]
 
 #: Plugin against NeMo-RL's loss, and one split against another (float32, sums in another order).
@@ -299,7 +303,7 @@ def wheres() -> list[str]:
     return [f"{layout}/{s}" for layout, _, _, splits in LAYOUTS for s in splits]
 
 
-@pytest.mark.parametrize("host", HOSTS, ids=host_label)
+@pytest.mark.parametrize("host", PARITY_HOSTS, ids=host_label)
 def test_nemo_rl_fields_alone_equal_nemo_rl_own_loss(host, tmp_path_factory):
     """(a): microbatch metrics, gradients after the step's reductions, parameters, policy loss, driver metrics."""
     ranks = world(host, tmp_path_factory)
@@ -327,7 +331,10 @@ def test_corrections_give_one_result_in_every_layout_and_split(host, tmp_path_fa
     failures = {}
     for where in wheres():
         ngb = 2 if "/gb2/" in where else 1
-        for kind, configs in (("plugin", {**C.CORRECTED, **parity_at(where)}), ("nemo_rl", parity_at(where))):
+        # NeMo-RL's own loss is the control where the parity holds: at v0.6.0 its logged is_oob_ratio is
+        # off by a whole number that grows with the microbatches of a split (measured here: +1 to +7)
+        control = (("nemo_rl", parity_at(where)),) if host in PARITY_HOSTS else ()
+        for kind, configs in (("plugin", {**C.CORRECTED, **parity_at(where)}),) + control:
             for config in configs:
                 skip = (GSPO_METRIC,) if config == "nemo_rl/gspo" else ()
                 want = result(ranks, name(kind, config, REFERENCE[ngb]))[0]
@@ -375,7 +382,7 @@ def test_deliberate_breaks_are_caught(host, tmp_path_factory):
             # tensor leaves as it is: the gradients and parameters are where it shows)
             assert any(": grad_norm: " in d for d in diff), diff
         elif broken == "summed_metric":
-            want = result(ranks, name("nemo_rl", config, where))[0]
+            want = result(ranks, name(kind, config, where))[0]  # the sound plugin run of the same case
             diff = step_differences(got[0], want, TOLERANCE)
             assert any("probs_ratio:" in d for d in diff), diff
         else:
