@@ -276,7 +276,8 @@ def driver_aggregations(host: str) -> dict[str, Any]:
         path = os.path.join(host, "nemo_rl", "algorithms", name)
         if not os.path.exists(path):
             continue
-        tree = ast.parse(open(path).read())
+        with open(path) as fh:
+            tree = ast.parse(fh.read())
         for fn in ast.walk(tree):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
