@@ -724,8 +724,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         VP,
-        "        ctx.save_for_backward(logits, shift, lse_minus_shift, local_idx, valid, held)",
-        "        ctx.save_for_backward(logits.float() * 1, shift, lse_minus_shift, local_idx, valid, held)",
+        "        ctx.save_for_backward(logits, shift, lse_minus_shift, local_idx, valid, held, bad)",
+        "        ctx.save_for_backward(logits.float() * 1, shift, lse_minus_shift, local_idx, valid, held, bad)",
         "a float32 copy of the logits saved for backward (the memory the chunking removed)",
     ),
     Mutant(
@@ -821,5 +821,11 @@ MUTANTS: list[Mutant] = [
         "if -delta < tost_low and tost_high < delta:",
         "if -delta < low and high < delta or True:",
         "'equivalent' said without the interval inside the smallest effect",
+    ),
+    Mutant(
+        VP,
+        "            p.masked_fill_(bad[:, s:e].unsqueeze(-1), 0.0)\n",
+        "",
+        "a NaN/+inf logit's row keeps its NaN softmax in the backward (issue 49: NaN gradient, finite loss)",
     ),
 ]
