@@ -176,24 +176,31 @@ def _placeholder_below_own(out: Mapping[str, float]) -> bool:
     return out["_local_valid_toks"] > SPLIT_API_PLACEHOLDER or out["_local_valid_seqs"] > SPLIT_API_PLACEHOLDER
 
 
-#: Whether this process was told about the split API's placeholder already (once: the split API passes it every call).
-_placeholder_said = [False]
+#: The once-per-process warnings this process has given (NeMo-RL unpickles a new loss every step,
+#: and Python's own once-per-place filter is reset by any ``catch_warnings``).
+_SAID_ONCE: set = set()
+
+
+def _warn_once(key: str, message: str, stacklevel: int) -> bool:
+    """``message`` as an :class:`InputWarning` the first time ``key`` is warned of in this process."""
+    if key in _SAID_ONCE:
+        return False
+    _SAID_ONCE.add(key)
+    warnings.warn(message, InputWarning, stacklevel=stacklevel + 1)
+    return True
 
 
 def _warn_placeholder_once(out: Mapping[str, float]) -> None:
-    if _placeholder_said[0]:
-        return
-    _placeholder_said[0] = True
     toks, seqs = out["_local_valid_toks"], out["_local_valid_seqs"]
     # stacklevel: _warn_placeholder_once, judge_inputs, CorrectedPGLoss.compute, its caller
-    warnings.warn(
+    _warn_once(
+        "split-api-placeholder",
         f"global_valid_seqs and global_valid_toks: got 1 and 1 while this microbatch has {seqs:g} valid sequences "
         f"and {toks:g} valid tokens: taken as the placeholder of NeMo-RL's split API (begin_train_step/"
         "finish_train_step), whose caller rescales the summed loss and metrics by the true counts. Any other "
         f"caller gets a loss, gradient and mean metrics (is_weight_mean) {toks:g}x (token-level loss) or "
         f"{seqs:g}x (sequence-level) too large: pass the counts of the whole global batch. Said once per process "
         "(docs/troubleshooting.md#input-errors)",
-        InputWarning,
         stacklevel=4,
     )
 
@@ -270,18 +277,13 @@ def _token_mask_error(found: str) -> ValueError:
     )
 
 
-#: The warning of a call whose logits held a NaN or +inf (one text, so Python shows it once per place).
+#: The warning of a call whose logits held a NaN or +inf (given once per process: :func:`_warn_once`).
 NONFINITE_LOGITS_MESSAGE = (
     "logits: NaN or +inf at some positions; those positions get no gradient and count as non-finite "
     f"current log-probs where they are valid tokens ({NONFINITE_LOGIT_ROWS} counts every such position; "
     "docs/guide.md#non-finite-inputs): a numerical problem in the model's forward pass (bf16/fp16 overflow, "
     "a NaN weight or activation)"
 )
-
-
-#: Whether this process has warned of non-finite logits (once per process: NeMo-RL unpickles a new
-#: loss every step, and Python's own once-per-place filter is reset by any ``catch_warnings``).
-_warned_nonfinite_logits = False
 
 
 def warn_nonfinite_logits(reported: Mapping[str, float], private: Mapping[str, float]) -> bool:
@@ -291,11 +293,6 @@ def warn_nonfinite_logits(reported: Mapping[str, float], private: Mapping[str, f
     :func:`~nemo_rs_plugin.core.sanitizing.nonfinite_logit_metric` declared the count (the count
     goes on in the metric every call). No extra sync. Returns whether it warned.
     """
-    global _warned_nonfinite_logits
     count = reported.get(NONFINITE_LOGIT_ROWS, private.get(f"_{NONFINITE_LOGIT_ROWS}", 0.0))
-    if count > 0 and not _warned_nonfinite_logits:
-        _warned_nonfinite_logits = True
-        # stacklevel: warn_nonfinite_logits, CorrectedPGLoss.compute, its caller
-        warnings.warn(NONFINITE_LOGITS_MESSAGE, InputWarning, stacklevel=3)
-        return True
-    return False
+    # stacklevel: warn_nonfinite_logits, CorrectedPGLoss.compute, its caller
+    return count > 0 and _warn_once("nonfinite-logits", NONFINITE_LOGITS_MESSAGE, stacklevel=3)

@@ -112,7 +112,7 @@ def placeholder_unsaid(monkeypatch):
     """The split API's placeholder is said once per process: as if not said yet."""
     from nemo_rs_plugin.core import input_checks
 
-    monkeypatch.setattr(input_checks, "_placeholder_said", [False])
+    monkeypatch.setattr(input_checks, "_SAID_ONCE", set())
 
 
 def test_the_split_api_placeholder_one_passes_and_is_said_once(placeholder_unsaid):

@@ -263,7 +263,7 @@ def test_nonfinite_logits_are_counted_at_every_position_and_warned_of_once(monke
     from nemo_rs_plugin.core import input_checks
     from nemo_rs_plugin.core.input_checks import InputWarning
 
-    monkeypatch.setattr(input_checks, "_warned_nonfinite_logits", False)
+    monkeypatch.setattr(input_checks, "_SAID_ONCE", set())
     logits, data, gvs, gvt = make_data(3, 8, 6)
     data["sample_mask"][2] = 0
     bad = logits.clone()
