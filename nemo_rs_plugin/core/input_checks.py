@@ -279,7 +279,7 @@ def _token_mask_error(found: str) -> ValueError:
 
 #: The warning of a call whose logits held a NaN or +inf (given once per process: :func:`_warn_once`).
 NONFINITE_LOGITS_MESSAGE = (
-    "logits: NaN or +inf at some positions; those positions get no gradient and count as non-finite "
+    "logits: NaN or +inf (or only -inf) at some positions; those positions get no gradient and count as non-finite "
     f"current log-probs where they are valid tokens ({NONFINITE_LOGIT_ROWS} counts every such position; "
     "docs/guide.md#non-finite-inputs): a numerical problem in the model's forward pass (bf16/fp16 overflow, "
     "a NaN weight or activation)"

@@ -128,7 +128,7 @@ METRIC_CATALOG: tuple[MetricEntry, ...] = (
     MetricEntry("nonfinite_advantages_count", _NONFINITE, "none"),
     MetricEntry(
         NONFINITE_LOGIT_ROWS,
-        "positions whose logits held a NaN or +inf, any position (prompt, masked, last) "
+        "positions whose logits held a NaN or +inf, or only -inf, any position (prompt, masked, last) "
         "([below](#non-finite-inputs)); `sharded_logits_input` only",
         "none",
         emitted=lambda cfg: cfg.sharded_logits_input,
