@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Union
 
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
 from nemo_rs_plugin.nemo_rl.host import fused_sharded_problem, training_time_filtering_problem
+from nemo_rs_plugin.nemo_rl.recipe_defaults import dotted_value
 from nemo_rs_plugin.parallel.vocab_parallel import chunk_size_problem
 
 __all__ = ["RUN_TIME_REFUSALS", "RunTimeRefusal", "Unknown", "recipe_refusals", "run_time_refusal", "training_ranks"]
@@ -51,15 +52,6 @@ class RunTimeRefusal:
     example: tuple[str, ...]
 
 
-def _value(cfg: dict, dotted: str) -> Any:
-    node: Any = cfg
-    for key in dotted.split("."):
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
-    return node
-
-
 def _positive_int(value: Any) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
@@ -70,17 +62,17 @@ def training_ranks(cfg: dict) -> Optional[int]:
     Colocated generation (NeMo-RL's default): every GPU of ``cluster``. Otherwise the inference
     resources are taken away: GPUs of the one node, or whole nodes.
     """
-    nodes = _positive_int(_value(cfg, "cluster.num_nodes"))
-    gpus = _positive_int(_value(cfg, "cluster.gpus_per_node"))
+    nodes = _positive_int(dotted_value(cfg, "cluster.num_nodes"))
+    gpus = _positive_int(dotted_value(cfg, "cluster.gpus_per_node"))
     if nodes is None or gpus is None:
         return None
-    if _value(cfg, "policy.generation.colocated.enabled") is not False:
+    if dotted_value(cfg, "policy.generation.colocated.enabled") is not False:
         return nodes * gpus
     resources = "policy.generation.colocated.resources"
     if nodes == 1:
-        inference_gpus = _positive_int(_value(cfg, f"{resources}.gpus_per_node"))
+        inference_gpus = _positive_int(dotted_value(cfg, f"{resources}.gpus_per_node"))
         return gpus - inference_gpus if inference_gpus is not None and gpus > inference_gpus else None
-    inference_nodes = _positive_int(_value(cfg, f"{resources}.num_nodes"))
+    inference_nodes = _positive_int(dotted_value(cfg, f"{resources}.num_nodes"))
     return (nodes - inference_nodes) * gpus if inference_nodes is not None and nodes > inference_nodes else None
 
 
@@ -114,7 +106,7 @@ def _data_parallel_group(is_batch_normalization: Any, group_known: bool, ranks: 
 
 
 def _megatron(cfg: dict) -> bool:
-    return _value(cfg, "policy.megatron_cfg.enabled") is True
+    return dotted_value(cfg, "policy.megatron_cfg.enabled") is True
 
 
 def _fused_facts(cfg: dict, config: RSClippedPGLossConfig) -> RecipeFacts:
@@ -123,7 +115,7 @@ def _fused_facts(cfg: dict, config: RSClippedPGLossConfig) -> RecipeFacts:
         return None
     return {
         "sharded_logits_input": True,
-        "use_fused_linear_logprobs": _value(cfg, "policy.megatron_cfg.use_fused_linear_logprobs"),
+        "use_fused_linear_logprobs": dotted_value(cfg, "policy.megatron_cfg.use_fused_linear_logprobs"),
     }
 
 
@@ -132,15 +124,15 @@ def _filtering_facts(cfg: dict, config: RSClippedPGLossConfig) -> RecipeFacts:
         return None
     return {
         "sharded_logits_input": True,
-        "top_k": _value(cfg, "policy.generation.top_k"),
-        "top_p": _value(cfg, "policy.generation.top_p"),
+        "top_k": dotted_value(cfg, "policy.generation.top_k"),
+        "top_p": dotted_value(cfg, "policy.generation.top_p"),
     }
 
 
 def _chunk_facts(cfg: dict, config: RSClippedPGLossConfig) -> RecipeFacts:
     if not config.sharded_logits_input:
         return None
-    return {"sharded_logits_input": True, "chunk_size": _value(cfg, "policy.logprob_chunk_size")}
+    return {"sharded_logits_input": True, "chunk_size": dotted_value(cfg, "policy.logprob_chunk_size")}
 
 
 def _data_parallel_facts(cfg: dict, config: RSClippedPGLossConfig) -> RecipeFacts:

@@ -15,7 +15,7 @@ import sys
 from typing import Any, Optional
 
 from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME as PLUGIN_NAME  # standard library only
-from nemo_rs_plugin.nemo_rl.recipe_defaults import parent_paths  # standard library only
+from nemo_rs_plugin.nemo_rl.recipe_defaults import nemo_rl_checkout_problem, parent_paths  # standard library only
 from nemo_rs_plugin.tools.doctor_report import DoctorReport, StopChecks  # standard library only
 
 __all__ = [
@@ -95,11 +95,8 @@ def check_hook(report: DoctorReport) -> Any:
 def use_checkout(report: DoctorReport, path: str) -> None:
     """``--nemo-rl PATH``: NeMo-RL from that checkout, put first on the path as ``nemo-rs check --nemo-rl`` does."""
     root = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isfile(os.path.join(root, "nemo_rl", "__init__.py")):
-        if os.path.isfile(root):
-            what = "it is a file (an archive?): extract it and name the folder"
-        else:
-            what = "no such directory" if not os.path.isdir(root) else "no nemo_rl/__init__.py in it"
+    what = nemo_rl_checkout_problem(root)
+    if what is not None:
         report.fail("NeMo-RL", f"--nemo-rl {path}: not a NeMo-RL checkout ({what})", stop=True)
     if root not in sys.path:
         sys.path.insert(0, root)

@@ -25,12 +25,13 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, cast
+from typing import Optional, Protocol, cast
 
 import yaml
 
 from nemo_rs_plugin.core.config import ConfigError
-from nemo_rs_plugin.nemo_rl.recipe_defaults import defaults_of
+from nemo_rs_plugin.nemo_rl.recipe_defaults import defaults_of, nemo_rl_checkout_problem
+from nemo_rs_plugin.nemo_rl.recipe_defaults import dotted_value as recipe_value  # the tools' name for it
 from nemo_rs_plugin.tools.recipe_interpolations import resolve_interpolations
 from nemo_rs_plugin.tools.recipe_overrides import OverrideError, apply_override, one_line, override_key
 from nemo_rs_plugin.tools.recipe_yaml import defaults_found, load_with_defaults, parent_with_loss_mapping, read_yaml
@@ -65,16 +66,6 @@ HOW_TO_CHECK_IN_NEMO_RL = (
     "for their MasterConfig (nemo_rl.algorithms.grpo does not import on an older Python; v0.6.0's is a "
     "TypedDict, which NeMo-RL does not validate)"
 )
-
-
-def recipe_value(cfg: dict, dotted: str, default: Any = None) -> Any:
-    """``cfg["a"]["b"]`` for ``"a.b"``, or ``default`` where a key on the way is missing."""
-    node: Any = cfg
-    for k in dotted.split("."):
-        if not isinstance(node, dict) or k not in node:
-            return default
-        node = node[k]
-    return node
 
 
 class LoadReport(Protocol):
@@ -140,11 +131,8 @@ def _find_nemo_rl(nemo_rl_path: Optional[str], report: LoadReport) -> tuple[bool
     root = None
     if nemo_rl_path:
         root = os.path.abspath(os.path.expanduser(nemo_rl_path))
-        if not os.path.isfile(os.path.join(root, "nemo_rl", "__init__.py")):
-            if os.path.isfile(root):
-                what = "it is a file (an archive?): extract it and name the folder"
-            else:
-                what = "no such directory" if not os.path.isdir(root) else "no nemo_rl/__init__.py in it"
+        what = nemo_rl_checkout_problem(root)
+        if what is not None:
             report.errors.append(f"--nemo-rl {nemo_rl_path}: not a NeMo-RL checkout ({what})")
             return False, None
         if root not in sys.path:
