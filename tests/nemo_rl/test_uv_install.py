@@ -7,7 +7,7 @@ lockfile the way ``nemo_rl.utils.venvs.create_local_venv`` builds it (``uv venv`
 pointing at it). These tests build a small project of that shape (tests/fake_hosts/uv_project
 around tests/fake_hosts/supported, with its own pyproject and lock, torch pinned to 2.13.0)
 and check which install commands keep the plugin active through ``uv sync`` and reach the
-workers: README "Use it in NeMo-RL" states what they find.
+workers: docs/install.md ("Into NeMo-RL's uv project") states what they find.
 
 uv comes from PyPI (``pip install uv``); the tests skip only when it cannot be installed.
 uv is pointed at the indexes pip is configured with, and never downloads a Python.

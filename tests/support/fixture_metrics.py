@@ -1,6 +1,6 @@
 """How a metric recorded from NeMo-RL's own loss compares with the plugin's (the fixture cases).
 
-One deliberate difference (README, "Where it differs from NeMo-RL on purpose"): NeMo-RL's GSPO
+One deliberate difference (docs/guide.md, "Where it differs from NeMo-RL on purpose"): NeMo-RL's GSPO
 ``sampling_importance_ratio`` of one call is ``sum_i w_i * sum_j s_j / N_seq`` (its ``[B, 1]``
 weight against the ``[B]`` sample mask, NeMo-RL #3753); the plugin logs ``sum_i s_i w_i / N_seq``,
 NeMo-RL's own value when it packs (one sequence per call). With every sample valid the two differ

@@ -1,5 +1,5 @@
-"""README.md's Python-API example runs exactly as written (the code block of its
-"## Python API" section, extracted from the README, not a copy)."""
+"""The Python-API example of docs/guide.md runs exactly as written (the code block of its
+"## Python API" section, extracted from the page, not a copy; the README links it)."""
 
 import re
 import subprocess
@@ -10,13 +10,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def python_api_snippet() -> str:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Python API\n", 1)[1].split("\n## ", 1)[0]
+    guide = (REPO / "docs" / "guide.md").read_text()
+    section = guide.split("\n## Python API\n", 1)[1].split("\n## ", 1)[0]
     [code] = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     return code
 
 
-def test_readme_python_api_example_runs_as_written(tmp_path):
+def test_the_guides_python_api_example_runs_as_written(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", python_api_snippet()], capture_output=True, text=True, cwd=tmp_path, timeout=300
     )
