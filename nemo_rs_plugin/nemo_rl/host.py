@@ -154,7 +154,7 @@ def host_field_problems(raw: dict, own_loss: bool = False) -> tuple[dict[str, An
       this host does not have (:func:`missing_host_fields`) set is refused: NeMo-RL's loss there
       ignores it and would train something else than the recipe says (``use_cispo: true`` on
       v0.6.0 trains plain PPO). The plugin's loss computes those fields itself on every host
-      (on v0.6.0, the loss of v0.7.0: README.md), so for it they are no problem.
+      (on v0.6.0, the loss of v0.7.0: docs/install.md#versions), so for it they are no problem.
 
     Each problem names the field, the value and the NeMo-RL version (without ``loss_fn.``).
 

@@ -83,7 +83,7 @@ def expose_to_workers():
             f"nemo-rs-plugin: cannot link the package into {shim} ({exc}). Ray workers that "
             "run in NeMo-RL's worker virtual environments will fail to unpickle the loss "
             "(ModuleNotFoundError: No module named 'nemo_rs_plugin') unless the plugin is a "
-            f"dependency of NeMo-RL there (see README: uv add). Set {WORKER_PATH_ENV} to a "
+            f"dependency of NeMo-RL there (see docs/install.md: Into NeMo-RL's uv project). Set {WORKER_PATH_ENV} to a "
             "writable directory that every node sees.",
             RuntimeWarning,
             stacklevel=2,

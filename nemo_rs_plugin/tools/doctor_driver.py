@@ -76,7 +76,7 @@ def check_hook(report: DoctorReport) -> Any:
             f"in {sys.prefix} (nemo_rs_plugin was imported from "
             f"{os.path.dirname(nemo_rs_plugin.__file__)}), so NeMo-RL builds its own loss "
             "whatever the recipe names. In NeMo-RL's checkout: uv add --editable "
-            "/path/to/nemo-rs-plugin (README: Use it in NeMo-RL).",
+            "/path/to/nemo-rs-plugin (docs/install.md: Into NeMo-RL's uv project).",
             stop=True,
         )
     if hook.disabled():
@@ -286,5 +286,5 @@ def check_install(report: DoctorReport, nemo_rl: Any) -> None:
             "install",
             f"not a dependency in {pyproject}: unless this runs under "
             "`uv run --with`, the next `uv sync` removes it; `uv add --editable "
-            "/path/to/nemo-rs-plugin` keeps it (README: Use it in NeMo-RL)",
+            "/path/to/nemo-rs-plugin` keeps it (docs/install.md: Into NeMo-RL's uv project)",
         )

@@ -46,7 +46,7 @@ def wrote_worker_links(before: dict[str, str]) -> Optional[str]:
         return None
     return (
         f"the plugin's worker-path link was written under {worker_links.worker_path_base()} (as training writes "
-        f"it; {worker_links.WORKER_PATH_ENV} chooses the folder; README: Ray workers)"
+        f"it; {worker_links.WORKER_PATH_ENV} chooses the folder; docs/install.md: Ray workers)"
     )
 
 

@@ -233,7 +233,7 @@ def test_doctor_says_where_it_wrote_the_worker_link(tmp_path, monkeypatch):
     notes = [line for line in out.getvalue().splitlines() if line.startswith("note")]
     assert notes == [
         f"note worker path: the plugin's worker-path link was written under {tmp_path / 'wp'} (as training writes "
-        f"it; {workers.WORKER_PATH_ENV} chooses the folder; README: Ray workers)"
+        f"it; {workers.WORKER_PATH_ENV} chooses the folder; docs/install.md: Ray workers)"
     ]
 
 
