@@ -47,8 +47,8 @@ def filter_bound_extremes(i: int, f: RejectionFilter) -> list[str]:
     what = f"{f.metric}" + (f" ({f.aggregation} over a sequence)" if f.aggregation else " (per token)")
     if f.applies_to == "policy_gradient":
         consequence = "only the penalty terms train"
-    elif f.advantage_condition is not None:
-        consequence = f"the {f.advantage_condition}-advantage tokens train on nothing"
+    elif f.advantage_sign is not None:
+        consequence = f"the {f.advantage_sign}-advantage tokens train on nothing"
     else:
         consequence = "the loss trains on nothing"
     p = []
@@ -182,6 +182,12 @@ def setting_warnings(cfg: Any) -> list[str]:
         )
     for i, f in enumerate(cfg.rejection_sampling):
         w += filter_bound_extremes(i, f) + filter_bound_warnings(i, f)
+        if f.negative_advantages_only:
+            # One name per concept: the sign field says both signs; the old flag said only one.
+            w.append(
+                f"rejection_sampling.{i}.negative_advantages_only: deprecated; write advantage_sign: negative "
+                "instead (the same filter, the same metric names)"
+            )
         markers = [m for m in NEMO_RL_UNDIVIDED_MARKERS if f.name is not None and m in f.name]
         if markers:
             w.append(

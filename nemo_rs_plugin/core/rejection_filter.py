@@ -13,7 +13,7 @@ References:
     - Stage order, Geo-RS then Token-MIS: AReaL PR #1218, https://github.com/inclusionAI/AReaL/pull/1218
     - Product and geometric masks, outlier-token veto (``agg: any``): SkyRL PR #849,
       https://github.com/NovaSky-AI/SkyRL/pull/849
-    - OPSM (``negative_advantages_only``): DeepSeek-AI, "DeepSeek-V3.2: Pushing the Frontier of Open
+    - OPSM (``advantage_sign: negative``): DeepSeek-AI, "DeepSeek-V3.2: Pushing the Frontier of Open
       Large Language Models", https://arxiv.org/abs/2512.02556
     - DPPO (``prob_diff`` per ``advantage_sign``, ``applies_to: policy_gradient``): Qi et al., "Rethinking
       the Trust Region in LLM Reinforcement Learning", https://arxiv.org/abs/2602.04879; prime-rl's default
@@ -24,7 +24,7 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -79,7 +79,7 @@ class RejectionFilter(BaseModel):
     ``any`` rejects when any valid token ratio is outside the bounds (outlier-token veto).
 
     Every other statistic aggregates arithmetically by ``mean``, ``sum`` or ``max``.
-    With ``negative_advantages_only`` (or ``advantage_sign: negative``) the filter rejects
+    With ``advantage_sign: negative`` the filter rejects
     only tokens whose advantage is negative (TRL's and slime's off-policy sequence masking,
     OPSM); with ``advantage_sign: positive`` (token filters) only tokens whose advantage is
     positive. With ``applies_to: policy_gradient`` (token filters) a rejected token loses
@@ -109,13 +109,13 @@ class RejectionFilter(BaseModel):
     reverse: AReaL's KL direction, VERL's k1 band on gen/prev), ``curr-gen`` or
     ``curr-prev`` (the detached current policy: TRL's and slime's OPSM)."""
     negative_advantages_only: bool = False
-    """Reject only tokens whose advantage is < 0 (a rejected sequence loses its
-    negative-advantage tokens; with one advantage per sequence, as in GRPO, the whole
-    sequence iff its advantage is negative). TRL ``off_policy_mask_threshold``, slime
-    ``use_opsm``."""
+    """Deprecated spelling of ``advantage_sign: negative`` (accepted, warned about: ``nemo-rs check``
+    says how to update). TRL ``off_policy_mask_threshold``, slime ``use_opsm``."""
     advantage_sign: Optional[AdvantageSign] = None
-    """Reject only tokens whose advantage has this sign: ``negative`` (A < 0; the same as
-    ``negative_advantages_only: true``, on token and sequence filters) or ``positive``
+    """Reject only tokens whose advantage has this sign: ``negative`` (A < 0; a rejected sequence
+    loses its negative-advantage tokens; with one advantage per sequence, as in GRPO, the whole
+    sequence iff its advantage is negative: TRL's and slime's off-policy sequence masking, OPSM;
+    token and sequence filters) or ``positive``
     (A > 0; token filters only). A sign-conditioned filter never rejects a token with A = 0
     (as prime-rl's mask, which reads the sign). Two token filters, one per sign, give prime-rl's DPPO mask, with its
     separate ``dppo_mask_high`` / ``dppo_mask_low`` bounds. ``None``: every token."""
@@ -132,6 +132,22 @@ class RejectionFilter(BaseModel):
     ``<level>_<metric>[_<agg>][_<log_ratio>][_<sign>_advantages][_policy_gradient]`` (the
     last three only when not at their defaults; ``agg`` ``max`` and ``min`` read ``largest`` and
     ``smallest``, which NeMo-RL's workers scale as sums). Labels must be unique within ``rejection_sampling``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_for_the_advantage_sign(cls, data: Any) -> Any:
+        """``negative_advantages_only: true`` is read as ``advantage_sign: negative`` (its one name).
+
+        The old field stays set, so the deprecation is warned about (``setting_warnings``) and a
+        contradiction with ``advantage_sign: positive`` is still refused by name.
+        """
+        if (
+            isinstance(data, dict)
+            and data.get("negative_advantages_only") is True
+            and data.get("advantage_sign") is None
+        ):
+            data = {**data, "advantage_sign": "negative"}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "RejectionFilter":
@@ -172,18 +188,11 @@ class RejectionFilter(BaseModel):
         parts = [self.level, self.metric] + ([entry.label] if entry is not None else [])
         if self.log_ratio != "prev-gen":
             parts.append(self.log_ratio)
-        if self.advantage_condition is not None:
-            parts.append(f"{self.advantage_condition}_advantages")
+        if self.advantage_sign is not None:
+            parts.append(f"{self.advantage_sign}_advantages")
         if self.applies_to != "loss":
             parts.append(self.applies_to)
         return "_".join(parts)
-
-    @property
-    def advantage_condition(self) -> Optional[str]:
-        """``negative``, ``positive`` or ``None``: the advantage sign of the tokens it may reject."""
-        if self.negative_advantages_only:
-            return "negative"
-        return self.advantage_sign
 
 
 def _filter_problems(f: RejectionFilter) -> list[str]:

@@ -23,8 +23,8 @@ def describe_filter(f: RejectionFilter) -> str:
     sentence = f"reject {unit} unless {statistic.describe(aggregation, a, b)} is in {_bounds(f)}"
     if f.log_ratio != "prev-gen" and not statistic.names_its_sources(aggregation):
         sentence += f", with d = {a} - {b}"
-    if f.advantage_condition is not None:
-        sentence += f" (only its tokens with a {f.advantage_condition} advantage)"
+    if f.advantage_sign is not None:
+        sentence += f" (only its tokens with a {f.advantage_sign} advantage)"
     if f.applies_to == "policy_gradient":
         sentence += "; a rejected token loses only its policy-gradient term, its KL penalties stay"
     return sentence

@@ -218,7 +218,12 @@ def test_no_default_filter_label_is_one_nemo_rl_leaves_undivided():
         entry = FILTER_STATISTICS[metric]
         for level, agg in [("token", None)] + [("sequence", a) for a in entry.aggregations]:
             f = RejectionFilter(
-                level=level, metric=metric, agg=agg, log_ratio=log_ratio, negative_advantages_only=negative, upper=2.0
+                level=level,
+                metric=metric,
+                agg=agg,
+                log_ratio=log_ratio,
+                advantage_sign="negative" if negative else None,
+                upper=2.0,
             )
             labels.add(f.label)
     assert not [label for label in labels if any(m in label for m in NEMO_RL_UNDIVIDED_MARKERS)]

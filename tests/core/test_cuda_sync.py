@@ -33,7 +33,7 @@ PEER_MODES = {
             "agg": "mean",
             "upper": 0.01,
             "log_ratio": "curr-gen",
-            "negative_advantages_only": True,
+            "advantage_sign": "negative",
         },
         {"level": "token", "metric": "kl_k3", "upper": 0.4, "log_ratio": "gen-prev"},
     ],

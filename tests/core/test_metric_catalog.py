@@ -31,7 +31,7 @@ FILTERS = [
     [{"level": "token", "metric": "ratio", "lower": 0.5, "upper": 2.0}],
     [
         {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4},
-        {"level": "sequence", "metric": "kl_k3", "agg": "max", "upper": 5.0, "negative_advantages_only": True},
+        {"level": "sequence", "metric": "kl_k3", "agg": "max", "upper": 5.0, "advantage_sign": "negative"},
         {"level": "token", "metric": "prob_diff", "lower": -0.2, "upper": 0.2, "applies_to": "policy_gradient"},
     ],
 ]

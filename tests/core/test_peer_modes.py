@@ -291,7 +291,7 @@ def test_opsm_drops_negative_advantage_tokens_of_off_policy_sequences():
                 "agg": "mean",
                 "upper": 0.01,
                 "log_ratio": "curr-gen",
-                "negative_advantages_only": True,
+                "advantage_sign": "negative",
                 "name": "opsm",
             }
         ]
@@ -319,15 +319,15 @@ def test_advantage_condition_on_a_token_filter_and_on_two_sequence_filters():
     gen = [[-1.0, -1.0, -1.0]]
     prev = [[-1.0 + log(3.0), -1.0 + log(3.0), -1.0]]
     adv = [[-1.0, 1.0, -1.0]]
-    token = {"rejection_sampling": [{"level": "token", "lower": 0.5, "upper": 2.0, "negative_advantages_only": True}]}
+    token = {"rejection_sampling": [{"level": "token", "lower": 0.5, "upper": 2.0, "advantage_sign": "negative"}]}
     _, keep, m = correction(token, prev, gen, [[1, 1, 1]], advantages=adv)
     assert keep.tolist() == [[0, 1, 1]]
     assert m["rs/token_ratio_negative_advantages/token_rejected_frac"] == pytest.approx(1 / 3)
     # Two conditional sequence filters rejecting the same row: the second removes nothing new.
     two = {
         "rejection_sampling": [
-            {"level": "sequence", "agg": "max", "upper": 2.0, "negative_advantages_only": True, "name": "first"},
-            {"level": "sequence", "agg": "sum", "upper": 2.0, "negative_advantages_only": True, "name": "second"},
+            {"level": "sequence", "agg": "max", "upper": 2.0, "advantage_sign": "negative", "name": "first"},
+            {"level": "sequence", "agg": "sum", "upper": 2.0, "advantage_sign": "negative", "name": "second"},
         ]
     }
     _, keep, m = correction(two, prev, gen, [[1, 1, 1]], advantages=adv)
@@ -348,7 +348,7 @@ def test_slime_opsm_reads_the_trainer_log_probs():
                 "agg": "mean",
                 "upper": 1e-4,
                 "log_ratio": "curr-prev",
-                "negative_advantages_only": True,
+                "advantage_sign": "negative",
             }
         ]
     }
@@ -371,7 +371,7 @@ def test_conditional_and_unconditional_rejections_are_counted_once():
                 "agg": "mean",
                 "upper": 0.01,
                 "log_ratio": "curr-gen",
-                "negative_advantages_only": True,
+                "advantage_sign": "negative",
                 "name": "opsm",
             },
             {"level": "token", "lower": 0.5, "upper": 2.0, "name": "band"},
@@ -440,7 +440,7 @@ def test_default_labels_name_a_non_default_log_ratio_and_the_advantage_condition
                     "agg": "mean",
                     "upper": 0.01,
                     "log_ratio": "curr-gen",
-                    "negative_advantages_only": True,
+                    "advantage_sign": "negative",
                 },
                 {"level": "token", "metric": "kl_k3", "upper": 0.4, "log_ratio": "gen-prev"},
             ]

@@ -35,7 +35,7 @@ import yaml
 
 from nemo_rs_plugin import CorrectedPGLoss
 from nemo_rs_plugin.core import presets
-from nemo_rs_plugin.core.config import ConfigError, RSClippedPGLossConfig
+from nemo_rs_plugin.core.config import ConfigError, ConfigWarning, RSClippedPGLossConfig
 from tests.core.test_peer_modes import correction, effective_coefficients
 
 RECORDED = json.loads((Path(__file__).resolve().parents[1] / "data" / "peer_modes_prime_rl_ms_swift.json").read_text())
@@ -243,13 +243,21 @@ def test_a_loss_filter_removes_the_penalty_a_policy_gradient_filter_does_not():
     assert m_loss["rs_token_rejected_frac"] == pytest.approx(0.5) and m_pg["rs_token_rejected_frac"] == 0.0
 
 
-def test_advantage_sign_negative_is_negative_advantages_only():
+def test_negative_advantages_only_is_a_deprecated_spelling_of_advantage_sign_negative():
     curr, gen, adv, mask, sample_mask = recorded_batch()
     f = {"level": "token", "metric": "prob_diff", "log_ratio": "curr-gen", "lower": -0.02}
     one = {**DPPO, "rejection_sampling": [{**f, "advantage_sign": "negative"}]}
     other = {**DPPO, "rejection_sampling": [{**f, "negative_advantages_only": True}]}
     a = run_plugin(one, curr, gen, adv, mask, sample_mask)
-    b = run_plugin(other, curr, gen, adv, mask, sample_mask)
+    with pytest.warns(ConfigWarning) as said:
+        b = run_plugin(other, curr, gen, adv, mask, sample_mask)
+    deprecations = [str(w.message) for w in said if "deprecated" in str(w.message)]
+    assert deprecations == [
+        "loss_fn.rejection_sampling.0.negative_advantages_only: deprecated; write advantage_sign: negative "
+        "instead (the same filter, the same metric names)"
+    ]
+    with pytest.warns(ConfigWarning, match="deprecated"):
+        assert RSClippedPGLossConfig.from_any(other).rejection_sampling[0].advantage_sign == "negative"
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]
     # Against the batch itself: the rejected share is the valid tokens with a negative advantage
     # whose probability fell by more than 0.02 (the positive-advantage ones stay).
@@ -347,9 +355,10 @@ def test_labels_name_the_sign_and_the_scope():
         "token_prob_diff_curr-gen_positive_advantages_policy_gradient",
         "token_prob_diff_curr-gen_negative_advantages_policy_gradient",
     ]
-    old = RSClippedPGLossConfig.from_any(
-        {"rejection_sampling": [{"level": "sequence", "upper": 2.0, "negative_advantages_only": True}]}
-    )
+    with pytest.warns(ConfigWarning, match="negative_advantages_only: deprecated"):
+        old = RSClippedPGLossConfig.from_any(
+            {"rejection_sampling": [{"level": "sequence", "upper": 2.0, "negative_advantages_only": True}]}
+        )
     assert old.rejection_sampling[0].label == "sequence_ratio_mean_negative_advantages"
 
 

@@ -56,7 +56,7 @@ option_filters = st.builds(
         "metric": metric,
         "upper": hi,
         "log_ratio": log_ratio,
-        "negative_advantages_only": negative,
+        **({"advantage_sign": "negative"} if negative else {}),
         **({"agg": "mean"} if level == "sequence" else {}),
     },
     st.sampled_from(["token", "sequence"]),

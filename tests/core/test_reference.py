@@ -165,7 +165,7 @@ def draw_filter(
     if log_ratio != "prev-gen":
         f["log_ratio"] = log_ratio
     if negative:
-        f["negative_advantages_only"] = True
+        f["advantage_sign"] = "negative"
     if bounds in ("lower", "both"):
         f["lower"] = lo
     if bounds in ("upper", "both"):

@@ -427,7 +427,7 @@ MUTANTS: list[Mutant] = [
         CF,
         "keep_tok = in_band if eligible is None else 1.0 - (1.0 - in_band) * eligible",
         "keep_tok = in_band",
-        "a token filter ignores negative_advantages_only",
+        "a token filter ignores advantage_sign",
     ),
     Mutant(
         CP,

@@ -79,14 +79,14 @@ CONFIGS = {
         "truncated_importance_sampling_ratio": 1.3,
         "is_batch_normalization": "microbatch",
         "rejection_sampling": [
-            {"level": "token", "metric": "total_variation", "upper": 0.015, "negative_advantages_only": True},
+            {"level": "token", "metric": "total_variation", "upper": 0.015, "advantage_sign": "negative"},
             {
                 "level": "sequence",
                 "metric": "kl_k1",
                 "agg": "mean",
                 "upper": -0.01,
                 "log_ratio": "curr-gen",
-                "negative_advantages_only": True,
+                "advantage_sign": "negative",
             },
             {"level": "token", "metric": "binary_kl", "upper": 0.002},
             {"level": "sequence", "metric": "kl_k3", "agg": "max", "upper": 0.03, "log_ratio": "gen-prev"},

@@ -12,7 +12,7 @@ REINFORCE; token- or sequence-level loss; the reference-policy KL penalty (k1/k2
 and output clamps, no on-policy approximation); IS weights at every level; ``tis``,
 ``icepop``, ``seq-mask-tis``; the batch normalisation of one process (``microbatch``, and
 ``data_parallel`` without a data-parallel group); every rejection filter (every metric,
-``log_ratio`` and ``negative_advantages_only``); both rejection denominators. Not
+``log_ratio`` and ``advantage_sign: negative``); both rejection denominators. Not
 covered (parity with NeMo-RL's recordings covers them): CISPO, dual clip, forced on-policy
 ratio, on-policy KL approximation, the VAPO NLL term.
 
@@ -84,7 +84,7 @@ def filter_label(f: dict) -> str:
         parts.append({"max": "largest", "min": "smallest"}.get(agg, agg))  # no "_max": NeMo-RL scales those
     if f.get("log_ratio", "prev-gen") != "prev-gen":
         parts.append(f["log_ratio"])
-    if f.get("negative_advantages_only"):
+    if f.get("advantage_sign") == "negative" or f.get("negative_advantages_only"):
         parts.append("negative_advantages")
     return "_".join(parts)
 
@@ -319,7 +319,7 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
         metric = f.get("metric", "ratio")
         lo, hi = f.get("lower"), f.get("upper")
         log_space = metric == "ratio"
-        only_negative = f.get("negative_advantages_only", False)
+        only_negative = f.get("advantage_sign") == "negative" or f.get("negative_advantages_only", False)
         a_name, b_name = f.get("log_ratio", "prev-gen").split("-")
         fa, fb = logp[a_name], logp[b_name]
         f_ok = [[math.isfinite(fa[i][t] - fb[i][t]) for t in range(T)] for i in rows]

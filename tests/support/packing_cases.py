@@ -61,8 +61,8 @@ def _filter_field_cases() -> dict[str, dict[str, Any]]:
         cases[f"filter/token_ratio_{sign}_advantages"] = {
             "rejection_sampling": [{**presets.TOKEN_MIS, "advantage_sign": sign}]
         }
-    cases["filter/sequence_negative_advantages_only"] = {
-        "rejection_sampling": [{**presets.OUTLIER_VETO, "negative_advantages_only": True}]
+    cases["filter/sequence_negative_advantage_sign"] = {
+        "rejection_sampling": [{**presets.OUTLIER_VETO, "advantage_sign": "negative"}]
     }
     for scope in _literal_values(fields["applies_to"].annotation):
         cases[f"filter/token_ratio_applies_to_{scope}"] = {

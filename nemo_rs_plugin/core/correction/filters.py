@@ -16,7 +16,7 @@ References:
     - Stage order, Geo-RS then Token-MIS: AReaL PR #1218, https://github.com/inclusionAI/AReaL/pull/1218
     - Product and geometric masks, outlier-token veto (``agg: any``): SkyRL PR #849,
       https://github.com/NovaSky-AI/SkyRL/pull/849
-    - OPSM (``negative_advantages_only``): DeepSeek-AI, "DeepSeek-V3.2: Pushing the Frontier of Open
+    - OPSM (``advantage_sign: negative``): DeepSeek-AI, "DeepSeek-V3.2: Pushing the Frontier of Open
       Large Language Models", https://arxiv.org/abs/2512.02556
     - DPPO (``prob_diff`` per ``advantage_sign``, ``applies_to: policy_gradient``): Qi et al., "Rethinking
       the Trust Region in LLM Reinforcement Learning", https://arxiv.org/abs/2602.04879; prime-rl's default
@@ -216,8 +216,8 @@ def plan_token_filter(
     lo, hi = filter_bounds(f)
     # Tokens this filter may reject: all, or only those whose advantage has the filter's sign
     # (None: the caller has no advantages, as in calibration; every token is eligible).
-    condition = f.advantage_condition
-    eligible = {"negative": negative, "positive": positive}.get(condition) if condition else None
+    sign = f.advantage_sign
+    eligible = {"negative": negative, "positive": positive}.get(sign) if sign else None
     in_band = f_finite.masked_fill(out_of_bounds(stat, lo, hi), 0.0)  # non-finite d: out of band
     keep_tok = in_band if eligible is None else 1.0 - (1.0 - in_band) * eligible
     kept = alive * keep_tok
@@ -325,7 +325,7 @@ def apply_filters(
         negative_alive = s.negative  # [B] set exactly when some filter is advantage-conditioned
         if negative_alive is not None:
             in_loss = in_loss - conditional * negative_alive
-        if f.advantage_condition == "negative" and negative_alive is not None:  # no other sign here
+        if f.advantage_sign == "negative" and negative_alive is not None:  # no other sign here
             # Rows that lose negative-advantage tokens now (not already removed earlier).
             newly = rejected * (1.0 - conditional) * torch.sign(negative_alive)
             conditional = torch.maximum(conditional, torch.sign(rejected))

@@ -159,17 +159,17 @@ def plan_correction(
     """
     d = d.detach()
     negative = positive = None  # [B, T] 0/1 tokens with a negative / positive advantage
-    conditions = {f.advantage_condition for f in cfg.rejection_sampling} - {None}
-    if conditions:
+    signs = {f.advantage_sign for f in cfg.rejection_sampling} - {None}
+    if signs:
         if advantages is None:
             raise ValueError(
-                "rejection_sampling: a filter with negative_advantages_only or advantage_sign needs the "
+                "rejection_sampling: a filter with advantage_sign needs the "
                 "advantages (compute_correction(..., advantages=...))"
             )
         clean_advantages = sanitize(advantages.detach())
-        if "negative" in conditions:
+        if "negative" in signs:
             negative = (clean_advantages < 0).to(d.dtype)
-        if "positive" in conditions:
+        if "positive" in signs:
             positive = (clean_advantages > 0).to(d.dtype)
     if not needs_sequence_statistics(cfg):
         return CorrectionPlan(d=d, masks=masks, alive=None, negative=negative, ratio_mask=None, statistics=None)
