@@ -22,6 +22,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "nemo-rs"))
 _HYPOTHESIS_HOME = tempfile.TemporaryDirectory(prefix="nemo-rs-hypothesis-")
 set_hypothesis_home_dir(_HYPOTHESIS_HOME.name)
 
+# Under pytest-xdist (CI and the README's command run `-n auto`): the workers share the cores, so
+# each takes its share of torch's intra-op threads instead of every worker taking all of them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURE_NAME = "upstream_clipped_pg_public.pt"
 SHIPPED_FIXTURES = Path(__file__).resolve().parent / "data"
@@ -99,3 +105,24 @@ def _own_worker_path(tmp_path, monkeypatch):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(config, items):
+    """One xdist group per test file, and per NeMo-RL checkout where a test takes a ``host``.
+
+    Many files compute one world (a multi-process run of every case) per module or per host and
+    share it between their tests through a module-level cache: run in two workers, a world would
+    be computed twice. Grouping by file keeps that cache in one worker; splitting by host lets the
+    three checkouts' worlds of one file run in parallel. Without xdist the marks do nothing.
+    """
+    from tests.support.nemo_rl_hosts import host_label
+
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        group = item.nodeid.split("::", 1)[0]
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if isinstance(params.get("host"), str):  # not NotSet: a host list that is empty here
+            group += f"@{host_label(params['host'])}"
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -97,7 +97,7 @@ def check_text(m: Mutant) -> str | None:
 
 def run_subset(root: Path, files: list[str], timeout: float) -> tuple[str, str, float]:
     """``(outcome, detail, seconds)``; outcome is passed, failed, error or timeout."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", MARKERS, *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-m", MARKERS, *files]
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=root, env=env_for(root), capture_output=True, text=True, timeout=timeout)
