@@ -181,8 +181,11 @@ def _sentences(text: str) -> list[str]:
     out, paragraph = [], []
     for line in [*text.splitlines(), ""]:
         line = line.strip().lstrip("#").strip()
+        if line.startswith("- ") and paragraph:  # a list item starts its own paragraph
+            out += SENTENCE_END.split(" ".join(paragraph))
+            paragraph = []
         if line.startswith("|"):
-            out += [c.strip() for c in line.strip("|").split(" | ")]
+            out += [s for c in line.strip("|").split(" | ") for s in SENTENCE_END.split(c.strip())]
         elif line:
             paragraph.append(line)
             continue
