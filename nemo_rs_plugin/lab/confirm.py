@@ -49,6 +49,7 @@ from nemo_rs_plugin.tools import report
 
 __all__ = [
     "PROTOCOL",
+    "SMALLER_THAN_DELTA",
     "Comparison",
     "Protocol",
     "confirm",
@@ -194,21 +195,33 @@ def power_plan(exploration: list[dict], protocol: Protocol = PROTOCOL) -> list[d
     return rows
 
 
+#: The verdict's words for a separated difference whose 90% interval lies inside ``±delta``.
+SMALLER_THAN_DELTA = "smaller than the smallest effect the advice acts on"
+
+
 def verdict(
     diff: float, low: float, high: float, p_holm: float, delta: float, tost_low: float, tost_high: float
 ) -> str:
     """Words the interval supports.
 
-    Separated (Holm p < alpha): "a higher" / "a lower". Otherwise "no detectable difference",
+    Separated (Holm p < alpha): "a higher" / "a lower"; when its 90% t interval also lies inside
+    ``(-delta, delta)`` the difference is real but smaller than the smallest effect the advice
+    acts on, and the verdict says so ("a higher: a gain smaller than ..."): a separated effect is
+    judged against ``delta`` as an unseparated one is. Otherwise "no detectable difference",
     with "within ±delta" when the 90% t interval lies inside ``(-delta, delta)`` (two one-sided
     tests at 5%: equivalence shown), else "not shown equivalent within ±delta". No 90% interval
     (one paired seed): no verdict, and why.
     """
     if math.isnan(tost_low) or math.isnan(tost_high):
         return needs_seeds("verdict")
+    inside = -delta < tost_low and tost_high < delta
     if p_holm < SIGNIFICANCE:
-        return "a higher" if diff > 0 else "a lower"
-    if -delta < tost_low and tost_high < delta:
+        words = "a higher" if diff > 0 else "a lower"
+        if inside:
+            change = "gain" if diff > 0 else "loss"
+            words += f": a {change} {SMALLER_THAN_DELTA} (90% interval inside ±{delta:g})"
+        return words
+    if inside:
         return f"no detectable difference; equivalent within ±{delta:g}"
     return f"no detectable difference; not shown equivalent within ±{delta:g}"
 
@@ -306,7 +319,8 @@ def format_confirmation(outcomes: list[dict], protocol: Protocol = PROTOCOL) -> 
         f"({_span(protocol.exploration_seeds)}). Primary outcome `{protocol.outcome}` (the mean of every "
         f"evaluation of the run); 95% paired t interval; p: paired t-test, Holm over the "
         f"{len(protocol.primary)} primary comparisons only (sign-flip p beside it needs no normality). "
-        f"Equivalence: the 90% interval inside ±{protocol.delta:g}, the smallest effect the advice acts on."
+        f"Equivalence: the 90% interval inside ±{protocol.delta:g}, the smallest effect the advice acts on; "
+        "a separated difference whose 90% interval lies inside it is a gain or loss smaller than that."
         + too_few_seeds_sentence(len(seeds), "interval, t-test, sign-flip test or verdict"),
         "",
         report.markdown_table(

@@ -14,8 +14,11 @@ Outcomes per run are the dose-response run's (:func:`~nemo_rs_plugin.lab.dose.ru
 ``eval_auc`` first, the final evaluation, collapse counts) and the mean IS effective sample
 size over the run (``is_ess_mean``). Each arm is compared with ``none`` at each length on the
 primary outcome ``eval_auc`` (paired t interval and test), Holm's correction over this
-study's comparisons only. With one paired seed a comparison has its difference but no interval
-or test (the table says so).
+study's comparisons only, and the confirmation's verdict words
+(:func:`~nemo_rs_plugin.lab.confirm.verdict`, against the confirmation's smallest effect of
+interest, ``PROTOCOL.delta``), so a sentence that quotes a row can say only what the row's
+verdict says. With one paired seed a comparison has its difference but no interval, test or
+verdict (the table says so).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import math
 from pathlib import Path
 from typing import Any, Union
 
+from nemo_rs_plugin.lab.confirm import PROTOCOL, verdict
 from nemo_rs_plugin.lab.dose import BASELINE, SEED_FIELDS, by_seed, read_seed_csv, write_seed_csv
 from nemo_rs_plugin.lab.dose_report import interval_text, p_text, too_few_seeds_sentence
 from nemo_rs_plugin.lab.stats import SIGNIFICANCE, format_p, holm, t_interval, t_test_p
@@ -90,15 +94,22 @@ def length_comparisons(outcomes: list[dict]) -> list[dict]:
                 "low": math.nan,
                 "high": math.nan,
                 "p": math.nan,
+                "low90": math.nan,
+                "high90": math.nan,
             }
             if config != BASELINE and seeds:
                 d = [runs[s][OUTCOME] - base[s][OUTCOME] for s in seeds]
                 row["diff"] = sum(d) / len(d)
                 row["low"], row["high"] = t_interval(d)  # NaN with one paired seed
+                row["low90"], row["high90"] = t_interval(d, level=0.90)
                 row["p"] = t_test_p(d)
             rows.append(row)
     for row, adjusted in zip(rows, holm([r["p"] for r in rows])):
         row["p_holm"] = adjusted
+        if row["config"] != BASELINE and not math.isnan(row["diff"]):
+            row["verdict"] = verdict(
+                row["diff"], row["low"], row["high"], adjusted, PROTOCOL.delta, row["low90"], row["high90"]
+            )
     return rows
 
 
@@ -115,7 +126,8 @@ def format_length_study(outcomes: list[dict]) -> str:
         f"{', '.join(map(str, lengths))} tokens. Each cell: `{OUTCOME}` (mean of every evaluation), in brackets "
         f"the paired difference from `{BASELINE}` with its 95% t interval (* Holm p < {SIGNIFICANCE:g} over "
         f"the study's {tests} comparisons); then the mean IS effective sample size over the run, and seeds "
-        "collapsed / at chance." + too_few_seeds_sentence(len(seeds), "t interval or t-test")
+        "collapsed / at chance. Verdicts as the confirmation's, against its smallest effect of interest "
+        f"(±{PROTOCOL.delta:g})." + too_few_seeds_sentence(len(seeds), "t interval or t-test")
     )
 
     def cell(config: str, length: int) -> str:
@@ -151,4 +163,21 @@ def format_length_study(outcomes: list[dict]) -> str:
             if c != BASELINE
         ],
     )
-    return f"{head}\n\n{table}\n\n{ps}"
+    verdicts = report.markdown_table(
+        ["arm vs none: verdict", *(f"{length} tokens" for length in lengths)],
+        [
+            [
+                f"`{c}`",
+                *(
+                    next(
+                        (r.get("verdict", "-") for r in rows if r["config"] == c and r["length"] == length),
+                        "-",
+                    )
+                    for length in lengths
+                ),
+            ]
+            for c in configs
+            if c != BASELINE
+        ],
+    )
+    return f"{head}\n\n{table}\n\n{ps}\n\n{verdicts}"

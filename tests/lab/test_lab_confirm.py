@@ -108,6 +108,38 @@ def test_verdicts_say_what_the_interval_supports():
     assert not verdict(0.05, -0.08, 0.18, 0.4, 0.1, -0.05, 0.15).startswith("a ")
 
 
+@pytest.mark.parametrize("sign", [1, -1])
+def test_a_separated_difference_inside_the_smallest_effect_says_so_at_the_boundary(sign):
+    """Issue: a separated gain whose 90% interval lies inside ±delta must not read as a plain "a higher".
+
+    Paired differences scaled so the 90% t interval's far end sits just inside and just outside
+    ``delta`` (0.1), with the Holm p far below 0.05 both times: inside, the verdict names a gain
+    (or loss) smaller than the smallest effect the advice acts on; outside, the plain words.
+    """
+    from nemo_rs_plugin.lab.confirm import SMALLER_THAN_DELTA
+    from nemo_rs_plugin.lab.stats import t_interval, t_test_p
+
+    pattern = np.array([((7 * i) % 11 - 5) / 5 for i in range(40)])
+    pattern = pattern - pattern.mean()
+
+    def judged(far_end: float) -> tuple[str, float]:
+        centre = 0.075
+        half90 = t_interval(pattern, level=0.90)[1]  # the half-width of the pattern's 90% interval
+        d = sign * (centre + pattern * (far_end - centre) / half90)
+        low, high = t_interval(d)
+        low90, high90 = t_interval(d, level=0.90)
+        p = t_test_p(d)
+        assert p * len(PROTOCOL.primary) < 0.05  # separated after Holm's strictest step
+        assert max(abs(low90), abs(high90)) == pytest.approx(far_end, abs=1e-9)
+        return verdict(float(d.mean()), low, high, p * len(PROTOCOL.primary), 0.1, low90, high90), high90
+
+    inside, _ = judged(0.0995)
+    outside, _ = judged(0.1005)
+    word, change = ("a higher", "gain") if sign > 0 else ("a lower", "loss")
+    assert inside == f"{word}: a {change} {SMALLER_THAN_DELTA} (90% interval inside ±0.1)"
+    assert outside == word
+
+
 def test_confirm_holm_corrects_the_primary_family_only():
     c0 = PROTOCOL.primary[0]
     rows = confirm(_outcomes({(c0.a, c0.b, c0.lag): 0.15}))
