@@ -158,9 +158,6 @@ OVERCLAIMS = re.compile(
 #: README.md is being rewritten elsewhere; its sentences that fail here are listed, with their
 #: replacements, in the report of the change that added this check. Strict: once they are
 #: replaced this fails as XPASS, and the mark goes.
-README_PENDING = pytest.mark.xfail(
-    strict=True, reason="README.md still says 'it guards, it does not add' and quotes sequence_mean as settled"
-)
 LAB_PROSE = ("<!-- lab:confirmation:end -->", '<a id="dose-response"></a>')  # lab.md's reading of the advised runs
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z`*(\[])")
 MARKED = re.compile(r"<!-- lab:([\w-]+):begin -->.*?<!-- lab:\1:end -->", re.DOTALL)
@@ -233,7 +230,7 @@ def verdict_word_problems(text: str, verdicts: dict[str, str], about_the_lab: bo
 
 @pytest.mark.parametrize(
     "path",
-    [pytest.param(p, marks=README_PENDING) if p.name == "README.md" else p for p in [*ADVICE, DOCS / "lab.md"]],
+    [*ADVICE, DOCS / "lab.md"],
     ids=lambda p: str(p.relative_to(REPO)),
 )
 def test_verdict_words_are_the_quoted_rows_verdicts(path):
