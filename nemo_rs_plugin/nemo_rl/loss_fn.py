@@ -72,10 +72,10 @@ class RSClippedPGLossFn(ClippedPGLossFn):
     """
 
     def __init__(self, cfg: Any, use_fused_linear_logprobs: bool = False):
+        api = host_api()
         # NeMo-RL's wrappers must hand this loss its context (nemo_rs_plugin.nemo_rl.seam): a
         # NeMo-RL where they cannot is refused here, before training.
         seam.require()
-        api = host_api()
         if api == "typeddict":
             cfg = v06_semantics(cfg)
         raw = as_plain_dict(cfg)
