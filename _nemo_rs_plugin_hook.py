@@ -13,7 +13,8 @@ own modules are imported does anything happen:
   loss another way) is reported at once, and recipes naming a plugin loss are then refused.
 * ``nemo_rl.algorithms.loss``: NeMo-RL's own ``ClippedPGLossFn`` refuses a config that names a
   plugin loss, so a construction site the selector does not cover fails instead of training
-  silently with NeMo-RL's loss.
+  silently with NeMo-RL's loss; and NeMo-RL's loss wrappers there are replaced by the plugin's
+  versions, which hand a plugin loss their context (``nemo_rs_plugin.nemo_rl.seam``).
 * ``nemo_rl.utils.config``: ``load_config`` gets the ``loss_fn: <name>`` shorthand, and refuses
   a recipe naming a plugin loss when the selector could not be installed.
 

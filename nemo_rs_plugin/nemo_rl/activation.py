@@ -9,7 +9,14 @@ of the modules it watches:
   to Ray workers (:mod:`nemo_rs_plugin.nemo_rl.workers`);
 * ``nemo_rl.algorithms.loss``: :func:`guard_host_loss` makes NeMo-RL's own class refuse a
   config that names a plugin loss, so a construction site the selector misses fails instead of
-  training with NeMo-RL's loss;
+  training with NeMo-RL's loss; and :func:`nemo_rs_plugin.nemo_rl.seam.install` puts the
+  plugin's versions of NeMo-RL's loss wrappers (``SequencePackingLossWrapper``,
+  ``SequencePackingFusionLossWrapper``, ``wrap_loss_fn_with_input_preparation``) in place of
+  NeMo-RL's there, before NeMo-RL's worker code imports them: the one seam through which a
+  plugin loss receives what those wrappers hold and its arguments do not carry (the keywords
+  of their ``prepare_fn``, the per-sequence wrapper's microbatch). The loss installs the seam
+  again where it is built or unpickled (Ray workers may lack the start-up hook); a NeMo-RL
+  without those names gets a warning here and the loss refuses to be built;
 * ``nemo_rl.utils.config``: :func:`patch_config_loader` adds the ``loss_fn: <name>`` shorthand
   and refuses a plugin recipe early when a selector could not be installed.
 
@@ -26,7 +33,7 @@ import yaml
 
 import _nemo_rs_plugin_hook as hook
 from nemo_rs_plugin.core.config import ConfigError, as_plain_dict, own_loss_problems
-from nemo_rs_plugin.nemo_rl import workers
+from nemo_rs_plugin.nemo_rl import seam, workers
 from nemo_rs_plugin.nemo_rl.host import SUPPORTED_NEMO_RL, host_accepts_fused_flag, host_version, missing_field_problems
 from nemo_rs_plugin.nemo_rl.recipe_defaults import parent_paths
 from nemo_rs_plugin.nemo_rl.registry import get_loss_class
@@ -59,6 +66,14 @@ def activate(fullname: str, module: Any) -> None:
         patch_config_loader(module)
     elif fullname == hook.HOST_LOSS_MODULE:
         guard_host_loss(module)
+        problems = seam.install(module)
+        if problems:
+            warnings.warn(
+                "nemo-rs-plugin: " + "; ".join(problems) + f" (NeMo-RL {host_version()}; supported: "
+                f"{SUPPORTED_NEMO_RL}). A plugin loss will refuse to be built.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     else:
         if not install_into(module):
             warnings.warn(install_failure(module), RuntimeWarning, stacklevel=3)

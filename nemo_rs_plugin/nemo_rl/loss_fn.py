@@ -6,7 +6,9 @@ the host-independent :class:`~nemo_rs_plugin.core.loss.CorrectedPGLoss`; with
 ``sharded_logits_input`` to :func:`~nemo_rs_plugin.parallel.sharded.sharded_loss`, with the TP
 and CP groups read from megatron-core's ``parallel_state``. The rules that depend on the
 NeMo-RL version are in :mod:`nemo_rs_plugin.nemo_rl.host`; how recipes reach this class is in
-:mod:`nemo_rs_plugin.nemo_rl.activation`.
+:mod:`nemo_rs_plugin.nemo_rl.activation`; what NeMo-RL's wrappers hold that the call's arguments
+do not carry (its ``prepare_fn``'s keywords, the packed microbatch) reaches it through
+:mod:`nemo_rs_plugin.nemo_rl.seam` (:meth:`RSClippedPGLossFn.nemo_rl_call`).
 
 Supported hosts: NeMo-RL v0.6.0 (TypedDict config), v0.7.0 and main (pydantic config), all
 with the loss in ``nemo_rl.algorithms.loss`` taking next-token log-probs.
@@ -14,7 +16,8 @@ with the loss in ``nemo_rl.algorithms.loss`` taking next-token log-probs.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
@@ -35,6 +38,7 @@ from nemo_rs_plugin.core.distributed import SequenceGroups
 from nemo_rs_plugin.core.inputs import LossInputs
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
 from nemo_rs_plugin.core.microbatch import MicrobatchTotals, current_policy_problems, needs_microbatch_totals
+from nemo_rs_plugin.nemo_rl import seam
 from nemo_rs_plugin.nemo_rl.host import (
     host_accepts_fused_flag,
     host_api,
@@ -43,14 +47,7 @@ from nemo_rs_plugin.nemo_rl.host import (
     per_sequence_packing_problem,
     v06_semantics,
 )
-from nemo_rs_plugin.nemo_rl.packing import (
-    SequenceGather,
-    TotalsCache,
-    WrapperCall,
-    is_microbatch,
-    loss_callers,
-    per_sequence_wrapper_call,
-)
+from nemo_rs_plugin.nemo_rl.packing import HostCall, SequenceGather, TotalsCache, WrapperCall, is_microbatch
 from nemo_rs_plugin.nemo_rl.recording import FAILURES_METRIC, LogprobRecorder
 from nemo_rs_plugin.nemo_rl.refusals import run_time_refusal
 
@@ -76,6 +73,9 @@ class RSClippedPGLossFn(ClippedPGLossFn):
 
     def __init__(self, cfg: Any, use_fused_linear_logprobs: bool = False):
         api = host_api()
+        # NeMo-RL's wrappers must hand this loss its context (nemo_rs_plugin.nemo_rl.seam): a
+        # NeMo-RL where they cannot is refused here, before training.
+        seam.require()
         if api == "typeddict":
             cfg = v06_semantics(cfg)
         raw = as_plain_dict(cfg)
@@ -104,8 +104,11 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         # NeMo-RL sums every metric over calls, microbatches and ranks: per-call metrics would be wrong there.
         self.core = CorrectedPGLoss(config, per_call_metrics=False)
         self._needs_microbatch_totals = needs_microbatch_totals(config)
+        # What NeMo-RL's wrapper now calling the loss handed it (nemo_rs_plugin.nemo_rl.seam): None
+        # outside such a call (a direct call: NeMo-RL's defaults, no packing).
+        self._host: Optional[HostCall] = None
         # Under NeMo-RL's per-sequence packing wrapper (nemo_rs_plugin.nemo_rl.packing): the
-        # sequences gathered into one call, or, where the wrapper's position cannot be read, the
+        # sequences gathered into one call, or, where the wrapper cannot promise their order, the
         # microbatch totals per call.
         self._gather = SequenceGather()
         self._totals = TotalsCache()
@@ -127,10 +130,32 @@ class RSClippedPGLossFn(ClippedPGLossFn):
                 self.metric_normalizations[FAILURES_METRIC] = MetricNormalizer("none")
 
     def __getstate__(self) -> dict:
-        """Pickled for NeMo-RL's Ray workers without a microbatch's gathered sequences or totals."""
+        """Pickled for NeMo-RL's Ray workers without a microbatch's gathered sequences, totals or wrapper call."""
         state = dict(self.__dict__)
-        state["_gather"], state["_totals"] = SequenceGather(), TotalsCache()
+        state["_gather"], state["_totals"], state["_host"] = SequenceGather(), TotalsCache(), None
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled in a Ray worker: the seam is installed there too (its environment may lack the start-up hook)."""
+        seam.require()
+        self.__dict__.update(state)
+
+    @contextmanager
+    def nemo_rl_call(self, call: HostCall) -> Iterator[None]:
+        """The seam: while open, the calls of this loss belong to NeMo-RL's wrapper call ``call``.
+
+        Opened by the plugin's versions of NeMo-RL's wrappers (:mod:`nemo_rs_plugin.nemo_rl.seam`)
+        around NeMo-RL's own call: ``call`` holds the keywords of its ``prepare_fn`` and, for the
+        per-sequence wrapper, its microbatch (:class:`~nemo_rs_plugin.nemo_rl.packing.HostCall`).
+        A microbatch whose calls stopped part-way (the wrapper raised) is forgotten on exit.
+        """
+        outer, self._host = self._host, call
+        try:
+            yield
+        finally:
+            self._host = outer
+            if call.sequences is not None:
+                self._gather.clear()
 
     def __call__(
         self,
@@ -156,10 +181,11 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         if data is None:
             raise TypeError("rs_clipped_pg: the data dict is required")
         dp_group = batch_data_parallel_group(self.rs_config)
-        packed = per_sequence_wrapper_call(self)
+        host = self._host
+        packed = host.next_call() if host is not None else None
         microbatch = None
         if packed is not None and packed.sequence_index is None:
-            # position unreadable: one sequence computed per call (nemo_rs_plugin.nemo_rl.packing)
+            # no position: one sequence computed per call (nemo_rs_plugin.nemo_rl.packing)
             microbatch = self._per_sequence_totals(packed, dp_group)
         if packed is None or packed.sequence_index is None:
             self._gather.clear()  # nothing of a wrapper call that stopped part-way outlives it
@@ -189,7 +215,7 @@ class RSClippedPGLossFn(ClippedPGLossFn):
             )
         if logits is None:
             raise TypeError("rs_clipped_pg with sharded_logits_input: logits are required")
-        prepare = _callers_prepare_keywords()
+        prepare = host.prepare_keywords if host is not None else {}
         _refuse_training_time_filtering(prepare.get("sampling_params"))
         chunk_size = _logprob_chunk_size(prepare)
         if self._recorder is not None:
@@ -250,7 +276,7 @@ class RSClippedPGLossFn(ClippedPGLossFn):
     def _per_sequence_totals(self, call: WrapperCall, dp_group: Any) -> Optional[MicrobatchTotals]:
         """The whole microbatch's totals for a per-sequence call computed on its own sequence.
 
-        Such a call (a wrapper whose position cannot be read:
+        Such a call (a wrapper that cannot promise the sequences' order:
         :mod:`nemo_rs_plugin.nemo_rl.packing`) gets its sequence's slice of the microbatch; the
         wrapper's own ``data`` is the whole microbatch. The totals the configuration reads
         (:mod:`nemo_rs_plugin.core.microbatch`) are computed from it once per microbatch, so
@@ -295,28 +321,6 @@ class RSClippedPGLossFn(ClippedPGLossFn):
             return self.core.microbatch_totals(inputs, SequenceGroups.of(data_parallel=dp_group))
 
         return self._totals.get(full, compute)
-
-
-def _callers_prepare_keywords(max_depth: int = 4) -> dict:
-    """The keywords NeMo-RL bound into the ``prepare_fn`` that is calling the loss (``{}`` if none).
-
-    NeMo-RL hands a LOGIT-input loss the raw logits: its training-time top-k/top-p filtering
-    (``sampling_params``) and its ``policy.logprob_chunk_size`` (``chunk_size``, v0.7.0 on)
-    reach only its own log-prob preparation. Both are bound (``functools.partial``) into the
-    ``prepare_fn`` of the wrapper that calls the loss (``wrap_loss_fn_with_input_preparation``'s
-    argument, ``SequencePackingLossWrapper.prepare_fn``): read them from the calling frames.
-    ``tests/parallel/test_real_megatron.py`` checks, at every supported NeMo-RL, that this finds them.
-    """
-    import functools
-
-    for frame in loss_callers(max_depth):
-        local = frame.f_locals
-        candidate = local.get("prepare_fn")
-        if candidate is None and "self" in local:
-            candidate = getattr(local["self"], "prepare_fn", None)
-        if isinstance(candidate, functools.partial) and "sampling_params" in candidate.keywords:
-            return dict(candidate.keywords)
-    return {}
 
 
 def _logprob_chunk_size(prepare_keywords: Mapping[str, Any]) -> Optional[int]:

@@ -6,6 +6,15 @@ for ``i`` in ``0 .. n - 1`` it slices sequence ``i`` out of the packed logits an
 microbatch (``data``), prepares its next-token log-probs, calls the loss on them (``B = 1``)
 and sums the returned losses and metrics (``SPEC.md``, "How NeMo-RL calls the loss").
 
+How the loss knows: :mod:`nemo_rs_plugin.nemo_rl.seam` puts the plugin's subclass of that
+wrapper in NeMo-RL's place. For a plugin loss its ``__call__`` opens a :class:`HostCall`
+(the wrapper's whole microbatch ``data``, its sequence count ``len(cu_seqlens_q) - 1`` and the
+keywords NeMo-RL bound into its ``prepare_fn``) on the loss (``RSClippedPGLossFn.nemo_rl_call``)
+and runs NeMo-RL's own loop inside it, unchanged; each call of the loss takes its position
+from the :class:`HostCall` (:meth:`HostCall.next_call`: ``0, 1, ..., n - 1``, one per call, as
+NeMo-RL's loop calls it), and the wrapper checks, when its loop returns, that the loss was
+called exactly ``n`` times. No frame of the caller is read.
+
 Log-prob input (the default): :class:`SequenceGather`. Calls ``0 .. n - 2`` only keep their
 sequence's log-probs (and anything the preparation added to its data) and return a zero
 loss and no metrics; call ``n - 1`` pads the ``n`` rows to the microbatch's width, stacks
@@ -16,9 +25,7 @@ them and runs the loss once on the whole microbatch, the wrapper's own ``data``:
 and likewise every metric and, through the stack, the gradient of every sequence's
 log-probs. Batch-level settings therefore mean what they mean unpacked, and the loss's
 fixed cost per call (checks, metric bookkeeping, the one host transfer) is paid once per
-microbatch instead of once per sequence. The position of a call is read from the wrapper's
-frame (its ``seq_idx``, NeMo-RL v0.6.0 to main): exact, not counted; calls out of order are
-an error.
+microbatch instead of once per sequence. Calls out of order are an error.
 
 Logit input (``sharded_logits_input``): each call turns its own sequence's local logits
 shard into its CP-local inputs (the vocab-parallel log-softmax, its TP all-reduce issued once
@@ -27,17 +34,17 @@ per sequence on every rank of the group, all holding the same sequences), which
 (``LossInputs.stack_rows``) and the sharded loss runs once on the microbatch, as above. The
 logits themselves are never copied.
 
-A wrapper whose position cannot be read: each call is computed on its own sequence, with the
-microbatch totals of :mod:`nemo_rs_plugin.core.microbatch` read from the wrapper's ``data``
-(:class:`TotalsCache`); the settings whose totals need the current policy of other sequences
-are refused there.
+A per-sequence wrapper that hands its microbatch but cannot promise NeMo-RL's order (a
+:class:`HostCall` with ``positions=False``, for a wrapper other than NeMo-RL's): each call is
+computed on its own sequence, with the microbatch totals of :mod:`nemo_rs_plugin.core.microbatch`
+read from the wrapper's ``data`` (:class:`TotalsCache`); the settings whose totals need the
+current policy of other sequences are refused there. A loss called with no :class:`HostCall`
+(directly, or by a wrapper that opens none) computes the call it is given, as an unpacked call.
 """
 
 from __future__ import annotations
 
-import sys
 import weakref
-from types import FrameType
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
@@ -47,11 +54,10 @@ from nemo_rs_plugin.core.microbatch import MicrobatchTotals
 
 __all__ = [
     "PER_SEQUENCE_WRAPPER",
+    "HostCall",
     "SequenceGather",
     "TotalsCache",
     "WrapperCall",
-    "loss_callers",
-    "per_sequence_wrapper_call",
 ]
 
 #: The NeMo-RL wrapper that calls the loss once per sequence (all supported versions).
@@ -59,54 +65,81 @@ PER_SEQUENCE_WRAPPER = "SequencePackingLossWrapper"
 
 
 class WrapperCall(NamedTuple):
-    """One call of the loss by the per-sequence wrapper, as read from the wrapper's frame.
+    """One call of the loss by the per-sequence wrapper, as its :class:`HostCall` hands it.
 
     Attributes:
-        frame_id: ``id`` of the wrapper's running frame: one wrapper call (one microbatch).
+        call_id: identifies one wrapper call (one microbatch): the :class:`HostCall`'s ``id``.
         sequences: the wrapper's sequence count (``len(cu_seqlens_q) - 1``).
         microbatch: the wrapper's ``data``: the whole microbatch, unpacked and padded.
-        sequence_index: which sequence this call is (the wrapper's ``seq_idx``), ``None`` where unreadable.
+        sequence_index: which sequence this call is, ``None`` where not known.
     """
 
-    frame_id: int
+    call_id: int
     sequences: int
     microbatch: Any
     sequence_index: Optional[int]  # not `index`: a NamedTuple field would hide tuple.index
 
 
-def loss_callers(max_depth: int) -> list[FrameType]:
-    """The frames calling ``RSClippedPGLossFn.__call__``, nearest first, at most ``max_depth``.
+class HostCall:
+    """What NeMo-RL's wrapper holds that the loss's arguments do not carry, for one wrapper call.
 
-    For the helpers ``__call__`` calls directly (frame 0 is this function, 1 the helper, 2
-    ``__call__``): what NeMo-RL's wrappers hold that the loss's arguments do not carry.
+    Opened by :mod:`nemo_rs_plugin.nemo_rl.seam`'s wrappers around NeMo-RL's own call and handed
+    to the loss (``RSClippedPGLossFn.nemo_rl_call``); the loss reads it while it is open.
+
+    Args:
+        prepare_keywords: the keywords NeMo-RL bound into the wrapper's ``prepare_fn`` (a
+            ``functools.partial`` of its ``prepare_loss_input``): ``sampling_params`` and, from
+            v0.7.0, ``chunk_size`` (``policy.logprob_chunk_size``); ``{}`` where none.
+        microbatch: the per-sequence wrapper's ``data`` (the whole microbatch); ``None`` for a
+            wrapper that calls the loss once (unpacked, fused).
+        sequences: the per-sequence wrapper's sequence count (``len(cu_seqlens_q) - 1``).
+        positions: whether the wrapper calls the loss once per sequence in order (NeMo-RL's
+            does); ``False``: each call is computed on its own sequence (:class:`TotalsCache`).
     """
-    frames: list[FrameType] = []
-    frame: Optional[FrameType] = sys._getframe(3)
-    while frame is not None and len(frames) < max_depth:
-        frames.append(frame)
-        frame = frame.f_back
-    return frames
 
+    def __init__(
+        self,
+        prepare_keywords: Optional[Mapping[str, Any]] = None,
+        microbatch: Any = None,
+        sequences: Optional[int] = None,
+        positions: bool = True,
+    ) -> None:
+        self.prepare_keywords: Mapping[str, Any] = dict(prepare_keywords or {})
+        self.microbatch = microbatch
+        self.sequences = sequences
+        self.positions = positions
+        self.calls = 0
 
-def per_sequence_wrapper_call(loss: Any, max_depth: int = 4) -> Optional[WrapperCall]:
-    """The per-sequence wrapper's call of ``loss`` (from a helper of ``loss.__call__``), or ``None``.
+    def next_call(self) -> Optional[WrapperCall]:
+        """The loss's next call under this wrapper call (``None``: not a per-sequence wrapper).
 
-    Looked for among the ``max_depth`` callers of the loss's ``__call__`` (a decorator or an
-    adapter between the two adds frames): a frame whose ``self`` is that wrapper holding this
-    very loss. Only its code's name is read before its locals, so other frames cost nothing.
-    """
-    for frame in loss_callers(max_depth):
-        if frame.f_code.co_name != "__call__":
-            continue
-        local = frame.f_locals
-        wrapper = local.get("self")
-        if type(wrapper).__name__ == PER_SEQUENCE_WRAPPER and getattr(wrapper, "loss_fn", None) is loss:
-            sequences = len(getattr(wrapper, "cu_seqlens_q", ())) - 1
-            index, microbatch = local.get("seq_idx"), local.get("data")
-            # gathered only where the position and the whole microbatch are both what they should be
-            readable = isinstance(index, int) and 0 <= index < sequences and is_microbatch(microbatch, sequences)
-            return WrapperCall(id(frame), sequences, microbatch, index if readable else None)
-    return None
+        Raises:
+            RuntimeError: more calls than the wrapper has sequences.
+        """
+        if self.sequences is None:
+            return None
+        index = self.calls
+        self.calls += 1
+        if index >= self.sequences:
+            raise RuntimeError(
+                f"rs_clipped_pg: {PER_SEQUENCE_WRAPPER} called the loss {self.calls} times for "
+                f"{self.sequences} sequences (its cu_seqlens_q): expected one call per sequence"
+            )
+        # gathered only where the position and the whole microbatch are both what they should be
+        readable = self.positions and is_microbatch(self.microbatch, self.sequences)
+        return WrapperCall(id(self), self.sequences, self.microbatch, index if readable else None)
+
+    def check_complete(self) -> None:
+        """After the wrapper's loop: every sequence was a call (else a microbatch would go uncounted).
+
+        Raises:
+            RuntimeError: fewer calls than sequences.
+        """
+        if self.sequences is not None and self.positions and self.calls != self.sequences:
+            raise RuntimeError(
+                f"rs_clipped_pg: {PER_SEQUENCE_WRAPPER} called the loss {self.calls} times for "
+                f"{self.sequences} sequences (its cu_seqlens_q): expected one call per sequence"
+            )
 
 
 def is_microbatch(data: Any, sequences: int) -> bool:
@@ -118,7 +151,7 @@ def is_microbatch(data: Any, sequences: int) -> bool:
 
 
 class _Pending(NamedTuple):
-    frame_id: int
+    call_id: int
     microbatch: Any
     rows: list  # per sequence: (log-probs, data), or its LossInputs (logit input)
 
@@ -166,11 +199,11 @@ class SequenceGather:
         """The microbatch ``call`` belongs to: new at sequence 0, else the one its earlier calls began."""
         assert call.sequence_index is not None
         if call.sequence_index == 0:
-            self._pending = _Pending(call.frame_id, call.microbatch, [None] * call.sequences)
+            self._pending = _Pending(call.call_id, call.microbatch, [None] * call.sequences)
         pending = self._pending
         if (
             pending is None
-            or pending.frame_id != call.frame_id
+            or pending.call_id != call.call_id
             or pending.microbatch is not call.microbatch
             or pending.rows[call.sequence_index] is not None
         ):

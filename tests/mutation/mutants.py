@@ -674,9 +674,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         PACK,
-        "return WrapperCall(id(frame), sequences, microbatch, index if readable else None)",
-        "return WrapperCall(id(frame), sequences, microbatch, None)",
-        "the wrapper's position never read: every per-sequence call computed alone (refusals where it gathers)",
+        "return WrapperCall(id(self), self.sequences, self.microbatch, index if readable else None)",
+        "return WrapperCall(id(self), self.sequences, self.microbatch, None)",
+        "the seam's position never used: every per-sequence call computed alone (refusals where it gathers)",
     ),
     Mutant(
         PACK,

@@ -3,9 +3,10 @@
 docs/parallelism.md and docs/cli.md promise that NeMo-RL's ``policy.logprob_chunk_size`` of 0,
 2.5 or ``true`` reaching the loss on the logits input is refused by name, never replaced by the
 plugin's default. Only the slow real-Megatron test passed a bad value; these are fast: the glue
-(``_logprob_chunk_size``) and a call of the loss from a frame holding NeMo-RL's ``prepare_fn``
-(a ``functools.partial`` binding ``sampling_params`` and ``chunk_size``, as NeMo-RL's
-``wrap_loss_fn_with_input_preparation`` does), against tests/fake_hosts/supported in this process.
+(``_logprob_chunk_size``) and a call of the loss through the host's
+``wrap_loss_fn_with_input_preparation`` as the seam replaced it (``nemo_rs_plugin.nemo_rl.seam``),
+with NeMo-RL's ``prepare_fn`` (a ``functools.partial`` binding ``sampling_params`` and
+``chunk_size``), against tests/fake_hosts/supported in this process.
 """
 
 import functools
@@ -64,13 +65,19 @@ def test_the_glue_takes_a_good_chunk_size_and_none_for_unset(glue):
 
 
 def _prepare(logits, data, loss_fn, vocab_parallel_rank=None, sampling_params=None, chunk_size=None):
-    raise AssertionError("not called for a LOGIT-input loss")
+    """NeMo-RL's ``prepare_loss_input`` for a LOGIT-input loss: the raw logits."""
+    return {"logits": logits}, data
 
 
 def _wrapper_call(loss, logits, data, gvs, gvt, chunk_size):
-    """NeMo-RL's wrapper: its ``prepare_fn`` binds the chunk size; a LOGIT loss gets the raw logits."""
-    prepare_fn = functools.partial(_prepare, sampling_params=None, chunk_size=chunk_size)  # noqa: F841 - read by the loss
-    return loss(None, data, gvs, gvt, logits=logits)
+    """NeMo-RL's unpacked wrapper (the seam's): its ``prepare_fn`` binds the chunk size."""
+    from nemo_rl.algorithms import loss as host_loss
+
+    from nemo_rs_plugin.nemo_rl import seam
+
+    assert seam.UNPACKED in seam.installed_in(host_loss)
+    prepare_fn = functools.partial(_prepare, sampling_params=None, chunk_size=chunk_size)
+    return host_loss.wrap_loss_fn_with_input_preparation(logits, data, gvs, gvt, loss, prepare_fn)
 
 
 @pytest.fixture

@@ -10,8 +10,9 @@ microbatches in the three ways NeMo-RL does:
   (Megatron without ``fuse_loss``, the DTensor worker, automodel);
 * ``fused``: ``SequencePackingFusionLossWrapper`` with ``prepare_packed_loss_input`` (Megatron
   with ``sequence_packing.fuse_loss: true``), on a one-rank gloo tensor-parallel group;
-* ``per_sequence_unindexed``: a per-sequence wrapper of this file's own whose position the loss
-  cannot read (its fallback: each call on its own sequence, with the microbatch totals);
+* ``per_sequence_unindexed``: a per-sequence wrapper of this file's own that hands the loss its
+  microbatch through the seam but does not promise NeMo-RL's order (``HostCall(positions=False)``:
+  each call on its own sequence, with the microbatch totals);
 * ``per_sequence_megatron``: ``SequencePackingLossWrapper`` as Megatron builds it, sequences
   padded to a multiple of 4 and the padded boundaries as ``cu_seqlens_q`` (log-prob input).
 
@@ -189,12 +190,15 @@ _FOLD = {
 
 
 def _unindexed_wrapper(host_loss, loss_fn):
-    """A per-sequence wrapper whose loop keeps its position under another name than NeMo-RL's.
+    """A per-sequence wrapper that hands the loss its microbatch but not the order of its calls.
 
-    The loss cannot read which sequence a call is (``nemo_rs_plugin.nemo_rl.packing``): it
-    computes each call on its own sequence with the microbatch totals. Written here, on
-    NeMo-RL's interfaces (its ``prepare_loss_input``, the wrapper's class name and ``loss_fn``).
+    It opens the seam's ``HostCall`` with ``positions=False`` (``nemo_rs_plugin.nemo_rl.packing``):
+    the loss computes each call on its own sequence with the microbatch totals. Written here, on
+    NeMo-RL's interfaces (its ``prepare_loss_input``, the wrapper's ``loss_fn``).
     """
+    from contextlib import nullcontext
+
+    from nemo_rs_plugin.nemo_rl.packing import HostCall
 
     class SequencePackingLossWrapper:
         def __init__(self, loss_fn):
@@ -205,6 +209,11 @@ def _unindexed_wrapper(host_loss, loss_fn):
             self.cu_seqlens_q = cu
             total, summed = 0, {}
             lengths = (cu[1:] - cu[:-1]).tolist()
+            entry = getattr(self.loss_fn, "nemo_rl_call", None)  # NeMo-RL's own loss (the control) has none
+            with entry(HostCall({}, data, len(lengths), positions=False)) if entry else nullcontext():
+                return self._loop(packed, data, cu_padded, lengths, gvs, gvt, total, summed)
+
+        def _loop(self, packed, data, cu_padded, lengths, gvs, gvt, total, summed):
             for position, (start, end) in enumerate(zip(cu_padded[:-1].tolist(), cu_padded[1:].tolist())):
                 n = lengths[position]  # the sequence's data unpadded, its logits as packed (padded)
                 one = {

@@ -39,3 +39,24 @@ class ClippedPGLossFn:
 
     def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks):
         raise NotImplementedError("the fake host's own loss is never called by these tests")
+
+
+# The loss wrappers' names (nemo_rs_plugin.nemo_rl.seam replaces them): stand-ins with the same
+# call shapes, written for these tests.
+def wrap_loss_fn_with_input_preparation(
+    next_token_logits, data, global_valid_seqs, global_valid_toks, loss_fn, prepare_fn, **groups
+):
+    loss_input, data = prepare_fn(logits=next_token_logits, data=data, loss_fn=loss_fn, **groups)
+    return loss_fn(data=data, global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks, **loss_input)
+
+
+class SequencePackingLossWrapper:
+    def __init__(self, loss_fn, prepare_fn, cu_seqlens_q, cu_seqlens_q_padded=None, **groups):
+        self.loss_fn, self.prepare_fn, self.cu_seqlens_q = loss_fn, prepare_fn, cu_seqlens_q
+
+    def __call__(self, next_token_logits, data, global_valid_seqs, global_valid_toks):
+        raise NotImplementedError("the stand-in per-sequence wrapper is never called by these tests")
+
+
+class SequencePackingFusionLossWrapper(SequencePackingLossWrapper):
+    pass
