@@ -57,7 +57,12 @@ def test_with_slope_is_differentiable_once_only():
 def test_ppo_objective_is_the_max_of_the_unclipped_and_clipped_terms_with_autograds_gradient():
     ratios = RATIOS.clone().requires_grad_(True)
     loss = clipped_objective(
-        ADVANTAGES, ratios, RATIOS.clamp(1 - CLIP, 1 + CLIP), torch.zeros_like(RATIOS), use_cispo=False, dual_clip_c=None
+        ADVANTAGES,
+        ratios,
+        RATIOS.clamp(1 - CLIP, 1 + CLIP),
+        torch.zeros_like(RATIOS),
+        use_cispo=False,
+        dual_clip_c=None,
     )
     # max(-A r, -A clip(r)): A > 0 keeps the smaller ratio, A < 0 the larger one
     assert loss.tolist() == [[-0.5, -1.1, -1.2, 0.8, 1.1, 3.0]]

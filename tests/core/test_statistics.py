@@ -46,7 +46,11 @@ def _rank_statistics(offset: float, grad=False) -> SequenceStatistics:
         stages=(
             TokenStageStatistics(rejected=r(1.0, 0.5), rejected_negative=r(0.25, 0.125)),
             RangeStageStatistics(
-                count=r(2.0, 1.0), nonfinite=r(0.0, 0.0), negative=None, maximum=r(0.7, -0.3), negated_minimum=r(0.1, 0.9)
+                count=r(2.0, 1.0),
+                nonfinite=r(0.0, 0.0),
+                negative=None,
+                maximum=r(0.7, -0.3),
+                negated_minimum=r(0.1, 0.9),
             ),
             MaximumStageStatistics(count=r(1.0, 1.0), nonfinite=r(1.0, 0.0), negative=None, maximum=r(-0.6, 0.8)),
         ),
@@ -141,7 +145,9 @@ def test_a_batch_mean_at_or_below_the_floor_leaves_the_weights_unnormalised():
         weight = _rows([w, w])
         normalised, factor = batch_normalize_weights(weight, units, "token", "microbatch")
         assert factor.item() == 1.0 and normalised.tolist() == weight.tolist()
-    _, factor = batch_normalize_weights(_rows([2 * BATCH_MEAN_FLOOR, 2 * BATCH_MEAN_FLOOR]), units, "token", "microbatch")
+    _, factor = batch_normalize_weights(
+        _rows([2 * BATCH_MEAN_FLOOR, 2 * BATCH_MEAN_FLOOR]), units, "token", "microbatch"
+    )
     assert factor.item() == pytest.approx(2 * BATCH_MEAN_FLOOR)
 
 
@@ -164,7 +170,9 @@ def test_the_two_batch_totals_are_reduced_over_the_groups_the_level_and_scope_na
         return totals + torch.tensor([7.0, 3.0], dtype=F64)  # the other ranks' weight sum and units
 
     monkeypatch.setattr(statistics, "reduce_batch_totals", other_ranks)
-    weight, units = (_rows([1.0, 2.0]), _rows([1.0, 1.0])) if level == "token" else (_rows([1.0], [2.0]), _rows(1.0, 1.0))
+    weight, units = (
+        (_rows([1.0, 2.0]), _rows([1.0, 1.0])) if level == "token" else (_rows([1.0], [2.0]), _rows(1.0, 1.0))
+    )
     _, factor = batch_normalize_weights(weight, units, level, scope, GROUPS)
     assert seen == [([3.0, 2.0], GROUPS, tokens_split, across_data_parallel)]
     assert factor.item() == pytest.approx(10.0 / 5.0)  # the mean of the reduced totals
