@@ -121,7 +121,7 @@ def test_seq_mask_tis_takes_the_geometric_mean_over_token_mask_tokens():
 
 
 def test_token_weight_metrics_are_masked_means_tails_extremes_and_the_effective_sample_size():
-    raw = torch.tensor([[0.4, 1.0, 3.0], [0.2, 1.5, 9.0]], dtype=F64)  # 9.0 is not valid
+    raw = torch.tensor([[0.4, 1.0, 3.0], [0.2, 1.5, 0.1]], dtype=F64)  # 0.1 is not valid
     weight = raw.clamp(0.0, 2.0)
     loss_tokens = VALID * torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0]], dtype=F64)  # 0.2 rejected
     metrics = _metrics(tokens=5.0, sequences=2.0)
@@ -133,7 +133,7 @@ def test_token_weight_metrics_are_masked_means_tails_extremes_and_the_effective_
     assert out["is_weight_mean"] == pytest.approx(sum(applied) / n)
     assert out["is_weight_sq_mean"] == pytest.approx(sum(w * w for w in applied) / n)
     assert out["is_ess"] == pytest.approx(sum(applied) ** 2 / (5 * sum(w * w for w in applied)))
-    # tails of the raw weights over valid tokens: below 1/C (0.4, 0.2), above C (3.0)
+    # tails of the raw weights over valid tokens: below 1/C (0.4, 0.2; not 0.1), above C (3.0)
     assert WEIGHT_TAIL == 2.0
     assert out["is_weight_raw_low_frac"] == pytest.approx(2.0 / n)
     assert out["is_weight_raw_high_frac"] == pytest.approx(1.0 / n)
@@ -142,19 +142,19 @@ def test_token_weight_metrics_are_masked_means_tails_extremes_and_the_effective_
 
 
 def test_sequence_weight_metrics_count_sequences_and_the_applied_weights_of_kept_ones_only():
-    raw = torch.tensor([[0.3], [1.0], [4.0], [7.0]], dtype=F64)
-    weight = raw.clamp(0.0, 3.0)
+    raw = torch.tensor([[0.3], [6.0], [4.0], [7.0]], dtype=F64)
+    weight = raw.clamp(0.0, 5.0)
     units = torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=F64)  # the last row has no valid token
     seq_in_loss = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=F64)  # row 1 dropped by a filter
     metrics = _metrics(tokens=9.0, sequences=3.0)
     record_sequence_weight_metrics(metrics, raw, weight, units, seq_in_loss)
     out = metrics.finalize()
     n = 3.0 + EPS
-    assert out["is_weight_raw_mean"] == pytest.approx((0.3 + 1.0 + 4.0) / n)
-    assert out["is_weight_mean"] == pytest.approx((0.3 + 3.0) / n)
-    assert out["is_weight_sq_mean"] == pytest.approx((0.09 + 9.0) / n)
-    assert out["is_ess"] == pytest.approx(3.3**2 / (3 * 9.09))
+    assert out["is_weight_raw_mean"] == pytest.approx((0.3 + 6.0 + 4.0) / n)
+    assert out["is_weight_mean"] == pytest.approx((0.3 + 4.0) / n)
+    assert out["is_weight_sq_mean"] == pytest.approx((0.09 + 16.0) / n)
+    assert out["is_ess"] == pytest.approx(4.3**2 / (3 * 16.09))
     assert out["is_weight_raw_low_frac"] == pytest.approx(1.0 / n)  # 0.3 < 1/2
-    assert out["is_weight_raw_high_frac"] == pytest.approx(1.0 / n)  # 4.0 > 2 (7.0 is no unit)
-    assert (out["is_weight_raw_min"], out["is_weight_raw_max"]) == (0.3, 4.0)
-    assert (out["is_weight_min"], out["is_weight_max"]) == (0.3, 3.0)
+    assert out["is_weight_raw_high_frac"] == pytest.approx(2.0 / n)  # 6.0 and 4.0 > 2 (7.0 is no unit)
+    assert (out["is_weight_raw_min"], out["is_weight_raw_max"]) == (0.3, 6.0)
+    assert (out["is_weight_min"], out["is_weight_max"]) == (0.3, 4.0)  # not the dropped row's 5.0
