@@ -546,10 +546,16 @@ def run_case(ctx: dict, case: dict) -> dict:
     from tests.support.training_step_host import _LocalWorkerGroup, _number, _policy, build_loss, run_driver
 
     split, tp, ep = case["split"], case["tp"], case["ep"]
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
-    )
+    if _LAYOUT != [tp, ep]:
+        # Once per layout, as a training process initialises once: megatron-core's
+        # destroy_model_parallel forgets its gloo groups without destroying them, so one
+        # initialisation per case left some 20 groups' threads behind each time (3000 threads per
+        # rank after 66 cases, which starved every other process on the machine).
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
+        )
+        _LAYOUT[:] = [tp, ep]
     lr = 0.5
     cfg = policy_config(split, tp, ep, case.get("chunk"))
     model = wrap_ddp(build_model(tp, ep, case.get("vocab", VOCAB)))
@@ -674,6 +680,8 @@ def case_breakage(kind):
 
 #: The number of microbatches of the global batch being trained (read by the summed_metric break).
 _MICROBATCHES = [1]
+#: The (TP, EP) megatron-core's parallel state is initialised for in this rank (empty: none yet).
+_LAYOUT: list[int] = []
 
 
 def run_cases(rank: int, world_size: int, host: str, cases: list, out_path: str) -> list[str]:
