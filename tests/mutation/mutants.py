@@ -818,8 +818,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "nemo_rs_plugin/lab/confirm.py",
-        "if -delta < tost_low and tost_high < delta:",
-        "if -delta < low and high < delta or True:",
+        "inside = -delta < tost_low and tost_high < delta",
+        "inside = True",
         "'equivalent' said without the interval inside the smallest effect",
     ),
     Mutant(

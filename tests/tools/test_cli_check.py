@@ -75,6 +75,22 @@ class ClippedPGLossFn:
 
     def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks):
         raise NotImplementedError
+
+
+# the loss wrappers' names, which nemo_rs_plugin.nemo_rl.seam replaces (never called here)
+def wrap_loss_fn_with_input_preparation(
+    next_token_logits, data, global_valid_seqs, global_valid_toks, loss_fn, prepare_fn
+):
+    raise NotImplementedError
+
+
+class SequencePackingLossWrapper:
+    def __init__(self, loss_fn, prepare_fn, cu_seqlens_q, cu_seqlens_q_padded=None):
+        self.loss_fn, self.prepare_fn, self.cu_seqlens_q = loss_fn, prepare_fn, cu_seqlens_q
+
+
+class SequencePackingFusionLossWrapper(SequencePackingLossWrapper):
+    pass
 """
 _PYDANTIC_CONFIG = "from pydantic import BaseModel\n\nclass ClippedPGLossConfig(BaseModel, extra='allow'):\n    pass\n"
 _TYPEDDICT_CONFIG = "class ClippedPGLossConfig(dict):  # v0.6.0: a TypedDict\n    pass\n"
