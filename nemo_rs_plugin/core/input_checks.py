@@ -5,7 +5,8 @@ microbatch's own, a ``token_mask`` other than 0/1 (errors), and positive log-pro
 probabilities passed where log-probs go). Two steps, both called by the loss, in order:
 :func:`count_global_counts` and :func:`count_positive_logprobs` count on the device, as hidden
 (``_``-prefixed) entries of the :class:`~nemo_rs_plugin.core.metrics.MetricSet`; after its one
-``tolist()`` the loss hands those values to :func:`judge_inputs`, which raises or warns. No
+``tolist()`` the loss hands their typed record (``metric_catalog.Diagnostics``) to
+:func:`judge_inputs`, which raises or warns. No
 extra sync (tests/core/test_cuda_sync.py counts them on a GPU), and the metric set calls nothing
 here. See: docs/troubleshooting.md#input-errors
 """
@@ -14,12 +15,12 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
 
 import torch
 
 from nemo_rs_plugin.core.masking import TokenMasks
-from nemo_rs_plugin.core.metric_catalog import NONFINITE_LOGIT_ROWS
+from nemo_rs_plugin.core.metric_catalog import NONFINITE_LOGIT_ROWS, Diagnostics
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
 from nemo_rs_plugin.core.sanitizing import SanitizedInputs
 
@@ -77,11 +78,11 @@ def count_positive_logprobs(metrics: MetricSet, clean: SanitizedInputs, force_on
             largest = torch.stack([t.detach().amax() for _, t in present]).tolist()
             for name, value in zip(names, largest):
                 if value <= POSITIVE_LOGPROB_SLACK:
-                    metrics.add_zero(name, "none")
+                    metrics.add_zero(name)
             above = [i for i, value in enumerate(largest) if value > POSITIVE_LOGPROB_SLACK]
             present, names = [present[i] for i in above], [names[i] for i in above]
         rows = ((t.detach() > POSITIVE_LOGPROB_SLACK).to(dtype) for _, t in present)  # one at a time
-    metrics.add_masked_totals(names, rows, clean.masks.valid_bin, "none", "sum")
+    metrics.add_masked_totals(names, rows, clean.masks.valid_bin)
 
 
 def _positive_input_message(key: str) -> str:
@@ -116,64 +117,51 @@ def count_global_counts(metrics: MetricSet, counts: GlobalCounts, masks: TokenMa
     microbatch's own but smaller than the true global batch's (e.g. one data-parallel rank's
     count passed as the global one); only the caller knows the global batch (docs/troubleshooting.md).
     """
-    metrics.add("_global_valid_toks", counts.tokens, "none", "replicated")
-    metrics.add("_global_valid_seqs", counts.sequences, "none", "replicated")
-    metrics.add("_local_valid_toks", masks.valid_total, "none", "sum")
-    metrics.add("_local_valid_seqs", masks.sample_total, "none", "replicated")
+    metrics.add("_global_valid_toks", counts.tokens)
+    metrics.add("_global_valid_seqs", counts.sequences)
+    metrics.add("_local_valid_toks", masks.valid_total)
+    metrics.add("_local_valid_seqs", masks.sample_total)
     _count_token_mask_entries(metrics, masks.token_mask, masks.valid.dtype)
 
 
-#: (global count, the microbatch's own, the unit both count), as :func:`count_global_counts` declares them.
-_COUNTS = (
-    ("global_valid_toks", "_local_valid_toks", "valid tokens (token_mask * sample_mask)"),
-    ("global_valid_seqs", "_local_valid_seqs", "valid sequences (sample_mask)"),
-)
+_VALID_TOKENS = "valid tokens (token_mask * sample_mask)"
 
 
-def judge_inputs(values: Mapping[str, float]) -> None:
+def judge_inputs(found: Diagnostics) -> None:
     """Raise the first input error, then warn of suspicious inputs, from the transferred values.
 
-    ``values``: the metric set's hidden entries after its one host transfer (``MetricSet.private``),
+    ``found``: the metric set's diagnostics after its one host transfer (``MetricSet.diagnostics``),
     reduced over the ranks that split the sequences, so every rank of a group decides alike.
     Each check runs where its counts were declared (:func:`count_global_counts`,
     :func:`count_positive_logprobs`): the token mask, then the two counts, then one warning per
     log-prob input that is positive somewhere.
     """
-    if "_token_mask_min" in values and _integer_mask_failed(values):
-        raise _integer_mask_error(values)
-    if "_token_mask_other" in values and _float_mask_failed(values):
-        raise _float_mask_error(values)
-    for name, local, unit in _COUNTS:
-        if f"_{name}" in values and _count_failed(name, local, values):
-            raise _count_error(name, local, unit, values)
-    if _placeholder_below_own(values):
-        _warn_placeholder_once(values)
-    for entry, count in values.items():
-        if entry.startswith("_positive_") and entry.endswith("_count") and count > 0:
-            key = entry[len("_positive_") : -len("_count")]
+    if found.token_mask_min is not None and found.token_mask_max is not None:
+        if found.token_mask_min < 0 or found.token_mask_max > 1:
+            raise _integer_mask_error(found.token_mask_min, found.token_mask_max)
+    if found.token_mask_other:  # a count of entries other than 0 and 1
+        raise _float_mask_error(found.token_mask_other, found.token_mask_other_min, found.token_mask_other_max)
+    placeholder = found.global_valid_toks == SPLIT_API_PLACEHOLDER and found.global_valid_seqs == SPLIT_API_PLACEHOLDER
+    for name, count, own, unit in (
+        ("global_valid_toks", found.global_valid_toks, found.local_valid_toks, _VALID_TOKENS),
+        ("global_valid_seqs", found.global_valid_seqs, found.local_valid_seqs, "valid sequences (sample_mask)"),
+    ):
+        if count is not None and own is not None and _count_failed(count, own, placeholder):
+            raise _count_error(name, count, own, unit)
+    toks, seqs = found.local_valid_toks, found.local_valid_seqs
+    # The split API's placeholder where the microbatch's own counts exceed it (any other caller: a wrong count).
+    if placeholder and toks is not None and seqs is not None and max(toks, seqs) > SPLIT_API_PLACEHOLDER:
+        _warn_placeholder_once(toks, seqs)
+    for key, count in found.positive_logprobs.items():
+        if count > 0:
             # stacklevel: judge_inputs, CorrectedPGLoss.compute, its caller
             warnings.warn(_positive_input_message(key), InputWarning, stacklevel=3)
 
 
-def _split_placeholder(out: Mapping[str, float]) -> bool:
-    """Both global counts are 1: the shape of NeMo-RL's split API (it passes 1 for both, never for one alone)."""
-    return out.get("_global_valid_toks") == SPLIT_API_PLACEHOLDER and out.get("_global_valid_seqs") == (
-        SPLIT_API_PLACEHOLDER
-    )
-
-
-def _count_failed(name: str, local: str, out: Mapping[str, float]) -> bool:
-    count = out[f"_{name}"]
-    own = out[local]
-    below_own = own > 0 and count < own * (1 - _COUNT_SLACK) and not _split_placeholder(out)
+def _count_failed(count: float, own: float, placeholder: bool) -> bool:
+    """A global count that is not finite, negative, or below the microbatch's own (1 and 1: the split API's)."""
+    below_own = own > 0 and count < own * (1 - _COUNT_SLACK) and not placeholder
     return not math.isfinite(count) or count < 0 or below_own
-
-
-def _placeholder_below_own(out: Mapping[str, float]) -> bool:
-    """The split API's placeholder where the microbatch's own counts exceed it (any other caller: a wrong count)."""
-    if not _split_placeholder(out) or "_local_valid_toks" not in out:
-        return False
-    return out["_local_valid_toks"] > SPLIT_API_PLACEHOLDER or out["_local_valid_seqs"] > SPLIT_API_PLACEHOLDER
 
 
 #: The once-per-process warnings this process has given (NeMo-RL unpickles a new loss every step,
@@ -190,8 +178,7 @@ def _warn_once(key: str, message: str, stacklevel: int) -> bool:
     return True
 
 
-def _warn_placeholder_once(out: Mapping[str, float]) -> None:
-    toks, seqs = out["_local_valid_toks"], out["_local_valid_seqs"]
+def _warn_placeholder_once(toks: float, seqs: float) -> None:
     # stacklevel: _warn_placeholder_once, judge_inputs, CorrectedPGLoss.compute, its caller
     _warn_once(
         "split-api-placeholder",
@@ -205,11 +192,10 @@ def _warn_placeholder_once(out: Mapping[str, float]) -> None:
     )
 
 
-def _count_error(name: str, local: str, unit: str, out: Mapping[str, float]) -> ValueError:
+def _count_error(name: str, count: float, own: float, unit: str) -> ValueError:
     return ValueError(
-        f"{name}: got {out[f'_{name}']:g} while this microbatch has "
-        f"{out[local]:g} {unit}; expected the count of {unit} over the whole "
-        "global batch (all microbatches and data-parallel ranks): a finite number, at least "
+        f"{name}: got {count:g} while this microbatch has {own:g} {unit}; expected the count of {unit} over "
+        "the whole global batch (all microbatches and data-parallel ranks): a finite number, at least "
         "the microbatch's own (0 only for a fully masked global batch; 1 for both counts as the split "
         "API's placeholder)"
     )
@@ -229,40 +215,32 @@ def _count_token_mask_entries(metrics: MetricSet, token_mask: torch.Tensor, dtyp
         # not contiguous) first copies it, a [B, T] int64 temporary; its rows are contiguous.
         row_lo, row_hi = torch.aminmax(token_mask, dim=-1)
         lo, hi = row_lo.amin(), row_hi.amax()  # integers: MetricSet.stack promotes them
-        metrics.add("_token_mask_min", lo, "none", "min")
-        metrics.add("_token_mask_max", hi, "none", "max")
+        metrics.add("_token_mask_min", lo)
+        metrics.add("_token_mask_max", hi)
         return
     mask = token_mask if token_mask.dtype == dtype else token_mask.to(dtype)
     other = (mask != 0) & (mask != 1)
-    metrics.add("_token_mask_other", other.sum(), "none", "sum")
+    metrics.add("_token_mask_other", other.sum())
     # the smallest and largest of those entries, for the message
-    metrics.add("_token_mask_other_min", torch.where(other, mask, math.inf).amin(), "none", "min")
-    metrics.add("_token_mask_other_max", torch.where(other, mask, -math.inf).amax(), "none", "max")
+    metrics.add("_token_mask_other_min", torch.where(other, mask, math.inf).amin())
+    metrics.add("_token_mask_other_max", torch.where(other, mask, -math.inf).amax())
 
 
-def _integer_mask_failed(out: Mapping[str, float]) -> bool:
-    return out["_token_mask_min"] < 0 or out["_token_mask_max"] > 1
-
-
-def _integer_mask_error(out: Mapping[str, float]) -> ValueError:
-    lo, hi = out["_token_mask_min"], out["_token_mask_max"]
+def _integer_mask_error(lo: float, hi: float) -> ValueError:
     extremes = [f"smallest entry {lo:g}"] * (lo < 0) + [f"largest entry {hi:g}"] * (hi > 1)
     return _token_mask_error(f"got entries other than 0 and 1 ({', '.join(extremes)})")
 
 
-def _float_mask_failed(out: Mapping[str, float]) -> bool:
-    return out["_token_mask_other"] > 0
-
-
-def _float_mask_error(out: Mapping[str, float]) -> ValueError:
-    n = int(out["_token_mask_other"])
-    lo, hi = out["_token_mask_other_min"], out["_token_mask_other_max"]
+def _float_mask_error(count: float, lo: Optional[float], hi: Optional[float]) -> ValueError:
+    n = int(count)
     values = _not_0_or_1(lo) if lo == hi else f"from {_not_0_or_1(lo)} to {_not_0_or_1(hi)}"
     return _token_mask_error(f"got {n} {'entry' if n == 1 else 'entries'} other than 0 and 1 ({values})")
 
 
-def _not_0_or_1(value: float) -> str:
+def _not_0_or_1(value: Optional[float]) -> str:
     """``value`` with the digits that tell it from 0 and 1 (``:g`` shows 0.99999988 as ``1``)."""
+    if value is None:  # declared with the count: never None beside a non-zero count
+        return "?"
     for digits in range(6, 18):
         shown = f"{value:.{digits}g}"
         if float(shown) not in (0.0, 1.0):
@@ -286,13 +264,13 @@ NONFINITE_LOGITS_MESSAGE = (
 )
 
 
-def warn_nonfinite_logits(reported: Mapping[str, float], private: Mapping[str, float]) -> bool:
+def warn_nonfinite_logits(reported: Mapping[str, float], found: Diagnostics) -> bool:
     """An :class:`InputWarning`, once per process, when the logits input held a NaN or +inf.
 
-    ``reported``/``private``: the metric set's values after its one transfer, where
+    ``reported``/``found``: the metric set's metrics and diagnostics after its one transfer, where
     :func:`~nemo_rs_plugin.core.sanitizing.nonfinite_logit_metric` declared the count (the count
     goes on in the metric every call). No extra sync. Returns whether it warned.
     """
-    count = reported.get(NONFINITE_LOGIT_ROWS, private.get(f"_{NONFINITE_LOGIT_ROWS}", 0.0))
+    count = reported.get(NONFINITE_LOGIT_ROWS, found.nonfinite_logit_rows or 0.0)
     # stacklevel: warn_nonfinite_logits, CorrectedPGLoss.compute, its caller
     return count > 0 and _warn_once("nonfinite-logits", NONFINITE_LOGITS_MESSAGE, stacklevel=3)

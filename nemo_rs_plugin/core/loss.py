@@ -27,7 +27,6 @@ import torch
 from nemo_rs_plugin.core.compiled import core_fn, free_host_reads, metrics_form
 from nemo_rs_plugin.core.config import ConfigWarning, RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction import PolicyLogProbs, compute_correction
-from nemo_rs_plugin.core.correction.filters import sequence_counts
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
 from nemo_rs_plugin.core.health import RejectionMonitor
 from nemo_rs_plugin.core.input_checks import (
@@ -37,7 +36,7 @@ from nemo_rs_plugin.core.input_checks import (
     warn_nonfinite_logits,
 )
 from nemo_rs_plugin.core.inputs import LossInputs, global_counts
-from nemo_rs_plugin.core.metric_catalog import metric_specs
+from nemo_rs_plugin.core.metric_catalog import declared_specs, metric_specs
 from nemo_rs_plugin.core.metrics import MetricSet, batched_evaluation
 from nemo_rs_plugin.core.microbatch import MicrobatchTotals, missing_totals
 from nemo_rs_plugin.core.objective import Objective
@@ -100,6 +99,7 @@ class CorrectedPGLoss:
         # Every metric this configuration returns, read off the catalog (no run): what the metric
         # set checks each declaration against, and what metric_normalizations() reports.
         self.metric_specs = metric_specs(cfg)
+        self.declared_specs = declared_specs(cfg)  # with the loss's own diagnostics: what a metric set reads
         # Warns (rate-limited, from the metrics already on the host) when filters eat the batch.
         self.rejection_monitor = RejectionMonitor() if cfg.rejection_sampling else None
 
@@ -200,12 +200,12 @@ class CorrectedPGLoss:
         host_reads = free_host_reads(self, core, x.curr.device, groups, batched)
         loss, metrics = core(self, x, global_valid_seqs, global_valid_toks, groups, batched, host_reads, microbatch)
         reported = metrics.finalize(groups)  # the one host transfer
-        judge_inputs(metrics.private)  # raises on a bad count or token mask, warns on positive log-probs
-        warn_nonfinite_logits(reported, metrics.private)
-        if self.rejection_monitor is not None:
-            counts = sequence_counts(metrics.private)  # None where no filter ran
-            if counts is not None:
-                self.rejection_monitor.observe(*counts)
+        diagnostics = metrics.diagnostics  # the loss's own values, from the same transfer
+        judge_inputs(diagnostics)  # raises on a bad count or token mask, warns on positive log-probs
+        warn_nonfinite_logits(reported, diagnostics)
+        dropped, valid = diagnostics.dropped_sequences, diagnostics.valid_sequences  # None where no filter ran
+        if self.rejection_monitor is not None and dropped is not None and valid is not None:
+            self.rejection_monitor.observe(dropped, valid)
         return loss, reported
 
     def _tensors(
@@ -222,9 +222,7 @@ class CorrectedPGLoss:
         x = x.to_dtype(x.compute_dtype())
         cfg = self.cfg
         counts = global_counts(global_valid_seqs, global_valid_toks, x.curr.dtype, x.curr.device)
-        metrics = MetricSet(
-            None, batched, host_reads, compute_per_call=self.per_call_metrics, catalog=self.metric_specs
-        )
+        metrics = MetricSet(None, self.declared_specs, batched, host_reads, compute_per_call=self.per_call_metrics)
         # Set, not passed: a compiled core rebuilds the objects it returns from their constructor's
         # arguments, and the counts (views of the caller's tensors, dropped by stack()) would then
         # be graph outputs, rebuilt as aliases of its inputs on every call.
@@ -287,7 +285,7 @@ class CorrectedPGLoss:
                 groups,
                 log_probs=PolicyLogProbs(curr=x.curr, prev=clean.prev_raw, gen=x.generation),
                 advantages=clean.advantages,
-                metrics=MetricSet(None, batched),
+                metrics=MetricSet(None, self.declared_specs, batched),
             )
             return self.objective.totals_of(corr, clean.masks, x.rewards)
 

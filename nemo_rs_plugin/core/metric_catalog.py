@@ -5,31 +5,47 @@ its normalization (the global count its per-microbatch value is divided by, so t
 microbatches is the step's value) and its reduction over the ranks that split a sequence (both
 may follow the IS level's unit or the loss's), whether it holds for one call alone, what it
 means, whether NeMo-RL's own loss returns it too, and when it is emitted (a predicate of the
-configuration). :func:`metric_specs` resolves the catalog for one configuration: the loss's
-metric set checks every metric it declares against it (name, normalization, reduction,
-per-call), :meth:`~nemo_rs_plugin.core.loss.CorrectedPGLoss.metric_normalizations` reads it
-(what NeMo-RL's ``MetricNormalizer`` gets), and ``nemo-rs reference --metrics`` renders the
-guide's table from it. Names that start with ``_`` are the loss's internal values (checks,
-counts for the run-time warning): never returned, not catalogued.
+configuration). :func:`metric_specs` resolves the catalog for one configuration:
+:meth:`~nemo_rs_plugin.core.loss.CorrectedPGLoss.metric_normalizations` reads it (what NeMo-RL's
+``MetricNormalizer`` gets), and ``nemo-rs reference --metrics`` renders the guide's table from it.
+
+Declared once: a declaration site names the metric and gives its value
+(``metrics.add_total("is_weight_mean", total)``); the metric set reads the normalization, the
+reduction and the per-call flag from here (:func:`declared_specs`), and refuses a name this
+configuration does not have. Nothing restates them.
+
+The loss's own values (checks of the inputs, counts for the run-time warning) ride on the same
+host transfer as ``_``-prefixed entries of :data:`DIAGNOSTIC_CATALOG`; never returned, they come
+back as one typed :class:`Diagnostics` record beside the metrics.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Literal, NamedTuple, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional, Union
 
-from nemo_rs_plugin.core.metrics import Normalization, Reduction
-
+#: The global count a metric's per-microbatch value is divided by (``none``: raw counts, extremes).
+Normalization = Literal["tokens", "sequences", "none"]
+#: How a metric is reduced over the ranks that split a sequence: ``sum`` (partial sums of local
+#: tokens), ``replicated`` (identical on every rank), ``max`` or ``min``.
+Reduction = Literal["sum", "replicated", "max", "min"]
 #: A reduction, or ``derived``: computed on the host from the reduced values.
 Reduced = Union[Reduction, Literal["derived"]]
 
 __all__ = [
+    "DIAGNOSTIC_CATALOG",
     "METRIC_CATALOG",
     "NONFINITE_LOGIT_ROWS",
     "WEIGHT_TAIL",
+    "DiagnosticEntry",
+    "Diagnostics",
     "MetricEntry",
     "MetricSpec",
+    "Normalization",
+    "Reduced",
+    "Reduction",
     "catalog_entry",
+    "declared_specs",
     "metric_specs",
 ]
 
@@ -89,17 +105,20 @@ class MetricEntry:
 
     def spec(self, cfg: Any) -> MetricSpec:
         """Its normalization, reduction and per-call flag under ``cfg``."""
-        if self.normalization == "is_level":
-            per_token = cfg.is_level_entry.per_token
-            return MetricSpec(
-                "tokens" if per_token else "sequences", "sum" if per_token else "replicated", self.per_call
-            )
-        if self.normalization == "truncation":  # the units the truncation decides on
-            per_sequence = cfg.truncation_entry is not None and cfg.truncation_entry.per_sequence
-            return MetricSpec(*(("sequences", "replicated") if per_sequence else ("tokens", "sum")), self.per_call)
-        if self.normalization == "loss":
-            return MetricSpec("tokens" if cfg.token_level_loss else "sequences", "sum", self.per_call)
-        return MetricSpec(self.normalization, self.reduction, self.per_call)
+        return _resolved(self.normalization, self.reduction, self.per_call, cfg)
+
+
+def _resolved(normalization: Union[Normalization, UnitOf], reduction: Reduced, per_call: bool, cfg: Any) -> MetricSpec:
+    """A declaration's spec under ``cfg``: a unit it follows (:data:`UnitOf`) resolved to its count and reduction."""
+    if normalization == "is_level":
+        per_token = cfg.is_level_entry.per_token
+        return MetricSpec("tokens" if per_token else "sequences", "sum" if per_token else "replicated", per_call)
+    if normalization == "truncation":  # the units the truncation decides on
+        per_sequence = cfg.truncation_entry is not None and cfg.truncation_entry.per_sequence
+        return MetricSpec(*(("sequences", "replicated") if per_sequence else ("tokens", "sum")), per_call)
+    if normalization == "loss":
+        return MetricSpec("tokens" if cfg.token_level_loss else "sequences", "sum", per_call)
+    return MetricSpec(normalization, reduction, per_call)
 
 
 def _filters(cfg: Any) -> bool:
@@ -253,3 +272,123 @@ def metric_specs(cfg: Any) -> dict[str, MetricSpec]:
                     if e.emitted(cfg, f):
                         out[e.name.replace(FILTER, f.label)] = e.spec(cfg)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss's own values: declared like metrics, never returned.
+
+
+class DiagnosticEntry(NamedTuple):
+    """One of the loss's own values on the metrics' transfer (``_``-prefixed, never returned).
+
+    Attributes:
+        name: its key in the metric set.
+        field: the :class:`Diagnostics` attribute it fills (``positive_logprobs``: one entry of that
+            mapping, keyed by the input's data-dict key); ``None``: counted with its neighbours in
+            one stacked evaluation and read by nobody (e.g. the advantages' row of the GPU form's
+            positive-value count).
+        meaning: what it counts.
+        normalization, reduction: as a :class:`MetricEntry`'s.
+    """
+
+    name: str
+    field: Optional[str]
+    meaning: str
+    normalization: Union[Normalization, UnitOf] = "none"
+    reduction: Reduced = "sum"
+
+    def spec(self, cfg: Any) -> MetricSpec:
+        """Its normalization and reduction under ``cfg`` (never per call: it is read on every call)."""
+        return _resolved(self.normalization, self.reduction, False, cfg)
+
+
+#: The log-prob inputs whose positive values are counted: the data-dict key (the argument for
+#: ``next_token_logprobs``) each count is named after.
+POSITIVE_LOGPROB_KEYS = ("next_token_logprobs", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
+_POSITIVE = "valid tokens whose {} is above 0 (beyond the slack): probabilities passed as log-probs"
+_UNREAD = "counted with the other rows of the GPU form's stacked evaluation; not read"
+
+#: Every ``_``-prefixed value the loss declares, read by the loss after the one host transfer.
+DIAGNOSTIC_CATALOG: tuple[DiagnosticEntry, ...] = (
+    # the input checks (core/input_checks.py): the global counts against the microbatch's own
+    DiagnosticEntry("_global_valid_toks", "global_valid_toks", "NeMo-RL's global valid tokens", "none", "replicated"),
+    DiagnosticEntry("_global_valid_seqs", "global_valid_seqs", "NeMo-RL's global valid seqs", "none", "replicated"),
+    DiagnosticEntry("_local_valid_toks", "local_valid_toks", "this microbatch's valid tokens"),
+    DiagnosticEntry("_local_valid_seqs", "local_valid_seqs", "this microbatch's valid sequences", "none", "replicated"),
+    # a token_mask other than 0/1: an integer mask's extremes, a float mask's other entries
+    DiagnosticEntry("_token_mask_min", "token_mask_min", "smallest entry of an integer token_mask", "none", "min"),
+    DiagnosticEntry("_token_mask_max", "token_mask_max", "largest entry of an integer token_mask", "none", "max"),
+    DiagnosticEntry("_token_mask_other", "token_mask_other", "float token_mask entries other than 0 and 1"),
+    DiagnosticEntry("_token_mask_other_min", "token_mask_other_min", "smallest of those entries", "none", "min"),
+    DiagnosticEntry("_token_mask_other_max", "token_mask_other_max", "largest of those entries", "none", "max"),
+    *(
+        DiagnosticEntry(f"_positive_{key}_count", "positive_logprobs", _POSITIVE.format(key))
+        for key in POSITIVE_LOGPROB_KEYS
+    ),
+    *(DiagnosticEntry(f"_positive_{row}", None, _UNREAD) for row in ("d", "advantages", "curr_unfiltered", "prev")),
+    # non-finite inputs counted beside the public counts (core/sanitizing.py)
+    DiagnosticEntry("_nonfinite_curr_filtered_count", None, _UNREAD),
+    DiagnosticEntry("_nonfinite_curr_unfiltered_count", None, _UNREAD),
+    DiagnosticEntry("_nonfinite_prev_logprobs_count", None, _UNREAD),
+    DiagnosticEntry("_nonfinite_generation_logprobs_count", None, _UNREAD),
+    DiagnosticEntry(
+        f"_{NONFINITE_LOGIT_ROWS}",
+        "nonfinite_logit_rows",
+        "positions whose logits held a NaN or +inf, where the metric is not returned",
+    ),
+    # the units of the effective sample size (is_ess, derived on the host)
+    DiagnosticEntry("_ess_units", "ess_units", "units the IS weight is averaged over", "is_level"),
+    # the filters' sequences, for the run-time warning when they eat the batch (core/health.py)
+    DiagnosticEntry("_rs_seq_dropped", "dropped_sequences", "sequences the filters dropped", "none", "replicated"),
+    DiagnosticEntry("_rs_seq_valid", "valid_sequences", "sequences with a valid token", "none", "replicated"),
+)
+
+_DIAGNOSTIC_FIELDS = {e.name: e.field for e in DIAGNOSTIC_CATALOG}
+
+
+@dataclass(frozen=True)
+class Diagnostics:
+    """The loss's own values of one call, after the one host transfer (reduced over the sequence groups).
+
+    ``None``: not measured by this call (a bool ``token_mask`` has no extremes, no filter counts
+    no sequences). Read by :func:`~nemo_rs_plugin.core.input_checks.judge_inputs`, the run-time
+    rejection warning and the non-finite-logits warning.
+    """
+
+    global_valid_toks: Optional[float] = None
+    global_valid_seqs: Optional[float] = None
+    local_valid_toks: Optional[float] = None
+    local_valid_seqs: Optional[float] = None
+    token_mask_min: Optional[float] = None
+    token_mask_max: Optional[float] = None
+    token_mask_other: Optional[float] = None
+    token_mask_other_min: Optional[float] = None
+    token_mask_other_max: Optional[float] = None
+    #: input's data-dict key -> its valid tokens above 0 (only the inputs counted by this call)
+    positive_logprobs: Mapping[str, float] = field(default_factory=dict)
+    nonfinite_logit_rows: Optional[float] = None
+    ess_units: Optional[float] = None
+    dropped_sequences: Optional[float] = None
+    valid_sequences: Optional[float] = None
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, float]) -> "Diagnostics":
+        """The record of the transferred ``_``-prefixed values (names of :data:`DIAGNOSTIC_CATALOG`)."""
+        fields: dict[str, Any] = {}
+        positive: dict[str, float] = {}
+        for name, value in values.items():
+            target = _DIAGNOSTIC_FIELDS[name]
+            if target == "positive_logprobs":
+                positive[name[len("_positive_") : -len("_count")]] = value
+            elif target is not None:
+                fields[target] = value
+        return cls(positive_logprobs=positive, **fields)
+
+
+def declared_specs(cfg: Any) -> dict[str, MetricSpec]:
+    """Every name the loss may declare under ``cfg``: its metrics (:func:`metric_specs`), then its diagnostics.
+
+    What :class:`~nemo_rs_plugin.core.metrics.MetricSet` reads each declaration's normalization,
+    reduction and per-call flag from.
+    """
+    return {**metric_specs(cfg), **{e.name: e.spec(cfg) for e in DIAGNOSTIC_CATALOG}}

@@ -13,7 +13,8 @@ matrix-vector product and all masked extrema in one ``amin`` and one ``amax`` (a
 kernels whatever the number of metrics); on a CPU, where copying rows into a matrix costs more
 than it saves, one dot product per row, no copy. Either way one division per global count.
 
-Each metric carries:
+Each metric carries, from its entry in the metric catalog (``core/metric_catalog.py``; a
+declaration names the metric and gives its value, nothing else):
 
 * a **normalization** (``tokens``, ``sequences`` or ``none``): the global denominator its
   per-microbatch value was divided by, so that summing over microbatches (as NeMo-RL's
@@ -31,12 +32,13 @@ Each metric carries:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal, Mapping, NamedTuple, Optional, Protocol, Union
+from typing import Iterable, Mapping, NamedTuple, Optional
 
 import torch
 
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
 from nemo_rs_plugin.core.masking import EPS
+from nemo_rs_plugin.core.metric_catalog import Diagnostics, MetricSpec, Normalization
 from nemo_rs_plugin.core.metric_kernels import (
     Constant,
     HostFormula,
@@ -47,7 +49,7 @@ from nemo_rs_plugin.core.metric_kernels import (
     stacked_masked_totals,
 )
 
-__all__ = ["CatalogSpec", "GlobalCounts", "MetricSet", "Normalization", "Reduction", "batched_evaluation"]
+__all__ = ["GlobalCounts", "MetricSet", "batched_evaluation"]
 
 
 def batched_evaluation(device: torch.device, forced: Optional[bool] = None) -> bool:
@@ -63,35 +65,7 @@ def batched_evaluation(device: torch.device, forced: Optional[bool] = None) -> b
     return device.type != "cpu"
 
 
-Normalization = Literal["tokens", "sequences", "none"]
-Reduction = Literal["sum", "replicated", "max", "min"]
-#: How a declared metric is reduced: a :data:`Reduction`, or computed on the host after the reduction.
-_Declared = Union[Reduction, Literal["derived"]]
-
-
-class CatalogSpec(Protocol):
-    """What the metric catalog says of one metric under one configuration (``metric_catalog.MetricSpec``)."""
-
-    @property
-    def normalization(self) -> Normalization: ...  # noqa: D102
-
-    @property
-    def reduction(self) -> _Declared: ...  # noqa: D102
-
-    @property
-    def per_call(self) -> bool: ...  # noqa: D102
-
-
-def _catalog_error(
-    name: str, spec: Optional[CatalogSpec], normalization: Normalization, reduction: _Declared, per_call: bool
-) -> Exception:
-    """The error of a declaration the catalog does not hold as declared (see ``MetricSet``)."""
-    if spec is None:
-        return KeyError(f"metric {name!r} is not in the catalog for this configuration (core/metric_catalog.py)")
-    return ValueError(
-        f"metric {name!r} declared as ({normalization}, {reduction}, per_call={per_call}); the catalog says "
-        f"({spec.normalization}, {spec.reduction}, per_call={spec.per_call})"
-    )
+_CATALOGS = "core/metric_catalog.py: METRIC_CATALOG for a returned metric, DIAGNOSTIC_CATALOG for a _-prefixed one"
 
 
 class _Extreme(NamedTuple):
@@ -119,24 +93,32 @@ class GlobalCounts:
 
 
 class MetricSet:
-    """Ordered metrics with their normalization and cross-rank reduction.
+    """Ordered metrics, each declared by name; its normalization and reduction come from the catalog.
 
     Declare with :meth:`add` (a final value), :meth:`add_total` (a sum, divided by the global
     count its normalization names), :meth:`add_masked_total` (``sum(values * mask)``, likewise
-    divided) and :meth:`add_masked_extrema` (min and max of ``values`` where ``mask`` is 1).
-    :meth:`stack` evaluates them all into one vector (on the device, no sync); :meth:`finalize`
-    reduces it over the groups and transfers it once.
+    divided), :meth:`add_masked_extrema` (min and max of ``values`` where ``mask`` is 1),
+    :meth:`derive` (computed on the host) and :meth:`add_zero`. :meth:`stack` evaluates them all
+    into one vector (on the device, no sync); :meth:`finalize` reduces it over the groups and
+    transfers it once.
     """
 
     def __init__(
         self,
-        counts: Optional[GlobalCounts] = None,
+        counts: Optional[GlobalCounts],
+        catalog: Mapping[str, MetricSpec],
         batched: bool = False,
         host_reads: bool = False,
         compute_per_call: bool = True,
-        catalog: Optional[Mapping[str, CatalogSpec]] = None,
     ) -> None:
-        """``batched``: evaluate in the stacked (GPU) form, see :func:`batched_evaluation`.
+        """A metric set reading each declaration's spec from ``catalog``.
+
+        ``catalog``: every name that may be declared, with its spec (``metric_catalog.declared_specs``
+        of the configuration); a name not in it is a ``KeyError`` where it is declared.
+
+        ``counts``: the global denominators (``None`` where the metrics are dropped unevaluated).
+
+        ``batched``: evaluate in the stacked (GPU) form, see :func:`batched_evaluation`.
 
         ``compute_per_call=False``: per-call metrics are declared (their names and normalizations are
         known) but neither computed nor returned, for a caller that would drop them (the
@@ -145,97 +127,78 @@ class MetricSet:
         ``host_reads``: checks may read a value on the host to skip work (eager CPU only,
         :func:`~nemo_rs_plugin.core.compiled.free_host_reads`). The caller decides both once,
         outside any compiled region, so that a compiled core specialises on plain bools.
-
-        ``catalog``: the configuration's metrics (``metric_catalog.metric_specs``): every public
-        metric declared must be there with the same normalization, reduction (a value derived on
-        the host, a zero included, may stand for any) and per-call flag, else a ``KeyError`` or
-        ``ValueError`` names it. ``None`` (the correction alone, the tests' metric sets): unchecked.
         """
         self.counts = counts
+        self.catalog = catalog
         self.batched = batched
         self.host_reads = host_reads
         self.computes_per_call = compute_per_call
-        self.catalog = catalog
-        self._declared: dict[str, tuple[Normalization, _Declared]] = {}  # name -> (normalization, reduction)
-        self._per_call: set[str] = set()  # names of per-call metrics (see the module docstring)
+        self._declared: dict[str, MetricSpec] = {}  # name -> its catalog spec, in declaration order
         self._values: dict[str, torch.Tensor] = {}  # final 0-dim values
         self._totals: dict[Normalization, list[tuple[list[str], torch.Tensor]]] = {}  # normalization -> (names, totals)
         self._masked: list[tuple[torch.Tensor, Normalization, list]] = []  # (mask, normalization, [(names, rows)])
         self._extrema: dict[tuple[int, torch.dtype], list[_Extreme]] = {}  # (rank, dtype) -> its extremes
         self._derived: list[tuple[str, HostFormula]] = []  # name -> its formula over the transferred values
         self._stacked: Optional[tuple[list[str], torch.Tensor]] = None
-        self.private: dict[str, float] = {}  # the ``_``-prefixed entries, set by finalize()
+        self.diagnostics = Diagnostics()  # the ``_``-prefixed entries, set by finalize()
 
     # ------------------------------------------------------------------ declaring
-    def _skips(self, per_call: bool) -> bool:
-        """Whether a metric declared with ``per_call`` is left uncomputed (see ``__init__``)."""
-        return per_call and not self.computes_per_call
+    def _declare(self, names: Iterable[str], computed: bool = True) -> Optional[Normalization]:
+        """Record each name once; the normalization they share, or ``None`` where they are left uncomputed.
 
-    def _declare_all(
-        self, names: Iterable[str], normalization: Normalization, reduction: _Declared, per_call: bool = False
-    ) -> None:
-        """Record each name once, checked against the catalog (one loop, no nested call: it runs per metric)."""
+        ``computed``: their values are computed on the device (not derived on the host). Names
+        declared together share one normalization and per-call flag. One loop, no nested call:
+        it runs for every metric of every call.
+        """
         if self._stacked is not None:
             raise RuntimeError(f"metrics {list(names)} declared after MetricSet.stack()")
-        catalog = self.catalog
+        catalog, declared = self.catalog, self._declared
+        shared: Optional[tuple[Normalization, bool]] = None
         for name in names:
-            if name in self._declared:
+            if name in declared:
                 raise KeyError(f"metric {name!r} declared twice")
-            if catalog is not None and not name.startswith("_"):
-                spec = catalog.get(name)
-                if (
-                    spec is None
-                    or spec.normalization != normalization
-                    or (reduction != "derived" and spec.reduction != reduction)
-                    or spec.per_call != per_call
-                ):
-                    raise _catalog_error(name, spec, normalization, reduction, per_call)
-            self._declared[name] = (normalization, reduction)
-            if per_call:
-                self._per_call.add(name)
+            spec = catalog.get(name)
+            if spec is None:
+                raise KeyError(f"metric {name!r} is not in the catalog for this configuration ({_CATALOGS})")
+            if computed and spec.reduction == "derived":
+                raise ValueError(f"metric {name!r} is derived on the host (its catalog entry): declare it by derive()")
+            here = (spec.normalization, spec.per_call and not self.computes_per_call)
+            if shared is None:
+                shared = here
+            elif here != shared:
+                raise ValueError(f"metrics {list(names)} declared together differ in normalization or per-call flag")
+            declared[name] = spec
+        return None if shared is None or shared[1] else shared[0]
 
-    def add(
-        self, name: str, value: torch.Tensor, normalization: Normalization, reduction: Reduction, per_call: bool = False
-    ) -> None:
-        """Record a final 0-dim value (never synced here); ``per_call``: see the module docstring.
+    def add(self, name: str, value: torch.Tensor) -> None:
+        """Record a final 0-dim value (never synced here, never divided by a count).
 
         ``min``/``max`` entries may hold ``+-finfo.max`` for "no unit" (see
         :func:`~nemo_rs_plugin.core.masking.extrema_penalty`); :meth:`finalize` reports them as
         ``+-inf``, as NeMo-RL does.
         """
-        self._declare_all((name,), normalization, reduction, per_call)
-        if self._skips(per_call):
-            return
-        self._values[name] = value.detach().reshape(())
+        if self._declare((name,)) is not None:
+            self._values[name] = value.detach().reshape(())
 
-    def add_total(self, name: str, total: torch.Tensor, normalization: Normalization, reduction: Reduction) -> None:
-        """Record a 0-dim sum; its value is ``total / (count + 1e-8)`` for the count of ``normalization``."""
-        self._declare_all((name,), normalization, reduction)
+    def add_total(self, name: str, total: torch.Tensor) -> None:
+        """Record a 0-dim sum; its value is ``total / (count + 1e-8)`` for the count of its normalization."""
+        normalization = self._declare((name,))
         if normalization == "none":  # a final value, as add() records it
             self._values[name] = total.detach().reshape(())
-        else:
+        elif normalization is not None:
             self._totals.setdefault(normalization, []).append(([name], total.detach().reshape(())))
 
-    def add_masked_total(
-        self, name: str, values: torch.Tensor, mask: torch.Tensor, normalization: Normalization, reduction: Reduction
-    ) -> None:
+    def add_masked_total(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
         """Record ``sum(values * mask)`` (divided as in :meth:`add_total`); ``values`` broadcasts to ``mask``.
 
         In the GPU form, metrics sharing the same ``mask`` tensor and normalization are
         evaluated together in :meth:`stack` (one ``stack`` and one matrix-vector product per run
         of rows given one by one); in the CPU form each is reduced here, at once.
         """
-        self.add_masked_totals([name], [values], mask, normalization, reduction)
+        self.add_masked_totals([name], [values], mask)
 
-    def add_masked_totals(
-        self,
-        names: list[str],
-        rows: Iterable[torch.Tensor],
-        mask: torch.Tensor,
-        normalization: Normalization,
-        reduction: Reduction,
-    ) -> None:
-        """:meth:`add_masked_total` for each row of ``rows``.
+    def add_masked_totals(self, names: list[str], rows: Iterable[torch.Tensor], mask: torch.Tensor) -> None:
+        """:meth:`add_masked_total` for each row of ``rows``; the names share one normalization.
 
         ``rows``: a list of tensors, a stacked ``[len(names), *mask.shape]`` one, or an iterator
         of tensors (the CPU form then builds and reduces one row at a time).
@@ -246,8 +209,8 @@ class MetricSet:
             # fresh [B, T] allocation costs far more than the operator on reused memory).
             totals = row_totals(rows.unbind(0) if isinstance(rows, torch.Tensor) else rows, mask)
             _check_row_count(names, 0 if totals is None else totals.shape[0])
-            self._declare_all(names, normalization, reduction)
-            if totals is None:  # no row
+            normalization = self._declare(names)  # after the count: a refused call leaves the names free
+            if totals is None or normalization is None:  # no row; per-call metrics left uncomputed
                 return
             if normalization == "none":  # final values, as add() records them
                 self._values.update(zip(names, totals.unbind(0)))
@@ -257,7 +220,9 @@ class MetricSet:
         if not isinstance(rows, (list, tuple, torch.Tensor)):
             rows = list(rows)
         _check_row_count(names, len(rows) if isinstance(rows, (list, tuple)) else rows.shape[0])
-        self._declare_all(names, normalization, reduction)
+        normalization = self._declare(names)
+        if normalization is None:
+            return
         # Grouped by the mask *object* (identity, not id(): traceable by torch.compile).
         for group_mask, group_norm, entries in self._masked:
             if group_mask is mask and group_norm == normalization:
@@ -265,21 +230,14 @@ class MetricSet:
                 return
         self._masked.append((mask, normalization, [(names, rows)]))
 
-    def add_masked_extrema(
-        self, min_name: str, max_name: str, values: torch.Tensor, penalty: torch.Tensor, per_call: bool = True
-    ) -> None:
+    def add_masked_extrema(self, min_name: str, max_name: str, values: torch.Tensor, penalty: torch.Tensor) -> None:
         """Record the min and max of finite ``values`` where the mask behind ``penalty`` is 1.
-
-        Per call unless ``per_call=False`` (NeMo-RL's ``probs_ratio_*``, which its wrappers and
-        driver combine by min and max).
 
         ``penalty`` is :func:`~nemo_rs_plugin.core.masking.extrema_penalty` of the mask (shared
         between metrics of one mask). With an empty mask the values are the ``+-finfo.max``
         sentinels that :meth:`finalize` reports as ``(inf, -inf)``.
         """
-        self._declare_all((min_name,), "none", "min", per_call)
-        self._declare_all((max_name,), "none", "max", per_call)
-        if self._skips(per_call):
+        if self._declare((min_name, max_name)) is None:
             return
         if not self.batched:  # CPU form: reduced now (see add_masked_totals), final values as add() records them
             lows, highs = masked_extrema([values.detach()], [penalty])
@@ -290,32 +248,31 @@ class MetricSet:
         key = (values.dim(), values.dtype)
         self._extrema.setdefault(key, []).append(_Extreme(min_name, max_name, values.detach(), penalty))
 
-    def derive(self, name: str, normalization: Normalization, formula: HostFormula, per_call: bool = False) -> None:
+    def derive(self, name: str, formula: HostFormula) -> None:
         """Declare a metric :meth:`finalize` computes on the host from the reduced values.
 
         ``formula`` is data (:data:`~nemo_rs_plugin.core.metric_kernels.HostFormula`), not a
         callback: the metric set evaluates it itself. Checks of the inputs that read the
         transferred values are not the metric set's either: the loss runs them on
-        :attr:`private` after :meth:`finalize` (:func:`~nemo_rs_plugin.core.input_checks.judge_inputs`).
+        :attr:`diagnostics` after :meth:`finalize` (:func:`~nemo_rs_plugin.core.input_checks.judge_inputs`).
         """
-        self._declare_all((name,), normalization, "derived", per_call)
-        if not self._skips(per_call):
+        if self._declare((name,), computed=False) is not None:
             self._derived.append((name, formula))
 
-    def add_zero(self, name: str, normalization: Normalization) -> None:
+    def add_zero(self, name: str) -> None:
         """Declare a metric that is 0 by construction (a term that is off, a count known to be 0): no tensor."""
-        self.derive(name, normalization, Constant(0.0))
+        self.derive(name, Constant(0.0))
 
     def normalizations(self, per_call: bool = True) -> dict[str, str]:
         """Public metric name -> the normalization declared with it (what NeMo-RL's ``MetricNormalizer`` reads).
 
         ``per_call=False`` leaves out the per-call metrics, as :meth:`finalize` does.
         """
-        return {name: self._declared[name][0] for name in self._public_and_private(per_call)[0]}
+        return {name: self._declared[name].normalization for name in self._public_and_private(per_call)[0]}
 
     def per_call_names(self) -> list[str]:
         """The public per-call metrics, in declaration order."""
-        return [name for name in self._declared if name in self._per_call and not name.startswith("_")]
+        return [name for name, spec in self._declared.items() if spec.per_call and not name.startswith("_")]
 
     def _public_and_private(self, per_call: bool) -> tuple[list[str], list[str]]:
         """The declared names reported (``per_call=False``: per-call ones left out) and the ``_``-prefixed ones.
@@ -323,11 +280,10 @@ class MetricSet:
         Each in declaration order; one pass, as :meth:`finalize` runs on every loss call.
         """
         public, private = [], []
-        left_out = () if per_call else self._per_call
-        for name in self._declared:
+        for name, spec in self._declared.items():
             if name.startswith("_"):
                 private.append(name)
-            elif name not in left_out:
+            elif per_call or not spec.per_call:
                 public.append(name)
         return public, private
 
@@ -395,7 +351,7 @@ class MetricSet:
         if per_call is None or not self.computes_per_call:
             per_call = self.computes_per_call
         names, values = self.stack()
-        reductions = [self._declared[n][1] for n in names]
+        reductions = [self._declared[n].reduction for n in names]
         if groups.active and names:
             values = reduce_over_ranks(values, reductions, groups)
         host = values.tolist() if names else []  # the one host transfer of the loss call
@@ -413,7 +369,7 @@ class MetricSet:
         # Private entries (``_name``) ride on the same transfer for the loss's own bookkeeping
         # (its input checks, the run-time rejection warning); NeMo-RL never sees them.
         public, private = self._public_and_private(per_call)
-        self.private = {n: out[n] for n in private}
+        self.diagnostics = Diagnostics.from_values({n: out[n] for n in private})
         return {n: out[n] for n in public}
 
 

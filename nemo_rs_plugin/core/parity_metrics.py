@@ -14,7 +14,7 @@ import torch
 from nemo_rs_plugin.core.config import RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction import CorrectionResult
 from nemo_rs_plugin.core.metric_kernels import ClippedExtreme
-from nemo_rs_plugin.core.metrics import MetricSet, Normalization
+from nemo_rs_plugin.core.metrics import MetricSet
 from nemo_rs_plugin.core.objective import LossTerms, Objective
 from nemo_rs_plugin.core.policy_loss import kl_estimate
 from nemo_rs_plugin.core.sanitizing import SanitizedInputs
@@ -35,11 +35,10 @@ def record_nemo_rl_metrics(
     Token means are masked totals over ``usable`` (:class:`MetricSet` evaluates them).
     """
     cfg = objective.cfg
-    grad_norm: Normalization = "tokens" if objective.token_level_loss else "sequences"
     d = clean.d
     with torch.no_grad():
         kl, nll = terms.kl, terms.nll
-        metrics.add("loss", terms.total, grad_norm, "sum")
+        metrics.add("loss", terms.total)
         r, rc = terms.ratios.detach(), terms.ratios_clamped.detach()
         kl_type = cfg.reference_policy_kl_type
         # A masked position may hold any finite log-prob; exp of its log-ratio can overflow,
@@ -48,7 +47,7 @@ def record_nemo_rl_metrics(
 
         # One row at a time: the CPU form reduces each where it is declared (one [B, T] row alive).
         def token_mean(name: str, row: torch.Tensor) -> None:
-            metrics.add_masked_total(name, row, usable, "tokens", "sum")
+            metrics.add_masked_total(name, row, usable)
 
         token_mean("probs_ratio", r)
         token_mean("probs_ratio_clamped", rc)
@@ -65,21 +64,21 @@ def record_nemo_rl_metrics(
         if cfg.is_level_entry.per_token:
             token_mean("sampling_importance_ratio", corr.is_weight)
         # NeMo-RL's own extremes: its wrappers and driver combine them by min and max
-        metrics.add_masked_extrema("probs_ratio_min", "probs_ratio_max", r, clean.masks.usable_penalty, per_call=False)
+        metrics.add_masked_extrema("probs_ratio_min", "probs_ratio_max", r, clean.masks.usable_penalty)
         _clamped_extremes(cfg, metrics)
         if kl is not None:
-            metrics.add("kl_penalty", kl / objective.kl_coef, grad_norm, "sum")
+            metrics.add("kl_penalty", kl / objective.kl_coef)
         else:
-            metrics.add_zero("kl_penalty", grad_norm)
+            metrics.add_zero("kl_penalty")
         if not cfg.is_level_entry.per_token:
             _sequence_sampling_importance_ratio(metrics, corr.is_weight, clean.masks.sample_mask)
-        metrics.add("num_valid_samples", clean.masks.sample_total, "none", "replicated")
+        metrics.add("num_valid_samples", clean.masks.sample_total)
         if terms.sampler_kl is not None:
-            metrics.add("sampler_kl_penalty", terms.sampler_kl, grad_norm, "sum")
+            metrics.add("sampler_kl_penalty", terms.sampler_kl)
         if nll is not None:
-            metrics.add("positive_nll_loss", nll, "none", "sum")
+            metrics.add("positive_nll_loss", nll)
         else:
-            metrics.add_zero("positive_nll_loss", "none")
+            metrics.add_zero("positive_nll_loss")
 
 
 def _clamped_extremes(cfg: RSClippedPGLossConfig, metrics: MetricSet) -> None:
@@ -90,8 +89,8 @@ def _clamped_extremes(cfg: RSClippedPGLossConfig, metrics: MetricSet) -> None:
     """
     unclamped = cfg.force_on_policy_ratio or cfg.disable_ppo_ratio  # no clamp in these modes
     lo, hi = (-math.inf, math.inf) if unclamped else (1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
-    metrics.derive("probs_ratio_clamped_min", "none", ClippedExtreme("probs_ratio_min", lo, hi))
-    metrics.derive("probs_ratio_clamped_max", "none", ClippedExtreme("probs_ratio_max", lo, hi))
+    metrics.derive("probs_ratio_clamped_min", ClippedExtreme("probs_ratio_min", lo, hi))
+    metrics.derive("probs_ratio_clamped_max", ClippedExtreme("probs_ratio_max", lo, hi))
 
 
 def _sequence_sampling_importance_ratio(metrics: MetricSet, is_weight: torch.Tensor, sample_mask: torch.Tensor) -> None:
@@ -105,4 +104,4 @@ def _sequence_sampling_importance_ratio(metrics: MetricSet, is_weight: torch.Ten
     this mean). This one is the same whatever the call shape (docs/guide.md).
     """
     w_seq = is_weight.squeeze(-1)  # [B]
-    metrics.add_masked_total("sampling_importance_ratio", w_seq, sample_mask, "sequences", "replicated")
+    metrics.add_masked_total("sampling_importance_ratio", w_seq, sample_mask)

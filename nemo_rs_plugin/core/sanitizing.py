@@ -218,17 +218,17 @@ def nonfinite_metrics(metrics: MetricSet, masks: TokenMasks, nonfinite: NonFinit
     if "curr_unfiltered" in inputs:
         names[0] = "_nonfinite_curr_filtered_count"
         if nonfinite is None:
-            metrics.add_zero(_NONFINITE_COUNTS["curr"], "none")
+            metrics.add_zero(_NONFINITE_COUNTS["curr"])
         else:
             either = torch.maximum(nonfinite[0], nonfinite[inputs.index("curr_unfiltered")])
-            metrics.add_masked_total(_NONFINITE_COUNTS["curr"], either, masks.valid_bin, "none", "sum")
+            metrics.add_masked_total(_NONFINITE_COUNTS["curr"], either, masks.valid_bin)
     if nonfinite is None:
         for name in names:
-            metrics.add_zero(name, "none")
+            metrics.add_zero(name)
     else:
-        metrics.add_masked_totals(names, nonfinite, masks.valid_bin, "none", "sum")
+        metrics.add_masked_totals(names, nonfinite, masks.valid_bin)
     if "reference" not in inputs:
-        metrics.add_zero(_NONFINITE_COUNTS["reference"], "none")
+        metrics.add_zero(_NONFINITE_COUNTS["reference"])
 
 
 def nonfinite_logit_metric(metrics: MetricSet, rows: Optional[torch.Tensor], catalog: Mapping[str, object]) -> None:
@@ -242,6 +242,6 @@ def nonfinite_logit_metric(metrics: MetricSet, rows: Optional[torch.Tensor], cat
     public = NONFINITE_LOGIT_ROWS in catalog
     if rows is None:
         if public:  # log-probs given to a configuration that says logits: nothing to count
-            metrics.add_zero(NONFINITE_LOGIT_ROWS, "none")
+            metrics.add_zero(NONFINITE_LOGIT_ROWS)
         return
-    metrics.add_total(NONFINITE_LOGIT_ROWS if public else f"_{NONFINITE_LOGIT_ROWS}", rows.sum(), "none", "sum")
+    metrics.add_total(NONFINITE_LOGIT_ROWS if public else f"_{NONFINITE_LOGIT_ROWS}", rows.sum())

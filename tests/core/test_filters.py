@@ -5,7 +5,7 @@ rule its docstrings state: a ratio's bounds live in log space, a unit is kept if
 ``lower <= statistic <= upper`` (inclusive; a non-finite log-ratio is outside), a sign-conditioned
 filter only rejects tokens of its sign, a sequence filter aggregates over the tokens the token
 filters before it kept and never rejects a row with no such token, and ``apply_filters`` counts
-what it dropped for ``sequence_counts``.
+what it dropped for the run-time warning (``Diagnostics.dropped_sequences``, ``valid_sequences``).
 """
 
 import math
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin.core.config import RejectionFilter
+from nemo_rs_plugin.core.config import RejectionFilter, RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction.filters import (
     PolicyLogProbs,
     apply_filters,
@@ -21,12 +21,12 @@ from nemo_rs_plugin.core.correction.filters import (
     filter_log_ratio,
     plan_filters,
     plan_token_filter,
-    sequence_counts,
     sequence_filter_statistic,
     token_filter_statistic,
 )
 from nemo_rs_plugin.core.correction.statistics import SequenceStatistics
 from nemo_rs_plugin.core.masking import TokenMasks, row_dot
+from nemo_rs_plugin.core.metric_catalog import declared_specs
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
 
 F64 = torch.float64
@@ -53,7 +53,7 @@ def _decide(filters, d, valid, d_finite=None):
         stages=stages,
     )
     counts = GlobalCounts(tokens=valid.sum(), sequences=torch.tensor(float(valid.shape[0]), dtype=F64))
-    metrics = MetricSet(counts)
+    metrics = MetricSet(counts, declared_specs(RSClippedPGLossConfig(rejection_sampling=list(filters))))
     return apply_filters(filters, stats, masks.sample_mask, metrics), metrics
 
 
@@ -151,12 +151,12 @@ def test_the_any_aggregation_compares_the_rows_smallest_with_lower_and_largest_w
     assert _decide((veto,), d, valid)[0].sequence_kept.tolist() == [0.0, 0.0, 1.0]
 
 
-def test_apply_filters_counts_the_dropped_and_valid_sequences_for_sequence_counts():
-    assert sequence_counts({}) is None  # no filter ran
+def test_apply_filters_counts_the_dropped_and_valid_sequences_for_the_run_time_warning():
     d = torch.tensor([[0.3, 0.3], [0.0, 0.0], [0.0, 0.0]], dtype=F64)
     valid = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]], dtype=F64)
     _, metrics = _decide((GEO_MEAN,), d, valid)
     out = metrics.finalize()
-    assert sequence_counts(metrics.private) == (1.0, 2.0)  # row 0 dropped of the two with a valid token
+    found = metrics.diagnostics
+    assert (found.dropped_sequences, found.valid_sequences) == (1.0, 2.0)  # row 0 dropped of the two with a valid token
     assert out["rs_seq_rejected_frac"] == pytest.approx(1.0 / 3.0)  # over NeMo-RL's global sequences
     assert out["rs_token_rejected_frac"] == pytest.approx(2.0 / 4.0)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
-from nemo_rs_plugin.core.metric_catalog import METRIC_CATALOG, catalog_entry, metric_specs
-from nemo_rs_plugin.core.metrics import MetricSet
+from nemo_rs_plugin.core.metric_catalog import METRIC_CATALOG, catalog_entry, declared_specs, metric_specs
+from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
 
 B, S = 3, 6
 TRUNCATIONS = [
@@ -98,11 +98,38 @@ def test_every_entry_is_emitted_by_some_configuration_of_the_grid():
 
 
 def test_a_declaration_the_catalog_does_not_hold_is_an_error():
-    specs = metric_specs(CorrectedPGLoss({}).cfg)
+    """A declaration names its entry and nothing else: a name this configuration lacks (a metric
+    another configuration has, a hidden value not in DIAGNOSTIC_CATALOG) is refused where declared."""
+    specs = declared_specs(CorrectedPGLoss({}).cfg)
     with pytest.raises(KeyError, match="'is_weight_median' is not in the catalog"):
-        MetricSet(catalog=specs).add("is_weight_median", torch.tensor(1.0), "none", "sum")
-    with pytest.raises(ValueError, match="'is_weight_raw_mean' declared as \\(sequences, replicated"):
-        MetricSet(catalog=specs).add("is_weight_raw_mean", torch.tensor(1.0), "sequences", "replicated")
+        MetricSet(None, specs).add("is_weight_median", torch.tensor(1.0))
+    with pytest.raises(KeyError, match="'is_batch_norm_factor' is not in the catalog for this configuration"):
+        MetricSet(None, specs).add("is_batch_norm_factor", torch.tensor(1.0))
+    with pytest.raises(KeyError, match="'_internal' is not in the catalog .*DIAGNOSTIC_CATALOG"):
+        MetricSet(None, specs).add("_internal", torch.tensor(1.0))
     with pytest.raises(KeyError, match="not in the catalog \\(core/metric_catalog.py\\): add its entry"):
         catalog_entry("rs/x/seq_kept_frac")
-    MetricSet(catalog=specs).add("_internal", torch.tensor(1.0), "none", "sum")  # private: not catalogued
+    MetricSet(None, specs).add("_global_valid_toks", torch.tensor(1.0))  # a diagnostic: declared, never returned
+
+
+def test_the_metric_set_reads_normalization_reduction_and_per_call_from_the_catalog():
+    """Declared once: the same declaration is divided by the count its configuration's entry names
+    (the IS level's unit here), reduced as the entry says, and left out where per-call metrics are."""
+    token, sequence = (
+        {"use_importance_sampling_correction": True, "is_correction_level": lv} for lv in ("token", "sequence")
+    )
+    counts = GlobalCounts(tokens=torch.tensor(8.0), sequences=torch.tensor(2.0))
+    for cfg, count in ((token, 8.0), (sequence, 2.0)):
+        specs = declared_specs(CorrectedPGLoss(cfg).cfg)
+        metrics = MetricSet(counts, specs)
+        metrics.add_total("is_weight_raw_mean", torch.tensor(4.0))
+        metrics.add_masked_extrema("is_weight_raw_min", "is_weight_raw_max", torch.ones(2, 3), torch.zeros(2, 3))
+        assert metrics.finalize() == pytest.approx(
+            {"is_weight_raw_mean": 4.0 / count, "is_weight_raw_min": 1.0, "is_weight_raw_max": 1.0}
+        )
+        assert metrics.normalizations()["is_weight_raw_mean"] == specs["is_weight_raw_mean"].normalization
+        without_per_call = MetricSet(counts, specs, compute_per_call=False)
+        without_per_call.add_masked_extrema(
+            "is_weight_raw_min", "is_weight_raw_max", torch.ones(2, 3), torch.zeros(2, 3)
+        )
+        assert without_per_call.finalize() == {}

@@ -8,9 +8,20 @@ import pytest
 import torch
 
 from nemo_rs_plugin.core.masking import EPS, extrema_penalty
+from nemo_rs_plugin.core.metric_catalog import MetricSpec
 from nemo_rs_plugin.core.metric_kernels import ClippedExtreme, EffectiveSampleSize
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
 from tests.support.references import tensors_reachable
+
+#: The specs these tests declare under (the loss reads its own from metric_catalog.declared_specs).
+RAW = MetricSpec("none", "sum", False)
+LOW, HIGH = MetricSpec("none", "min", True), MetricSpec("none", "max", True)
+DERIVED = MetricSpec("none", "derived", False)
+
+
+def _metrics(counts=None, batched=False, **specs: MetricSpec) -> MetricSet:
+    """A metric set whose catalog is ``specs`` (every name the test declares)."""
+    return MetricSet(counts, specs, batched)
 
 
 def _batch(seed: int = 0):
@@ -23,12 +34,21 @@ def _batch(seed: int = 0):
 def test_masked_totals_equal_their_formulas_and_are_divided_by_their_count():
     values, mask = _batch()
     counts = GlobalCounts(tokens=torch.tensor(40.0), sequences=torch.tensor(3.0))
-    m = MetricSet(counts)
-    m.add_masked_totals(["a", "b"], values[:2], mask, "tokens", "sum")
-    m.add_masked_total("c", values[2], mask, "sequences", "replicated")
-    m.add_masked_total("d", values[3], mask, "none", "sum")
-    m.add_total("e", values[4].sum(), "tokens", "sum")
-    m.add("f", values[4].amax(), "none", "max")
+    tokens = MetricSpec("tokens", "sum", False)
+    m = _metrics(
+        counts,
+        a=tokens,
+        b=tokens,
+        c=MetricSpec("sequences", "replicated", False),
+        d=RAW,
+        e=tokens,
+        f=HIGH._replace(per_call=False),
+    )
+    m.add_masked_totals(["a", "b"], values[:2], mask)
+    m.add_masked_total("c", values[2], mask)
+    m.add_masked_total("d", values[3], mask)
+    m.add_total("e", values[4].sum())
+    m.add("f", values[4].amax())
     out = m.finalize()
     want = {
         "a": (values[0] * mask).sum() / (40 + EPS),
@@ -54,9 +74,10 @@ def test_masked_totals_equal_their_formulas_and_are_divided_by_their_count():
 def test_a_mask_shared_by_many_metrics_costs_one_product():
     """The GPU form: one matrix-vector product for every metric of a mask (kernel launches dominate)."""
     values, mask = _batch()
-    m = MetricSet(GlobalCounts(tokens=torch.tensor(10.0), sequences=torch.tensor(3.0)), batched=True)
+    counts = GlobalCounts(tokens=torch.tensor(10.0), sequences=torch.tensor(3.0))
+    m = _metrics(counts, True, **{f"m{i}": MetricSpec("tokens", "sum", False) for i in range(5)})
     for i in range(5):
-        m.add_masked_total(f"m{i}", values[i], mask, "tokens", "sum")
+        m.add_masked_total(f"m{i}", values[i], mask)
     from benchmarks.bench_ops import OpCounter
 
     with OpCounter() as counter:
@@ -67,7 +88,7 @@ def test_a_mask_shared_by_many_metrics_costs_one_product():
 def test_masked_extrema_with_sentinels_for_an_empty_mask():
     values, mask = _batch()
     empty = torch.zeros_like(mask)
-    m = MetricSet()
+    m = _metrics(lo=LOW, hi=HIGH, empty_lo=LOW, empty_hi=HIGH)
     m.add_masked_extrema("lo", "hi", values[0], extrema_penalty(mask))
     m.add_masked_extrema("empty_lo", "empty_hi", values[1], extrema_penalty(empty))
     out = m.finalize()
@@ -79,39 +100,48 @@ def test_masked_extrema_with_sentinels_for_an_empty_mask():
 def test_derived_metrics_are_data_evaluated_on_the_transferred_values():
     """Derived metrics are formulas (``metric_kernels.HostFormula``), evaluated by the metric set
     itself on the reduced values, hidden entries included; hidden entries are not returned."""
-    m = MetricSet()
-    m.add("_mean", torch.tensor(0.5), "none", "sum")
-    m.add("_sq_mean", torch.tensor(0.5), "none", "sum")
-    m.add("_units", torch.tensor(2.0), "none", "sum")
-    m.add("_low", torch.tensor(0.25), "none", "min")
-    m.add("_empty", torch.tensor(float("inf")), "none", "min")
-    m.derive("ess", "none", EffectiveSampleSize("_mean", "_sq_mean", "_units"))
-    m.derive("clipped", "none", ClippedExtreme("_low", 0.5, 2.0))
-    m.derive("clipped_empty", "none", ClippedExtreme("_empty", 0.5, 2.0))
-    m.add_zero("off", "none")
+    hidden = {"mean": RAW, "sq_mean": RAW, "_ess_units": RAW, "_token_mask_min": LOW, "_token_mask_other_min": LOW}
+    m = _metrics(**hidden, ess=DERIVED, clipped=DERIVED, clipped_empty=DERIVED, off=RAW)
+    m.add("mean", torch.tensor(0.5))
+    m.add("sq_mean", torch.tensor(0.5))
+    m.add("_ess_units", torch.tensor(2.0))
+    m.add("_token_mask_min", torch.tensor(0.25))
+    m.add("_token_mask_other_min", torch.tensor(float("inf")))
+    m.derive("ess", EffectiveSampleSize("mean", "sq_mean", "_ess_units"))
+    m.derive("clipped", ClippedExtreme("_token_mask_min", 0.5, 2.0))
+    m.derive("clipped_empty", ClippedExtreme("_token_mask_other_min", 0.5, 2.0))
+    m.add_zero("off")
     out = m.finalize()
     # (sum w)^2 / (n sum w^2) = 0.25 / (2 * 0.5); a clipped extreme; a sentinel stays; a constant
-    assert out == {"ess": 0.25, "clipped": 0.5, "clipped_empty": math.inf, "off": 0.0}
-    assert m.private == {"_mean": 0.5, "_sq_mean": 0.5, "_units": 2.0, "_low": 0.25, "_empty": math.inf}
-    no_units = MetricSet()
-    for name in ("_mean", "_sq_mean", "_units"):
-        no_units.add(name, torch.tensor(0.0), "none", "sum")
-    no_units.derive("ess", "none", EffectiveSampleSize("_mean", "_sq_mean", "_units"))
-    assert no_units.finalize() == {"ess": 0.0}
+    assert out == {"mean": 0.5, "sq_mean": 0.5, "ess": 0.25, "clipped": 0.5, "clipped_empty": math.inf, "off": 0.0}
+    # the hidden entries come back as the typed record, not as metrics
+    found = m.diagnostics
+    assert (found.ess_units, found.token_mask_min, found.token_mask_other_min) == (2.0, 0.25, math.inf)
+    no_units = _metrics(mean=RAW, sq_mean=RAW, _ess_units=RAW, ess=DERIVED)
+    for name in ("mean", "sq_mean", "_ess_units"):
+        no_units.add(name, torch.tensor(0.0))
+    no_units.derive("ess", EffectiveSampleSize("mean", "sq_mean", "_ess_units"))
+    assert no_units.finalize() == {"mean": 0.0, "sq_mean": 0.0, "ess": 0.0}
 
 
 def test_declaration_mistakes_are_errors():
-    m = MetricSet()
-    m.add("x", torch.tensor(1.0), "none", "sum")
+    m = _metrics(x=RAW, z=RAW, ess=DERIVED, t=MetricSpec("tokens", "sum", False))
+    m.add("x", torch.tensor(1.0))
     with pytest.raises(KeyError, match="declared twice"):
-        m.add("x", torch.tensor(2.0), "none", "sum")
+        m.add("x", torch.tensor(2.0))
+    with pytest.raises(KeyError, match="not in the catalog"):
+        m.add("y", torch.tensor(1.0))
+    with pytest.raises(ValueError, match="derived on the host"):
+        m.add("ess", torch.tensor(1.0))
+    with pytest.raises(ValueError, match="differ in normalization"):
+        m.add_masked_totals(["z", "t"], torch.zeros(2, 4), torch.ones(4))
     with pytest.raises(ValueError, match="global counts"):
-        bad = MetricSet()
-        bad.add_total("y", torch.tensor(1.0), "tokens", "sum")
+        bad = _metrics(y=MetricSpec("tokens", "sum", False))
+        bad.add_total("y", torch.tensor(1.0))
         bad.stack()
     m.stack()
     with pytest.raises(RuntimeError, match="after MetricSet.stack"):
-        m.add("z", torch.tensor(1.0), "none", "sum")
+        m.add("z", torch.tensor(1.0))
 
 
 @pytest.mark.parametrize(
@@ -171,8 +201,9 @@ def test_only_the_metric_vector_outlives_stack():
     values, mask = _batch()
     row = values[0].clone()
     penalty = extrema_penalty(mask)
-    m = MetricSet(GlobalCounts(tokens=torch.tensor(10.0), sequences=torch.tensor(3.0)))
-    m.add_masked_total("total", row, mask, "tokens", "sum")
+    counts = GlobalCounts(tokens=torch.tensor(10.0), sequences=torch.tensor(3.0))
+    m = _metrics(counts, total=MetricSpec("tokens", "sum", False), lo=LOW, hi=HIGH)
+    m.add_masked_total("total", row, mask)
     m.add_masked_extrema("lo", "hi", row, penalty)
     refs = [weakref.ref(row), weakref.ref(penalty)]
     del row, penalty
@@ -183,8 +214,8 @@ def test_only_the_metric_vector_outlives_stack():
 
 
 def test_sentinels_survive_promotion_to_float64():
-    m = MetricSet()
-    m.add("count", torch.tensor(3.0, dtype=torch.float64), "none", "sum")
+    m = _metrics(count=RAW, lo=LOW, hi=HIGH)
+    m.add("count", torch.tensor(3.0, dtype=torch.float64))
     empty = torch.zeros(4)
     m.add_masked_extrema("lo", "hi", torch.randn(4), extrema_penalty(empty))
     out = m.finalize()
@@ -192,18 +223,18 @@ def test_sentinels_survive_promotion_to_float64():
 
 
 def test_names_must_match_rows_and_derived_names_are_declared_once():
-    m = MetricSet()
+    m = _metrics(a=RAW, b=RAW, d=RAW)
     with pytest.raises(ValueError, match="2 names for 3 rows"):
-        m.add_masked_totals(["a", "b"], torch.zeros(3, 4), torch.ones(4), "none", "sum")
+        m.add_masked_totals(["a", "b"], torch.zeros(3, 4), torch.ones(4))
     for batched in (False, True):  # an empty iterator; the names stay free for a correct call
-        other = MetricSet(batched=batched)
+        other = _metrics(batched=batched, a=RAW)
         with pytest.raises(ValueError, match="1 names for 0 rows"):
-            other.add_masked_totals(["a"], iter([]), torch.ones(4), "none", "sum")
-        other.add_masked_total("a", torch.ones(4), torch.ones(4), "none", "sum")
+            other.add_masked_totals(["a"], iter([]), torch.ones(4))
+        other.add_masked_total("a", torch.ones(4), torch.ones(4))
         assert other.finalize() == {"a": 4.0}
-    m.add_zero("d", "none")
+    m.add_zero("d")
     with pytest.raises(KeyError, match="declared twice"):
-        m.add("d", torch.tensor(1.0), "none", "sum")
+        m.add("d", torch.tensor(1.0))
 
 
 def test_the_cpu_form_reduces_each_row_where_it_is_declared():
@@ -228,8 +259,8 @@ def test_the_cpu_form_reduces_each_row_where_it_is_declared():
     def held_storages(metric_set: MetricSet) -> set:
         return {t.untyped_storage().data_ptr() for t in tensors_reachable(metric_set)}
 
-    cpu = MetricSet(batched=False)
-    cpu.add_masked_totals(["a", "b", "c"], (make(i) for i in range(3)), mask, "none", "sum")
+    cpu = _metrics(a=RAW, b=RAW, c=RAW, lo=LOW, hi=HIGH)
+    cpu.add_masked_totals(["a", "b", "c"], (make(i) for i in range(3)), mask)
     extremum_row = values[3].clone()
     held = weakref.ref(extremum_row)
     storages.append(extremum_row.untyped_storage().data_ptr())
@@ -242,10 +273,10 @@ def test_the_cpu_form_reduces_each_row_where_it_is_declared():
         assert math.isclose(out[name], float((values[i] * mask).sum()), rel_tol=1e-6)
     assert out["lo"] == float(values[3][mask > 0].min()) and out["hi"] == float(values[3][mask > 0].max())
 
-    gpu = MetricSet(batched=True)
+    gpu = _metrics(batched=True, a=RAW)
     row = values[0].clone()
     kept = weakref.ref(row)
-    gpu.add_masked_total("a", row, mask, "none", "sum")
+    gpu.add_masked_total("a", row, mask)
     del row
     assert kept() is not None  # stacked with the others at the end
     assert math.isclose(gpu.finalize()["a"], float((values[0] * mask).sum()), rel_tol=1e-6)

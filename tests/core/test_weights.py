@@ -23,6 +23,7 @@ from nemo_rs_plugin.core.correction.weights import (
     truncate_weights,
 )
 from nemo_rs_plugin.core.masking import EPS, TokenMasks
+from nemo_rs_plugin.core.metric_catalog import declared_specs
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
 
 F64 = torch.float64
@@ -46,8 +47,10 @@ def _masks(valid=VALID) -> TokenMasks:
     return TokenMasks.build(valid, torch.ones(valid.shape[0], dtype=F64), ones, ones)
 
 
-def _metrics(tokens: float, sequences: float) -> MetricSet:
-    return MetricSet(GlobalCounts(tokens=torch.tensor(tokens, dtype=F64), sequences=torch.tensor(sequences, dtype=F64)))
+def _metrics(tokens: float, sequences: float, cfg: RSClippedPGLossConfig) -> MetricSet:
+    """A metric set with these global counts, declaring what ``cfg`` declares (the catalog's specs)."""
+    counts = GlobalCounts(tokens=torch.tensor(tokens, dtype=F64), sequences=torch.tensor(sequences, dtype=F64))
+    return MetricSet(counts, declared_specs(cfg))
 
 
 def test_token_level_weight_is_exp_of_d_and_zero_where_d_was_not_finite():
@@ -96,7 +99,7 @@ def test_tis_clamps_inclusively_and_reports_the_out_of_bound_share_of_valid_toke
         truncated_importance_sampling_ratio=2.0,
     )
     raw = torch.tensor([[0.5, 2.0, 3.0], [2.5, 1.0, 9.0]], dtype=F64)  # 2.0 is on the bound: inside
-    metrics = _metrics(tokens=5.0, sequences=2.0)
+    metrics = _metrics(tokens=5.0, sequences=2.0, cfg=cfg)
     weight = apply_truncation(cfg, raw, None, _masks(), metrics)
     torch.testing.assert_close(weight, raw.clamp(0.0, 2.0), rtol=0, atol=0)
     # 3.0 and 2.5 are valid and above; 9.0 is above but not valid
@@ -114,7 +117,7 @@ def test_seq_mask_tis_takes_the_geometric_mean_over_token_mask_tokens():
     # (Divided by valid instead, the two rows would swap.)
     stats = _stats([0.3, 0.3], valid=[1.0, 3.0], token_mask=[3.0, 1.0])
     raw = torch.tensor([[1.5], [0.7]], dtype=F64)
-    metrics = _metrics(tokens=5.0, sequences=2.0)
+    metrics = _metrics(tokens=5.0, sequences=2.0, cfg=cfg)
     weight = apply_truncation(cfg, raw, stats, _masks(), metrics)
     assert weight.tolist() == [[1.5], [0.0]]  # the kept row keeps its untruncated weight
     assert metrics.finalize()["is_oob_ratio"] == pytest.approx(1.0 / (2.0 + EPS))
@@ -124,7 +127,7 @@ def test_token_weight_metrics_are_masked_means_tails_extremes_and_the_effective_
     raw = torch.tensor([[0.4, 1.0, 3.0], [0.2, 1.5, 0.1]], dtype=F64)  # 0.1 is not valid
     weight = raw.clamp(0.0, 2.0)
     loss_tokens = VALID * torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0]], dtype=F64)  # 0.2 rejected
-    metrics = _metrics(tokens=5.0, sequences=2.0)
+    metrics = _metrics(tokens=5.0, sequences=2.0, cfg=RSClippedPGLossConfig(use_importance_sampling_correction=True))
     record_token_weight_metrics(metrics, raw, weight, _masks(), loss_tokens)
     out = metrics.finalize()
     n = 5.0 + EPS
@@ -146,7 +149,8 @@ def test_sequence_weight_metrics_count_sequences_and_the_applied_weights_of_kept
     weight = raw.clamp(0.0, 5.0)
     units = torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=F64)  # the last row has no valid token
     seq_in_loss = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=F64)  # row 1 dropped by a filter
-    metrics = _metrics(tokens=9.0, sequences=3.0)
+    level = RSClippedPGLossConfig(use_importance_sampling_correction=True, is_correction_level="sequence")
+    metrics = _metrics(tokens=9.0, sequences=3.0, cfg=level)
     record_sequence_weight_metrics(metrics, raw, weight, units, seq_in_loss)
     out = metrics.finalize()
     n = 3.0 + EPS

@@ -27,6 +27,7 @@ L, P, D, M, MS, IN, IC = (
 OB, PM = "nemo_rs_plugin/core/objective.py", "nemo_rs_plugin/core/parity_metrics.py"
 SAN = "nemo_rs_plugin/core/sanitizing.py"  # the inputs' sanitising, out of inputs.py
 MK = "nemo_rs_plugin/core/metric_kernels.py"  # the metrics' evaluation, out of metrics.py
+CAT = "nemo_rs_plugin/core/metric_catalog.py"  # each metric's normalization and reduction
 # The correction package: filter statistics and decisions, IS weights, the statistics and their
 # reductions, the plan -> reduce -> apply pipeline.
 CF, CW, CS, CP = (f"nemo_rs_plugin/core/correction/{m}.py" for m in ("filters", "weights", "statistics", "pipeline"))
@@ -182,8 +183,8 @@ MUTANTS: list[Mutant] = [
     # ---- IS weight metrics
     Mutant(
         CW,
-        'metrics.add_total("is_weight_sq_mean", masked_sum(weight, applied),',
-        'metrics.add_total("is_weight_sq_mean", applied.sum(),',
+        'metrics.add_total("is_weight_sq_mean", masked_sum(weight, applied))',
+        'metrics.add_total("is_weight_sq_mean", applied.sum())',
         "is_weight_sq_mean reports the mean weight (token level)",
     ),
     Mutant(
@@ -194,14 +195,14 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         CW,
-        'metrics.add_total("is_weight_mean", applied.sum(),',
-        'metrics.add_total("is_weight_mean", masked_sum(weight, masks.valid),',
+        'metrics.add_total("is_weight_mean", applied.sum())',
+        'metrics.add_total("is_weight_mean", masked_sum(weight, masks.valid))',
         "is_weight_mean counts rejected tokens with their weight",
     ),
     Mutant(
         CW,
-        'metrics.add_total("_ess_units", masks.valid_total, "tokens", "sum")',
-        'metrics.add_total("_ess_units", torch.sign(loss_tokens).sum(), "tokens", "sum")',
+        'metrics.add_total("_ess_units", masks.valid_total)',
+        'metrics.add_total("_ess_units", torch.sign(loss_tokens).sum())',
         "is_ess divides by the kept units instead of all units",
     ),
     Mutant(
@@ -243,15 +244,15 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         PM,
-        'metrics.add_masked_total("sampling_importance_ratio", w_seq, sample_mask, "sequences", "replicated")',
-        'metrics.add_total("sampling_importance_ratio", w_seq.sum(), "sequences", "replicated")',
+        'metrics.add_masked_total("sampling_importance_ratio", w_seq, sample_mask)',
+        'metrics.add_total("sampling_importance_ratio", w_seq.sum())',
         "decoupled sampling_importance_ratio ignores sample_mask",
     ),
     Mutant(
-        CW,
-        'metrics.add_masked_total("is_weight_raw_mean", raw, units, "sequences", "replicated")',
-        'metrics.add_masked_total("is_weight_raw_mean", raw, units, "tokens", "replicated")',
-        "sequence-level IS metrics declared as normalized by tokens",
+        CAT,
+        'return MetricSpec("tokens" if per_token else "sequences", "sum" if per_token else "replicated", per_call)',
+        'return MetricSpec("tokens", "sum" if per_token else "replicated", per_call)',
+        "sequence-level IS metrics normalized by tokens (the catalog's unit of the IS level)",
     ),
     Mutant(
         OB,
@@ -261,8 +262,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         PM,
-        'metrics.add("kl_penalty", kl / objective.kl_coef, grad_norm, "sum")',
-        'metrics.add("kl_penalty", kl, grad_norm, "sum")',
+        'metrics.add("kl_penalty", kl / objective.kl_coef)',
+        'metrics.add("kl_penalty", kl)',
         "kl_penalty reported times the KL coefficient",
     ),
     Mutant(
@@ -510,8 +511,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "nemo_rs_plugin/core/correction/filters.py",
-        'metrics.add_total(DROPPED_SEQUENCES, dropped @ sample_mask, "none", "replicated")',
-        'metrics.add_total(DROPPED_SEQUENCES, 0 * dropped @ sample_mask, "none", "replicated")',
+        'metrics.add_total(DROPPED_SEQUENCES, dropped @ sample_mask)',
+        'metrics.add_total(DROPPED_SEQUENCES, 0 * dropped @ sample_mask)',
         "the run-time monitor never sees a dropped sequence",
     ),
     # ---- equivalent
@@ -560,8 +561,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         IC,
-        'return out["_token_mask_min"] < 0 or out["_token_mask_max"] > 1',
-        'return out["_token_mask_min"] < 0 or out["_token_mask_max"] > 2',
+        "if found.token_mask_min < 0 or found.token_mask_max > 1:",
+        "if found.token_mask_min < 0 or found.token_mask_max > 2:",
         "an integer token_mask holding 2 passes",
     ),
     Mutant(
@@ -643,8 +644,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         MS,
-        "left_out = () if per_call else self._per_call",
-        "left_out = ()",
+        "elif per_call or not spec.per_call:",
+        "elif True:",
         "the NeMo-RL loss returns the per-call metrics, which NeMo-RL then sums",
     ),
     # ---- sequence packing: the wrapper's calls gathered into one (nemo_rs_plugin/nemo_rl/packing.py)

@@ -55,23 +55,13 @@ __all__ = [
     "plan_filters",
     "plan_sequence_filter",
     "plan_token_filter",
-    "sequence_counts",
     "sequence_filter_statistic",
     "token_filter_statistic",
 ]
 
-# Private metrics (never reported): sequences dropped and sequences with a valid token, raw counts.
+# The loss's own counts (metric_catalog.DIAGNOSTIC_CATALOG; Diagnostics.dropped_sequences and
+# valid_sequences): sequences dropped and sequences with a valid token, for the run-time warning.
 DROPPED_SEQUENCES, VALID_SEQUENCES = "_rs_seq_dropped", "_rs_seq_valid"
-
-
-def sequence_counts(private: dict[str, float]) -> Optional[tuple[float, float]]:
-    """``(dropped, valid)`` sequences of this call; ``None`` where no filter ran.
-
-    Read from the metric set's private values after its one host transfer (``MetricSet.private``).
-    """
-    if DROPPED_SEQUENCES not in private:
-        return None
-    return private[DROPPED_SEQUENCES], private[VALID_SEQUENCES]
 
 
 @dataclass
@@ -315,9 +305,9 @@ def apply_filters(
             rejected = s.rejected  # tokens this filter rejected per row
             if s.rejected_negative is not None:  # a filter is advantage-conditioned: not those it removed
                 rejected = rejected - conditional * s.rejected_negative
-            metrics.add_total(f"{key}/token_rejected_frac", rejected @ live, "tokens", "replicated")
+            metrics.add_total(f"{key}/token_rejected_frac", rejected @ live)
             touched = torch.sign(rejected)
-            metrics.add_total(f"{key}/seq_touched_frac", touched @ live, "sequences", "replicated")
+            metrics.add_total(f"{key}/seq_touched_frac", touched @ live)
             continue
         rejects = _sequence_rejects(f, s)  # [B] bool
         rejected = torch.where(rejects, live, 0.0)  # [B]
@@ -330,19 +320,19 @@ def apply_filters(
             newly = rejected * (1.0 - conditional) * torch.sign(negative_alive)
             conditional = torch.maximum(conditional, torch.sign(rejected))
             conditional_touched = torch.maximum(conditional_touched, torch.sign(newly))
-            metrics.add_total(f"{key}/seq_rejected_frac", newly.sum(), "sequences", "replicated")
-            metrics.add_total(f"{key}/token_rejected_frac", newly @ negative_alive, "tokens", "replicated")
+            metrics.add_total(f"{key}/seq_rejected_frac", newly.sum())
+            metrics.add_total(f"{key}/token_rejected_frac", newly @ negative_alive)
             continue
         seq_kept = seq_kept.masked_fill(rejects, 0.0)
-        metrics.add_total(f"{key}/seq_rejected_frac", rejected.sum(), "sequences", "replicated")
-        metrics.add_total(f"{key}/token_rejected_frac", rejected @ in_loss, "tokens", "replicated")
+        metrics.add_total(f"{key}/seq_rejected_frac", rejected.sum())
+        metrics.add_total(f"{key}/token_rejected_frac", rejected @ in_loss)
     outcome = _outcome(stats, seq_kept, conditional, conditional_touched)
-    metrics.add_total("rs_token_rejected_frac", stats.valid.sum() - outcome.kept_tokens.sum(), "tokens", "replicated")
+    metrics.add_total("rs_token_rejected_frac", stats.valid.sum() - outcome.kept_tokens.sum())
     dropped = torch.maximum(1.0 - seq_kept, conditional_touched)
-    metrics.add_total("rs_seq_rejected_frac", dropped @ sample_mask, "sequences", "replicated")
+    metrics.add_total("rs_seq_rejected_frac", dropped @ sample_mask)
     # This microbatch's own counts (not normalised), for the run-time warning of core/health.py.
-    metrics.add_total(DROPPED_SEQUENCES, dropped @ sample_mask, "none", "replicated")
-    metrics.add_total(VALID_SEQUENCES, torch.sign(stats.valid) @ sample_mask, "none", "replicated")
+    metrics.add_total(DROPPED_SEQUENCES, dropped @ sample_mask)
+    metrics.add_total(VALID_SEQUENCES, torch.sign(stats.valid) @ sample_mask)
     return outcome
 
 

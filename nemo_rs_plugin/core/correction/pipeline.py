@@ -26,6 +26,7 @@ from nemo_rs_plugin.core.correction.weights import (
 )
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
 from nemo_rs_plugin.core.masking import TokenMasks, row_dot, sanitize
+from nemo_rs_plugin.core.metric_catalog import declared_specs
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet, batched_evaluation
 
 __all__ = [
@@ -272,7 +273,7 @@ def apply_correction(
             weight, factor = weight / batch_norm_factor, batch_norm_factor
         else:
             weight, factor = batch_normalize_weights(weight, weight_units, level, cfg.is_batch_normalization, groups)
-        metrics.add("is_batch_norm_factor", factor, "none", "replicated", per_call=True)
+        metrics.add("is_batch_norm_factor", factor)
     if cfg.is_level_entry.per_token:
         record_token_weight_metrics(metrics, raw_weight, weight, masks, loss_tokens)
     else:
@@ -322,6 +323,6 @@ def compute_correction(
     than boolean ops, and none of it syncs with the host.
     """
     if metrics is None:
-        metrics = MetricSet(counts, batched_evaluation(d.device))
+        metrics = MetricSet(counts, declared_specs(cfg), batched_evaluation(d.device))
     plan = plan_correction(cfg, d, masks, log_probs=log_probs, advantages=advantages)
     return apply_correction(cfg, plan, plan.reduce(groups), metrics, groups, batch_norm_factor)

@@ -21,7 +21,7 @@ from nemo_rs_plugin.core.is_levels import is_level
 from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, finite_exp, masked_sum
 from nemo_rs_plugin.core.metric_catalog import WEIGHT_TAIL
 from nemo_rs_plugin.core.metric_kernels import EffectiveSampleSize
-from nemo_rs_plugin.core.metrics import MetricSet, Normalization, Reduction
+from nemo_rs_plugin.core.metrics import MetricSet
 from nemo_rs_plugin.core.truncation import truncation
 
 #: ``is_ess = (sum w)^2 / (n sum w^2)`` from the two weight sums and the units, each divided by the same count.
@@ -107,10 +107,8 @@ def apply_truncation(
     )
     if oob is None:
         return weight
-    if per_sequence:
-        metrics.add_masked_total("is_oob_ratio", oob, masks.sample_mask, "sequences", "replicated")
-    else:
-        metrics.add_masked_total("is_oob_ratio", oob, masks.valid, "tokens", "sum")
+    # the units the truncation decides on: sequences (the catalog's normalization follows them)
+    metrics.add_masked_total("is_oob_ratio", oob, masks.sample_mask if per_sequence else masks.valid)
     return weight
 
 
@@ -127,16 +125,16 @@ def record_token_weight_metrics(
     that reach the loss; ``is_ess = (sum w)^2 / (n sum w^2)`` of the applied weights (per
     microbatch; ``is_weight_mean^2 / is_weight_sq_mean`` gives it globally).
     """
-    metrics.add_masked_total("is_weight_raw_mean", raw_weight, masks.valid, "tokens", "sum")
+    metrics.add_masked_total("is_weight_raw_mean", raw_weight, masks.valid)
     applied = weight * loss_tokens  # [B, T] the weights as the loss applies them
-    metrics.add_total("is_weight_mean", applied.sum(), "tokens", "sum")
-    metrics.add_total("is_weight_sq_mean", masked_sum(weight, applied), "tokens", "sum")  # sum_t w_t^2 m_t
-    metrics.add_total("_ess_units", masks.valid_total, "tokens", "sum")
-    _record_tails(metrics, raw_weight, masks.usable_penalty, "tokens", "sum")
+    metrics.add_total("is_weight_mean", applied.sum())
+    metrics.add_total("is_weight_sq_mean", masked_sum(weight, applied))  # sum_t w_t^2 m_t
+    metrics.add_total("_ess_units", masks.valid_total)
+    _record_tails(metrics, raw_weight, masks.usable_penalty)
     metrics.add_masked_extrema("is_weight_raw_min", "is_weight_raw_max", raw_weight, masks.usable_penalty)
     applied_penalty = extrema_penalty(applied.sign_())  # kept tokens with a weight (applied is read: reused)
     metrics.add_masked_extrema("is_weight_min", "is_weight_max", weight, applied_penalty)
-    metrics.derive("is_ess", "none", _EFFECTIVE_SAMPLE_SIZE, per_call=True)
+    metrics.derive("is_ess", _EFFECTIVE_SAMPLE_SIZE)
 
 
 def record_sequence_weight_metrics(
@@ -152,31 +150,19 @@ def record_sequence_weight_metrics(
     """
     raw, applied = raw_weight.squeeze(-1), weight.squeeze(-1)
     kept_units = units if seq_in_loss is None else units * seq_in_loss
-    metrics.add_masked_total("is_weight_raw_mean", raw, units, "sequences", "replicated")
-    metrics.add_masked_totals(
-        ["is_weight_mean", "is_weight_sq_mean"],
-        [applied, applied * applied],
-        kept_units,
-        "sequences",
-        "replicated",
-    )
-    metrics.add_total("_ess_units", units.sum(), "sequences", "replicated")
+    metrics.add_masked_total("is_weight_raw_mean", raw, units)
+    metrics.add_masked_totals(["is_weight_mean", "is_weight_sq_mean"], [applied, applied * applied], kept_units)
+    metrics.add_total("_ess_units", units.sum())
     unit_penalty = extrema_penalty(torch.sign(units))
-    _record_tails(metrics, raw, unit_penalty, "sequences", "replicated")
+    _record_tails(metrics, raw, unit_penalty)
     metrics.add_masked_extrema("is_weight_raw_min", "is_weight_raw_max", raw, unit_penalty)
     metrics.add_masked_extrema(
         "is_weight_min", "is_weight_max", applied, extrema_penalty(torch.sign(applied * kept_units))
     )
-    metrics.derive("is_ess", "none", _EFFECTIVE_SAMPLE_SIZE, per_call=True)
+    metrics.derive("is_ess", _EFFECTIVE_SAMPLE_SIZE)
 
 
-def _record_tails(
-    metrics: MetricSet,
-    raw_weight: torch.Tensor,
-    penalty: torch.Tensor,
-    normalization: Normalization,
-    reduction: Reduction,
-) -> None:
+def _record_tails(metrics: MetricSet, raw_weight: torch.Tensor, penalty: torch.Tensor) -> None:
     """``is_weight_raw_{low,high}_frac``: shares of the units whose raw weight is below ``1/C``, above ``C``.
 
     ``C`` = :data:`WEIGHT_TAIL`; the units are those of ``is_weight_raw_min``/``_max`` (``penalty``:
@@ -189,5 +175,5 @@ def _record_tails(
     # Integer counts: MetricSet.stack's cat promotes them to the metrics' float dtype (no cast kernel).
     low = torch.count_nonzero((raw_weight + penalty) < 1.0 / WEIGHT_TAIL)
     high = torch.count_nonzero((raw_weight - penalty) > WEIGHT_TAIL)
-    metrics.add_total("is_weight_raw_low_frac", low, normalization, reduction)
-    metrics.add_total("is_weight_raw_high_frac", high, normalization, reduction)
+    metrics.add_total("is_weight_raw_low_frac", low)
+    metrics.add_total("is_weight_raw_high_frac", high)
