@@ -511,8 +511,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "nemo_rs_plugin/core/correction/filters.py",
-        'metrics.add_total(DROPPED_SEQUENCES, dropped @ sample_mask)',
-        'metrics.add_total(DROPPED_SEQUENCES, 0 * dropped @ sample_mask)',
+        "metrics.add_total(DROPPED_SEQUENCES, dropped @ sample_mask)",
+        "metrics.add_total(DROPPED_SEQUENCES, 0 * dropped @ sample_mask)",
         "the run-time monitor never sees a dropped sequence",
     ),
     # ---- equivalent

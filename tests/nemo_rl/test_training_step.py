@@ -98,7 +98,7 @@ from collections import Counter
 import pytest
 
 from tests.support import training_step_cases as C
-from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
+from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail, whole_matrix
 
 HOSTS = nemo_rl_hosts()
 #: v0.6.0 aside: there the plugin computes v0.7.0's loss on purpose (test_nemo_rl_live_parity.py pins
@@ -131,7 +131,7 @@ def case_name(kind: str, config: str, split: str) -> str:
 def world_cases(host: str, dp: int) -> list:
     sections = {**C.CORRECTED, **(C.PARITY if host in PARITY_HOSTS else {})}
     cases = []
-    for split_name, split in C.splits(dp).items():
+    for split_name, split in C.splits(dp, whole_matrix(host)).items():
         for config, section in sections.items():
             kinds = ("nemo_rl", "plugin") if config in C.PARITY else ("plugin",)
             cases += [(case_name(kind, config, split_name), split, kind, section) for kind in kinds]
@@ -212,6 +212,22 @@ def step_differences(got: dict, want: dict, tol: float, skip_metrics=()) -> list
     return out
 
 
+def test_the_release_cover_holds_each_kind_of_split():
+    """A released checkout's cover (``whole_matrix``) keeps what the comparisons read (the one-rank
+    references, NeMo-RL's packed GSPO runs, the deliberately broken split) and each kind of split."""
+    packings = set()
+    for dp in (1, 2):
+        cover = C.splits(dp, every=False)
+        assert set(cover) == set(C.COVER[dp]) and set(cover) <= set(C.splits(dp))
+        assert {s["ngb"] for s in cover.values()} == {1, 2}, dp
+        assert any(s["packing"] is None and s["mbs"] < C.GBS // dp for s in cover.values()), dp  # several microbatches
+        assert any(s["packing"] for s in cover.values()), dp
+        packings |= {s["packing"] for s in cover.values() if s["packing"]}
+    assert packings == {40, 64}
+    assert {C.reference_split(1), C.reference_split(2), "dp1/gb1/packed40", "dp1/gb2/packed40"} <= set(C.COVER[1])
+    assert BROKEN[2] in C.COVER[2] and any(C.splits(2)[s].get("uneven") for s in C.COVER[2])
+
+
 def plugin_configs(host: str) -> list[str]:
     return list(C.CORRECTED) + (list(C.PARITY) if host in PARITY_HOSTS else [])
 
@@ -226,7 +242,7 @@ def test_nemo_rl_fields_alone_equal_nemo_rl_own_loss_in_every_split(host, dp, tm
     ranks = world(host, dp, tmp_path_factory)
     reference = world(host, 1, tmp_path_factory)
     failures = {}
-    for split_name, split in C.splits(dp).items():
+    for split_name, split in C.splits(dp, whole_matrix(host)).items():
         for config in C.PARITY:
             gspo = config == "nemo_rl/gspo"
             plugin = result(ranks, case_name("plugin", config, split_name))
@@ -274,7 +290,7 @@ def test_corrections_give_one_result_in_every_split(host, dp, tmp_path_factory):
     ranks = world(host, dp, tmp_path_factory)
     reference = world(host, 1, tmp_path_factory)
     failures = {}
-    for split_name, split in C.splits(dp).items():
+    for split_name, split in C.splits(dp, whole_matrix(host)).items():
         for config in plugin_configs(host):
             runs = result(ranks, case_name("plugin", config, split_name))
             want = result(reference, case_name("plugin", config, C.reference_split(split["ngb"])))[0]
@@ -304,7 +320,7 @@ def test_filter_fractions_are_the_step_values(host, tmp_path_factory):
     failures = {}
     for dp in (1, 2):
         ranks = world(host, dp, tmp_path_factory)
-        for split_name, split in C.splits(dp).items():
+        for split_name, split in C.splits(dp, whole_matrix(host)).items():
             expected = C.expected_sequence_rejections(split["ngb"])
             got = result(ranks, case_name("plugin", config, split_name))[0]
             for where, metrics in got["driver"].items():
@@ -335,7 +351,7 @@ def test_nemo_rl_own_loss_gives_one_result_in_every_split(host, tmp_path_factory
     failures = {}
     for dp in (1, 2):
         ranks = world(host, dp, tmp_path_factory)
-        for split_name, split in C.splits(dp).items():
+        for split_name, split in C.splits(dp, whole_matrix(host)).items():
             for config in C.PARITY:
                 runs = result(ranks, case_name("nemo_rl", config, split_name))
                 want = result(reference, case_name("nemo_rl", config, C.reference_split(split["ngb"])))[0]
@@ -389,7 +405,7 @@ def test_the_step_runs_what_it_claims(host, tmp_path_factory):
             assert m["stood_in"] and all(n.split(".")[0] == "nemo_automodel" for n in m["stood_in"]), m["stood_in"]
             assert {d.split(":")[1] for d in m["drivers"]} >= {"grpo_train", "async_grpo_train"}, m["drivers"]
         config = "rs/sequence_mean+filters"
-        for split_name, split in C.splits(dp).items():
+        for split_name, split in C.splits(dp, whole_matrix(host)).items():
             runs = result(ranks, case_name("plugin", config, split_name))
             for r, run in enumerate(runs):
                 assert run["worker_group_calls"] == ["train"]

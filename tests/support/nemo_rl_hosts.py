@@ -34,6 +34,25 @@ def host_label(host: str) -> str:
     return name.removeprefix("nemo-rl-")
 
 
+#: Set to 1 to run the training-step worlds' whole split matrix at every checkout, not only the newest.
+FULL_MATRIX_ENV = "NEMO_RS_FULL_HOST_MATRIX"
+#: Released checkouts: fixed code, each already run through the whole matrix when it was the newest.
+RELEASES = ("v0.6.0", "v0.7.0")
+
+
+def whole_matrix(host: str) -> bool:
+    """Whether the training-step worlds run every split at ``host``, or a cover of each kind of split.
+
+    The split matrix (microbatch sizes, packing lengths, data-parallel shapes) checks the plugin's
+    own arithmetic, which is the same code at every checkout; what a checkout changes is NeMo-RL's
+    step around the loss, and every kind of split exercises that once in the cover. So the newest
+    NeMo-RL (``main``, or an installed one) runs the whole matrix and a released checkout
+    (:data:`RELEASES`) the cover, unless ``$NEMO_RS_FULL_HOST_MATRIX=1`` (a release's first run,
+    or a change to a step's glue) asks for the whole matrix everywhere.
+    """
+    return os.environ.get(FULL_MATRIX_ENV, "") not in ("", "0") or host_label(host) not in RELEASES
+
+
 def skip_or_fail(reason: str) -> None:
     """Skip, or fail where the real host is required (CI)."""
     if real_host_required():

@@ -74,8 +74,17 @@ CORRECTED: dict[str, dict[str, Any]] = {
 SEQUENCE_FILTER_LABELS = ("sequence_ratio_mean", "sequence_ratio_largest")
 
 
-def splits(dp: int) -> dict[str, dict[str, Any]]:
-    """The splits of one step run in a ``dp``-rank world, by name.
+#: The cover of :func:`splits`: each kind of split once (one and two global batches, one and
+#: several microbatches, both packing lengths, uneven packed shards), with the one-rank references
+#: (:func:`reference_split`) and the packed runs NeMo-RL's GSPO metric is compared with.
+COVER = {
+    1: ("dp1/gb1/mbs8", "dp1/gb2/mbs8", "dp1/gb2/mbs2", "dp1/gb1/packed40", "dp1/gb2/packed40"),
+    2: ("dp2/gb1/mbs4", "dp2/gb2/mbs2", "dp2/gb2/packed64", "dp2/gb2/packed40-uneven"),
+}
+
+
+def splits(dp: int, every: bool = True) -> dict[str, dict[str, Any]]:
+    """The splits of one step run in a ``dp``-rank world, by name (``every=False``: their :data:`COVER`).
 
     ``mbs``: ``train_micro_batch_size`` (no packing); ``tokens``: sequence packing's
     ``train_mb_tokens``; ``uneven``: packing with hand-made shards, one bin moved from rank 1 to
@@ -97,7 +106,7 @@ def splits(dp: int) -> dict[str, dict[str, Any]]:
                 "packing": 40,
                 "uneven": True,
             }
-    return out
+    return out if every else {name: split for name, split in out.items() if name in COVER[dp]}
 
 
 def reference_split(ngb: int) -> str:
