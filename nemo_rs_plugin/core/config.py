@@ -45,6 +45,7 @@ from nemo_rs_plugin.core.config_problems import (
     truncation_problems,
     valid_filters,
 )
+from nemo_rs_plugin.core.filter_options import DENOMINATORS, Denominator
 from nemo_rs_plugin.core.is_levels import ISLevel, is_level, is_levels_text
 from nemo_rs_plugin.core.rejection_filter import RejectionFilter
 from nemo_rs_plugin.core.truncation import Truncation, truncation, truncations_text
@@ -328,6 +329,11 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
     def is_level_entry(self) -> ISLevel:
         """The :data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS` entry of :attr:`effective_is_level`."""
         return is_level(self.effective_is_level)
+
+    @property
+    def denominator_entry(self) -> Denominator:
+        """The :data:`~nemo_rs_plugin.core.filter_options.DENOMINATORS` entry of :attr:`rejection_denominator`."""
+        return DENOMINATORS[self.rejection_denominator]
 
     @property
     def truncation_entry(self) -> Optional[Truncation]:

@@ -45,7 +45,7 @@ def filter_bound_extremes(i: int, f: RejectionFilter) -> list[str]:
     """
     lo, hi, reaches_lo, reaches_hi = statistic_range(f)
     what = f"{f.metric}" + (f" ({f.aggregation} over a sequence)" if f.aggregation else " (per token)")
-    if f.applies_to == "policy_gradient":
+    if not f.scope_entry.leaves_loss:
         consequence = "only the penalty terms train"
     elif f.advantage_sign is not None:
         consequence = f"the {f.advantage_sign}-advantage tokens train on nothing"
@@ -105,7 +105,7 @@ def filter_problems(filters: Any, force_on_policy_ratio: bool) -> list[str]:
     """``(position, filter)`` pairs that cannot work with ``force_on_policy_ratio``."""
     p: list[str] = []
     for i, f in filters:
-        if f.log_ratio == "curr-prev" and force_on_policy_ratio is True:
+        if f.log_ratio_entry.zero_on_policy and force_on_policy_ratio is True:
             p.append(
                 f"rejection_sampling.{i}.log_ratio: got 'curr-prev' with force_on_policy_ratio: true, which "
                 "sets prev to curr: the log-ratio is 0 everywhere, so the filter rejects nothing or "
@@ -163,17 +163,14 @@ def setting_warnings(cfg: Any) -> list[str]:
             "use_importance_sampling_correction: true to correct, or remove is_correction_level"
         )
     zeroes_sequences = cfg.truncation_entry is not None and cfg.truncation_entry.zeroes_units
-    if cfg.rejection_denominator == "kept" and not cfg.rejection_sampling and not zeroes_sequences:
+    counts_kept = cfg.denominator_entry.counts_kept
+    if counts_kept and not cfg.rejection_sampling and not zeroes_sequences:
         w.append(
             "rejection_denominator: got 'kept' with no rejection_sampling filter (and no icepop or "
             "seq-mask-tis): nothing is rejected, so the denominators never shrink; add a filter, or "
             "remove rejection_denominator"
         )
-    elif (
-        cfg.rejection_denominator == "kept"
-        and not zeroes_sequences
-        and all(f.applies_to == "policy_gradient" for f in cfg.rejection_sampling)
-    ):
+    elif counts_kept and not zeroes_sequences and not any(f.scope_entry.leaves_loss for f in cfg.rejection_sampling):
         # Such a filter removes a token's policy-gradient term only: the token stays kept, in every count.
         w.append(
             "rejection_denominator: got 'kept' with only applies_to: policy_gradient filters (and no icepop or "

@@ -61,7 +61,7 @@ def needs_microbatch_totals(cfg: RSClippedPGLossConfig) -> bool:
     """Whether any part of the loss reads a total over the whole microbatch (see the module docstring)."""
     return (
         cfg.is_batch_normalization is not None
-        or cfg.rejection_denominator == "kept"
+        or cfg.denominator_entry.counts_kept
         or cfg.positive_example_nll_weight > 0
     )
 
@@ -71,7 +71,7 @@ def missing_totals(cfg: RSClippedPGLossConfig, totals: MicrobatchTotals) -> list
     needed = []
     if cfg.is_batch_normalization is not None:
         needed.append("batch_norm_factor")
-    if cfg.rejection_denominator == "kept":
+    if cfg.denominator_entry.counts_kept:
         needed += ["kept_token_fraction", "kept_sequence_fraction"]
     if cfg.positive_example_nll_weight > 0:
         needed.append("correct_token_count")
@@ -90,8 +90,8 @@ def current_policy_problems(cfg: RSClippedPGLossConfig) -> list[str]:
             f"is_batch_normalization: {cfg.is_batch_normalization!r} with force_on_policy_ratio: true normalises "
             "weights built from the current policy's log-probs"
         )
-    if cfg.rejection_denominator == "kept":
-        on_current = [f.label for f in cfg.rejection_sampling if "curr" in f.log_ratio]
+    if cfg.denominator_entry.counts_kept:
+        on_current = [f.label for f in cfg.rejection_sampling if f.log_ratio_entry.reads_current_policy]
         if cfg.force_on_policy_ratio and cfg.rejection_sampling:
             on_current = [f.label for f in cfg.rejection_sampling]
         if on_current:

@@ -67,7 +67,7 @@ class Objective:
         """This call's own microbatch totals (only those the configuration reads; see :class:`MicrobatchTotals`)."""
         cfg = self.cfg
         kept_tokens = kept_seqs = correct_count = None
-        if cfg.rejection_denominator == "kept":
+        if cfg.denominator_entry.counts_kept:
             seqs = sequence_counts_of(corr)
             if seqs.kept_tokens is None or seqs.kept_sequences is None:
                 raise RuntimeError("rejection_denominator: kept reads kept counts the correction did not compute")

@@ -34,6 +34,7 @@ from nemo_rs_plugin.core.aggregations import (
     SequenceAggregation,
 )
 from nemo_rs_plugin.core.filter_levels import FILTER_LEVELS, RejectionLevel, rejection_level
+from nemo_rs_plugin.core.filter_options import ADVANTAGE_SIGNS, LOG_RATIOS, SCOPES, AdvantageSign, LogRatio, Scope
 from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS, filter_statistics_text
 
 __all__ = ["AGGS_FOR_METRIC", "RejectionFilter"]
@@ -44,7 +45,7 @@ FilterMetric = Literal[
 ]
 FilterAgg = Literal["mean", "sum", "max", "min", "any"]
 FilterLogRatio = Literal["prev-gen", "gen-prev", "curr-gen", "curr-prev"]
-AdvantageSign = Literal["positive", "negative"]
+FilterAdvantageSign = Literal["positive", "negative"]
 FilterScope = Literal["loss", "policy_gradient"]
 
 # Aggregations allowed per metric (the registry's): ratios aggregate in log space, so
@@ -111,7 +112,7 @@ class RejectionFilter(BaseModel):
     negative_advantages_only: bool = False
     """Deprecated spelling of ``advantage_sign: negative`` (accepted, warned about: ``nemo-rs check``
     says how to update). TRL ``off_policy_mask_threshold``, slime ``use_opsm``."""
-    advantage_sign: Optional[AdvantageSign] = None
+    advantage_sign: Optional[FilterAdvantageSign] = None
     """Reject only tokens whose advantage has this sign: ``negative`` (A < 0; a rejected sequence
     loses its negative-advantage tokens; with one advantage per sequence, as in GRPO, the whole
     sequence iff its advantage is negative: TRL's and slime's off-policy sequence masking, OPSM;
@@ -162,6 +163,24 @@ class RejectionFilter(BaseModel):
         return rejection_level(self.level)
 
     @property
+    def scope_entry(self) -> Scope:
+        """The :data:`~nemo_rs_plugin.core.filter_options.SCOPES` entry of :attr:`applies_to`."""
+        return SCOPES[self.applies_to]
+
+    @property
+    def log_ratio_entry(self) -> LogRatio:
+        """The :data:`~nemo_rs_plugin.core.filter_options.LOG_RATIOS` entry of :attr:`log_ratio`."""
+        return LOG_RATIOS[self.log_ratio]
+
+    @property
+    def sign_entry(self) -> Optional[AdvantageSign]:
+        """The :data:`~nemo_rs_plugin.core.filter_options.ADVANTAGE_SIGNS` entry of :attr:`advantage_sign`.
+
+        ``None``: no sign condition (every unit may be rejected).
+        """
+        return None if self.advantage_sign is None else ADVANTAGE_SIGNS[self.advantage_sign]
+
+    @property
     def aggregation(self) -> Optional[str]:
         """The effective aggregation (``mean`` when a sequence filter leaves it unset); ``None`` per token."""
         entry = self.aggregation_entry
@@ -186,13 +205,9 @@ class RejectionFilter(BaseModel):
             return self.name
         entry = self.aggregation_entry
         parts = [self.level, self.metric] + ([entry.label] if entry is not None else [])
-        if self.log_ratio != "prev-gen":
-            parts.append(self.log_ratio)
-        if self.advantage_sign is not None:
-            parts.append(f"{self.advantage_sign}_advantages")
-        if self.applies_to != "loss":
-            parts.append(self.applies_to)
-        return "_".join(parts)
+        sign = f"{self.advantage_sign}_advantages" if self.advantage_sign is not None else ""
+        parts += [LOG_RATIOS[self.log_ratio].label_part, sign, SCOPES[self.applies_to].label_part]
+        return "_".join(part for part in parts if part)
 
 
 def _filter_problems(f: RejectionFilter) -> list[str]:
@@ -213,7 +228,7 @@ def _filter_problems(f: RejectionFilter) -> list[str]:
                 problems.append(f"{side}: got {v}; a ratio bound must be >= 0")
         if f.upper is not None and f.upper <= 0:
             problems.append(f"upper: got {f.upper}; a ratio upper bound must be > 0")
-    if f.negative_advantages_only and f.advantage_sign == "positive":
+    if f.negative_advantages_only and f.sign_entry is not None and f.sign_entry.sign > 0:
         problems.append(
             "advantage_sign: got 'positive' with negative_advantages_only: true, which rejects only "
             "negative-advantage tokens; allowed: negative or null (or negative_advantages_only: false)"
@@ -228,7 +243,7 @@ def _filter_problems(f: RejectionFilter) -> list[str]:
         )
     if f.applies_to not in level.scopes:
         elsewhere = " or ".join(n for n, e in FILTER_LEVELS.items() if f.applies_to in e.scopes)
-        what = "a policy-gradient-only rejection" if f.applies_to == "policy_gradient" else f"applies_to {f.applies_to}"
+        what = f"applies_to {f.applies_to}" if f.scope_entry.leaves_loss else "a policy-gradient-only rejection"
         problems.append(
             f"applies_to: got {f.applies_to!r} on a {level.name} filter; allowed there: {', '.join(level.scopes)} "
             f"({what} works on {elsewhere} filters)"

@@ -16,16 +16,17 @@ def _bounds(f: RejectionFilter) -> str:
 
 def describe_filter(f: RejectionFilter) -> str:
     """One filter as a sentence, e.g. 'reject a sequence unless the geometric mean ... is in [..]'."""
-    a, b = f.log_ratio.split("-")
+    log_ratio = f.log_ratio_entry
+    a, b = log_ratio.target, log_ratio.behaviour
     statistic = filter_statistic_entry(f.metric)
     aggregation = f.aggregation  # None for a per-token level
     unit = f"a {f.level_entry.unit}"
     sentence = f"reject {unit} unless {statistic.describe(aggregation, a, b)} is in {_bounds(f)}"
-    if f.log_ratio != "prev-gen" and not statistic.names_its_sources(aggregation):
+    if not log_ratio.is_loss_log_ratio and not statistic.names_its_sources(aggregation):
         sentence += f", with d = {a} - {b}"
     if f.advantage_sign is not None:
         sentence += f" (only its tokens with a {f.advantage_sign} advantage)"
-    if f.applies_to == "policy_gradient":
+    if not f.scope_entry.leaves_loss:
         sentence += "; a rejected token loses only its policy-gradient term, its KL penalties stay"
     return sentence
 
@@ -98,7 +99,7 @@ def _batch_normalization_line(cfg: RSClippedPGLossConfig) -> str:
 def _loss_line(cfg: RSClippedPGLossConfig) -> str:
     denom = (
         "the valid tokens/sequences before rejection (rejected units count as 0)"
-        if cfg.rejection_denominator == "original"
+        if not cfg.denominator_entry.counts_kept
         else "the kept tokens/sequences (VERL decoupled semantics)"
     )
     loss = "token mean" if cfg.token_level_loss else "mean over sequences of token means"

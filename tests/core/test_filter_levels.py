@@ -15,7 +15,8 @@ import torch
 from nemo_rs_plugin.core.config import RejectionFilter, RSClippedPGLossConfig
 from nemo_rs_plugin.core.filter_levels import FILTER_LEVELS, rejection_level
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
-from nemo_rs_plugin.core.rejection_filter import AdvantageSign, FilterLevel, FilterScope
+from nemo_rs_plugin.core.rejection_filter import FilterAdvantageSign as AdvantageSign
+from nemo_rs_plugin.core.rejection_filter import FilterLevel, FilterScope
 
 REPO = Path(__file__).resolve().parents[2]
 #: What the loss implements per level, written out (the registry must say the same): a sequence

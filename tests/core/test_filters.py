@@ -25,6 +25,7 @@ from nemo_rs_plugin.core.correction.filters import (
     token_filter_statistic,
 )
 from nemo_rs_plugin.core.correction.statistics import SequenceStatistics
+from nemo_rs_plugin.core.filter_options import LOG_RATIOS
 from nemo_rs_plugin.core.masking import TokenMasks, row_dot
 from nemo_rs_plugin.core.metric_catalog import declared_specs
 from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
@@ -100,13 +101,13 @@ def test_filter_log_ratio_reads_the_two_policies_its_log_ratio_names():
     prev = torch.tensor([[-1.5, -0.5]], dtype=F64)
     gen = torch.tensor([[-1.25, -2.0]], dtype=F64)
     log_probs = PolicyLogProbs(curr=curr, prev=prev, gen=gen)
-    fd, fd_finite, target, behaviour = filter_log_ratio("curr-gen", d, d_finite, log_probs, False)
+    fd, fd_finite, target, behaviour = filter_log_ratio(LOG_RATIOS["curr-gen"], d, d_finite, log_probs, False)
     assert fd.tolist() == [[0.25, 0.0]] and fd_finite.tolist() == [[1.0, 0.0]]  # -inf - (-2): not finite
     assert target.tolist() == [[-1.0, 0.0]] and behaviour.tolist() == gen.tolist()  # sanitised log-probs
-    same = filter_log_ratio("prev-gen", d, d_finite, None, False)
+    same = filter_log_ratio(LOG_RATIOS["prev-gen"], d, d_finite, None, False)
     assert same[0] is d and same[1] is d_finite and same[2:] == (None, None)  # the loss's own d
     with pytest.raises(ValueError, match="log-probs"):
-        filter_log_ratio("gen-prev", d, d_finite, None, False)
+        filter_log_ratio(LOG_RATIOS["gen-prev"], d, d_finite, None, False)
 
 
 def test_a_sequence_mean_ratio_filter_keeps_the_rows_whose_geometric_mean_is_in_band():

@@ -49,6 +49,7 @@ from nemo_rs_plugin.core.correction.filters import (
     plan_token_filter,
     sequence_filter_statistic,
 )
+from nemo_rs_plugin.core.filter_options import LOG_RATIOS
 from nemo_rs_plugin.core.filter_statistics import filter_statistic_entry
 from nemo_rs_plugin.core.masking import TokenMasks, log_ratio, out_of_bounds
 
@@ -65,7 +66,7 @@ __all__ = [
 _MARGIN = 1e-6
 
 #: The log-ratios a dump of ``prev`` and ``gen`` determines (``curr`` exists only in training).
-CALIBRATABLE_LOG_RATIOS = ("prev-gen", "gen-prev")
+CALIBRATABLE_LOG_RATIOS = tuple(name for name, r in LOG_RATIOS.items() if not r.reads_current_policy)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ def rejected_fractions(
 
 def _stages(filters, prev, gen, mask, choose) -> list[CalibratedStage]:
     """Walk the stages as the loss does; ``choose(template, low, high)`` gives each stage's filter."""
-    bad = [f.label for f in filters if f.log_ratio not in CALIBRATABLE_LOG_RATIOS]
+    bad = [f.label for f in filters if f.log_ratio_entry.reads_current_policy]
     if bad:
         raise ValueError(
             f"filters {', '.join(bad)}: log_ratio reads the current policy, which a dump of prev and "
@@ -205,7 +206,7 @@ def _stages(filters, prev, gen, mask, choose) -> list[CalibratedStage]:
             # stage is calibrated on every token still in the loss; the loss's own per-stage
             # metric counts a token only in the first of them that removes its term (two
             # overlapping ones: the second reports less than its calibrated share).
-            if f.applies_to == "loss":
+            if f.scope_entry.leaves_loss:
                 alive = kept
             rejected = float(stage.rejected.sum()) / low.numel()
         else:

@@ -40,6 +40,7 @@ from nemo_rs_plugin.core.correction.statistics import (
     StageStatistics,
     TokenStageStatistics,
 )
+from nemo_rs_plugin.core.filter_options import LogRatio
 from nemo_rs_plugin.core.filter_statistics import PROBABILITY_CLAMP, filter_statistic_entry
 from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, out_of_bounds, row_dot, sanitize
 from nemo_rs_plugin.core.metrics import MetricSet
@@ -94,7 +95,7 @@ def token_filter_statistic(
 
 
 def filter_log_ratio(
-    log_ratio: str,
+    log_ratio: LogRatio,
     d: torch.Tensor,  # [B, T] prev - gen, sanitised
     d_finite: torch.Tensor,  # [B, T] 0/1
     log_probs: Optional[PolicyLogProbs],
@@ -107,19 +108,18 @@ def filter_log_ratio(
     ``a`` and ``b`` (``None`` unless ``needs_log_probs``). ``prev-gen`` reuses the loss's
     ``d``; the others read :class:`PolicyLogProbs`.
     """
-    target_name, behaviour_name = log_ratio.split("-")
     target: Optional[torch.Tensor] = None
     behaviour: Optional[torch.Tensor] = None
-    if log_ratio != "prev-gen" or needs_log_probs:
+    if not log_ratio.is_loss_log_ratio or needs_log_probs:
         if log_probs is None:
             raise ValueError(
-                f"log_ratio {log_ratio!r}: this filter needs the policies' log-probs "
+                f"log_ratio {log_ratio.name!r}: this filter needs the policies' log-probs "
                 "(compute_correction(..., log_probs=PolicyLogProbs(...)))"
             )
-        target_raw = getattr(log_probs, target_name).detach()
-        behaviour_raw = getattr(log_probs, behaviour_name).detach()
+        target_raw = getattr(log_probs, log_ratio.target).detach()
+        behaviour_raw = getattr(log_probs, log_ratio.behaviour).detach()
         target, behaviour = sanitize(target_raw), sanitize(behaviour_raw)
-    if log_ratio == "prev-gen":
+    if log_ratio.is_loss_log_ratio:
         return d, d_finite, target, behaviour
     d_raw = target_raw - behaviour_raw
     return sanitize(d_raw), 1.0 - nonfinite(d_raw), target, behaviour
@@ -162,7 +162,7 @@ def plan_filters(
     for f in filters:
         stat, f_finite = filter_statistic(f, d, masks, log_probs)
         per_token = not f.level_entry.whole_sequences
-        if per_token and f.applies_to == "policy_gradient":
+        if per_token and not f.scope_entry.leaves_loss:
             # Its candidates: tokens still in the loss whose policy-gradient term is still there
             # (a token two such filters reject is counted by the first only).
             candidates = alive if policy_gradient_alive is None else alive * policy_gradient_alive
@@ -185,7 +185,7 @@ def filter_statistic(
     """``[B, T]`` the filter's statistic (finite) and the 0/1 mask of where its log-ratio was finite."""
     entry = filter_statistic_entry(f.metric)
     fd, f_finite, target, behaviour = filter_log_ratio(
-        f.log_ratio, d, masks.d_finite, log_probs, entry.needs_probabilities
+        f.log_ratio_entry, d, masks.d_finite, log_probs, entry.needs_probabilities
     )
     stat = entry.token_value(fd, target, behaviour)
     if not entry.log_space:  # fd is finite (the ratio's log is fd); the others can overflow: keep them finite
@@ -206,8 +206,8 @@ def plan_token_filter(
     lo, hi = filter_bounds(f)
     # Tokens this filter may reject: all, or only those whose advantage has the filter's sign
     # (None: the caller has no advantages, as in calibration; every token is eligible).
-    sign = f.advantage_sign
-    eligible = {"negative": negative, "positive": positive}.get(sign) if sign else None
+    sign = f.sign_entry
+    eligible = None if sign is None else (negative if sign.sign < 0 else positive)
     in_band = f_finite.masked_fill(out_of_bounds(stat, lo, hi), 0.0)  # non-finite d: out of band
     keep_tok = in_band if eligible is None else 1.0 - (1.0 - in_band) * eligible
     kept = alive * keep_tok
@@ -315,7 +315,7 @@ def apply_filters(
         negative_alive = s.negative  # [B] set exactly when some filter is advantage-conditioned
         if negative_alive is not None:
             in_loss = in_loss - conditional * negative_alive
-        if f.advantage_sign == "negative" and negative_alive is not None:  # no other sign here
+        if f.sign_entry is not None and negative_alive is not None:  # negative: the one sign a sequence filter takes
             # Rows that lose negative-advantage tokens now (not already removed earlier).
             newly = rejected * (1.0 - conditional) * torch.sign(negative_alive)
             conditional = torch.maximum(conditional, torch.sign(rejected))

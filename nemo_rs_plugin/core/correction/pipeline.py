@@ -117,7 +117,7 @@ def needs_sequence_statistics(cfg: RSClippedPGLossConfig) -> bool:
         or len(cfg.rejection_sampling) > 0
         or not cfg.token_level_loss
         or cfg.positive_example_nll_weight > 0
-        or cfg.rejection_denominator == "kept"
+        or cfg.denominator_entry.counts_kept
     )
 
 
@@ -160,7 +160,7 @@ def plan_correction(
     """
     d = d.detach()
     negative = positive = None  # [B, T] 0/1 tokens with a negative / positive advantage
-    signs = {f.advantage_sign for f in cfg.rejection_sampling} - {None}
+    signs = {f.sign_entry.sign for f in cfg.rejection_sampling if f.sign_entry is not None}
     if signs:
         if advantages is None:
             raise ValueError(
@@ -168,9 +168,9 @@ def plan_correction(
                 "advantages (compute_correction(..., advantages=...))"
             )
         clean_advantages = sanitize(advantages.detach())
-        if "negative" in signs:
+        if -1.0 in signs:
             negative = (clean_advantages < 0).to(d.dtype)
-        if "positive" in signs:
+        if 1.0 in signs:
             positive = (clean_advantages > 0).to(d.dtype)
     if not needs_sequence_statistics(cfg):
         return CorrectionPlan(d=d, masks=masks, alive=None, negative=negative, ratio_mask=None, statistics=None)
@@ -245,7 +245,7 @@ def apply_correction(
         loss_tokens = masks.valid * keep if cfg.rejection_sampling else masks.where_inputs_finite(masks.valid)
         # Computed where read only (each is a kernel on every call): the weights' units of a
         # per-sequence level, the kept counts of rejection_denominator: kept.
-        kept_denominators = cfg.rejection_denominator == "kept"
+        kept_denominators = cfg.denominator_entry.counts_kept
         if not cfg.is_level_entry.per_token or kept_denominators:
             has_tokens = (stats.valid > 0).to(stats.valid.dtype)
         kept_tokens = kept_sequences = None
