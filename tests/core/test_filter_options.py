@@ -20,6 +20,17 @@ from nemo_rs_plugin.core.loss import CorrectedPGLoss
 from nemo_rs_plugin.core.rejection_filter import FilterAdvantageSign, FilterLogRatio, FilterScope
 
 REPO = Path(__file__).resolve().parents[2]
+#: What the loss implements per value, written out (each registry must say the same).
+LEAVES_LOSS = {"loss": True, "policy_gradient": False}
+SIGN = {"positive": 1.0, "negative": -1.0}
+COUNTS_KEPT = {"original": False, "kept": True}
+#: log_ratio -> (target, behaviour, the loss's own d, reads curr, 0 when prev = curr)
+LOG_RATIO_FLAGS = {
+    "prev-gen": ("prev", "gen", True, False, False),
+    "gen-prev": ("gen", "prev", False, False, False),
+    "curr-gen": ("curr", "gen", False, True, False),
+    "curr-prev": ("curr", "prev", False, True, True),
+}
 #: field name -> its registry (what the AST check below looks for)
 REGISTRIES = {
     "applies_to": SCOPES,
@@ -35,21 +46,26 @@ def test_each_registry_names_exactly_its_fields_values():
     assert tuple(ADVANTAGE_SIGNS) == typing.get_args(FilterAdvantageSign)
     denominator = RSClippedPGLossConfig.model_fields["rejection_denominator"].annotation
     assert tuple(DENOMINATORS) == typing.get_args(denominator)
+    assert {n: e.leaves_loss for n, e in SCOPES.items()} == LEAVES_LOSS
+    assert {n: e.sign for n, e in ADVANTAGE_SIGNS.items()} == SIGN
+    assert {n: e.counts_kept for n, e in DENOMINATORS.items()} == COUNTS_KEPT
+    assert {
+        n: (e.target, e.behaviour, e.is_loss_log_ratio, e.reads_current_policy, e.zero_on_policy)
+        for n, e in LOG_RATIOS.items()
+    } == LOG_RATIO_FLAGS
 
 
 @pytest.mark.parametrize("name", list(LOG_RATIOS))
 def test_each_log_ratio_is_its_target_minus_its_behaviour(name):
     entry = LOG_RATIOS[name]
-    assert entry.name == f"{entry.target}-{entry.behaviour}"
-    assert entry.reads_current_policy == ("curr" in (entry.target, entry.behaviour))
-    assert entry.zero_on_policy == ({entry.target, entry.behaviour} == {"curr", "prev"})
+    target, behaviour, is_loss_log_ratio = LOG_RATIO_FLAGS[name][:3]
     g = torch.Generator().manual_seed(0)
     log_probs = PolicyLogProbs(*(-torch.rand(2, 3, generator=g, dtype=torch.float64) for _ in range(3)))
     d = log_probs.prev - log_probs.gen
     got, finite, _, _ = filter_log_ratio(entry, d, torch.ones_like(d), log_probs, False)
-    want = getattr(log_probs, entry.target) - getattr(log_probs, entry.behaviour)
+    want = getattr(log_probs, target) - getattr(log_probs, behaviour)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert entry.is_loss_log_ratio == (got is d)  # the loss's own d, reused as it is
+    assert is_loss_log_ratio == (got is d)  # the loss's own d, reused as it is
 
 
 def test_a_filters_label_adds_what_its_entries_say():
@@ -87,7 +103,7 @@ def test_a_sign_condition_rejects_only_units_of_its_sign(sign):
     for advantage in (1.0, -1.0):
         metrics, _ = _call({"rejection_sampling": [f]}, [advantage, advantage])
         rejected = metrics["rs_token_rejected_frac"] * 8
-        assert rejected == pytest.approx(1.0 if advantage * ADVANTAGE_SIGNS[sign].sign > 0 else 0.0), (sign, advantage)
+        assert rejected == pytest.approx(1.0 if advantage * SIGN[sign] > 0 else 0.0), (sign, advantage)
 
 
 @pytest.mark.parametrize("scope", list(SCOPES))
@@ -95,7 +111,7 @@ def test_a_scope_that_leaves_the_loss_removes_the_token_else_only_its_policy_gra
     """With a k1 penalty toward the sampler on: a token that leaves the loss loses its penalty's gradient too."""
     f = dict(level="token", metric="ratio", lower=0.5, upper=2.0, applies_to=scope)
     _, grad = _call({"rejection_sampling": [f], "sampler_kl_penalty": 1.0}, [0.0, 0.0])  # only the penalty trains
-    assert (grad[0, 1] == 0) == SCOPES[scope].leaves_loss, scope
+    assert (grad[0, 1] == 0) == LEAVES_LOSS[scope], scope
 
 
 @pytest.mark.parametrize("name", list(DENOMINATORS))
@@ -103,7 +119,7 @@ def test_a_denominator_that_counts_kept_units_divides_by_them(name):
     f = dict(level="sequence", metric="ratio", agg="any", lower=0.5, upper=2.0)
     metrics, grad = _call({"rejection_sampling": [f], "rejection_denominator": name}, [1.0, 1.0])
     # row 1's 4 tokens are kept; the PPO slope of each is -A / N with N = 8 (original) or 4 (kept)
-    n = 4.0 if DENOMINATORS[name].counts_kept else 8.0
+    n = 4.0 if COUNTS_KEPT[name] else 8.0
     torch.testing.assert_close(grad[1], torch.full((4,), -1.0 / n), rtol=1e-6, atol=0)
     assert metrics["rs_seq_rejected_frac"] == pytest.approx(0.5)
 
