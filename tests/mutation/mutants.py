@@ -39,6 +39,7 @@ VP = "nemo_rs_plugin/parallel/vocab_parallel.py"
 RF = "nemo_rs_plugin/core/rejection_filter.py"
 # The registries of the sequence aggregations and of NeMo-RL's truncation types.
 AG, TR = "nemo_rs_plugin/core/aggregations.py", "nemo_rs_plugin/core/truncation.py"
+FO = "nemo_rs_plugin/core/filter_options.py"  # applies_to, log_ratio, advantage_sign, rejection_denominator
 
 MUTANTS: list[Mutant] = [
     # ---- filter bounds are inclusive (docs/guide.md#rejection-sampling): the one bound check
@@ -420,8 +421,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         CF,
-        'target_name, behaviour_name = log_ratio.split("-")',
-        'behaviour_name, target_name = log_ratio.split("-")',
+        "target_raw = getattr(log_probs, log_ratio.target).detach()",
+        "target_raw = getattr(log_probs, log_ratio.behaviour).detach()",
         "every non-default log_ratio reversed",
     ),
     Mutant(
@@ -828,5 +829,30 @@ MUTANTS: list[Mutant] = [
         "            p.masked_fill_(bad[:, s:e].unsqueeze(-1), 0.0)\n",
         "",
         "a NaN/+inf logit's row keeps its NaN softmax in the backward (issue 49: NaN gradient, finite loss)",
+    ),
+    # ---- the filter options' registries (core/filter_options.py): each flag is what the loss does
+    Mutant(
+        FO,
+        'Scope("policy_gradient", False, "policy_gradient")',
+        'Scope("policy_gradient", True, "policy_gradient")',
+        "applies_to: policy_gradient removes the rejected token from the loss (penalties included)",
+    ),
+    Mutant(
+        FO,
+        'AdvantageSign("negative", -1.0)',
+        'AdvantageSign("negative", 1.0)',
+        "advantage_sign: negative rejects the positive-advantage tokens",
+    ),
+    Mutant(
+        FO,
+        'Denominator("kept", True)',
+        'Denominator("kept", False)',
+        "rejection_denominator: kept divides by the original counts",
+    ),
+    Mutant(
+        FO,
+        'LogRatio("curr-gen", "curr", "gen", False, True, False, "curr-gen")',
+        'LogRatio("curr-gen", "curr", "gen", False, False, False, "curr-gen")',
+        "a filter on the current policy is taken as computable from recorded log-probs (calibrate, kept totals)",
     ),
 ]
