@@ -327,7 +327,7 @@ def single_main(s: LabSettings, args: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     # The tables are computed from the rows as the CSV holds them: rerunning the report on
-    # lab_steps.csv (tests/lab/test_lab_docs.py does, for docs/lab.md) prints the same table.
+    # lab_steps.csv (tests/docs/test_lab_docs.py does, for docs/lab.md) prints the same table.
     rows = as_written(run_all(s, workers=args.workers, progress=ProgressBar(eta=True)))
     total = time.perf_counter() - t0
     table = write_outputs(rows, s, args.out, {"workers": args.workers, "total_wall_s": round(total, 1)})

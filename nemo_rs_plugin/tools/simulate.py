@@ -14,7 +14,7 @@ the IS weight mean / std / min, effective sample size, fraction of sequences and
 rejected, and the gradient norm relative to the uncorrected loss.
 
 The default is NeMo-RL PR #2269's situation, ~9k-token responses at ~2% per-token mismatch;
-README.md states what it shows, for which seeds (tests/tools/test_cli_docs.py reruns those commands).
+README.md states what it shows, for which seeds (tests/docs/test_cli_docs.py reruns those commands).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def run_cli(*args):
 
 def test_simulate_writes_the_table_as_csv_and_json(tmp_path):
     # What the default run (PR #2269's situation) shows is checked against README.md in
-    # tests/tools/test_cli_docs.py.
+    # tests/docs/test_cli_docs.py.
     out = tmp_path / "rows.json"
     assert (
         main(["simulate", "--length", "300", "--steps", "1", "--json", str(out), "--csv", str(tmp_path / "rows.csv")])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "nemo_rs_plugin"
 LAYERS = ("core", "parallel", "nemo_rl", "tools", "lab")
 #: Third-party imports each layer may make (beyond the standard library and lower layers).
