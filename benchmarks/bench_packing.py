@@ -137,7 +137,7 @@ def build(section: dict, plugin: bool):
     """
     from nemo_rl.algorithms import loss as host_loss
 
-    from nemo_rs_plugin.core.config import NeMoRLLossFields
+    from nemo_rs_plugin.core.settings.config import NeMoRLLossFields
     from nemo_rs_plugin.nemo_rl.registry import get_loss_class
 
     cfg_cls = host_loss.ClippedPGLossConfig

@@ -20,9 +20,9 @@ import importlib
 __version__ = "0.2.0"
 
 _PUBLIC = {
-    "ConfigError": "nemo_rs_plugin.core.config",
-    "RejectionFilter": "nemo_rs_plugin.core.config",
-    "RSClippedPGLossConfig": "nemo_rs_plugin.core.config",
+    "ConfigError": "nemo_rs_plugin.core.settings.config",
+    "RejectionFilter": "nemo_rs_plugin.core.settings.config",
+    "RSClippedPGLossConfig": "nemo_rs_plugin.core.settings.config",
     "SequenceGroups": "nemo_rs_plugin.core.distributed",
     "CorrectedPGLoss": "nemo_rs_plugin.core.loss",
     "LossInputs": "nemo_rs_plugin.core.loss",

@@ -4,7 +4,7 @@
 parts: input validation (Python, eager), the tensor math (``CorrectedPGLoss._tensors``: the
 loss and the metrics evaluated into one ``[M]`` vector by ``MetricSet.stack``, no host
 transfer; only that vector leaves the graph) and
-:meth:`MetricSet.finalize <nemo_rs_plugin.core.metrics.MetricSet.finalize>` (the one ``tolist()``,
+:meth:`MetricSet.finalize <nemo_rs_plugin.core.reporting.metrics.MetricSet.finalize>` (the one ``tolist()``,
 eager). With ``compile: true`` in the loss section the middle part is
 ``torch.compile(..., dynamic=True)``: sequence length and batch size are symbolic from the
 first call, so microbatches of other sizes reuse the same graph instead of recompiling.
@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from nemo_rs_plugin.core.metrics import batched_evaluation
+from nemo_rs_plugin.core.reporting.metrics import batched_evaluation
 
 __all__ = ["INDUCTOR_OPTIONS", "core_fn", "free_host_reads", "metrics_form"]
 
@@ -70,7 +70,7 @@ def core_fn(loss: Any, groups: Any) -> Callable:
 def metrics_form(loss: Any, core: Callable, device: torch.device) -> bool:
     """Whether ``core`` (what :func:`core_fn` returned) evaluates the metrics stacked (``batched``).
 
-    Eager: by device (:func:`~nemo_rs_plugin.core.metrics.batched_evaluation`). Compiled: row
+    Eager: by device (:func:`~nemo_rs_plugin.core.reporting.metrics.batched_evaluation`). Compiled: row
     by row on every device, unless ``loss.batched_metrics`` forces a form: inductor fuses the
     per-row reductions into one multi-output reduction, where stacking the rows for a
     matrix-vector product adds copies and a matmul (the counts: ``benchmarks/bench_kernels.py``,

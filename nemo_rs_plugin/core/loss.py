@@ -13,7 +13,7 @@ Loss (token-level; ``m`` valid mask, ``w`` IS weight, ``k`` rejection mask, ``N`
 ``sampler_kl_penalty``)
 and, with ``token_level_loss: false``, the mean over sequences (``/ global_valid_seqs``) of
 per-sequence token means. ``pg_t`` is the clipped objective of
-:func:`~nemo_rs_plugin.core.policy_loss.clipped_objective`. With no plugin field set, ``k = 1``
+:func:`~nemo_rs_plugin.core.loss_terms.policy_loss.clipped_objective`. With no plugin field set, ``k = 1``
 and the result equals NeMo-RL's ``ClippedPGLossFn`` (loss, gradient, every metric).
 """
 
@@ -24,24 +24,24 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from nemo_rs_plugin.core.compiled import core_fn, free_host_reads, metrics_form
-from nemo_rs_plugin.core.config import ConfigWarning, RSClippedPGLossConfig
-from nemo_rs_plugin.core.correction import PolicyLogProbs, compute_correction
-from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
-from nemo_rs_plugin.core.health import RejectionMonitor
-from nemo_rs_plugin.core.input_checks import (
+from nemo_rs_plugin.core.batch.input_checks import (
     count_global_counts,
     count_positive_logprobs,
     judge_inputs,
     warn_nonfinite_logits,
 )
-from nemo_rs_plugin.core.inputs import LossInputs, global_counts
-from nemo_rs_plugin.core.metric_catalog import declared_specs, metric_specs
-from nemo_rs_plugin.core.metrics import MetricSet, batched_evaluation
-from nemo_rs_plugin.core.microbatch import MicrobatchTotals, missing_totals
-from nemo_rs_plugin.core.objective import Objective
-from nemo_rs_plugin.core.parity_metrics import record_nemo_rl_metrics
-from nemo_rs_plugin.core.sanitizing import nonfinite_logit_metric, nonfinite_metrics, sanitize_inputs
+from nemo_rs_plugin.core.batch.inputs import LossInputs, global_counts
+from nemo_rs_plugin.core.batch.microbatch import MicrobatchTotals, missing_totals
+from nemo_rs_plugin.core.batch.sanitizing import nonfinite_logit_metric, nonfinite_metrics, sanitize_inputs
+from nemo_rs_plugin.core.compiled import core_fn, free_host_reads, metrics_form
+from nemo_rs_plugin.core.correction import PolicyLogProbs, compute_correction
+from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
+from nemo_rs_plugin.core.loss_terms.objective import Objective
+from nemo_rs_plugin.core.reporting.health import RejectionMonitor
+from nemo_rs_plugin.core.reporting.metric_catalog import declared_specs, metric_specs
+from nemo_rs_plugin.core.reporting.metrics import MetricSet, batched_evaluation
+from nemo_rs_plugin.core.reporting.parity_metrics import record_nemo_rl_metrics
+from nemo_rs_plugin.core.settings.config import ConfigWarning, RSClippedPGLossConfig
 
 #: The warning of a section that asks :class:`CorrectedPGLoss` itself to record (it never does).
 RECORDS_NOTHING = (
@@ -70,7 +70,7 @@ class CorrectedPGLoss:
         compile_backend: the ``torch.compile`` backend when ``cfg.compile`` is on
             (``aot_eager`` traces the same graph without generating kernels, for debugging).
         per_call_metrics: return the metrics that hold for this call alone (extremes, the ESS,
-            the batch-normalisation factor; :mod:`nemo_rs_plugin.core.metrics`). The NeMo-RL
+            the batch-normalisation factor; :mod:`nemo_rs_plugin.core.reporting.metrics`). The NeMo-RL
             loss turns them off: NeMo-RL sums every metric over calls, microbatches and ranks.
 
     This class records nothing: ``record_logprobs`` is read by the host that records (NeMo-RL's
@@ -136,7 +136,7 @@ class CorrectedPGLoss:
     def metric_normalizations(self) -> dict[str, str]:
         """Metric name -> ``tokens`` / ``sequences`` / ``none``, from the metric catalog.
 
-        :func:`~nemo_rs_plugin.core.metric_catalog.metric_specs` of the configuration: which
+        :func:`~nemo_rs_plugin.core.reporting.metric_catalog.metric_specs` of the configuration: which
         metrics exist depends on the config only, and every metric the loss declares is checked
         against its entry where it is declared (``MetricSet``). The per-call metrics are in it
         only where this loss returns them (``per_call_metrics``).
@@ -266,9 +266,9 @@ class CorrectedPGLoss:
     def microbatch_totals(self, x: LossInputs, groups: SequenceGroups = NO_GROUPS) -> MicrobatchTotals:
         """The totals over the whole microbatch ``x`` that a call on one of its sequences needs.
 
-        :mod:`nemo_rs_plugin.core.microbatch` says which and why. Computed from the inputs that
+        :mod:`nemo_rs_plugin.core.batch.microbatch` says which and why. Computed from the inputs that
         exist before the forward pass (``x.curr`` is not read unless the configuration reads the
-        current policy in a total: :func:`~nemo_rs_plugin.core.microbatch.current_policy_problems`);
+        current policy in a total: :func:`~nemo_rs_plugin.core.batch.microbatch.current_policy_problems`);
         ``groups`` as in :meth:`compute` for ``x`` (``data_parallel`` for the batch
         normalisation's SUM, issued here once per microbatch instead of once per call).
         """

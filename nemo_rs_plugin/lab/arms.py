@@ -1,4 +1,4 @@
-"""The lab's arms: each compared loss configuration, built from :mod:`nemo_rs_plugin.core.presets`.
+"""The lab's arms: each compared loss configuration, built from :mod:`nemo_rs_plugin.core.settings.presets`.
 
 Which arms a run compares (:data:`DEFAULT_ARMS` for the single-lag run of docs/lab.md,
 :data:`DOSE_ARMS` for the dose-response run) and the GRPO loss fields they share
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nemo_rs_plugin.core import presets
+from nemo_rs_plugin.core.settings import presets
 
 __all__ = ["Arm", "BASE_LOSS", "CONFIGS", "DEFAULT_ARMS", "DOSE_ARMS", "DOSE_LAGS", "SEQ_MASK_TIS_BOUNDS"]
 
@@ -38,7 +38,7 @@ class Arm:
 #: holds the two equal): ``(truncated_importance_sampling_ratio_min, truncated_importance_sampling_ratio)``.
 SEQ_MASK_TIS_BOUNDS = (0.999, 1.002)
 
-#: The compared arms, in table order. The presets are core/presets.py's.
+#: The compared arms, in table order. The presets are core/settings/presets.py's.
 CONFIGS: dict[str, Arm] = {
     "on-policy": Arm({}, on_policy=True, role="reference"),
     "none": Arm({}),

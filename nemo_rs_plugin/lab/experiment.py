@@ -16,10 +16,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nemo_rs_plugin.core.config import RejectionFilter
 from nemo_rs_plugin.core.correction.calibration import calibrate_filters
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
-from nemo_rs_plugin.core.policy_loss import kl_estimate
+from nemo_rs_plugin.core.loss_terms.policy_loss import kl_estimate
+from nemo_rs_plugin.core.settings.config import RejectionFilter
 from nemo_rs_plugin.lab.arms import (
     BASE_LOSS,
     CONFIGS,
@@ -280,7 +280,7 @@ class _Run:
         return summed, norms
 
     def warnings(self) -> int:
-        """Unhealthy windows the loss's run-time rejection monitor has counted (core/health.py)."""
+        """Unhealthy windows the loss's run-time rejection monitor has counted (core/reporting/health.py)."""
         monitor = self.loss_fn.rejection_monitor
         return self.earlier_warnings + (monitor.unhealthy_windows if monitor is not None else 0)
 

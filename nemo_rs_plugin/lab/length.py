@@ -5,7 +5,8 @@ The hypothesis it tests: the geometric-mean sequence weight
 ``exp(sum d)`` (``sequence``) degenerates with length: ``sum d`` over ``L`` tokens has ``L``
 times one token's variance, so the product's effective sample size falls with ``L`` while the
 geometric mean's does not. What it measured is in docs/lab.md#length (the product's ESS falls
-and it loses reward at 256 tokens; its collapse counts do not grow with length). ``nemo-rs simulate`` shows the weights; this study trains.
+and it loses reward at 256 tokens; its collapse counts do not grow with length).
+``nemo-rs simulate`` shows the weights; this study trains.
 
 Every arm of :data:`LENGTH_STUDY` (no correction, token IS truncated at 2, ``sequence_mean``,
 ``sequence``; untruncated sequence weights, so the level alone differs) runs at every length on

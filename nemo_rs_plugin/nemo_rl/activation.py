@@ -32,7 +32,7 @@ from typing import Any, Mapping, Optional
 import yaml
 
 import _nemo_rs_plugin_hook as hook
-from nemo_rs_plugin.core.config import ConfigError, as_plain_dict, own_loss_problems
+from nemo_rs_plugin.core.settings.config import ConfigError, as_plain_dict, own_loss_problems
 from nemo_rs_plugin.nemo_rl import seam, workers
 from nemo_rs_plugin.nemo_rl.host import SUPPORTED_NEMO_RL, host_accepts_fused_flag, host_version, missing_field_problems
 from nemo_rs_plugin.nemo_rl.recipe_defaults import parent_paths
@@ -93,7 +93,7 @@ def check_host_loss_config(cfg: Any, name: Optional[str] = None) -> None:
 
     Plugin fields (or near-misspellings), and NeMo-RL fields this NeMo-RL does not have
     (``use_cispo: true`` on v0.6.0 trains plain PPO). The rules are
-    :func:`~nemo_rs_plugin.core.config.own_loss_problems` and
+    :func:`~nemo_rs_plugin.core.settings.config.own_loss_problems` and
     :func:`~nemo_rs_plugin.nemo_rl.host.missing_field_problems`, shared with ``nemo-rs check``.
     """
     problems = own_loss_problems(_keys_of(cfg), name)

@@ -19,8 +19,8 @@ import inspect
 import numbers
 from typing import Any, Mapping, Optional
 
-from nemo_rs_plugin.core.config import UPSTREAM_FIELDS, RSClippedPGLossConfig
-from nemo_rs_plugin.core.config_errors import shown
+from nemo_rs_plugin.core.settings.config import UPSTREAM_FIELDS, RSClippedPGLossConfig
+from nemo_rs_plugin.core.settings.config_errors import shown
 
 __all__ = [
     "SUPPORTED_NEMO_RL",

@@ -33,11 +33,11 @@ except ImportError as exc:  # pragma: no cover - exercised where NeMo-RL is abse
         "works without it."
     ) from exc
 
-from nemo_rs_plugin.core.config import ConfigError, RSClippedPGLossConfig, as_plain_dict
+from nemo_rs_plugin.core.batch.inputs import LossInputs
+from nemo_rs_plugin.core.batch.microbatch import MicrobatchTotals, current_policy_problems, needs_microbatch_totals
 from nemo_rs_plugin.core.distributed import SequenceGroups
-from nemo_rs_plugin.core.inputs import LossInputs
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
-from nemo_rs_plugin.core.microbatch import MicrobatchTotals, current_policy_problems, needs_microbatch_totals
+from nemo_rs_plugin.core.settings.config import ConfigError, RSClippedPGLossConfig, as_plain_dict
 from nemo_rs_plugin.nemo_rl import seam
 from nemo_rs_plugin.nemo_rl.host import (
     host_accepts_fused_flag,
@@ -279,7 +279,7 @@ class RSClippedPGLossFn(ClippedPGLossFn):
         Such a call (a wrapper that cannot promise the sequences' order:
         :mod:`nemo_rs_plugin.nemo_rl.packing`) gets its sequence's slice of the microbatch; the
         wrapper's own ``data`` is the whole microbatch. The totals the configuration reads
-        (:mod:`nemo_rs_plugin.core.microbatch`) are computed from it once per microbatch, so
+        (:mod:`nemo_rs_plugin.core.batch.microbatch`) are computed from it once per microbatch, so
         every sequence is corrected as in one call on the microbatch; with
         ``is_batch_normalization: data_parallel`` the data-parallel SUM is then issued once per
         microbatch, as unpacked, whatever the number of sequences a rank holds.
@@ -288,7 +288,7 @@ class RSClippedPGLossFn(ClippedPGLossFn):
 
         Raises:
             ConfigError: the totals need the current policy's log-probs of every sequence
-                (:func:`~nemo_rs_plugin.core.microbatch.current_policy_problems`), or the
+                (:func:`~nemo_rs_plugin.core.batch.microbatch.current_policy_problems`), or the
                 wrapper's microbatch cannot be read.
         """
         if not self._needs_microbatch_totals:

@@ -36,7 +36,7 @@ logits themselves are never copied.
 
 A per-sequence wrapper that hands its microbatch but cannot promise NeMo-RL's order (a
 :class:`HostCall` with ``positions=False``, for a wrapper other than NeMo-RL's): each call is
-computed on its own sequence, with the microbatch totals of :mod:`nemo_rs_plugin.core.microbatch`
+computed on its own sequence, with the microbatch totals of :mod:`nemo_rs_plugin.core.batch.microbatch`
 read from the wrapper's ``data`` (:class:`TotalsCache`); the settings whose totals need the
 current policy of other sequences are refused there. A loss called with no :class:`HostCall`
 (directly, or by a wrapper that opens none) computes the call it is given, as an unpacked call.
@@ -49,8 +49,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
-from nemo_rs_plugin.core.inputs import LossInputs, stack_padded
-from nemo_rs_plugin.core.microbatch import MicrobatchTotals
+from nemo_rs_plugin.core.batch.inputs import LossInputs, stack_padded
+from nemo_rs_plugin.core.batch.microbatch import MicrobatchTotals
 
 __all__ = [
     "PER_SEQUENCE_WRAPPER",

@@ -49,8 +49,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from nemo_rs_plugin.core.config import ConfigError
-from nemo_rs_plugin.core.health import LOGGER
+from nemo_rs_plugin.core.reporting.health import LOGGER
+from nemo_rs_plugin.core.settings.config import ConfigError
 from nemo_rs_plugin.nemo_rl.record_format import (
     FORMAT,
     MANIFEST,

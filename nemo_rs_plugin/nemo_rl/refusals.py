@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from nemo_rs_plugin.core.config import RSClippedPGLossConfig
+from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 from nemo_rs_plugin.nemo_rl.host import fused_sharded_problem, training_time_filtering_problem
 from nemo_rs_plugin.nemo_rl.recipe_defaults import dotted_value
 from nemo_rs_plugin.parallel.vocab_parallel import chunk_size_problem

@@ -17,7 +17,7 @@ import importlib
 from importlib import metadata
 from typing import Any, Union
 
-from nemo_rs_plugin.core.presets import NEMO_RL_LOSS_NAME, PLUGIN_LOSS_NAME  # standard library only
+from nemo_rs_plugin.core.settings.presets import NEMO_RL_LOSS_NAME, PLUGIN_LOSS_NAME  # standard library only
 
 __all__ = [
     "ENTRY_POINT_GROUP",

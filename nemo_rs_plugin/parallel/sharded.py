@@ -33,15 +33,15 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from nemo_rs_plugin.core.batch.inputs import LossInputs
+from nemo_rs_plugin.core.batch.microbatch import MicrobatchTotals
 from nemo_rs_plugin.core.distributed import (
     SequenceGroups,
     agree_before_collectives,
     all_reduce_sum_with_grad,
     group_is_active,
 )
-from nemo_rs_plugin.core.inputs import LossInputs
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
-from nemo_rs_plugin.core.microbatch import MicrobatchTotals
 from nemo_rs_plugin.parallel.layout import cp_shard, shift_left
 from nemo_rs_plugin.parallel.vocab_parallel import chunk_size_problem, target_logprobs_and_nonfinite_rows
 

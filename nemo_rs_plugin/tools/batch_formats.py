@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from nemo_rs_plugin.core.input_checks import POSITIVE_LOGPROB_SLACK
+from nemo_rs_plugin.core.batch.input_checks import POSITIVE_LOGPROB_SLACK
 from nemo_rs_plugin.tools.torch_batch import (
     REQUIRED_FIELDS,
     TORCH_SUFFIXES,

@@ -28,7 +28,7 @@ DEFAULT_TARGET = 0.05  # docs/guide.md: a few percent; the lab's calibrated arm 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``nemo-rs calibrate``'s flags."""
-    from nemo_rs_plugin.core.presets import FILTERS
+    from nemo_rs_plugin.core.settings.presets import FILTERS
 
     p.add_argument(
         "--from",
@@ -85,11 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _templates(args: argparse.Namespace, problems: list[str]) -> list[dict]:
-    from nemo_rs_plugin.core.presets import FILTERS
+    from nemo_rs_plugin.core.settings.presets import FILTERS
 
     if args.recipe:
-        from nemo_rs_plugin.core.config import own_loss_problems
-        from nemo_rs_plugin.core.presets import selects_nemo_rl_loss
+        from nemo_rs_plugin.core.settings.config import own_loss_problems
+        from nemo_rs_plugin.core.settings.presets import selects_nemo_rl_loss
         from nemo_rs_plugin.tools.recipe_loading import (
             INHERITED_NOT_FOUND,
             LoadedRecipe,
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     if not problems:
         from pydantic import ValidationError
 
-        from nemo_rs_plugin.core.config import RejectionFilter
+        from nemo_rs_plugin.core.settings.config import RejectionFilter
         from nemo_rs_plugin.tools.batch_formats import BatchFormatError, load_with_records
 
         if args.recipe:  # validated as check validates them: each problem names the stage, field, value, allowed
@@ -233,7 +233,7 @@ def _recipe_filters(recipe: str, stages: list[dict], problems: list[str]) -> lis
     """The recipe's stages validated by the config's own rules (``nemo-rs check``'s lines), or ``[]``."""
     import warnings
 
-    from nemo_rs_plugin.core.config import ConfigError, ConfigWarning, RSClippedPGLossConfig
+    from nemo_rs_plugin.core.settings.config import ConfigError, ConfigWarning, RSClippedPGLossConfig
 
     try:
         with warnings.catch_warnings():  # check's business; calibration reports what the data does
@@ -274,7 +274,7 @@ def _too_few(stages: list) -> list[str]:
 
 def _warnings(target: float, filters: list, stages: list) -> list[str]:
     """A target the loss itself calls unhealthy, and stages with too few units to set a band from."""
-    from nemo_rs_plugin.core.health import UNHEALTHY_SEQ_REJECTION
+    from nemo_rs_plugin.core.reporting.health import UNHEALTHY_SEQ_REJECTION
 
     lines = []
     if target > UNHEALTHY_SEQ_REJECTION and any(f.level_entry.whole_sequences for f in filters):

@@ -28,14 +28,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from nemo_rs_plugin.core.config import (
+from nemo_rs_plugin.core.settings.config import (
     PLUGIN_FIELDS,
     ConfigError,
     ConfigWarning,
     RSClippedPGLossConfig,
     own_loss_problems,
 )
-from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME, selects_nemo_rl_loss
+from nemo_rs_plugin.core.settings.presets import PLUGIN_LOSS_NAME, selects_nemo_rl_loss
 from nemo_rs_plugin.tools.correction_warnings import warn_about_correction
 from nemo_rs_plugin.tools.grpo_setup import grpo_setup_problems
 from nemo_rs_plugin.tools.policy_setup import packing_problems, parallelism_problems

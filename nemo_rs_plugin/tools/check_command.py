@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     import contextlib
     import warnings
 
-    from nemo_rs_plugin.core.config import ConfigWarning
+    from nemo_rs_plugin.core.settings.config import ConfigWarning
 
     # With --json, stdout is the JSON object alone: anything NeMo-RL prints while loading goes to stderr.
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()

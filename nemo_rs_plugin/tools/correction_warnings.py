@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from nemo_rs_plugin.core.config import RSClippedPGLossConfig
-from nemo_rs_plugin.core.filter_statistics import filter_statistic_entry
+from nemo_rs_plugin.core.registries.filter_statistics import filter_statistic_entry
+from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 from nemo_rs_plugin.tools.grpo_setup import SetupReport
 from nemo_rs_plugin.tools.recipe_loading import recipe_value
 
@@ -76,7 +76,7 @@ def warn_about_correction(
 
 def _warn_rejection(report: SetupReport, config: RSClippedPGLossConfig, mismatch: float, tokens: int) -> None:
     """Estimate the rejection at the recipe's response length; warn above the unhealthy share."""
-    from nemo_rs_plugin.core.health import UNHEALTHY_SEQ_REJECTION
+    from nemo_rs_plugin.core.reporting.health import UNHEALTHY_SEQ_REJECTION
     from nemo_rs_plugin.tools.simulate import MAX_SYNTHETIC_TOKENS, MismatchModel, loss_metrics, synthetic_batch
 
     length = max(16, tokens)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from nemo_rs_plugin.core.config import RejectionFilter, RSClippedPGLossConfig
-from nemo_rs_plugin.core.filter_statistics import filter_statistic_entry
+from nemo_rs_plugin.core.registries.filter_statistics import filter_statistic_entry
+from nemo_rs_plugin.core.settings.config import RejectionFilter, RSClippedPGLossConfig
 
 __all__ = ["describe_pipeline", "describe_filter"]
 

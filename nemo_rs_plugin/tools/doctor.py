@@ -37,7 +37,7 @@ import os
 import sys
 from typing import Optional, Sequence, TextIO
 
-from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME as PLUGIN_NAME  # standard library only
+from nemo_rs_plugin.core.settings.presets import PLUGIN_LOSS_NAME as PLUGIN_NAME  # standard library only
 from nemo_rs_plugin.tools import doctor_driver, doctor_workers  # standard library only
 from nemo_rs_plugin.tools.doctor_report import DoctorReport, StopChecks  # standard library only
 

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any, Optional
 
-from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME as PLUGIN_NAME  # standard library only
+from nemo_rs_plugin.core.settings.presets import PLUGIN_LOSS_NAME as PLUGIN_NAME  # standard library only
 from nemo_rs_plugin.nemo_rl.recipe_defaults import nemo_rl_checkout_problem, parent_paths  # standard library only
 from nemo_rs_plugin.tools.doctor_report import DoctorReport, StopChecks  # standard library only
 

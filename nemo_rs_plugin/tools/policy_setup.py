@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from nemo_rs_plugin.core.config import RSClippedPGLossConfig
-from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
+from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
+from nemo_rs_plugin.core.settings.presets import PLUGIN_LOSS_NAME
 from nemo_rs_plugin.nemo_rl.refusals import recipe_refusals
 from nemo_rs_plugin.parallel.vocab_parallel import DEFAULT_LOGPROB_CHUNK_SIZE, chunk_size_problem
 from nemo_rs_plugin.tools.grpo_setup import SetupReport

@@ -29,7 +29,7 @@ from typing import Optional, Protocol, cast
 
 import yaml
 
-from nemo_rs_plugin.core.config import ConfigError
+from nemo_rs_plugin.core.settings.config import ConfigError
 from nemo_rs_plugin.nemo_rl.recipe_defaults import defaults_of, nemo_rl_checkout_problem
 from nemo_rs_plugin.nemo_rl.recipe_defaults import dotted_value as recipe_value  # the tools' name for it
 from nemo_rs_plugin.tools.recipe_interpolations import resolve_interpolations

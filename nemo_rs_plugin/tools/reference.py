@@ -11,10 +11,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from nemo_rs_plugin.core.config import PLUGIN_FIELDS, RejectionFilter, RSClippedPGLossConfig
-from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS, aggregated_text
-from nemo_rs_plugin.core.metric_catalog import METRIC_CATALOG, MetricEntry
-from nemo_rs_plugin.core.rejection_filter import AGGS_FOR_METRIC
+from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS, aggregated_text
+from nemo_rs_plugin.core.reporting.metric_catalog import METRIC_CATALOG, MetricEntry
+from nemo_rs_plugin.core.settings.config import PLUGIN_FIELDS, RejectionFilter, RSClippedPGLossConfig
+from nemo_rs_plugin.core.settings.rejection_filter import AGGS_FOR_METRIC
 
 __all__ = ["render_reference"]
 
@@ -71,7 +71,7 @@ def _aggregations_text() -> str:
 
 
 # The guide's metric table (docs/guide.md, between the markers below): the metrics the plugin
-# adds to NeMo-RL's, read off the metric catalog (core/metric_catalog.py), consecutive entries
+# adds to NeMo-RL's, read off the metric catalog (core/reporting/metric_catalog.py), consecutive entries
 # with one meaning in one row (``<filter>`` stands for a filter's label). tests/docs/test_metric_docs.py
 # checks that the page holds this table.
 METRICS_BEGIN, METRICS_END = (
@@ -125,7 +125,7 @@ def render_reference() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `nemo_rs_plugin/core/config.py` by `nemo-rs reference`; do not edit by hand.",
+        "Generated from `nemo_rs_plugin/core/settings/config.py` by `nemo-rs reference`; do not edit by hand.",
         "Everything goes under `loss_fn:` in a NeMo-RL recipe, with `name: rs_clipped_pg`.",
         "Invalid values and combinations are rejected when the loss is built, one line per",
         "problem naming the field, the value and what is allowed.",

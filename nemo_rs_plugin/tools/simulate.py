@@ -26,10 +26,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nemo_rs_plugin.core import presets
+from nemo_rs_plugin.core.batch.masking import log_ratio
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
-from nemo_rs_plugin.core.masking import log_ratio
-from nemo_rs_plugin.core.truncation import truncation
+from nemo_rs_plugin.core.registries.truncation import truncation
+from nemo_rs_plugin.core.settings import presets
 from nemo_rs_plugin.tools import report
 from nemo_rs_plugin.tools.batch_formats import BatchFormatError, load_batch
 
@@ -152,14 +152,14 @@ def _applied_weights(cfg: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-unit IS weights the loss applies, from the loss's own correction function.
 
     Computed in the batch's dtype (float32), as the loss computes them: a weight whose
-    ``exp`` overflows float32 is 0 there (:func:`~nemo_rs_plugin.core.masking.finite_exp`), so it
+    ``exp`` overflows float32 is 0 there (:func:`~nemo_rs_plugin.core.batch.masking.finite_exp`), so it
     is 0 here too. Returned as float64 for the statistics (``w**2`` of a large float32
     weight must not overflow).
     """
-    from nemo_rs_plugin.core.config import RSClippedPGLossConfig
+    from nemo_rs_plugin.core.batch.masking import TokenMasks
     from nemo_rs_plugin.core.correction import compute_correction
-    from nemo_rs_plugin.core.masking import TokenMasks
-    from nemo_rs_plugin.core.metrics import GlobalCounts
+    from nemo_rs_plugin.core.reporting.metrics import GlobalCounts
+    from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 
     c = RSClippedPGLossConfig.from_any(cfg)
     dtype = batch["prev_logprobs"].dtype
@@ -369,8 +369,8 @@ def recipe_row(path: str, overrides: list[str], taken: tuple[str, ...] = ()) -> 
     """
     import warnings
 
-    from nemo_rs_plugin.core.config import ConfigError, ConfigWarning, RSClippedPGLossConfig, own_loss_problems
-    from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME, selects_nemo_rl_loss
+    from nemo_rs_plugin.core.settings.config import ConfigError, ConfigWarning, RSClippedPGLossConfig, own_loss_problems
+    from nemo_rs_plugin.core.settings.presets import PLUGIN_LOSS_NAME, selects_nemo_rl_loss
     from nemo_rs_plugin.tools.recipe_loading import (
         INHERITED_NOT_FOUND,
         LoadedRecipe,

@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: {line}", file=sys.stderr)
     import warnings
 
-    from nemo_rs_plugin.core.config import ConfigWarning
+    from nemo_rs_plugin.core.settings.config import ConfigWarning
 
     with warnings.catch_warnings():  # the recipe's, printed above once; the loss would repeat them
         warnings.simplefilter("ignore", ConfigWarning)

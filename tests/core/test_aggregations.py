@@ -1,4 +1,4 @@
-"""Guards ``core/aggregations.py``: a sequence filter's aggregations stated once, and every reader follows them.
+"""Guards ``core/registries/aggregations.py``: a sequence filter's aggregations stated once, read by all.
 
 The registry's keys are the filter's ``FilterAgg``; each entry's stage statistic, reduced over
 ranks that each hold part of a sequence's tokens (SUM, or MAX where the field says so), and
@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_rs_plugin.core.aggregations import (
+from nemo_rs_plugin.core.registries.aggregations import (
     DEFAULT_AGGREGATION,
     REDUCED_BY_MAX,
     SEQUENCE_AGGREGATIONS,
     StageInputs,
     sequence_aggregation,
 )
-from nemo_rs_plugin.core.config import RejectionFilter
-from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS
-from nemo_rs_plugin.core.rejection_filter import NEMO_RL_UNDIVIDED_MARKERS, FilterAgg
+from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS
+from nemo_rs_plugin.core.settings.config import RejectionFilter
+from nemo_rs_plugin.core.settings.rejection_filter import NEMO_RL_UNDIVIDED_MARKERS, FilterAgg
 
 REPO = Path(__file__).resolve().parents[2]
 BIG = torch.finfo(torch.float64).max

@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin.core import presets
-from nemo_rs_plugin.core.config import RejectionFilter
 from nemo_rs_plugin.core.correction.calibration import band_for_rejection, calibrate_filters, rejected_fractions
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
+from nemo_rs_plugin.core.settings import presets
+from nemo_rs_plugin.core.settings.config import RejectionFilter
 from tests.support.logprobs import at_most_zero
 
 

@@ -162,7 +162,7 @@ def test_compile_is_opt_in(monkeypatch):
 
 def test_compile_on_the_sharded_path_is_warned_about():
     """The sharded path stays eager: ``compile: true`` there would do nothing, silently."""
-    from nemo_rs_plugin.core.config import ConfigWarning
+    from nemo_rs_plugin.core.settings.config import ConfigWarning
 
     with pytest.warns(ConfigWarning, match="compile: got true with sharded_logits_input: true"):
         CorrectedPGLoss({"compile": True, "sharded_logits_input": True})
@@ -227,7 +227,7 @@ def test_the_metric_set_keeps_no_tensor_but_its_vector_after_stack(batched):
     inputs that way in the CPU form."""
     lp, data, gvs, gvt = batch(3, 6)
     loss_fn = CorrectedPGLoss(FULL, batched_metrics=batched)
-    from nemo_rs_plugin.core.inputs import LossInputs
+    from nemo_rs_plugin.core.batch.inputs import LossInputs
 
     inputs = LossInputs.from_nemo_rl(lp, data, need_prev=True, need_reference=loss_fn.kl_coef != 0)
     _, metrics = loss_fn._tensors(inputs, gvs, gvt, NO_GROUPS, batched)
@@ -299,8 +299,8 @@ def test_the_metric_set_holds_no_closure(cfg):
     checks run in the loss on the transferred values (``input_checks.judge_inputs``)."""
     import typing
 
-    from nemo_rs_plugin.core.inputs import LossInputs
-    from nemo_rs_plugin.core.metric_kernels import HostFormula
+    from nemo_rs_plugin.core.batch.inputs import LossInputs
+    from nemo_rs_plugin.core.reporting.metric_kernels import HostFormula
 
     cfg = dict(cfg)
     float_mask = cfg.pop("token_mask_dtype", None) == "float"

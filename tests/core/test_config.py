@@ -7,7 +7,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 from nemo_rs_plugin import ConfigError, CorrectedPGLoss, RSClippedPGLossConfig
-from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS
+from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS
 
 IS_ON = {"use_importance_sampling_correction": True}
 
@@ -168,8 +168,8 @@ def test_the_filter_statistics_registry_is_the_metric_type_and_the_references_di
     """One entry per ``FilterMetric`` value; the naive reference writes each formula again."""
     from typing import get_args
 
-    from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS, filter_statistic_entry
-    from nemo_rs_plugin.core.rejection_filter import AGGS_FOR_METRIC, FilterMetric
+    from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS, filter_statistic_entry
+    from nemo_rs_plugin.core.settings.rejection_filter import AGGS_FOR_METRIC, FilterMetric
     from tests.support.naive_reference import TOKEN_STATISTICS
 
     metrics = list(get_args(FilterMetric))
@@ -187,7 +187,7 @@ def test_each_statistic_equals_the_references_formula_and_lies_in_its_range(metr
     import torch
 
     from nemo_rs_plugin.core.correction.filters import token_filter_statistic
-    from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS
+    from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS
     from tests.support.naive_reference import token_statistic
 
     entry = FILTER_STATISTICS[metric]
@@ -209,7 +209,7 @@ def test_no_default_filter_label_is_one_nemo_rl_leaves_undivided():
     import itertools
     import typing
 
-    from nemo_rs_plugin.core.rejection_filter import NEMO_RL_UNDIVIDED_MARKERS, RejectionFilter
+    from nemo_rs_plugin.core.settings.rejection_filter import NEMO_RL_UNDIVIDED_MARKERS, RejectionFilter
 
     fields = RejectionFilter.model_fields
     log_ratios = typing.get_args(fields["log_ratio"].annotation)
@@ -232,7 +232,7 @@ def test_no_default_filter_label_is_one_nemo_rl_leaves_undivided():
 
 @pytest.mark.parametrize("name", ["ratio_max", "seq_min_guard"])
 def test_a_filter_name_nemo_rl_would_not_divide_is_warned_about(name):
-    from nemo_rs_plugin.core.config import ConfigWarning
+    from nemo_rs_plugin.core.settings.config import ConfigWarning
 
     with pytest.warns(ConfigWarning, match=rf"rejection_sampling\.0\.name: got '{name}'.*too large"):
         RSClippedPGLossConfig.from_any(

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from nemo_rs_plugin import ConfigError, CorrectedPGLoss, RSClippedPGLossConfig
-from nemo_rs_plugin.core.config import ConfigWarning
+from nemo_rs_plugin.core.settings.config import ConfigWarning
 
 IS_ON = {"use_importance_sampling_correction": True}
 

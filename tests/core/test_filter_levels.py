@@ -1,4 +1,4 @@
-"""Guards ``core/filter_levels.py``: a rejection filter's levels stated once, and every reader follows them.
+"""Guards ``core/registries/filter_levels.py``: a rejection filter's levels stated once, and every reader follows them.
 
 The registry's keys are the filter's ``FilterLevel``; each entry's flags are what the filter
 accepts and what the loss does with it (a whole-sequence level takes ``agg`` and rejects rows;
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_rs_plugin.core.config import RejectionFilter, RSClippedPGLossConfig
-from nemo_rs_plugin.core.filter_levels import FILTER_LEVELS, rejection_level
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
-from nemo_rs_plugin.core.rejection_filter import FilterAdvantageSign as AdvantageSign
-from nemo_rs_plugin.core.rejection_filter import FilterLevel, FilterScope
+from nemo_rs_plugin.core.registries.filter_levels import FILTER_LEVELS, rejection_level
+from nemo_rs_plugin.core.settings.config import RejectionFilter, RSClippedPGLossConfig
+from nemo_rs_plugin.core.settings.rejection_filter import FilterAdvantageSign as AdvantageSign
+from nemo_rs_plugin.core.settings.rejection_filter import FilterLevel, FilterScope
 
 REPO = Path(__file__).resolve().parents[2]
 #: What the loss implements per level, written out (the registry must say the same): a sequence

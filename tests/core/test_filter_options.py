@@ -1,4 +1,4 @@
-"""Guards ``core/filter_options.py``: ``applies_to``, ``log_ratio``, ``advantage_sign`` and
+"""Guards ``core/registries/filter_options.py``: ``applies_to``, ``log_ratio``, ``advantage_sign`` and
 ``rejection_denominator`` stated once, and every reader follows them.
 
 Each registry's keys are its field's ``Literal``; each entry's flags are what the loss does with
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_rs_plugin.core.config import RejectionFilter, RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction.filters import PolicyLogProbs, filter_log_ratio
-from nemo_rs_plugin.core.filter_options import ADVANTAGE_SIGNS, DENOMINATORS, LOG_RATIOS, SCOPES
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
-from nemo_rs_plugin.core.rejection_filter import FilterAdvantageSign, FilterLogRatio, FilterScope
+from nemo_rs_plugin.core.registries.filter_options import ADVANTAGE_SIGNS, DENOMINATORS, LOG_RATIOS, SCOPES
+from nemo_rs_plugin.core.settings.config import RejectionFilter, RSClippedPGLossConfig
+from nemo_rs_plugin.core.settings.rejection_filter import FilterAdvantageSign, FilterLogRatio, FilterScope
 
 REPO = Path(__file__).resolve().parents[2]
 #: What the loss implements per value, written out (each registry must say the same).

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin.core.config import RejectionFilter, RSClippedPGLossConfig
+from nemo_rs_plugin.core.batch.masking import TokenMasks, row_dot
 from nemo_rs_plugin.core.correction.filters import (
     PolicyLogProbs,
     apply_filters,
@@ -25,10 +25,10 @@ from nemo_rs_plugin.core.correction.filters import (
     token_filter_statistic,
 )
 from nemo_rs_plugin.core.correction.statistics import SequenceStatistics
-from nemo_rs_plugin.core.filter_options import LOG_RATIOS
-from nemo_rs_plugin.core.masking import TokenMasks, row_dot
-from nemo_rs_plugin.core.metric_catalog import declared_specs
-from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
+from nemo_rs_plugin.core.registries.filter_options import LOG_RATIOS
+from nemo_rs_plugin.core.reporting.metric_catalog import declared_specs
+from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet
+from nemo_rs_plugin.core.settings.config import RejectionFilter, RSClippedPGLossConfig
 
 F64 = torch.float64
 log = math.log

@@ -1,4 +1,4 @@
-"""Guards core/health.py: the run-time warning when rejection eats the batch.
+"""Guards core/reporting/health.py: the run-time warning when rejection eats the batch.
 
 The monitor's windows, threshold and rate limit on constructed counts; then the loss itself:
 a band far too tight for the batch warns once, on the ``nemo_rs_plugin`` logger, and a healthy
@@ -12,9 +12,9 @@ import logging
 import pytest
 import torch
 
-from nemo_rs_plugin.core import presets
-from nemo_rs_plugin.core.health import UNHEALTHY_SEQ_REJECTION, RejectionMonitor
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
+from nemo_rs_plugin.core.reporting.health import UNHEALTHY_SEQ_REJECTION, RejectionMonitor
+from nemo_rs_plugin.core.settings import presets
 from tests.support.logprobs import at_most_zero
 
 

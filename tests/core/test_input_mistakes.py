@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_rs_plugin import CorrectedPGLoss
-from nemo_rs_plugin.core.input_checks import InputWarning
+from nemo_rs_plugin.core.batch.input_checks import InputWarning
 from tests.conftest import make_batch
 from tests.core.test_inputs import FULL
 from tests.support.logprobs import at_most_zero
@@ -110,7 +110,7 @@ def test_a_global_count_at_or_above_the_microbatch_own_passes():
 @pytest.fixture
 def placeholder_unsaid(monkeypatch):
     """The split API's placeholder is said once per process: as if not said yet."""
-    from nemo_rs_plugin.core import input_checks
+    from nemo_rs_plugin.core.batch import input_checks
 
     monkeypatch.setattr(input_checks, "_SAID_ONCE", set())
 

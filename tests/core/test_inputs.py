@@ -9,9 +9,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from nemo_rs_plugin import CorrectedPGLoss, metric_normalizations
-from nemo_rs_plugin.core import presets
 from nemo_rs_plugin.core.compiled import free_host_reads
 from nemo_rs_plugin.core.distributed import NO_GROUPS
+from nemo_rs_plugin.core.settings import presets
 from tests.conftest import make_batch
 from tests.support.logprobs import at_most_zero
 
@@ -440,7 +440,7 @@ def test_input_counts_read_valid_tokens_only_in_both_forms(batched):
     the stacked inputs where they are, one matrix-vector product per stacked group)."""
     import warnings
 
-    from nemo_rs_plugin.core.input_checks import InputWarning
+    from nemo_rs_plugin.core.batch.input_checks import InputWarning
 
     B, T = 2, 5
     prev = -torch.rand(B, T) - 0.1
@@ -473,7 +473,7 @@ def test_finite_inputs_are_used_as_given_where_the_host_can_read():
     """Eager CPU, every input finite: no sanitised copy, no non-finite mask; one NaN anywhere (a
     masked position included) takes the general path; so does a finite input whose sum
     overflows (its values are exact either way)."""
-    from nemo_rs_plugin.core.sanitizing import sanitize_inputs
+    from nemo_rs_plugin.core.batch.sanitizing import sanitize_inputs
 
     lp, data, _, _ = batch()
     x = _loss_inputs(lp, data)
@@ -492,7 +492,7 @@ def test_finite_inputs_are_used_as_given_where_the_host_can_read():
 
 
 def _part(T, seed, with_rewards=True):
-    from nemo_rs_plugin.core.inputs import LossInputs
+    from nemo_rs_plugin.core.batch.inputs import LossInputs
 
     g = torch.Generator().manual_seed(seed)
 
@@ -515,7 +515,7 @@ def test_stacked_sequences_give_the_loss_of_one_call_on_the_microbatch():
     """``LossInputs.stack_rows`` (the sharded path's per-sequence packing calls, gathered): rows of
     different lengths padded with masked zeros give the loss, gradient and metrics of the same rows
     laid out in one [B, T] batch by hand."""
-    from nemo_rs_plugin.core.inputs import LossInputs
+    from nemo_rs_plugin.core.batch.inputs import LossInputs
 
     # batch-level quantities included: the batch-normalised weights and the kept denominator
     loss_fn = CorrectedPGLoss(
@@ -561,7 +561,7 @@ def test_stacked_sequences_give_the_loss_of_one_call_on_the_microbatch():
 
 
 def test_stacking_refuses_an_optional_field_some_parts_lack():
-    from nemo_rs_plugin.core.inputs import LossInputs
+    from nemo_rs_plugin.core.batch.inputs import LossInputs
 
     with pytest.raises(ValueError, match="rewards is given for some parts only"):
         LossInputs.stack_rows([_part(4, 0), _part(4, 1, with_rewards=False)])

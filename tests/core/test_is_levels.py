@@ -125,9 +125,9 @@ def test_the_is_level_formulas_are_stated_once_and_everywhere_alike():
     import typing
     from pathlib import Path
 
-    from nemo_rs_plugin.core.config import ISCorrectionLevel, RSClippedPGLossConfig
     from nemo_rs_plugin.core.correction import weights
-    from nemo_rs_plugin.core.is_levels import IS_LEVELS
+    from nemo_rs_plugin.core.registries.is_levels import IS_LEVELS
+    from nemo_rs_plugin.core.settings.config import ISCorrectionLevel, RSClippedPGLossConfig
     from nemo_rs_plugin.tools.describe import describe_pipeline
 
     assert tuple(IS_LEVELS) == typing.get_args(ISCorrectionLevel)  # the config names the registry's levels

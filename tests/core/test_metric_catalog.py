@@ -1,4 +1,4 @@
-"""Guards ``core/metric_catalog.py``: the catalog is exactly what the loss returns, for every kind of configuration.
+"""Guards ``core/reporting/metric_catalog.py``: the catalog is exactly what the loss returns, in every configuration.
 
 The loss checks each metric it declares against the catalog (name, normalization, reduction,
 per-call) as it declares it; here every configuration of a grid (IS levels, truncation types,
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
-from nemo_rs_plugin.core.metric_catalog import METRIC_CATALOG, catalog_entry, declared_specs, metric_specs
-from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
+from nemo_rs_plugin.core.reporting.metric_catalog import METRIC_CATALOG, catalog_entry, declared_specs, metric_specs
+from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet
 
 B, S = 3, 6
 TRUNCATIONS = [
@@ -107,7 +107,7 @@ def test_a_declaration_the_catalog_does_not_hold_is_an_error():
         MetricSet(None, specs).add("is_batch_norm_factor", torch.tensor(1.0))
     with pytest.raises(KeyError, match="'_internal' is not in the catalog .*DIAGNOSTIC_CATALOG"):
         MetricSet(None, specs).add("_internal", torch.tensor(1.0))
-    with pytest.raises(KeyError, match="not in the catalog \\(core/metric_catalog.py\\): add its entry"):
+    with pytest.raises(KeyError, match="not in the catalog \\(core/reporting/metric_catalog.py\\): add its entry"):
         catalog_entry("rs/x/seq_kept_frac")
     MetricSet(None, specs).add("_global_valid_toks", torch.tensor(1.0))  # a diagnostic: declared, never returned
 

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin.core.masking import EPS, extrema_penalty
-from nemo_rs_plugin.core.metric_catalog import MetricSpec
-from nemo_rs_plugin.core.metric_kernels import ClippedExtreme, EffectiveSampleSize
-from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
+from nemo_rs_plugin.core.batch.masking import EPS, extrema_penalty
+from nemo_rs_plugin.core.reporting.metric_catalog import MetricSpec
+from nemo_rs_plugin.core.reporting.metric_kernels import ClippedExtreme, EffectiveSampleSize
+from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet
 from tests.support.references import tensors_reachable
 
 #: The specs these tests declare under (the loss reads its own from metric_catalog.declared_specs).

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from nemo_rs_plugin import CorrectedPGLoss
-from nemo_rs_plugin.core.config import RSClippedPGLossConfig
-from nemo_rs_plugin.core.inputs import LossInputs
-from nemo_rs_plugin.core.microbatch import current_policy_problems, needs_microbatch_totals
+from nemo_rs_plugin.core.batch.inputs import LossInputs
+from nemo_rs_plugin.core.batch.microbatch import current_policy_problems, needs_microbatch_totals
+from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 from tests.conftest import make_batch
 
 VETO = {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 0.8, "upper": 1.25}

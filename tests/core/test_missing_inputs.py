@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_rs_plugin.core.inputs import LossInputs
+from nemo_rs_plugin.core.batch.inputs import LossInputs
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
 
 

@@ -71,7 +71,7 @@ def test_matches_nemo_rl(case):
 # weight) is right and a side effect here.
 @pytest.mark.filterwarnings(
     r"ignore:loss_fn\.is_correction_level. got '\w+' with use_importance_sampling_correction. false"
-    ":nemo_rs_plugin.core.config.ConfigWarning"
+    ":nemo_rs_plugin.core.settings.config.ConfigWarning"
 )
 @pytest.mark.parametrize("case", CASES[:40], ids=[c["name"] for c in CASES[:40]])
 def test_explicit_default_level_is_identical(case):

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
-from nemo_rs_plugin.core.config import ConfigError
+from nemo_rs_plugin.core.batch.masking import TokenMasks
 from nemo_rs_plugin.core.correction import PolicyLogProbs, compute_correction
-from nemo_rs_plugin.core.masking import TokenMasks
-from nemo_rs_plugin.core.metrics import GlobalCounts
+from nemo_rs_plugin.core.reporting.metrics import GlobalCounts
+from nemo_rs_plugin.core.settings.config import ConfigError
 
 RECORDED = json.loads((Path(__file__).resolve().parents[1] / "data" / "peer_modes.json").read_text())
 IS_TOKEN = {"use_importance_sampling_correction": True, "is_correction_level": "token"}
@@ -33,7 +33,7 @@ e, log = math.exp, math.log
 # there): their ConfigWarning is right, and a side effect of running the recording as it is.
 RECORDED_VERL_KEPT = pytest.mark.filterwarnings(
     r"ignore:loss_fn\.rejection_denominator. got 'kept' with no rejection_sampling filter"
-    ":nemo_rs_plugin.core.config.ConfigWarning"
+    ":nemo_rs_plugin.core.settings.config.ConfigWarning"
 )
 
 

@@ -34,8 +34,8 @@ import torch
 import yaml
 
 from nemo_rs_plugin import CorrectedPGLoss
-from nemo_rs_plugin.core import presets
-from nemo_rs_plugin.core.config import ConfigError, ConfigWarning, RSClippedPGLossConfig
+from nemo_rs_plugin.core.settings import presets
+from nemo_rs_plugin.core.settings.config import ConfigError, ConfigWarning, RSClippedPGLossConfig
 from tests.core.test_peer_modes import correction, effective_coefficients
 
 RECORDED = json.loads((Path(__file__).resolve().parents[1] / "data" / "peer_modes_prime_rl_ms_swift.json").read_text())
@@ -376,7 +376,7 @@ def test_check_describes_the_dppo_mode_in_words():
 
 def test_calibration_leaves_the_tokens_of_a_policy_gradient_filter_to_the_later_stages():
     from nemo_rs_plugin.core.correction.calibration import rejected_fractions
-    from nemo_rs_plugin.core.rejection_filter import RejectionFilter
+    from nemo_rs_plugin.core.settings.rejection_filter import RejectionFilter
 
     # d = prev - gen = (1, 0, 0, 0): the first filter rejects token 0 (1 of 4 tokens); the second,
     # the same bounds, sees token 0 again when the first removes only its policy-gradient term.
@@ -416,7 +416,9 @@ REJECT_ALL_PG = {"level": "token", "metric": "prob_diff", "log_ratio": "curr-gen
                  "applies_to": "policy_gradient"}  # fmt: skip
 
 
-@pytest.mark.filterwarnings("ignore::nemo_rs_plugin.core.config.ConfigWarning")  # rejects every token on purpose
+@pytest.mark.filterwarnings(
+    "ignore::nemo_rs_plugin.core.settings.config.ConfigWarning"
+)  # rejects every token on purpose
 def test_a_policy_gradient_only_filter_leaves_the_kl_nll_and_denominators():
     """Rejecting every token's policy-gradient term leaves exactly the loss with A = 0: the
     reference KL, the NLL and the sampler penalty over the same tokens and denominators."""
@@ -434,7 +436,7 @@ def test_a_policy_gradient_only_filter_leaves_the_kl_nll_and_denominators():
     assert metrics["kl_penalty"] == pytest.approx(metrics0["kl_penalty"], rel=1e-12)
 
 
-@pytest.mark.filterwarnings("ignore::nemo_rs_plugin.core.config.ConfigWarning")
+@pytest.mark.filterwarnings("ignore::nemo_rs_plugin.core.settings.config.ConfigWarning")
 def test_later_filters_see_the_tokens_a_policy_gradient_only_filter_rejected():
     """A sequence filter after it reads the same tokens as without it; two such filters count a
     shared token once (the second's rejected fraction is 0)."""

@@ -41,7 +41,7 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # The huge log-ratio is put on the current log-prob (curr = prev + 30 or + 1e4, above 0): the
 # positive-log-prob InputWarning is a side effect of that extreme input, not the subject.
 POSITIVE_CURR = pytest.mark.filterwarnings(
-    "ignore:next_token_logprobs. log-probs above 0:nemo_rs_plugin.core.input_checks.InputWarning"
+    "ignore:next_token_logprobs. log-probs above 0:nemo_rs_plugin.core.batch.input_checks.InputWarning"
 )
 
 

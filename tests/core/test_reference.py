@@ -21,8 +21,8 @@ import torch
 import nemo_rs_plugin.core.loss as loss_module
 from nemo_rs_plugin import CorrectedPGLoss
 from nemo_rs_plugin.core.distributed import SequenceGroups
-from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS
 from nemo_rs_plugin.core.loss import LossInputs
+from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS
 from tests.support.config_warnings import DRAWN_CONFIG_WARNINGS
 from tests.support.logprobs import at_most_zero_lists
 from tests.support.naive_reference import reference, sequence_statistic, token_statistic, with_unique_labels
@@ -38,7 +38,9 @@ BAD = [math.nan, math.inf, -math.inf]
 # reject or reject every unit), an IS level with the correction off, rejection_denominator 'kept'
 # with no filter. Their ConfigWarnings are a side effect, not the subject.
 pytestmark = [
-    pytest.mark.filterwarnings(r"ignore:loss_fn\.rejection_sampling\.\d+:nemo_rs_plugin.core.config.ConfigWarning"),
+    pytest.mark.filterwarnings(
+        r"ignore:loss_fn\.rejection_sampling\.\d+:nemo_rs_plugin.core.settings.config.ConfigWarning"
+    ),
     *DRAWN_CONFIG_WARNINGS,
 ]
 

@@ -46,16 +46,31 @@ ALLOWED = set(LINKS.values())
 FILTERS = ["Geo-RS", "IcePop", "AReaL PR #1088", "AReaL PR #1218", "SkyRL PR #849", "OPSM", "DPPO", "prime-rl", "IPO"]
 #: The modules that implement a mechanism, and the sources each must link.
 MODULES = {
-    "policy_loss.py": ["GSPO", "CISPO", "KL estimators"],
-    "is_levels.py": ["NeMo-RL PR #2269", "GSPO", "SkyRL PR #849"],
+    "loss_terms/policy_loss.py": ["GSPO", "CISPO", "KL estimators"],
+    "registries/is_levels.py": ["NeMo-RL PR #2269", "GSPO", "SkyRL PR #849"],
     "correction/weights.py": ["NeMo-RL PR #2269"],  # the truncation types: cited in truncation.py
-    "truncation.py": ["TIS", "IcePop", "NeMo-RL PR #1899", "Geo-RS"],
-    "aggregations.py": ["Geo-RS", "AReaL PR #1088"],
+    "registries/truncation.py": ["TIS", "IcePop", "NeMo-RL PR #1899", "Geo-RS"],
+    "registries/aggregations.py": ["Geo-RS", "AReaL PR #1088"],
     "correction/statistics.py": ["GSPO", "Geo-RS"],
     "correction/filters.py": FILTERS,
-    "rejection_filter.py": FILTERS,
-    "filter_statistics.py": ["KL estimators", "AReaL PR #1088", "VERL rollout correction", "Geo-RS", "DPPO", "IPO"],
-    "presets.py": ["Geo-RS", "VERL rollout correction", "SkyRL PR #849", "NeMo-RL PR #2269", "IcePop", "TIS", "DPPO"],
+    "settings/rejection_filter.py": FILTERS,
+    "registries/filter_statistics.py": [
+        "KL estimators",
+        "AReaL PR #1088",
+        "VERL rollout correction",
+        "Geo-RS",
+        "DPPO",
+        "IPO",
+    ],
+    "settings/presets.py": [
+        "Geo-RS",
+        "VERL rollout correction",
+        "SkyRL PR #849",
+        "NeMo-RL PR #2269",
+        "IcePop",
+        "TIS",
+        "DPPO",
+    ],
 }
 
 #: The guide's References section names each of these with its link.

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
+from nemo_rs_plugin.core.batch.masking import TokenMasks
 from nemo_rs_plugin.core.correction import compute_correction
-from nemo_rs_plugin.core.masking import TokenMasks
-from nemo_rs_plugin.core.metrics import GlobalCounts
+from nemo_rs_plugin.core.reporting.metrics import GlobalCounts
 from tests.conftest import make_batch
 
 e = math.exp
@@ -409,7 +409,7 @@ ON_THE_BOUND = [
 # never rejects is right, and a side effect here (the subject is that the bound keeps the unit on it).
 @pytest.mark.filterwarnings(
     r"ignore:loss_fn\.rejection_sampling\.0\.lower. got 0\.0 with metric 'kl_k[23]', which is never below 0"
-    ":nemo_rs_plugin.core.config.ConfigWarning"
+    ":nemo_rs_plugin.core.settings.config.ConfigWarning"
 )
 @pytest.mark.parametrize("side", ["lower", "upper", "both"])
 @pytest.mark.parametrize(
@@ -509,7 +509,7 @@ def test_nonfinite_log_ratio_rejects_its_sequence_or_token(bad):
 
 def test_the_one_bound_check_is_inclusive_and_puts_nan_outside():
     """masking.out_of_bounds decides every filter, truncation and sequence decision."""
-    from nemo_rs_plugin.core.masking import out_of_bounds
+    from nemo_rs_plugin.core.batch.masking import out_of_bounds
 
     x = torch.tensor([math.nan, -math.inf, 0.5, 1.0, 2.0, 2.5, math.inf])
     assert out_of_bounds(x, 1.0, 2.0).tolist() == [True, True, True, False, False, True, True]
@@ -556,8 +556,8 @@ def test_positive_advantage_filter_leaves_zero_advantage_tokens_and_counts_only_
 def test_sequence_extremes_under_cp_come_from_the_cross_rank_extreme_not_a_sum(agg, bounds, reject, monkeypatch):
     """A sequence split over two (emulated) CP ranks is decided on MIN / MAX of the ranks' row
     extremes; summing them, as the sums of the other statistics are, would put it on the other side."""
+    from nemo_rs_plugin.core.batch.inputs import LossInputs
     from nemo_rs_plugin.core.distributed import SequenceGroups
-    from nemo_rs_plugin.core.inputs import LossInputs
     from tests.support.threaded_world import ThreadGroup, run_ranks
 
     bounds = dict(bounds)

@@ -1,4 +1,4 @@
-"""Guards ``core/truncation.py``: NeMo-RL's truncation types stated once, and every reader follows them.
+"""Guards ``core/registries/truncation.py``: NeMo-RL's truncation types stated once, and every reader follows them.
 
 The registry's keys are the config's ``TruncationType``; each entry's ``truncate`` equals a
 formula written out here independently; its flags (zeroes units, per sequence, needs a lower
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_rs_plugin.core.config import RSClippedPGLossConfig, TruncationType
 from nemo_rs_plugin.core.correction.pipeline import needs_sequence_statistics
 from nemo_rs_plugin.core.correction.weights import truncate_weights
-from nemo_rs_plugin.core.truncation import TRUNCATIONS, truncation
+from nemo_rs_plugin.core.registries.truncation import TRUNCATIONS, truncation
+from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig, TruncationType
 from nemo_rs_plugin.tools.describe import describe_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,7 +106,7 @@ def test_an_unknown_type_is_an_error_naming_the_allowed_ones():
 
 
 def test_no_module_compares_a_truncation_types_name_outside_the_registry():
-    """``x == "seq-mask-tis"`` or ``x in ("icepop", ...)`` anywhere but core/truncation.py is a
+    """``x == "seq-mask-tis"`` or ``x in ("icepop", ...)`` anywhere but core/registries/truncation.py is a
     second statement of what a type does; read the entry's flags instead. (Presets and the lab's
     arms may *set* a type: that is configuration, not a rule.)"""
     names = set(TRUNCATIONS)

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin.core.config import RSClippedPGLossConfig
+from nemo_rs_plugin.core.batch.masking import EPS, TokenMasks
 from nemo_rs_plugin.core.correction.statistics import SequenceStatistics
 from nemo_rs_plugin.core.correction.weights import (
     WEIGHT_TAIL,
@@ -22,9 +22,9 @@ from nemo_rs_plugin.core.correction.weights import (
     record_token_weight_metrics,
     truncate_weights,
 )
-from nemo_rs_plugin.core.masking import EPS, TokenMasks
-from nemo_rs_plugin.core.metric_catalog import declared_specs
-from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
+from nemo_rs_plugin.core.reporting.metric_catalog import declared_specs
+from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet
+from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 
 F64 = torch.float64
 D = torch.tensor([[0.1, -0.2, 0.4], [0.3, 0.0, -0.5]], dtype=F64)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_rs_plugin.core.input_checks import POSITIVE_LOGPROB_SLACK
+from nemo_rs_plugin.core.batch.input_checks import POSITIVE_LOGPROB_SLACK
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Guards the guide's metric table (rendered from core/metric_catalog.py, docs/guide.md#metrics).
+"""Guards the guide's metric table (rendered from core/reporting/metric_catalog.py, docs/guide.md#metrics).
 
 The table on the page is what ``nemo-rs reference --metrics`` prints from the catalog; the
 catalog marks as NeMo-RL's exactly the metric names of NeMo-RL's recorded outputs
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from nemo_rs_plugin.cli import main
-from nemo_rs_plugin.core.metric_catalog import METRIC_CATALOG
+from nemo_rs_plugin.core.reporting.metric_catalog import METRIC_CATALOG
 from nemo_rs_plugin.tools.reference import render_metrics_table, render_statistics_table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def test_every_added_metric_has_a_row_and_nemo_rls_own_are_marked():
 def test_the_guides_filter_statistics_table_is_the_registry(capsys):
     """docs/guide.md's table of filter statistics is rendered from the registry, one row per entry."""
     from nemo_rs_plugin.cli import main
-    from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS
+    from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS
 
     table = render_statistics_table()
     assert table in (REPO / "docs" / "guide.md").read_text()

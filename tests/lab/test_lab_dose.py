@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from nemo_rs_plugin.core import presets
+from nemo_rs_plugin.core.settings import presets
 from nemo_rs_plugin.lab import cli as lab
 from nemo_rs_plugin.lab.dose import (
     SEED_FIELDS,

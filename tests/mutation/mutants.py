@@ -21,25 +21,33 @@ class Mutant(NamedTuple):
 
 L, P, D, M, MS, IN, IC = (
     f"nemo_rs_plugin/core/{m}.py"
-    for m in ("loss", "policy_loss", "distributed", "masking", "metrics", "inputs", "input_checks")
+    for m in (
+        "loss",
+        "loss_terms/policy_loss",
+        "distributed",
+        "batch/masking",
+        "reporting/metrics",
+        "batch/inputs",
+        "batch/input_checks",
+    )
 )
 # The objective (terms and their aggregation) and NeMo-RL's own metrics, out of loss.py.
-OB, PM = "nemo_rs_plugin/core/objective.py", "nemo_rs_plugin/core/parity_metrics.py"
-SAN = "nemo_rs_plugin/core/sanitizing.py"  # the inputs' sanitising, out of inputs.py
-MK = "nemo_rs_plugin/core/metric_kernels.py"  # the metrics' evaluation, out of metrics.py
-CAT = "nemo_rs_plugin/core/metric_catalog.py"  # each metric's normalization and reduction
+OB, PM = "nemo_rs_plugin/core/loss_terms/objective.py", "nemo_rs_plugin/core/reporting/parity_metrics.py"
+SAN = "nemo_rs_plugin/core/batch/sanitizing.py"  # the inputs' sanitising, out of inputs.py
+MK = "nemo_rs_plugin/core/reporting/metric_kernels.py"  # the metrics' evaluation, out of metrics.py
+CAT = "nemo_rs_plugin/core/reporting/metric_catalog.py"  # each metric's normalization and reduction
 # The correction package: filter statistics and decisions, IS weights, the statistics and their
 # reductions, the plan -> reduce -> apply pipeline.
 CF, CW, CS, CP = (f"nemo_rs_plugin/core/correction/{m}.py" for m in ("filters", "weights", "statistics", "pipeline"))
-IL = "nemo_rs_plugin/core/is_levels.py"
-FS = "nemo_rs_plugin/core/filter_statistics.py"
+IL = "nemo_rs_plugin/core/registries/is_levels.py"
+FS = "nemo_rs_plugin/core/registries/filter_statistics.py"
 # The NeMo-RL glue under the per-sequence packing wrapper.
 GLUE, PACK, REC = (f"nemo_rs_plugin/nemo_rl/{m}.py" for m in ("loss_fn", "packing", "recording"))
 VP = "nemo_rs_plugin/parallel/vocab_parallel.py"
-RF = "nemo_rs_plugin/core/rejection_filter.py"
+RF = "nemo_rs_plugin/core/settings/rejection_filter.py"
 # The registries of the sequence aggregations and of NeMo-RL's truncation types.
-AG, TR = "nemo_rs_plugin/core/aggregations.py", "nemo_rs_plugin/core/truncation.py"
-FO = "nemo_rs_plugin/core/filter_options.py"  # applies_to, log_ratio, advantage_sign, rejection_denominator
+AG, TR = "nemo_rs_plugin/core/registries/aggregations.py", "nemo_rs_plugin/core/registries/truncation.py"
+FO = "nemo_rs_plugin/core/registries/filter_options.py"  # applies_to, log_ratio, advantage_sign, rejection_denominator
 
 MUTANTS: list[Mutant] = [
     # ---- filter bounds are inclusive (docs/guide.md#rejection-sampling): the one bound check
@@ -400,7 +408,7 @@ MUTANTS: list[Mutant] = [
         "reduced minimum metrics come back negated",
     ),
     Mutant(
-        "nemo_rs_plugin/core/config.py",
+        "nemo_rs_plugin/core/settings/config.py",
         'return "sequence" if self.sequence_level_importance_ratios else "token"',
         'return "token"',
         "unset is_correction_level ignores the GSPO flag (NeMo-RL's sequence weight)",
@@ -480,7 +488,7 @@ MUTANTS: list[Mutant] = [
         "batch totals never reduced over the data-parallel group",
     ),
     Mutant(
-        "nemo_rs_plugin/core/config_problems.py",
+        "nemo_rs_plugin/core/settings/config_problems.py",
         "        if len(where) > 1",
         "        if len(where) > 2",
         "two filters with one label are accepted (their metrics overwrite each other)",
@@ -505,7 +513,7 @@ MUTANTS: list[Mutant] = [
         "calibration narrows a band below the template's (a near-zero mismatch gives [1.000, 1.000])",
     ),
     Mutant(
-        "nemo_rs_plugin/core/health.py",
+        "nemo_rs_plugin/core/reporting/health.py",
         "        if share <= self.threshold:",
         "        if share < 2 * self.threshold:",
         "the run-time warning waits for twice the unhealthy share",
@@ -750,7 +758,7 @@ MUTANTS: list[Mutant] = [
     ),
     # ---- issue 41: what NeMo-RL's training loop does with the metric names
     Mutant(
-        "nemo_rs_plugin/core/aggregations.py",
+        "nemo_rs_plugin/core/registries/aggregations.py",
         '"max",\n            "largest",',
         '"max",\n            "max",',
         "agg max/min in default labels: NeMo-RL leaves those shares undivided by the global batches",
@@ -830,7 +838,7 @@ MUTANTS: list[Mutant] = [
         "",
         "a NaN/+inf logit's row keeps its NaN softmax in the backward (issue 49: NaN gradient, finite loss)",
     ),
-    # ---- the filter options' registries (core/filter_options.py): each flag is what the loss does
+    # ---- the filter options' registries (core/registries/filter_options.py): each flag is what the loss does
     Mutant(
         FO,
         'Scope("policy_gradient", False, "policy_gradient")',

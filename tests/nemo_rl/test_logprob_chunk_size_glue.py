@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_rs_plugin.core.config import ConfigError
+from nemo_rs_plugin.core.settings.config import ConfigError
 from tests.conftest import make_batch
 
 FAKE = Path(__file__).resolve().parents[1] / "fake_hosts" / "supported"

@@ -8,7 +8,7 @@ tests/tools/test_cli_host_fields.py runs the same rule against the real checkout
 
 import pytest
 
-from nemo_rs_plugin.core.config import ConfigError
+from nemo_rs_plugin.core.settings.config import ConfigError
 from nemo_rs_plugin.nemo_rl import activation, host
 
 

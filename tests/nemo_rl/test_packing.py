@@ -16,7 +16,7 @@ microbatches each, metrics combined by NeMo-RL's driver rule. Here:
   the microbatch totals;
 * there, a configuration that cannot be made invariant is refused on the wrapper's first call
   with the one message that names ``policy.sequence_packing``; which ones is
-  :func:`~nemo_rs_plugin.core.microbatch.current_policy_problems`' decision;
+  :func:`~nemo_rs_plugin.core.batch.microbatch.current_policy_problems`' decision;
 * with only NeMo-RL's own fields set, the plugin equals NeMo-RL's own loss unpacked and fused,
   and its unpacked result per sequence (where NeMo-RL's own NLL changes), but for the GSPO
   ``sampling_importance_ratio``: NeMo-RL's per-sequence value in every call shape.
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rs_plugin.core.config import RSClippedPGLossConfig
-from nemo_rs_plugin.core.microbatch import current_policy_problems
+from nemo_rs_plugin.core.batch.microbatch import current_policy_problems
+from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 from tests.nemo_rl.test_activation import plugin_installed
 from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, real_host_required, skip_or_fail
 from tests.support.packing_cases import UPSTREAM_ONLY, packing_cases

@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nemo_rs_plugin.core import presets
-from nemo_rs_plugin.core.config import ConfigError, RejectionFilter, RSClippedPGLossConfig
 from nemo_rs_plugin.core.correction.calibration import calibrate_filters
+from nemo_rs_plugin.core.settings import presets
+from nemo_rs_plugin.core.settings.config import ConfigError, RejectionFilter, RSClippedPGLossConfig
 from nemo_rs_plugin.nemo_rl.record_format import MANIFEST, META, fields_digest, parse_record_name
 from nemo_rs_plugin.nemo_rl.recording import RECORDED_FIELDS, LogprobRecorder, record_name
 from nemo_rs_plugin.tools.batch_formats import BatchFormatError, load_batch

@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from nemo_rs_plugin.core.config import ConfigError
+from nemo_rs_plugin.core.settings.config import ConfigError
 from nemo_rs_plugin.nemo_rl import recording
 from nemo_rs_plugin.nemo_rl.recording import LogprobRecorder
 from tests.nemo_rl.test_recording import _microbatch, _steps

@@ -108,7 +108,7 @@ def test_added_data_that_is_not_per_token_is_a_clear_error():
 
 def _inputs(i, with_reference=True):
     """Sequence ``i``'s ``LossInputs`` as the sharded path makes them per call (``[1, L_i - 1]``)."""
-    from nemo_rs_plugin.core.inputs import LossInputs
+    from nemo_rs_plugin.core.batch.inputs import LossInputs
 
     n = LENGTHS[i] - 1
     return LossInputs(

@@ -260,8 +260,8 @@ def test_nonfinite_logits_are_counted_at_every_position_and_warned_of_once(monke
     last position, valid token), and the InputWarning fires once per process."""
     import warnings
 
-    from nemo_rs_plugin.core import input_checks
-    from nemo_rs_plugin.core.input_checks import InputWarning
+    from nemo_rs_plugin.core.batch import input_checks
+    from nemo_rs_plugin.core.batch.input_checks import InputWarning
 
     monkeypatch.setattr(input_checks, "_SAID_ONCE", set())
     logits, data, gvs, gvt = make_data(3, 8, 6)

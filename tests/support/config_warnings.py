@@ -12,10 +12,10 @@ import pytest
 DRAWN_CONFIG_WARNINGS = [
     pytest.mark.filterwarnings(
         r"ignore:loss_fn\.is_correction_level. got '\w+' with use_importance_sampling_correction. false"
-        ":nemo_rs_plugin.core.config.ConfigWarning"
+        ":nemo_rs_plugin.core.settings.config.ConfigWarning"
     ),
     pytest.mark.filterwarnings(
         r"ignore:loss_fn\.rejection_denominator. got 'kept' with no rejection_sampling filter"
-        ":nemo_rs_plugin.core.config.ConfigWarning"
+        ":nemo_rs_plugin.core.settings.config.ConfigWarning"
     ),
 ]

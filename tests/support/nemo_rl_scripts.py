@@ -221,7 +221,7 @@ def registry_alias():
     """A third party's name for the plugin's class builds it without the direct-use name warning."""
     import warnings
 
-    from nemo_rs_plugin.core.config import ConfigWarning
+    from nemo_rs_plugin.core.settings.config import ConfigWarning
     from nemo_rs_plugin.nemo_rl import registry
     from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
 

@@ -3,7 +3,7 @@
 Not a hand-picked few: every value of every ``Literal`` field of :class:`RSClippedPGLossConfig`,
 every boolean of NeMo-RL's fields switched on, every filter statistic with every aggregation it
 allows at both levels, every ``log_ratio``, advantage condition and scope, every truncation type
-at every IS level, and every preset of :mod:`nemo_rs_plugin.core.presets`. A section the
+at every IS level, and every preset of :mod:`nemo_rs_plugin.core.settings.presets`. A section the
 configuration refuses is left out (:func:`packing_cases` counts them). Each section carries
 ``name: rs_clipped_pg``; the controls, NeMo-RL's own loss, carry ``name: clipped_pg``.
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 import typing
 from typing import Any
 
-from nemo_rs_plugin.core import presets
-from nemo_rs_plugin.core.config import ConfigError, NeMoRLLossFields, RSClippedPGLossConfig
-from nemo_rs_plugin.core.rejection_filter import AGGS_FOR_METRIC, RejectionFilter
+from nemo_rs_plugin.core.settings import presets
+from nemo_rs_plugin.core.settings.config import ConfigError, NeMoRLLossFields, RSClippedPGLossConfig
+from nemo_rs_plugin.core.settings.rejection_filter import AGGS_FOR_METRIC, RejectionFilter
 
 #: Bounds per filter statistic that reject some of the test batch's units and keep others.
 _BOUNDS: dict[str, dict[str, float]] = {

@@ -248,7 +248,7 @@ def _build(section):
 
 
 def _host_defaults():
-    from nemo_rs_plugin.core.config import NeMoRLLossFields
+    from nemo_rs_plugin.core.settings.config import NeMoRLLossFields
 
     return {k: v for k, v in NeMoRLLossFields().model_dump().items() if k != "name"}
 

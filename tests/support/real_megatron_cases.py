@@ -341,7 +341,7 @@ def check_sharded_refuses_a_chunk_size_that_cannot_work(rank, world_size, host):
 
 def _refusal(m, cfg, shard, data, gvs, gvt, packed_seq_params, cp, **step) -> Optional[str]:
     """The ConfigError the plugin's sharded loss raises in one real train step (``None``: it trained)."""
-    from nemo_rs_plugin.core.config import ConfigError
+    from nemo_rs_plugin.core.settings.config import ConfigError
     from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
 
     try:

@@ -86,7 +86,7 @@ def check_failed_writes_never_stop_the_call(rank: int, world_size: int, host: st
 
     faulthandler.dump_traceback_later(200)  # a rank still here then is stuck: show where (stderr)
     m = _host_modules(host)
-    from nemo_rs_plugin.core.config import ConfigError
+    from nemo_rs_plugin.core.settings.config import ConfigError
     from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
 
     failures: list[str] = []

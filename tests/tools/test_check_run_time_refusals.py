@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from nemo_rs_plugin.cli import EXIT_INVALID, main
-from nemo_rs_plugin.core.config import RSClippedPGLossConfig
+from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 from nemo_rs_plugin.nemo_rl.refusals import RUN_TIME_REFUSALS, Unknown, run_time_refusal, training_ranks
 from nemo_rs_plugin.tools.recipe_overrides import apply_override
 

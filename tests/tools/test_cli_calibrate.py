@@ -3,7 +3,7 @@
 calibrate: on a dump with a known spread, the band it proposes rejects the target share
 and the pasted section loads as a loss config; every bad input is one ``error:`` line, rc 2.
 check: the estimate runs at the recipe's own response length (no cap) and warns at the
-unhealthy share the docs and the run-time warning use (core/health.py), not only above half.
+unhealthy share the docs and the run-time warning use (core/reporting/health.py), not only above half.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from nemo_rs_plugin.cli import main
-from nemo_rs_plugin.core.health import UNHEALTHY_SEQ_REJECTION
+from nemo_rs_plugin.core.reporting.health import UNHEALTHY_SEQ_REJECTION
 from nemo_rs_plugin.tools.check import check_recipe
 
 

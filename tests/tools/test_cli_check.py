@@ -102,7 +102,7 @@ def load_config(path):
     with open(path) as fh:
         cfg = yaml.safe_load(fh) or {}
     if cfg.get("multiline_error"):  # as the adapter's shorthand error: a ConfigError over lines
-        from nemo_rs_plugin.core.config import ConfigError
+        from nemo_rs_plugin.core.settings.config import ConfigError
         raise ConfigError(["write the mapping form,\\n  loss_fn:\\n    name: rs_clipped_pg"])
     parents = cfg.pop("defaults", None) or []
     merged = {}

@@ -85,7 +85,7 @@ def test_check_and_run_read_the_one_rule(tmp_path, capsys, monkeypatch):
     assert error_lines(err) == [f"error: loss_fn.{p}" for p in original(dict(loss), own_loss=True)[1]]
     assert len(error_lines(err)) == 2
 
-    from nemo_rs_plugin.core.config import ConfigError
+    from nemo_rs_plugin.core.settings.config import ConfigError
     from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
 
     RSClippedPGLossFn({**CISPO, "positive_example_nll_weight": 0.1})  # the plugin computes both
@@ -109,7 +109,7 @@ RUNNER = (
     + r"""
 import json, sys
 results = run_cli(json.loads(sys.argv[1]))
-from nemo_rs_plugin.core.config import ConfigError
+from nemo_rs_plugin.core.settings.config import ConfigError
 from nemo_rs_plugin.nemo_rl.host import host_config_fields, host_version
 from nemo_rs_plugin.nemo_rl.loss_fn import RSClippedPGLossFn
 try:

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from nemo_rs_plugin.cli import DEFAULT_CONFIG_NAMES, EXIT_INVALID, build_parser, main
-from nemo_rs_plugin.core import presets
+from nemo_rs_plugin.core.settings import presets
 from nemo_rs_plugin.tools import simulate as sim
 
 SMALL = ["--responses", "6", "--length", "300", "--steps", "1"]

@@ -28,8 +28,8 @@ import torch
 
 from nemo_rs_plugin import CorrectedPGLoss
 from nemo_rs_plugin.cli import main
-from nemo_rs_plugin.core.config import ConfigError
-from nemo_rs_plugin.core.input_checks import InputWarning
+from nemo_rs_plugin.core.batch.input_checks import InputWarning
+from nemo_rs_plugin.core.settings.config import ConfigError
 from nemo_rs_plugin.lab import cli as lab
 from nemo_rs_plugin.tools.recipes import list_recipes
 from nemo_rs_plugin.tools.simulate import MismatchModel, synthetic_batch

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from nemo_rs_plugin.cli import EXIT_INTERRUPTED, EXIT_INVALID, build_parser, main
-from nemo_rs_plugin.core.config import ConfigWarning, RSClippedPGLossConfig
+from nemo_rs_plugin.core.settings.config import ConfigWarning, RSClippedPGLossConfig
 from nemo_rs_plugin.tools import simulate as sim
 from nemo_rs_plugin.tools.batch_formats import BatchFormatError, load_batch
 

@@ -21,8 +21,8 @@ import torch
 import yaml
 
 from nemo_rs_plugin.cli import EXIT_INVALID, EXIT_UNCHECKED, build_parser, main
-from nemo_rs_plugin.core.config import ConfigWarning, RSClippedPGLossConfig
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
+from nemo_rs_plugin.core.settings.config import ConfigWarning, RSClippedPGLossConfig
 from nemo_rs_plugin.nemo_rl.recording import LogprobRecorder
 from nemo_rs_plugin.tools import recipe_yaml
 from nemo_rs_plugin.tools.correction_warnings import FALLBACK_RESPONSE_TOKENS

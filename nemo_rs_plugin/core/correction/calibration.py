@@ -26,7 +26,7 @@ sampler's distribution) and a smaller effective batch. A band calibrated to a fe
 bounds that cost by construction; a fixed band copied from a smaller mismatch does not. The
 band is frozen after calibration: if the mismatch grows later, the rejection rate grows
 with it and shows in ``rs_seq_rejected_frac`` (and the run-time warning of
-:mod:`nemo_rs_plugin.core.health`), instead of being absorbed silently.
+:mod:`nemo_rs_plugin.core.reporting.health`), instead of being absorbed silently.
 
 Pure torch on ``[B, T]`` tensors; no NeMo-RL, no collective (calibration reads a whole
 dump on one process).
@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from nemo_rs_plugin.core.config import RejectionFilter
+from nemo_rs_plugin.core.batch.masking import TokenMasks, log_ratio, out_of_bounds
 from nemo_rs_plugin.core.correction.filters import (
     PolicyLogProbs,
     filter_bounds,
@@ -49,9 +49,9 @@ from nemo_rs_plugin.core.correction.filters import (
     plan_token_filter,
     sequence_filter_statistic,
 )
-from nemo_rs_plugin.core.filter_options import LOG_RATIOS
-from nemo_rs_plugin.core.filter_statistics import filter_statistic_entry
-from nemo_rs_plugin.core.masking import TokenMasks, log_ratio, out_of_bounds
+from nemo_rs_plugin.core.registries.filter_options import LOG_RATIOS
+from nemo_rs_plugin.core.registries.filter_statistics import filter_statistic_entry
+from nemo_rs_plugin.core.settings.config import RejectionFilter
 
 __all__ = [
     "CALIBRATABLE_LOG_RATIOS",

@@ -32,18 +32,18 @@ from typing import Optional, Sequence
 
 import torch
 
-from nemo_rs_plugin.core.aggregations import StageInputs
-from nemo_rs_plugin.core.config import RejectionFilter
+from nemo_rs_plugin.core.batch.masking import TokenMasks, nonfinite, out_of_bounds, row_dot, sanitize
 from nemo_rs_plugin.core.correction.statistics import (
     SequenceStage,
     SequenceStatistics,
     StageStatistics,
     TokenStageStatistics,
 )
-from nemo_rs_plugin.core.filter_options import LogRatio
-from nemo_rs_plugin.core.filter_statistics import PROBABILITY_CLAMP, filter_statistic_entry
-from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, out_of_bounds, row_dot, sanitize
-from nemo_rs_plugin.core.metrics import MetricSet
+from nemo_rs_plugin.core.registries.aggregations import StageInputs
+from nemo_rs_plugin.core.registries.filter_options import LogRatio
+from nemo_rs_plugin.core.registries.filter_statistics import PROBABILITY_CLAMP, filter_statistic_entry
+from nemo_rs_plugin.core.reporting.metrics import MetricSet
+from nemo_rs_plugin.core.settings.config import RejectionFilter
 
 __all__ = [
     "PROBABILITY_CLAMP",
@@ -87,7 +87,7 @@ def token_filter_statistic(
 ) -> torch.Tensor:
     """Per-token statistic ``metric`` of a filter, from ``d = target - behaviour`` (log-probs).
 
-    The entry of :data:`~nemo_rs_plugin.core.filter_statistics.FILTER_STATISTICS` computes it
+    The entry of :data:`~nemo_rs_plugin.core.registries.filter_statistics.FILTER_STATISTICS` computes it
     (its formula is there); ``ratio`` is returned in log space (``d`` itself: bounds are compared
     as logs). The probability-space statistics read ``target`` and ``behaviour`` themselves.
     """
@@ -229,7 +229,7 @@ def plan_sequence_filter(
 ) -> SequenceStage:
     """The sequence filter's partial per-row statistics over the tokens alive at its stage.
 
-    Its aggregation's stage statistic (:data:`~nemo_rs_plugin.core.aggregations.SEQUENCE_AGGREGATIONS`).
+    Its aggregation's stage statistic (:data:`~nemo_rs_plugin.core.registries.aggregations.SEQUENCE_AGGREGATIONS`).
     """
     alive_fin = alive * f_finite
     entry = f.aggregation_entry
@@ -330,7 +330,7 @@ def apply_filters(
     metrics.add_total("rs_token_rejected_frac", stats.valid.sum() - outcome.kept_tokens.sum())
     dropped = torch.maximum(1.0 - seq_kept, conditional_touched)
     metrics.add_total("rs_seq_rejected_frac", dropped @ sample_mask)
-    # This microbatch's own counts (not normalised), for the run-time warning of core/health.py.
+    # This microbatch's own counts (not normalised), for the run-time warning of core/reporting/health.py.
     metrics.add_total(DROPPED_SEQUENCES, dropped @ sample_mask)
     metrics.add_total(VALID_SEQUENCES, torch.sign(stats.valid) @ sample_mask)
     return outcome

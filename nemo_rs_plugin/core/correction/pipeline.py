@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from nemo_rs_plugin.core.config import RSClippedPGLossConfig
+from nemo_rs_plugin.core.batch.masking import TokenMasks, row_dot, sanitize
 from nemo_rs_plugin.core.correction.filters import PolicyLogProbs, apply_filters, plan_filters
 from nemo_rs_plugin.core.correction.statistics import SequenceStatistics, batch_normalize_weights
 from nemo_rs_plugin.core.correction.weights import (
@@ -25,9 +25,9 @@ from nemo_rs_plugin.core.correction.weights import (
     record_token_weight_metrics,
 )
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
-from nemo_rs_plugin.core.masking import TokenMasks, row_dot, sanitize
-from nemo_rs_plugin.core.metric_catalog import declared_specs
-from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet, batched_evaluation
+from nemo_rs_plugin.core.reporting.metric_catalog import declared_specs
+from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet, batched_evaluation
+from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 
 __all__ = [
     "CorrectionPlan",
@@ -81,7 +81,7 @@ class CorrectionResult:
         is_weight: ``[B, T]`` or ``[B, 1]`` IS weight after truncation (1 where unused).
         keep: ``[B, T]`` float, 1 for units kept by rejection sampling and finite inputs.
         loss_tokens: ``[B, T]`` ``valid * keep``, the tokens that reach the loss.
-        metrics: the :class:`~nemo_rs_plugin.core.metrics.MetricSet` the correction declared its
+        metrics: the :class:`~nemo_rs_plugin.core.reporting.metrics.MetricSet` the correction declared its
             metrics in.
         sequences: the per-sequence counts (``None`` exactly when
             :func:`needs_sequence_statistics` is false: nothing reads them).
@@ -221,9 +221,9 @@ def apply_correction(
     ``groups`` is used only by ``is_batch_normalization`` (one more SUM of two numbers),
     unless ``batch_norm_factor`` gives the mean to divide by (computed on the whole
     microbatch when this call sees one of its sequences:
-    :mod:`nemo_rs_plugin.core.microbatch`); then nothing is reduced.
+    :mod:`nemo_rs_plugin.core.batch.microbatch`); then nothing is reduced.
 
-    IS weight per level: :data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS`.
+    IS weight per level: :data:`~nemo_rs_plugin.core.registries.is_levels.IS_LEVELS`.
     """
     masks = plan.masks
     sample_mask = masks.sample_mask

@@ -26,7 +26,14 @@ from typing import Any, Optional, Union
 
 import torch
 
-from nemo_rs_plugin.core.aggregations import (
+from nemo_rs_plugin.core.batch.masking import EPS, masked_sum
+from nemo_rs_plugin.core.distributed import (
+    NO_GROUPS,
+    SequenceGroups,
+    reduce_batch_totals,
+    reduce_sequence_statistics,
+)
+from nemo_rs_plugin.core.registries.aggregations import (
     REDUCED_BY_MAX,
     MaximumStageStatistics,
     MinimumStageStatistics,
@@ -36,14 +43,7 @@ from nemo_rs_plugin.core.aggregations import (
     TokenStageStatistics,
     TotalStageStatistics,
 )
-from nemo_rs_plugin.core.distributed import (
-    NO_GROUPS,
-    SequenceGroups,
-    reduce_batch_totals,
-    reduce_sequence_statistics,
-)
-from nemo_rs_plugin.core.is_levels import is_level
-from nemo_rs_plugin.core.masking import EPS, masked_sum
+from nemo_rs_plugin.core.registries.is_levels import is_level
 
 __all__ = [
     "BATCH_MEAN_FLOOR",

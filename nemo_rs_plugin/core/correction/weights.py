@@ -1,12 +1,12 @@
 """IS weights at the chosen level, NeMo-RL's truncation, and the weight metrics.
 
-IS weight per level: :data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS` (its formulas, and the
+IS weight per level: :data:`~nemo_rs_plugin.core.registries.is_levels.IS_LEVELS` (its formulas, and the
 log-weight of a sequence from its reduced statistics). See: docs/guide.md#is-correction-level.
 
 References:
     - ``is_correction_level``: NeMo-RL PR #2269, https://github.com/NVIDIA-NeMo/RL/pull/2269
     - the truncation types (``tis``, ``icepop``, ``seq-mask-tis``): their papers and PRs are cited
-      once, in :mod:`nemo_rs_plugin.core.truncation`, the registry that defines them.
+      once, in :mod:`nemo_rs_plugin.core.registries.truncation`, the registry that defines them.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from typing import Optional
 
 import torch
 
-from nemo_rs_plugin.core.config import RSClippedPGLossConfig
+from nemo_rs_plugin.core.batch.masking import EPS, TokenMasks, extrema_penalty, finite_exp, masked_sum
 from nemo_rs_plugin.core.correction.statistics import SequenceStatistics
-from nemo_rs_plugin.core.is_levels import is_level
-from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, finite_exp, masked_sum
-from nemo_rs_plugin.core.metric_catalog import WEIGHT_TAIL
-from nemo_rs_plugin.core.metric_kernels import EffectiveSampleSize
-from nemo_rs_plugin.core.metrics import MetricSet
-from nemo_rs_plugin.core.truncation import truncation
+from nemo_rs_plugin.core.registries.is_levels import is_level
+from nemo_rs_plugin.core.registries.truncation import truncation
+from nemo_rs_plugin.core.reporting.metric_catalog import WEIGHT_TAIL
+from nemo_rs_plugin.core.reporting.metric_kernels import EffectiveSampleSize
+from nemo_rs_plugin.core.reporting.metrics import MetricSet
+from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 
 #: ``is_ess = (sum w)^2 / (n sum w^2)`` from the two weight sums and the units, each divided by the same count.
 _EFFECTIVE_SAMPLE_SIZE = EffectiveSampleSize("is_weight_mean", "is_weight_sq_mean", "_ess_units")
@@ -43,7 +43,7 @@ def is_weights(
     d_finite: Optional[torch.Tensor],  # [B, T] float 0/1 (None: every entry finite)
     stats: Optional[SequenceStatistics],  # reduced over ranks; a per-sequence level reads it
 ) -> torch.Tensor:
-    """Untruncated IS weight of ``level`` (:data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS`).
+    """Untruncated IS weight of ``level`` (:data:`~nemo_rs_plugin.core.registries.is_levels.IS_LEVELS`).
 
     ``[B, T]`` for a per-token level, ``[B, 1]`` for a per-sequence one (``exp`` of the entry's
     ``sequence_log_weight`` of ``(stats.d_sum, stats.valid)``). A non-finite log-ratio gives
@@ -71,7 +71,7 @@ def truncate_weights(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """NeMo-RL's truncation ``kind`` on the chosen level: ``(weight, out_of_bounds)``.
 
-    The entry of :data:`~nemo_rs_plugin.core.truncation.TRUNCATIONS` (``tis``:
+    The entry of :data:`~nemo_rs_plugin.core.registries.truncation.TRUNCATIONS` (``tis``:
     ``clamp(w, lower or 0, upper)``; ``icepop``: ``w`` inside ``[lower, upper]``, else 0;
     ``seq-mask-tis``: sequences whose geometric mean ``exp(seq_mean_log_ratio)`` is outside
     ``[lower, upper]`` get 0, the others keep the untruncated weight, NeMo-RL's rule: the mean
@@ -166,7 +166,7 @@ def _record_tails(metrics: MetricSet, raw_weight: torch.Tensor, penalty: torch.T
     """``is_weight_raw_{low,high}_frac``: shares of the units whose raw weight is below ``1/C``, above ``C``.
 
     ``C`` = :data:`WEIGHT_TAIL`; the units are those of ``is_weight_raw_min``/``_max`` (``penalty``:
-    :func:`~nemo_rs_plugin.core.masking.extrema_penalty` of their mask), counted with the same
+    :func:`~nemo_rs_plugin.core.batch.masking.extrema_penalty` of their mask), counted with the same
     penalised values, so that a compiled core counts them in the loop that finds the extremes
     (a separate masked sum costs a kernel of its own). Sums over units divided by the global
     count: they add up over calls, microbatches and ranks.

@@ -2,7 +2,7 @@
 
 :func:`sanitize_inputs` returns :class:`SanitizedInputs`: the log-probs and advantages with
 every non-finite entry replaced by 0 (so that no NaN reaches a masked sum or a gradient), the
-log-ratio ``d = prev - gen``, and the :class:`~nemo_rs_plugin.core.masking.TokenMasks` that
+log-ratio ``d = prev - gen``, and the :class:`~nemo_rs_plugin.core.batch.masking.TokenMasks` that
 leave those tokens out. Three forms, by where the work is cheapest: used as given (eager CPU,
 every input read finite on the host), stacked (accelerators: one kernel per step for all
 inputs), one input at a time (the CPU form with a non-finite entry). :func:`nonfinite_metrics`
@@ -16,10 +16,10 @@ from typing import Mapping, NamedTuple, Optional, Union
 
 import torch
 
-from nemo_rs_plugin.core.inputs import LossInputs
-from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, sanitize
-from nemo_rs_plugin.core.metric_catalog import NONFINITE_LOGIT_ROWS
-from nemo_rs_plugin.core.metrics import MetricSet
+from nemo_rs_plugin.core.batch.inputs import LossInputs
+from nemo_rs_plugin.core.batch.masking import TokenMasks, nonfinite, sanitize
+from nemo_rs_plugin.core.reporting.metric_catalog import NONFINITE_LOGIT_ROWS
+from nemo_rs_plugin.core.reporting.metrics import MetricSet
 
 __all__ = [
     "KLInputs",
@@ -235,9 +235,9 @@ def nonfinite_logit_metric(metrics: MetricSet, rows: Optional[torch.Tensor], cat
     """Declare the positions whose logits held a NaN or +inf (``rows``: ``[B]`` per-sequence counts, or ``None``).
 
     Only the logits input path counts them (``LossInputs.nonfinite_logit_rows``); summed over the
-    ranks that split a sequence. Returned as :data:`~nemo_rs_plugin.core.metric_catalog.NONFINITE_LOGIT_ROWS`
+    ranks that split a sequence. Returned as :data:`~nemo_rs_plugin.core.reporting.metric_catalog.NONFINITE_LOGIT_ROWS`
     where the configuration says ``sharded_logits_input`` (the catalog has it), else kept as an
-    internal value: :func:`~nemo_rs_plugin.core.input_checks.warn_nonfinite_logits` reads it either way.
+    internal value: :func:`~nemo_rs_plugin.core.batch.input_checks.warn_nonfinite_logits` reads it either way.
     """
     public = NONFINITE_LOGIT_ROWS in catalog
     if rows is None:

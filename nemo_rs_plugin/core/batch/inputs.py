@@ -3,8 +3,8 @@
 Everything here runs before the loss math: slicing NeMo-RL's ``[B, S]`` data dict to the
 next-token positions and checking shapes and dtypes (:class:`LossInputs`); the global counts
 (:func:`global_counts`). Replacing non-finite entries by 0 and building the token masks is
-:mod:`nemo_rs_plugin.core.sanitizing`; the checks decided on the host, with the one transfer of
-the metrics, are in :mod:`nemo_rs_plugin.core.input_checks`.
+:mod:`nemo_rs_plugin.core.batch.sanitizing`; the checks decided on the host, with the one transfer of
+the metrics, are in :mod:`nemo_rs_plugin.core.batch.input_checks`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Sequence, overload
 import torch
 import torch.nn.functional as F
 
-from nemo_rs_plugin.core.metrics import GlobalCounts
+from nemo_rs_plugin.core.reporting.metrics import GlobalCounts
 
 __all__ = ["LossInputs", "global_counts", "stack_padded"]
 

@@ -250,7 +250,7 @@ def catalog_entry(name: str) -> MetricEntry:
     if entry is None and name.startswith("rs/") and name.count("/") == 2:
         entry = _BY_SUFFIX.get(name.rsplit("/", 1)[1])
     if entry is None:
-        raise KeyError(f"metric {name!r} is not in the catalog (core/metric_catalog.py): add its entry")
+        raise KeyError(f"metric {name!r} is not in the catalog (core/reporting/metric_catalog.py): add its entry")
     return entry
 
 
@@ -310,7 +310,7 @@ _UNREAD = "counted with the other rows of the GPU form's stacked evaluation; not
 
 #: Every ``_``-prefixed value the loss declares, read by the loss after the one host transfer.
 DIAGNOSTIC_CATALOG: tuple[DiagnosticEntry, ...] = (
-    # the input checks (core/input_checks.py): the global counts against the microbatch's own
+    # the input checks (core/batch/input_checks.py): the global counts against the microbatch's own
     DiagnosticEntry("_global_valid_toks", "global_valid_toks", "NeMo-RL's global valid tokens", "none", "replicated"),
     DiagnosticEntry("_global_valid_seqs", "global_valid_seqs", "NeMo-RL's global valid seqs", "none", "replicated"),
     DiagnosticEntry("_local_valid_toks", "local_valid_toks", "this microbatch's valid tokens"),
@@ -326,7 +326,7 @@ DIAGNOSTIC_CATALOG: tuple[DiagnosticEntry, ...] = (
         for key in POSITIVE_LOGPROB_KEYS
     ),
     *(DiagnosticEntry(f"_positive_{row}", None, _UNREAD) for row in ("d", "advantages", "curr_unfiltered", "prev")),
-    # non-finite inputs counted beside the public counts (core/sanitizing.py)
+    # non-finite inputs counted beside the public counts (core/batch/sanitizing.py)
     DiagnosticEntry("_nonfinite_curr_filtered_count", None, _UNREAD),
     DiagnosticEntry("_nonfinite_curr_unfiltered_count", None, _UNREAD),
     DiagnosticEntry("_nonfinite_prev_logprobs_count", None, _UNREAD),
@@ -338,7 +338,7 @@ DIAGNOSTIC_CATALOG: tuple[DiagnosticEntry, ...] = (
     ),
     # the units of the effective sample size (is_ess, derived on the host)
     DiagnosticEntry("_ess_units", "ess_units", "units the IS weight is averaged over", "is_level"),
-    # the filters' sequences, for the run-time warning when they eat the batch (core/health.py)
+    # the filters' sequences, for the run-time warning when they eat the batch (core/reporting/health.py)
     DiagnosticEntry("_rs_seq_dropped", "dropped_sequences", "sequences the filters dropped", "none", "replicated"),
     DiagnosticEntry("_rs_seq_valid", "valid_sequences", "sequences with a valid token", "none", "replicated"),
 )
@@ -351,7 +351,7 @@ class Diagnostics:
     """The loss's own values of one call, after the one host transfer (reduced over the sequence groups).
 
     ``None``: not measured by this call (a bool ``token_mask`` has no extremes, no filter counts
-    no sequences). Read by :func:`~nemo_rs_plugin.core.input_checks.judge_inputs`, the run-time
+    no sequences). Read by :func:`~nemo_rs_plugin.core.batch.input_checks.judge_inputs`, the run-time
     rejection warning and the non-finite-logits warning.
     """
 
@@ -388,7 +388,7 @@ class Diagnostics:
 def declared_specs(cfg: Any) -> dict[str, MetricSpec]:
     """Every name the loss may declare under ``cfg``: its metrics (:func:`metric_specs`), then its diagnostics.
 
-    What :class:`~nemo_rs_plugin.core.metrics.MetricSet` reads each declaration's normalization,
+    What :class:`~nemo_rs_plugin.core.reporting.metrics.MetricSet` reads each declaration's normalization,
     reduction and per-call flag from.
     """
     return {**metric_specs(cfg), **{e.name: e.spec(cfg) for e in DIAGNOSTIC_CATALOG}}

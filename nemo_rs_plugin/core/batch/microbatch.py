@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from nemo_rs_plugin.core.config import RSClippedPGLossConfig
+from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 
 __all__ = ["MicrobatchTotals", "current_policy_problems", "missing_totals", "needs_microbatch_totals"]
 

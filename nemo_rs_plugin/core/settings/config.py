@@ -27,7 +27,10 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from nemo_rs_plugin.core.config_errors import (
+from nemo_rs_plugin.core.registries.filter_options import DENOMINATORS, Denominator
+from nemo_rs_plugin.core.registries.is_levels import ISLevel, is_level, is_levels_text
+from nemo_rs_plugin.core.registries.truncation import Truncation, truncation, truncations_text
+from nemo_rs_plugin.core.settings.config_errors import (
     blames,
     failed_locations,
     format_validation_error,
@@ -35,7 +38,7 @@ from nemo_rs_plugin.core.config_errors import (
     without_coercions,
     without_locations,
 )
-from nemo_rs_plugin.core.config_problems import (
+from nemo_rs_plugin.core.settings.config_problems import (
     batch_normalization_problems,
     duplicate_label_problems,
     filter_problems,
@@ -45,10 +48,7 @@ from nemo_rs_plugin.core.config_problems import (
     truncation_problems,
     valid_filters,
 )
-from nemo_rs_plugin.core.filter_options import DENOMINATORS, Denominator
-from nemo_rs_plugin.core.is_levels import ISLevel, is_level, is_levels_text
-from nemo_rs_plugin.core.rejection_filter import RejectionFilter
-from nemo_rs_plugin.core.truncation import Truncation, truncation, truncations_text
+from nemo_rs_plugin.core.settings.rejection_filter import RejectionFilter
 
 __all__ = [
     "ConfigError",
@@ -327,17 +327,17 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
 
     @property
     def is_level_entry(self) -> ISLevel:
-        """The :data:`~nemo_rs_plugin.core.is_levels.IS_LEVELS` entry of :attr:`effective_is_level`."""
+        """The :data:`~nemo_rs_plugin.core.registries.is_levels.IS_LEVELS` entry of :attr:`effective_is_level`."""
         return is_level(self.effective_is_level)
 
     @property
     def denominator_entry(self) -> Denominator:
-        """The :data:`~nemo_rs_plugin.core.filter_options.DENOMINATORS` entry of :attr:`rejection_denominator`."""
+        """The :data:`~nemo_rs_plugin.core.registries.filter_options.DENOMINATORS` entry of the denominator."""
         return DENOMINATORS[self.rejection_denominator]
 
     @property
     def truncation_entry(self) -> Optional[Truncation]:
-        """The :data:`~nemo_rs_plugin.core.truncation.TRUNCATIONS` entry of the type; ``None`` without one."""
+        """The :data:`~nemo_rs_plugin.core.registries.truncation.TRUNCATIONS` entry of the type (``None``: none)."""
         t = self.truncated_importance_sampling_type
         return None if t is None else truncation(t)
 

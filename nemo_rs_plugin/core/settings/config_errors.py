@@ -5,7 +5,7 @@ sees them (:func:`without_coercions`); what it refuses is read into lines naming
 the value and what is allowed (:func:`format_validation_error`); and a field already reported
 on its own is left out of the combination checks, so that one mistake is one line
 (:func:`failed_locations`, :func:`without_locations`, :func:`blames`). The rules themselves are
-:mod:`nemo_rs_plugin.core.config_problems`.
+:mod:`nemo_rs_plugin.core.settings.config_problems`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from nemo_rs_plugin.core.rejection_filter import RejectionFilter
+from nemo_rs_plugin.core.settings.rejection_filter import RejectionFilter
 
 
 def shown(value: Any) -> str:

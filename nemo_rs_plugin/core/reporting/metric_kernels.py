@@ -6,7 +6,7 @@ metrics), masked extrema in one ``amin`` and one ``amax``, and the one reduction
 stacked vector over the ranks that split a sequence (SUM, MAX, MIN rows; replicated rows
 untouched); and the few values computed on the host from the transferred ones (the
 :data:`HostFormula` entries: data, so that the metric set evaluates them without calling back
-into the module that declared them). :mod:`nemo_rs_plugin.core.metrics` declares and finalizes;
+into the module that declared them). :mod:`nemo_rs_plugin.core.reporting.metrics` declares and finalizes;
 this module computes.
 """
 

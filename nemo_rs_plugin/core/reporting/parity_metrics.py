@@ -11,13 +11,13 @@ import math
 
 import torch
 
-from nemo_rs_plugin.core.config import RSClippedPGLossConfig
+from nemo_rs_plugin.core.batch.sanitizing import SanitizedInputs
 from nemo_rs_plugin.core.correction import CorrectionResult
-from nemo_rs_plugin.core.metric_kernels import ClippedExtreme
-from nemo_rs_plugin.core.metrics import MetricSet
-from nemo_rs_plugin.core.objective import LossTerms, Objective
-from nemo_rs_plugin.core.policy_loss import kl_estimate
-from nemo_rs_plugin.core.sanitizing import SanitizedInputs
+from nemo_rs_plugin.core.loss_terms.objective import LossTerms, Objective
+from nemo_rs_plugin.core.loss_terms.policy_loss import kl_estimate
+from nemo_rs_plugin.core.reporting.metric_kernels import ClippedExtreme
+from nemo_rs_plugin.core.reporting.metrics import MetricSet
+from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 
 __all__ = ["record_nemo_rl_metrics"]
 

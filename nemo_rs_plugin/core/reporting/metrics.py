@@ -13,7 +13,7 @@ matrix-vector product and all masked extrema in one ``amin`` and one ``amax`` (a
 kernels whatever the number of metrics); on a CPU, where copying rows into a matrix costs more
 than it saves, one dot product per row, no copy. Either way one division per global count.
 
-Each metric carries, from its entry in the metric catalog (``core/metric_catalog.py``; a
+Each metric carries, from its entry in the metric catalog (``core/reporting/metric_catalog.py``; a
 declaration names the metric and gives its value, nothing else):
 
 * a **normalization** (``tokens``, ``sequences`` or ``none``): the global denominator its
@@ -36,10 +36,10 @@ from typing import Iterable, Mapping, NamedTuple, Optional
 
 import torch
 
+from nemo_rs_plugin.core.batch.masking import EPS
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
-from nemo_rs_plugin.core.masking import EPS
-from nemo_rs_plugin.core.metric_catalog import Diagnostics, MetricSpec, Normalization
-from nemo_rs_plugin.core.metric_kernels import (
+from nemo_rs_plugin.core.reporting.metric_catalog import Diagnostics, MetricSpec, Normalization
+from nemo_rs_plugin.core.reporting.metric_kernels import (
     Constant,
     HostFormula,
     host_value,
@@ -65,7 +65,9 @@ def batched_evaluation(device: torch.device, forced: Optional[bool] = None) -> b
     return device.type != "cpu"
 
 
-_CATALOGS = "core/metric_catalog.py: METRIC_CATALOG for a returned metric, DIAGNOSTIC_CATALOG for a _-prefixed one"
+_CATALOGS = (
+    "core/reporting/metric_catalog.py: METRIC_CATALOG for a returned metric, DIAGNOSTIC_CATALOG for a _-prefixed one"
+)
 
 
 class _Extreme(NamedTuple):
@@ -174,7 +176,7 @@ class MetricSet:
         """Record a final 0-dim value (never synced here, never divided by a count).
 
         ``min``/``max`` entries may hold ``+-finfo.max`` for "no unit" (see
-        :func:`~nemo_rs_plugin.core.masking.extrema_penalty`); :meth:`finalize` reports them as
+        :func:`~nemo_rs_plugin.core.batch.masking.extrema_penalty`); :meth:`finalize` reports them as
         ``+-inf``, as NeMo-RL does.
         """
         if self._declare((name,)) is not None:
@@ -233,7 +235,7 @@ class MetricSet:
     def add_masked_extrema(self, min_name: str, max_name: str, values: torch.Tensor, penalty: torch.Tensor) -> None:
         """Record the min and max of finite ``values`` where the mask behind ``penalty`` is 1.
 
-        ``penalty`` is :func:`~nemo_rs_plugin.core.masking.extrema_penalty` of the mask (shared
+        ``penalty`` is :func:`~nemo_rs_plugin.core.batch.masking.extrema_penalty` of the mask (shared
         between metrics of one mask). With an empty mask the values are the ``+-finfo.max``
         sentinels that :meth:`finalize` reports as ``(inf, -inf)``.
         """
@@ -251,10 +253,10 @@ class MetricSet:
     def derive(self, name: str, formula: HostFormula) -> None:
         """Declare a metric :meth:`finalize` computes on the host from the reduced values.
 
-        ``formula`` is data (:data:`~nemo_rs_plugin.core.metric_kernels.HostFormula`), not a
+        ``formula`` is data (:data:`~nemo_rs_plugin.core.reporting.metric_kernels.HostFormula`), not a
         callback: the metric set evaluates it itself. Checks of the inputs that read the
         transferred values are not the metric set's either: the loss runs them on
-        :attr:`diagnostics` after :meth:`finalize` (:func:`~nemo_rs_plugin.core.input_checks.judge_inputs`).
+        :attr:`diagnostics` after :meth:`finalize` (:func:`~nemo_rs_plugin.core.batch.input_checks.judge_inputs`).
         """
         if self._declare((name,), computed=False) is not None:
             self._derived.append((name, formula))

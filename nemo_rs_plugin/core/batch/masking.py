@@ -50,7 +50,7 @@ def extrema_penalty(mask: torch.Tensor) -> torch.Tensor:
 
     ``(x + penalty).amin()`` and ``(x - penalty).amax()`` are the extremes of finite ``x`` over
     the mask (an empty mask gives the ``+-finfo.max`` sentinels): no ``torch.where``, no
-    boolean indexing, no host sync. See :meth:`~nemo_rs_plugin.core.metrics.MetricSet.add_masked_extrema`.
+    boolean indexing, no host sync. See :meth:`~nemo_rs_plugin.core.reporting.metrics.MetricSet.add_masked_extrema`.
     """
     big = torch.finfo(mask.dtype).max
     return (mask * -big).add_(big)  # (1 - m) * big for a 0/1 mask, in one [B, T] allocation

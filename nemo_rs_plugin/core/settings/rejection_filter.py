@@ -1,6 +1,6 @@
 """One stage of rejection sampling, :class:`RejectionFilter`: its fields, statistics and checks.
 
-Part of the loss configuration (:mod:`nemo_rs_plugin.core.config` re-exports it); the
+Part of the loss configuration (:mod:`nemo_rs_plugin.core.settings.config` re-exports it); the
 tensor side of a filter is :mod:`nemo_rs_plugin.core.correction.filters`.
 
 References:
@@ -28,14 +28,21 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nemo_rs_plugin.core.aggregations import (
+from nemo_rs_plugin.core.registries.aggregations import (
     DEFAULT_AGGREGATION,
     SEQUENCE_AGGREGATIONS,
     SequenceAggregation,
 )
-from nemo_rs_plugin.core.filter_levels import FILTER_LEVELS, RejectionLevel, rejection_level
-from nemo_rs_plugin.core.filter_options import ADVANTAGE_SIGNS, LOG_RATIOS, SCOPES, AdvantageSign, LogRatio, Scope
-from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS, filter_statistics_text
+from nemo_rs_plugin.core.registries.filter_levels import FILTER_LEVELS, RejectionLevel, rejection_level
+from nemo_rs_plugin.core.registries.filter_options import (
+    ADVANTAGE_SIGNS,
+    LOG_RATIOS,
+    SCOPES,
+    AdvantageSign,
+    LogRatio,
+    Scope,
+)
+from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS, filter_statistics_text
 
 __all__ = ["AGGS_FOR_METRIC", "RejectionFilter"]
 
@@ -73,7 +80,7 @@ class RejectionFilter(BaseModel):
     Rejected units get weight 0 in the whole loss (policy-gradient, KL and NLL terms);
     denominators do not change.
 
-    Statistics: one entry each in :data:`~nemo_rs_plugin.core.filter_statistics.FILTER_STATISTICS`
+    Statistics: one entry each in :data:`~nemo_rs_plugin.core.registries.filter_statistics.FILTER_STATISTICS`
     (its per-token formula, aggregations and range; the ``metric`` field's description lists them).
     ``ratio`` is compared in log space: a sequence's ``mean`` is ``exp(sum_t m d / n)`` (the geometric
     mean, "Geo-RS"), ``sum`` = ``exp(sum_t m d)`` (product), ``max``/``min`` the extreme token ratio,
@@ -159,22 +166,22 @@ class RejectionFilter(BaseModel):
 
     @property
     def level_entry(self) -> RejectionLevel:
-        """The :data:`~nemo_rs_plugin.core.filter_levels.FILTER_LEVELS` entry of :attr:`level`."""
+        """The :data:`~nemo_rs_plugin.core.registries.filter_levels.FILTER_LEVELS` entry of :attr:`level`."""
         return rejection_level(self.level)
 
     @property
     def scope_entry(self) -> Scope:
-        """The :data:`~nemo_rs_plugin.core.filter_options.SCOPES` entry of :attr:`applies_to`."""
+        """The :data:`~nemo_rs_plugin.core.registries.filter_options.SCOPES` entry of :attr:`applies_to`."""
         return SCOPES[self.applies_to]
 
     @property
     def log_ratio_entry(self) -> LogRatio:
-        """The :data:`~nemo_rs_plugin.core.filter_options.LOG_RATIOS` entry of :attr:`log_ratio`."""
+        """The :data:`~nemo_rs_plugin.core.registries.filter_options.LOG_RATIOS` entry of :attr:`log_ratio`."""
         return LOG_RATIOS[self.log_ratio]
 
     @property
     def sign_entry(self) -> Optional[AdvantageSign]:
-        """The :data:`~nemo_rs_plugin.core.filter_options.ADVANTAGE_SIGNS` entry of :attr:`advantage_sign`.
+        """The :data:`~nemo_rs_plugin.core.registries.filter_options.ADVANTAGE_SIGNS` entry of :attr:`advantage_sign`.
 
         ``None``: no sign condition (every unit may be rejected).
         """
@@ -188,7 +195,7 @@ class RejectionFilter(BaseModel):
 
     @property
     def aggregation_entry(self) -> Optional[SequenceAggregation]:
-        """The :data:`~nemo_rs_plugin.core.aggregations.SEQUENCE_AGGREGATIONS` entry of :attr:`aggregation`.
+        """The :data:`~nemo_rs_plugin.core.registries.aggregations.SEQUENCE_AGGREGATIONS` entry of :attr:`aggregation`.
 
         Read on every loss call with a sequence filter: plain lookups of validated names (the
         ``Literal`` fields hold only registry keys), no nested call; the one place the default

@@ -4,8 +4,8 @@ NeMo-RL's numbers outside their range, the loss type's combinations (GSPO, the d
 CISPO), batch normalisation without applied weights, NeMo-RL's truncation, the range of each
 filter statistic and the bounds that can never (or always) reject, the filter combinations
 that cannot work, and the legal settings that do nothing (warnings), so that
-:class:`~nemo_rs_plugin.core.config.RSClippedPGLossConfig` reports every problem at once. How
-pydantic's own errors become lines is :mod:`nemo_rs_plugin.core.config_errors`.
+:class:`~nemo_rs_plugin.core.settings.config.RSClippedPGLossConfig` reports every problem at once. How
+pydantic's own errors become lines is :mod:`nemo_rs_plugin.core.settings.config_errors`.
 """
 
 from __future__ import annotations
@@ -15,19 +15,20 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from nemo_rs_plugin.core.filter_statistics import FILTER_STATISTICS
-from nemo_rs_plugin.core.presets import PLUGIN_LOSS_NAME
-from nemo_rs_plugin.core.rejection_filter import NEMO_RL_UNDIVIDED_MARKERS, RejectionFilter
-from nemo_rs_plugin.core.truncation import TRUNCATIONS, truncation
+from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS
+from nemo_rs_plugin.core.registries.truncation import TRUNCATIONS, truncation
+from nemo_rs_plugin.core.settings.presets import PLUGIN_LOSS_NAME
+from nemo_rs_plugin.core.settings.rejection_filter import NEMO_RL_UNDIVIDED_MARKERS, RejectionFilter
 
 
 def statistic_range(f: RejectionFilter) -> tuple[float, float, bool, bool]:
     """Where ``f``'s statistic can lie: ``(lowest, highest, lowest reached, highest reached)``.
 
-    A token's range is its statistic's entry (:data:`~nemo_rs_plugin.core.filter_statistics.FILTER_STATISTICS`),
-    and so is that of its mean, max and min over a sequence's tokens. A sum over tokens has no
-    upper limit, and its lower one only where the token's is >= 0 (the ratio's ``sum`` is the
-    product: the ratio's range). An infinite end is never reached (the statistics are finite).
+    A token's range is its statistic's entry
+    (:data:`~nemo_rs_plugin.core.registries.filter_statistics.FILTER_STATISTICS`), and so is that
+    of its mean, max and min over a sequence's tokens. A sum over tokens has no upper limit, and
+    its lower one only where the token's is >= 0 (the ratio's ``sum`` is the product: the ratio's
+    range). An infinite end is never reached (the statistics are finite).
     """
     entry = FILTER_STATISTICS[f.metric]
     (lo, hi), (reaches_lo, reaches_hi) = entry.value_range, entry.reaches

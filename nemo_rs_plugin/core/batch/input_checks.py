@@ -4,7 +4,7 @@ Values the loss cannot judge without reading tensors: the global counts against 
 microbatch's own, a ``token_mask`` other than 0/1 (errors), and positive log-probs (a warning:
 probabilities passed where log-probs go). Two steps, both called by the loss, in order:
 :func:`count_global_counts` and :func:`count_positive_logprobs` count on the device, as hidden
-(``_``-prefixed) entries of the :class:`~nemo_rs_plugin.core.metrics.MetricSet`; after its one
+(``_``-prefixed) entries of the :class:`~nemo_rs_plugin.core.reporting.metrics.MetricSet`; after its one
 ``tolist()`` the loss hands their typed record (``metric_catalog.Diagnostics``) to
 :func:`judge_inputs`, which raises or warns. No
 extra sync (tests/core/test_cuda_sync.py counts them on a GPU), and the metric set calls nothing
@@ -19,10 +19,10 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
-from nemo_rs_plugin.core.masking import TokenMasks
-from nemo_rs_plugin.core.metric_catalog import NONFINITE_LOGIT_ROWS, Diagnostics
-from nemo_rs_plugin.core.metrics import GlobalCounts, MetricSet
-from nemo_rs_plugin.core.sanitizing import SanitizedInputs
+from nemo_rs_plugin.core.batch.masking import TokenMasks
+from nemo_rs_plugin.core.batch.sanitizing import SanitizedInputs
+from nemo_rs_plugin.core.reporting.metric_catalog import NONFINITE_LOGIT_ROWS, Diagnostics
+from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet
 
 __all__ = [
     "POSITIVE_LOGPROB_SLACK",
@@ -268,7 +268,7 @@ def warn_nonfinite_logits(reported: Mapping[str, float], found: Diagnostics) -> 
     """An :class:`InputWarning`, once per process, when the logits input held a NaN or +inf.
 
     ``reported``/``found``: the metric set's metrics and diagnostics after its one transfer, where
-    :func:`~nemo_rs_plugin.core.sanitizing.nonfinite_logit_metric` declared the count (the count
+    :func:`~nemo_rs_plugin.core.batch.sanitizing.nonfinite_logit_metric` declared the count (the count
     goes on in the metric every call). No extra sync. Returns whether it warned.
     """
     count = reported.get(NONFINITE_LOGIT_ROWS, found.nonfinite_logit_rows or 0.0)
