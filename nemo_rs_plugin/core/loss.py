@@ -13,7 +13,7 @@ Loss (token-level; ``m`` valid mask, ``w`` IS weight, ``k`` rejection mask, ``N`
 ``sampler_kl_penalty``)
 and, with ``token_level_loss: false``, the mean over sequences (``/ global_valid_seqs``) of
 per-sequence token means. ``pg_t`` is the clipped objective of
-:func:`~nemo_rs_plugin.core.loss_terms.policy_loss.clipped_objective`. With no plugin field set, ``k = 1``
+:func:`~nemo_rs_plugin.core.policy_loss.clipped_objective`. With no plugin field set, ``k = 1``
 and the result equals NeMo-RL's ``ClippedPGLossFn`` (loss, gradient, every metric).
 """
 
@@ -37,10 +37,10 @@ from nemo_rs_plugin.core.compiled import core_fn, free_host_reads, metrics_form
 from nemo_rs_plugin.core.correction import PolicyLogProbs, compute_correction
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
 from nemo_rs_plugin.core.loss_terms.objective import Objective
+from nemo_rs_plugin.core.loss_terms.parity_metrics import record_nemo_rl_metrics
 from nemo_rs_plugin.core.reporting.health import RejectionMonitor
 from nemo_rs_plugin.core.reporting.metric_catalog import declared_specs, metric_specs
 from nemo_rs_plugin.core.reporting.metrics import MetricSet, batched_evaluation
-from nemo_rs_plugin.core.reporting.parity_metrics import record_nemo_rl_metrics
 from nemo_rs_plugin.core.settings.config import ConfigWarning, RSClippedPGLossConfig
 
 #: The warning of a section that asks :class:`CorrectedPGLoss` itself to record (it never does).

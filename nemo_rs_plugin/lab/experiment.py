@@ -18,7 +18,7 @@ import torch
 
 from nemo_rs_plugin.core.correction.calibration import calibrate_filters
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
-from nemo_rs_plugin.core.loss_terms.policy_loss import kl_estimate
+from nemo_rs_plugin.core.policy_loss import kl_estimate
 from nemo_rs_plugin.core.settings.config import RejectionFilter
 from nemo_rs_plugin.lab.arms import (
     BASE_LOSS,

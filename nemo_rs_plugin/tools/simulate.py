@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nemo_rs_plugin.core.batch.masking import log_ratio
 from nemo_rs_plugin.core.loss import CorrectedPGLoss
+from nemo_rs_plugin.core.masking import log_ratio
 from nemo_rs_plugin.core.registries.truncation import truncation
 from nemo_rs_plugin.core.settings import presets
 from nemo_rs_plugin.tools import report
@@ -152,12 +152,12 @@ def _applied_weights(cfg: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-unit IS weights the loss applies, from the loss's own correction function.
 
     Computed in the batch's dtype (float32), as the loss computes them: a weight whose
-    ``exp`` overflows float32 is 0 there (:func:`~nemo_rs_plugin.core.batch.masking.finite_exp`), so it
+    ``exp`` overflows float32 is 0 there (:func:`~nemo_rs_plugin.core.masking.finite_exp`), so it
     is 0 here too. Returned as float64 for the statistics (``w**2`` of a large float32
     weight must not overflow).
     """
-    from nemo_rs_plugin.core.batch.masking import TokenMasks
     from nemo_rs_plugin.core.correction import compute_correction
+    from nemo_rs_plugin.core.masking import TokenMasks
     from nemo_rs_plugin.core.reporting.metrics import GlobalCounts
     from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 

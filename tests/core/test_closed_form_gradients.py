@@ -15,8 +15,8 @@ import itertools
 import pytest
 import torch
 
-from nemo_rs_plugin.core.batch.masking import finite_exp
-from nemo_rs_plugin.core.loss_terms.policy_loss import KLOptions, clipped_objective, kl_estimate, kl_penalty_per_token
+from nemo_rs_plugin.core.masking import finite_exp
+from nemo_rs_plugin.core.policy_loss import KLOptions, clipped_objective, kl_estimate, kl_penalty_per_token
 
 CLIP_LO, CLIP_HI = 0.2, 0.2
 # Ratios: inside, on both clip bounds (exactly: the clamp's bounds are these doubles), outside,

@@ -13,7 +13,6 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin.core.batch.masking import TokenMasks, row_dot
 from nemo_rs_plugin.core.correction.filters import (
     PolicyLogProbs,
     apply_filters,
@@ -25,6 +24,7 @@ from nemo_rs_plugin.core.correction.filters import (
     token_filter_statistic,
 )
 from nemo_rs_plugin.core.correction.statistics import SequenceStatistics
+from nemo_rs_plugin.core.masking import TokenMasks, row_dot
 from nemo_rs_plugin.core.registries.filter_options import LOG_RATIOS
 from nemo_rs_plugin.core.reporting.metric_catalog import declared_specs
 from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet

@@ -1,4 +1,4 @@
-"""Guards ``core/batch/masking.py`` on its own: the masks of a microbatch and the masked reductions.
+"""Guards ``core/masking.py`` on its own: the masks of a microbatch and the masked reductions.
 
 Each test calls the module's functions on small hand-built tensors and compares them with the
 rule its docstring states (``valid = token_mask * sample_mask``, the inclusive bound check, the
@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from nemo_rs_plugin.core.batch.masking import (
+from nemo_rs_plugin.core.masking import (
     TokenMasks,
     extrema_penalty,
     finite_exp,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin.core.batch.masking import EPS, extrema_penalty
+from nemo_rs_plugin.core.masking import EPS, extrema_penalty
 from nemo_rs_plugin.core.reporting.metric_catalog import MetricSpec
 from nemo_rs_plugin.core.reporting.metric_kernels import ClippedExtreme, EffectiveSampleSize
 from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet

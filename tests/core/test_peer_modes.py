@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
-from nemo_rs_plugin.core.batch.masking import TokenMasks
 from nemo_rs_plugin.core.correction import PolicyLogProbs, compute_correction
+from nemo_rs_plugin.core.masking import TokenMasks
 from nemo_rs_plugin.core.reporting.metrics import GlobalCounts
 from nemo_rs_plugin.core.settings.config import ConfigError
 

@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin.core.batch.masking import EPS, TokenMasks, log_ratio
 from nemo_rs_plugin.core.correction.pipeline import (
     apply_correction,
     compute_correction,
     needs_sequence_statistics,
     plan_correction,
 )
+from nemo_rs_plugin.core.masking import EPS, TokenMasks, log_ratio
 from nemo_rs_plugin.core.reporting.metric_catalog import declared_specs
 from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet
 from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig

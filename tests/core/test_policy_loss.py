@@ -1,4 +1,4 @@
-"""Guards ``core/loss_terms/policy_loss.py`` on its own: the ratios, the clipped objective, the KL and NLL terms.
+"""Guards ``core/policy_loss.py`` on its own: the ratios, the clipped objective, the KL and NLL terms.
 
 Each test calls one function on a few hand-picked tokens (float64) and compares its value with
 the closed form of the module's docstring, and its gradient with torch.autograd on the same
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin.core.batch.masking import EPS
-from nemo_rs_plugin.core.loss_terms.policy_loss import (
+from nemo_rs_plugin.core.masking import EPS
+from nemo_rs_plugin.core.policy_loss import (
     LOG_RATIO_CLAMP,
     KLOptions,
     RatioOptions,

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
-from nemo_rs_plugin.core.batch.masking import TokenMasks
 from nemo_rs_plugin.core.correction import compute_correction, token_filter_statistic
+from nemo_rs_plugin.core.masking import TokenMasks
 from nemo_rs_plugin.core.reporting.metrics import GlobalCounts
 from tests.support.config_warnings import DRAWN_CONFIG_WARNINGS
 from tests.support.logprobs import at_most_zero

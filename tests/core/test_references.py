@@ -46,7 +46,7 @@ ALLOWED = set(LINKS.values())
 FILTERS = ["Geo-RS", "IcePop", "AReaL PR #1088", "AReaL PR #1218", "SkyRL PR #849", "OPSM", "DPPO", "prime-rl", "IPO"]
 #: The modules that implement a mechanism, and the sources each must link.
 MODULES = {
-    "loss_terms/policy_loss.py": ["GSPO", "CISPO", "KL estimators"],
+    "policy_loss.py": ["GSPO", "CISPO", "KL estimators"],
     "registries/is_levels.py": ["NeMo-RL PR #2269", "GSPO", "SkyRL PR #849"],
     "correction/weights.py": ["NeMo-RL PR #2269"],  # the truncation types: cited in truncation.py
     "registries/truncation.py": ["TIS", "IcePop", "NeMo-RL PR #1899", "Geo-RS"],

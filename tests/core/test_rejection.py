@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
-from nemo_rs_plugin.core.batch.masking import TokenMasks
 from nemo_rs_plugin.core.correction import compute_correction
+from nemo_rs_plugin.core.masking import TokenMasks
 from nemo_rs_plugin.core.reporting.metrics import GlobalCounts
 from tests.conftest import make_batch
 
@@ -509,7 +509,7 @@ def test_nonfinite_log_ratio_rejects_its_sequence_or_token(bad):
 
 def test_the_one_bound_check_is_inclusive_and_puts_nan_outside():
     """masking.out_of_bounds decides every filter, truncation and sequence decision."""
-    from nemo_rs_plugin.core.batch.masking import out_of_bounds
+    from nemo_rs_plugin.core.masking import out_of_bounds
 
     x = torch.tensor([math.nan, -math.inf, 0.5, 1.0, 2.0, 2.5, math.inf])
     assert out_of_bounds(x, 1.0, 2.0).tolist() == [True, True, True, False, False, True, True]

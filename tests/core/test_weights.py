@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 
-from nemo_rs_plugin.core.batch.masking import EPS, TokenMasks
 from nemo_rs_plugin.core.correction.statistics import SequenceStatistics
 from nemo_rs_plugin.core.correction.weights import (
     WEIGHT_TAIL,
@@ -22,6 +21,7 @@ from nemo_rs_plugin.core.correction.weights import (
     record_token_weight_metrics,
     truncate_weights,
 )
+from nemo_rs_plugin.core.masking import EPS, TokenMasks
 from nemo_rs_plugin.core.reporting.metric_catalog import declared_specs
 from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet
 from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig

@@ -23,16 +23,16 @@ L, P, D, M, MS, IN, IC = (
     f"nemo_rs_plugin/core/{m}.py"
     for m in (
         "loss",
-        "loss_terms/policy_loss",
+        "policy_loss",
         "distributed",
-        "batch/masking",
+        "masking",
         "reporting/metrics",
         "batch/inputs",
         "batch/input_checks",
     )
 )
 # The objective (terms and their aggregation) and NeMo-RL's own metrics, out of loss.py.
-OB, PM = "nemo_rs_plugin/core/loss_terms/objective.py", "nemo_rs_plugin/core/reporting/parity_metrics.py"
+OB, PM = "nemo_rs_plugin/core/loss_terms/objective.py", "nemo_rs_plugin/core/loss_terms/parity_metrics.py"
 SAN = "nemo_rs_plugin/core/batch/sanitizing.py"  # the inputs' sanitising, out of inputs.py
 MK = "nemo_rs_plugin/core/reporting/metric_kernels.py"  # the metrics' evaluation, out of metrics.py
 CAT = "nemo_rs_plugin/core/reporting/metric_catalog.py"  # each metric's normalization and reduction

@@ -145,3 +145,39 @@ def test_every_folder_of_the_package_is_a_layer_and_only_the_program_sits_above(
         if module in PROGRAM
     ]
     assert not importers, importers
+
+
+#: core/'s parts in the order of one loss call, bottom up (docs/architecture.md): the tensor
+#: primitives, what the config's names mean, the config, the metric machinery, the inputs, the
+#: correction, the objective, then the loss. Each imports only from the parts before it.
+CORE_ORDER = (
+    "masking",
+    "distributed",
+    "policy_loss",
+    "registries",
+    "settings",
+    "reporting",
+    "batch",
+    "correction",
+    "loss_terms",
+    "compiled",
+    "loss",
+)
+
+
+def test_core_parts_import_only_the_parts_below():
+    core = PACKAGE / "core"
+    parts = {p.relative_to(core).parts[0].removesuffix(".py") for p in core.rglob("*.py")} - {"__init__"}
+    assert parts == set(CORE_ORDER), parts ^ set(CORE_ORDER)
+    upward = []
+    for path in sorted(core.rglob("*.py")):
+        own = path.relative_to(core).parts[0].removesuffix(".py")
+        if own == "__init__":
+            continue
+        for line, module in _imports(path):
+            names = module.split(".")
+            if names[:2] != ["nemo_rs_plugin", "core"] or len(names) < 3 or names[2] == own:
+                continue
+            if CORE_ORDER.index(names[2]) > CORE_ORDER.index(own):
+                upward.append(f"{path.relative_to(REPO)}:{line}: {module} ({names[2]} is above {own})")
+    assert not upward, upward

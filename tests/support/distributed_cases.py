@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from nemo_rs_plugin import CorrectedPGLoss, RSClippedPGLossConfig
-from nemo_rs_plugin.core.batch.masking import TokenMasks
 from nemo_rs_plugin.core.correction import PolicyLogProbs, compute_correction
 from nemo_rs_plugin.core.distributed import SequenceGroups
+from nemo_rs_plugin.core.masking import TokenMasks
 from nemo_rs_plugin.core.reporting.metrics import GlobalCounts
 from nemo_rs_plugin.parallel.layout import cp_shard, shift_left
 from nemo_rs_plugin.parallel.sharded import sharded_loss, sharded_loss_inputs

@@ -19,8 +19,8 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
-from nemo_rs_plugin.core.batch.masking import TokenMasks
 from nemo_rs_plugin.core.batch.sanitizing import SanitizedInputs
+from nemo_rs_plugin.core.masking import TokenMasks
 from nemo_rs_plugin.core.reporting.metric_catalog import NONFINITE_LOGIT_ROWS, Diagnostics
 from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet
 

@@ -2,7 +2,7 @@
 
 :func:`sanitize_inputs` returns :class:`SanitizedInputs`: the log-probs and advantages with
 every non-finite entry replaced by 0 (so that no NaN reaches a masked sum or a gradient), the
-log-ratio ``d = prev - gen``, and the :class:`~nemo_rs_plugin.core.batch.masking.TokenMasks` that
+log-ratio ``d = prev - gen``, and the :class:`~nemo_rs_plugin.core.masking.TokenMasks` that
 leave those tokens out. Three forms, by where the work is cheapest: used as given (eager CPU,
 every input read finite on the host), stacked (accelerators: one kernel per step for all
 inputs), one input at a time (the CPU form with a non-finite entry). :func:`nonfinite_metrics`
@@ -17,7 +17,7 @@ from typing import Mapping, NamedTuple, Optional, Union
 import torch
 
 from nemo_rs_plugin.core.batch.inputs import LossInputs
-from nemo_rs_plugin.core.batch.masking import TokenMasks, nonfinite, sanitize
+from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, sanitize
 from nemo_rs_plugin.core.reporting.metric_catalog import NONFINITE_LOGIT_ROWS
 from nemo_rs_plugin.core.reporting.metrics import MetricSet
 

@@ -31,7 +31,6 @@ and docs/guide.md#batch-normalisation.
 
 from __future__ import annotations
 
-from nemo_rs_plugin.core.batch.masking import finite_exp
 from nemo_rs_plugin.core.correction.filters import (
     PROBABILITY_CLAMP,
     PolicyLogProbs,
@@ -50,6 +49,7 @@ from nemo_rs_plugin.core.correction.pipeline import (
 )
 from nemo_rs_plugin.core.correction.statistics import BATCH_MEAN_FLOOR, SequenceStatistics, batch_normalize_weights
 from nemo_rs_plugin.core.correction.weights import is_weights, truncate_weights
+from nemo_rs_plugin.core.masking import finite_exp
 
 __all__ = [
     "BATCH_MEAN_FLOOR",

@@ -40,7 +40,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from nemo_rs_plugin.core.batch.masking import TokenMasks, log_ratio, out_of_bounds
 from nemo_rs_plugin.core.correction.filters import (
     PolicyLogProbs,
     filter_bounds,
@@ -49,6 +48,7 @@ from nemo_rs_plugin.core.correction.filters import (
     plan_token_filter,
     sequence_filter_statistic,
 )
+from nemo_rs_plugin.core.masking import TokenMasks, log_ratio, out_of_bounds
 from nemo_rs_plugin.core.registries.filter_options import LOG_RATIOS
 from nemo_rs_plugin.core.registries.filter_statistics import filter_statistic_entry
 from nemo_rs_plugin.core.settings.config import RejectionFilter

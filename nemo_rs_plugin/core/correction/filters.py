@@ -32,13 +32,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from nemo_rs_plugin.core.batch.masking import TokenMasks, nonfinite, out_of_bounds, row_dot, sanitize
 from nemo_rs_plugin.core.correction.statistics import (
     SequenceStage,
     SequenceStatistics,
     StageStatistics,
     TokenStageStatistics,
 )
+from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, out_of_bounds, row_dot, sanitize
 from nemo_rs_plugin.core.registries.aggregations import StageInputs
 from nemo_rs_plugin.core.registries.filter_options import LogRatio
 from nemo_rs_plugin.core.registries.filter_statistics import PROBABILITY_CLAMP, filter_statistic_entry

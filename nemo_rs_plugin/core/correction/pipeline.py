@@ -15,7 +15,6 @@ from typing import Optional
 
 import torch
 
-from nemo_rs_plugin.core.batch.masking import TokenMasks, row_dot, sanitize
 from nemo_rs_plugin.core.correction.filters import PolicyLogProbs, apply_filters, plan_filters
 from nemo_rs_plugin.core.correction.statistics import SequenceStatistics, batch_normalize_weights
 from nemo_rs_plugin.core.correction.weights import (
@@ -25,6 +24,7 @@ from nemo_rs_plugin.core.correction.weights import (
     record_token_weight_metrics,
 )
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
+from nemo_rs_plugin.core.masking import TokenMasks, row_dot, sanitize
 from nemo_rs_plugin.core.reporting.metric_catalog import declared_specs
 from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet, batched_evaluation
 from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig

@@ -26,13 +26,13 @@ from typing import Any, Optional, Union
 
 import torch
 
-from nemo_rs_plugin.core.batch.masking import EPS, masked_sum
 from nemo_rs_plugin.core.distributed import (
     NO_GROUPS,
     SequenceGroups,
     reduce_batch_totals,
     reduce_sequence_statistics,
 )
+from nemo_rs_plugin.core.masking import EPS, masked_sum
 from nemo_rs_plugin.core.registries.aggregations import (
     REDUCED_BY_MAX,
     MaximumStageStatistics,

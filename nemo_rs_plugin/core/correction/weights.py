@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from nemo_rs_plugin.core.batch.masking import EPS, TokenMasks, extrema_penalty, finite_exp, masked_sum
 from nemo_rs_plugin.core.correction.statistics import SequenceStatistics
+from nemo_rs_plugin.core.masking import EPS, TokenMasks, extrema_penalty, finite_exp, masked_sum
 from nemo_rs_plugin.core.registries.is_levels import is_level
 from nemo_rs_plugin.core.registries.truncation import truncation
 from nemo_rs_plugin.core.reporting.metric_catalog import WEIGHT_TAIL
@@ -166,7 +166,7 @@ def _record_tails(metrics: MetricSet, raw_weight: torch.Tensor, penalty: torch.T
     """``is_weight_raw_{low,high}_frac``: shares of the units whose raw weight is below ``1/C``, above ``C``.
 
     ``C`` = :data:`WEIGHT_TAIL`; the units are those of ``is_weight_raw_min``/``_max`` (``penalty``:
-    :func:`~nemo_rs_plugin.core.batch.masking.extrema_penalty` of their mask), counted with the same
+    :func:`~nemo_rs_plugin.core.masking.extrema_penalty` of their mask), counted with the same
     penalised values, so that a compiled core counts them in the loop that finds the extremes
     (a separate masked sum costs a kernel of its own). Sums over units divided by the global
     count: they add up over calls, microbatches and ranks.

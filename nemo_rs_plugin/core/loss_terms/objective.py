@@ -3,7 +3,7 @@
 ``L = sum_t k_t [ g_t * w_t * pg_t + beta * kl_t + tau * (curr_t - gen_t)^2 ] / N  +  mu * NLL_correct``
 (``k`` the rejection mask, ``g`` the mask of the filters with ``applies_to: policy_gradient``,
 ``w`` the IS weight, ``pg`` the clipped objective of
-:func:`~nemo_rs_plugin.core.loss_terms.policy_loss.clipped_objective`, ``N`` NeMo-RL's ``global_valid_toks``
+:func:`~nemo_rs_plugin.core.policy_loss.clipped_objective`, ``N`` NeMo-RL's ``global_valid_toks``
 or, with ``rejection_denominator: kept``, its kept share); with ``token_level_loss: false`` the
 mean over sequences (``/ global_valid_seqs``) of per-sequence token means, each row over its
 whole ``token_mask`` as NeMo-RL's.
@@ -21,12 +21,12 @@ from typing import Optional
 
 import torch
 
-from nemo_rs_plugin.core.batch.masking import EPS, TokenMasks, masked_sum
 from nemo_rs_plugin.core.batch.microbatch import MicrobatchTotals
 from nemo_rs_plugin.core.batch.sanitizing import SanitizedInputs
 from nemo_rs_plugin.core.correction import CorrectionResult, SequenceCounts
 from nemo_rs_plugin.core.distributed import SequenceGroups, all_reduce_sum_with_grad
-from nemo_rs_plugin.core.loss_terms.policy_loss import (
+from nemo_rs_plugin.core.masking import EPS, TokenMasks, masked_sum
+from nemo_rs_plugin.core.policy_loss import (
     KLOptions,
     RatioOptions,
     clipped_objective,

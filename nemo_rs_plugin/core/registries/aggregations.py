@@ -27,7 +27,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from nemo_rs_plugin.core.batch.masking import EPS, extrema_penalty
+from nemo_rs_plugin.core.masking import EPS, extrema_penalty
 
 __all__ = [
     "DEFAULT_AGGREGATION",

@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from nemo_rs_plugin.core.loss_terms.policy_loss import kl_estimate
+from nemo_rs_plugin.core.policy_loss import kl_estimate
 from nemo_rs_plugin.core.registries.aggregations import SEQUENCE_AGGREGATIONS, sequence_aggregation
 
 __all__ = [

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from nemo_rs_plugin.core.batch.masking import EPS
+from nemo_rs_plugin.core.masking import EPS
 
 __all__ = ["IS_LEVELS", "ISLevel", "is_level", "is_levels_text"]
 

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from nemo_rs_plugin.core.batch.masking import out_of_bounds
+from nemo_rs_plugin.core.masking import out_of_bounds
 
 __all__ = ["TRUNCATIONS", "Truncation", "truncation", "truncations_text"]
 

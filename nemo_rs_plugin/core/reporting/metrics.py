@@ -36,8 +36,8 @@ from typing import Iterable, Mapping, NamedTuple, Optional
 
 import torch
 
-from nemo_rs_plugin.core.batch.masking import EPS
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
+from nemo_rs_plugin.core.masking import EPS
 from nemo_rs_plugin.core.reporting.metric_catalog import Diagnostics, MetricSpec, Normalization
 from nemo_rs_plugin.core.reporting.metric_kernels import (
     Constant,
@@ -176,7 +176,7 @@ class MetricSet:
         """Record a final 0-dim value (never synced here, never divided by a count).
 
         ``min``/``max`` entries may hold ``+-finfo.max`` for "no unit" (see
-        :func:`~nemo_rs_plugin.core.batch.masking.extrema_penalty`); :meth:`finalize` reports them as
+        :func:`~nemo_rs_plugin.core.masking.extrema_penalty`); :meth:`finalize` reports them as
         ``+-inf``, as NeMo-RL does.
         """
         if self._declare((name,)) is not None:
@@ -235,7 +235,7 @@ class MetricSet:
     def add_masked_extrema(self, min_name: str, max_name: str, values: torch.Tensor, penalty: torch.Tensor) -> None:
         """Record the min and max of finite ``values`` where the mask behind ``penalty`` is 1.
 
-        ``penalty`` is :func:`~nemo_rs_plugin.core.batch.masking.extrema_penalty` of the mask (shared
+        ``penalty`` is :func:`~nemo_rs_plugin.core.masking.extrema_penalty` of the mask (shared
         between metrics of one mask). With an empty mask the values are the ``+-finfo.max``
         sentinels that :meth:`finalize` reports as ``(inf, -inf)``.
         """

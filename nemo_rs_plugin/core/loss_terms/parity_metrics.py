@@ -14,7 +14,7 @@ import torch
 from nemo_rs_plugin.core.batch.sanitizing import SanitizedInputs
 from nemo_rs_plugin.core.correction import CorrectionResult
 from nemo_rs_plugin.core.loss_terms.objective import LossTerms, Objective
-from nemo_rs_plugin.core.loss_terms.policy_loss import kl_estimate
+from nemo_rs_plugin.core.policy_loss import kl_estimate
 from nemo_rs_plugin.core.reporting.metric_kernels import ClippedExtreme
 from nemo_rs_plugin.core.reporting.metrics import MetricSet
 from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig

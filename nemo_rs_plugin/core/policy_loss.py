@@ -34,8 +34,8 @@ from typing import Any, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from nemo_rs_plugin.core.batch.masking import EPS, finite_exp
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups, all_reduce_sum_with_grad
+from nemo_rs_plugin.core.masking import EPS, finite_exp
 
 __all__ = [
     "LOG_RATIO_CLAMP",
