@@ -98,8 +98,8 @@ ADVICE = [
     DOCS / "troubleshooting.md",
     *sorted((REPO / "recipes").glob("*.yaml")),
     REPO / "nemo_rs_plugin" / "tools" / "correction_warnings.py",
-    REPO / "nemo_rs_plugin" / "core" / "presets.py",
-    REPO / "nemo_rs_plugin" / "core" / "health.py",
+    REPO / "nemo_rs_plugin" / "core" / "settings" / "presets.py",
+    REPO / "nemo_rs_plugin" / "core" / "reporting" / "health.py",
 ]
 INTERVAL = re.compile(r"[+-]\d\.\d{3} \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]")
 
