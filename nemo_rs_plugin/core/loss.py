@@ -96,10 +96,11 @@ class CorrectedPGLoss:
         cfg = self.cfg
         self.objective = Objective(cfg)
         self.kl_coef = self.objective.kl_coef  # 0 without the KL term: the reference log-probs are not read
-        # Every metric this configuration returns, read off the catalog (no run): what the metric
-        # set checks each declaration against, and what metric_normalizations() reports.
+        # Every metric this configuration returns, read off the catalog (no run): what
+        # metric_normalizations() reports; with the loss's own diagnostics, what each metric set
+        # reads a declaration's normalization, reduction and per-call flag from.
         self.metric_specs = metric_specs(cfg)
-        self.declared_specs = declared_specs(cfg)  # with the loss's own diagnostics: what a metric set reads
+        self.declared_specs = declared_specs(cfg)
         # Warns (rate-limited, from the metrics already on the host) when filters eat the batch.
         self.rejection_monitor = RejectionMonitor() if cfg.rejection_sampling else None
 
@@ -137,8 +138,8 @@ class CorrectedPGLoss:
         """Metric name -> ``tokens`` / ``sequences`` / ``none``, from the metric catalog.
 
         :func:`~nemo_rs_plugin.core.reporting.metric_catalog.metric_specs` of the configuration: which
-        metrics exist depends on the config only, and every metric the loss declares is checked
-        against its entry where it is declared (``MetricSet``). The per-call metrics are in it
+        metrics exist depends on the config only, and every metric the loss declares takes its
+        spec from its entry where it is declared (``MetricSet``). The per-call metrics are in it
         only where this loss returns them (``per_call_metrics``).
         """
         return {k: s.normalization for k, s in self.metric_specs.items() if self.per_call_metrics or not s.per_call}
