@@ -1,10 +1,11 @@
 """Guards ``core/reporting/metric_catalog.py``: the catalog is exactly what the loss returns, in every configuration.
 
-The loss checks each metric it declares against the catalog (name, normalization, reduction,
-per-call) as it declares it; here every configuration of a grid (IS levels, truncation types,
-filter levels and aggregations, batch normalisation, the sampler penalty, the loss's unit, the
-NLL term) runs once and must return exactly the catalog's metrics, so an entry whose
-``emitted`` predicate is wrong fails in either direction.
+The loss declares each metric by its name alone and takes its normalization, reduction and
+per-call flag from the catalog (a name the configuration lacks is refused); here every
+configuration of a grid (IS levels, truncation types, filter levels and aggregations, batch
+normalisation, the sampler penalty, the loss's unit, the NLL term) runs once and must return
+exactly the catalog's metrics, so an entry whose ``emitted`` predicate is wrong fails in either
+direction.
 """
 
 import itertools
