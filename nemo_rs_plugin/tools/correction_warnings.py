@@ -61,7 +61,7 @@ def warn_about_correction(
     if recipe_value(cfg, "grpo.async_grpo.enabled", False) and any(
         f.aggregation_entry is not None
         and f.aggregation_entry.sums_tokens
-        and filter_statistic_entry(f.metric).log_space
+        and filter_statistic_entry(f.statistic).log_space
         for f in config.rejection_sampling
     ):
         report.notes.append(

@@ -18,7 +18,7 @@ def describe_filter(f: RejectionFilter) -> str:
     """One filter as a sentence, e.g. 'reject a sequence unless the geometric mean ... is in [..]'."""
     log_ratio = f.log_ratio_entry
     a, b = log_ratio.target, log_ratio.behaviour
-    statistic = filter_statistic_entry(f.metric)
+    statistic = filter_statistic_entry(f.statistic)
     aggregation = f.aggregation  # None for a per-token level
     unit = f"a {f.level_entry.unit}"
     sentence = f"reject {unit} unless {statistic.describe(aggregation, a, b)} is in {_bounds(f)}"

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS, aggregated_text
 from nemo_rs_plugin.core.reporting.metric_catalog import METRIC_CATALOG, MetricEntry
 from nemo_rs_plugin.core.settings.config import PLUGIN_FIELDS, RejectionFilter, RSClippedPGLossConfig
-from nemo_rs_plugin.core.settings.rejection_filter import AGGS_FOR_METRIC
+from nemo_rs_plugin.core.settings.rejection_filter import AGGS_FOR_STATISTIC
 
 __all__ = ["render_reference"]
 
@@ -63,11 +63,11 @@ def _rows(model: type[BaseModel], only: tuple[str, ...] = ()) -> list[str]:
 
 
 def _aggregations_text() -> str:
-    """``AGGS_FOR_METRIC`` in words: metrics sharing their allowed aggregations grouped."""
+    """``AGGS_FOR_STATISTIC`` in words: statistics sharing their allowed aggregations grouped."""
     groups: dict[tuple[str, ...], list[str]] = {}
-    for metric, aggs in AGGS_FOR_METRIC.items():
-        groups.setdefault(aggs, []).append(f"`{metric}`")
-    return "; ".join(f"{', '.join(metrics)}: {', '.join(aggs)}" for aggs, metrics in groups.items())
+    for statistic, aggs in AGGS_FOR_STATISTIC.items():
+        groups.setdefault(aggs, []).append(f"`{statistic}`")
+    return "; ".join(f"{', '.join(statistics)}: {', '.join(aggs)}" for aggs, statistics in groups.items())
 
 
 # The guide's metric table (docs/guide.md, between the markers below): the metrics the plugin
@@ -112,7 +112,7 @@ STATISTICS_BEGIN, STATISTICS_END = (
 
 def render_statistics_table() -> str:
     """The guide's table of the filter statistics, between its markers."""
-    rows = ["| metric | per token | what it is | aggregated over a sequence |", "| --- | --- | --- | --- |"]
+    rows = ["| statistic | per token | what it is | aggregated over a sequence |", "| --- | --- | --- | --- |"]
     for s in FILTER_STATISTICS.values():
         formula, meaning = (text.replace("|", "\\|") for text in (s.formula, s.meaning))
         rows.append(f"| `{s.name}` | `{formula}` | {meaning} | {aggregated_text(s)} |")
@@ -140,7 +140,7 @@ def render_reference() -> str:
         "",
         *_rows(RejectionFilter),
         "",
-        f"Allowed `agg` per `metric`: {_aggregations_text()}. Ratio bounds are >= 0. Labels",
+        f"Allowed `agg` per `statistic`: {_aggregations_text()}. Ratio bounds are >= 0. Labels",
         "(`name`, or the default) must be unique. Formulas: [guide](guide.md#rejection-sampling).",
         "",
         "## NeMo-RL's fields",

@@ -54,11 +54,11 @@ def test_band_never_rejects_more_than_the_target_and_contains_one():
 def test_one_sided_template_is_calibrated_on_its_side_only():
     means = [i / 100 for i in range(100)]
     prev, gen, mask = _sequences_with_mean_log_ratio(means)
-    upper_only = RejectionFilter(level="sequence", metric="ratio", agg="mean", upper=1.01)
+    upper_only = RejectionFilter(level="sequence", statistic="ratio", agg="mean", upper=1.01)
     (stage,) = calibrate_filters([upper_only], prev, gen, mask, 0.1)
     assert stage.filter.lower is None
     assert stage.filter.upper == pytest.approx(math.exp(0.89), rel=1e-5)  # the whole 10% above
-    divergence = RejectionFilter(level="sequence", metric="kl_k3", agg="mean", lower=0.0, upper=1e-3)
+    divergence = RejectionFilter(level="sequence", statistic="kl_k3", agg="mean", lower=0.0, upper=1e-3)
     (stage,) = calibrate_filters([divergence], prev, gen, mask, 0.1)
     assert stage.filter.lower == 0.0  # a divergence keeps its lower bound as written
     assert stage.rejected_frac == pytest.approx(0.10)
@@ -120,7 +120,7 @@ def test_refusals():
     prev, gen, mask = _sequences_with_mean_log_ratio([0.0, 0.1])
     with pytest.raises(ValueError, match="target rejection"):
         band_for_rejection(torch.zeros(2), torch.zeros(2), 1.0, (True, True), True)
-    opsm = RejectionFilter(level="sequence", metric="ratio", upper=2.0, log_ratio="curr-prev")
+    opsm = RejectionFilter(level="sequence", statistic="ratio", upper=2.0, log_ratio="curr-prev")
     with pytest.raises(ValueError, match="current policy"):
         calibrate_filters([opsm], prev, gen, mask, 0.05)
     with pytest.raises(ValueError, match="no unit"):

@@ -44,7 +44,7 @@ TOKEN_LEVEL_FILTER = {
     "use_importance_sampling_correction": True,
     "truncated_importance_sampling_type": "tis",
     "truncated_importance_sampling_ratio": 2.0,
-    "rejection_sampling": [{"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4}],
+    "rejection_sampling": [{"level": "sequence", "statistic": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4}],
 }
 
 

@@ -93,22 +93,22 @@ def test_invalid_upstream_combinations(cfg, needles):
     "flt, needles",
     [
         (
-            {"level": "sequence", "metric": "ratio", "lower": 2.0, "upper": 1.0},
+            {"level": "sequence", "statistic": "ratio", "lower": 2.0, "upper": 1.0},
             ["rejection_sampling.0", "lower > upper", "lower=2.0, upper=1.0"],
         ),
-        ({"level": "sequence", "metric": "ratio"}, ["rejection_sampling.0", "at least one bound"]),
+        ({"level": "sequence", "statistic": "ratio"}, ["rejection_sampling.0", "at least one bound"]),
         (
-            {"level": "sequence", "metric": "kl_k4", "upper": 1.0},
-            ["rejection_sampling.0.metric: got 'kl_k4'", "'kl_k3'"],
+            {"level": "sequence", "statistic": "kl_k4", "upper": 1.0},
+            ["rejection_sampling.0.statistic: got 'kl_k4'", "'kl_k3'"],
         ),
         ({"level": "sequence", "agg": "median", "upper": 1.0}, ["rejection_sampling.0.agg: got 'median'", "'any'"]),
         ({"level": "token", "agg": "mean", "upper": 2.0}, ["agg: got 'mean' on a token filter", "level: sequence"]),
         (
-            {"level": "sequence", "metric": "kl_k3", "agg": "any", "upper": 0.5},
+            {"level": "sequence", "statistic": "kl_k3", "agg": "any", "upper": 0.5},
             ["agg: got 'any' with metric 'kl_k3'", "mean, sum, max"],
         ),
-        ({"level": "sequence", "metric": "kl_k2", "agg": "min", "upper": 0.5}, ["agg: got 'min'"]),
-        ({"level": "token", "metric": "ratio", "lower": -1.0, "upper": 2.0}, ["lower: got -1.0", ">= 0"]),
+        ({"level": "sequence", "statistic": "kl_k2", "agg": "min", "upper": 0.5}, ["agg: got 'min'"]),
+        ({"level": "token", "statistic": "ratio", "lower": -1.0, "upper": 2.0}, ["lower: got -1.0", ">= 0"]),
         ({"level": "tokens", "upper": 2.0}, ["rejection_sampling.0.level: got 'tokens'", "'token' or 'sequence'"]),
         (
             {"level": "token", "upper": 2.0, "threshold": 3},
@@ -165,17 +165,17 @@ def test_name_field_is_accepted():
 
 
 def test_the_filter_statistics_registry_is_the_metric_type_and_the_references_dispatch():
-    """One entry per ``FilterMetric`` value; the naive reference writes each formula again."""
+    """One entry per ``FilterStatisticName`` value; the naive reference writes each formula again."""
     from typing import get_args
 
     from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS, filter_statistic_entry
-    from nemo_rs_plugin.core.settings.rejection_filter import AGGS_FOR_METRIC, FilterMetric
+    from nemo_rs_plugin.core.settings.rejection_filter import AGGS_FOR_STATISTIC, FilterStatisticName
     from tests.support.naive_reference import TOKEN_STATISTICS
 
-    metrics = list(get_args(FilterMetric))
-    assert list(FILTER_STATISTICS) == metrics and list(AGGS_FOR_METRIC) == metrics
+    metrics = list(get_args(FilterStatisticName))
+    assert list(FILTER_STATISTICS) == metrics and list(AGGS_FOR_STATISTIC) == metrics
     assert set(TOKEN_STATISTICS) == set(metrics)
-    with pytest.raises(ValueError, match="metric: got 'kl_k4'; allowed: ratio, kl_k1"):
+    with pytest.raises(ValueError, match="statistic: got 'kl_k4'; allowed: ratio, kl_k1"):
         filter_statistic_entry("kl_k4")  # an unknown name is an error, never a default
 
 
@@ -219,7 +219,7 @@ def test_no_default_filter_label_is_one_nemo_rl_leaves_undivided():
         for level, agg in [("token", None)] + [("sequence", a) for a in entry.aggregations]:
             f = RejectionFilter(
                 level=level,
-                metric=metric,
+                statistic=metric,
                 agg=agg,
                 log_ratio=log_ratio,
                 advantage_sign="negative" if negative else None,

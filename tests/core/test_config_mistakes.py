@@ -9,6 +9,7 @@ import yaml
 
 from nemo_rs_plugin import ConfigError, CorrectedPGLoss, RSClippedPGLossConfig
 from nemo_rs_plugin.core.settings.config import ConfigWarning
+from tests.conftest import make_batch
 
 IS_ON = {"use_importance_sampling_correction": True}
 
@@ -104,14 +105,14 @@ def test_curr_prev_filter_with_a_forced_on_policy_ratio_is_an_error():
 @pytest.mark.parametrize(
     "flt, start",
     [
-        ({"level": "token", "metric": "total_variation", "upper": -0.1}, "upper: got -0.1"),
-        ({"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "upper": 0.9}, "upper: got 0.9"),
-        ({"level": "token", "metric": "total_variation", "lower": 1.5}, "lower: got 1.5"),
+        ({"level": "token", "statistic": "total_variation", "upper": -0.1}, "upper: got -0.1"),
+        ({"level": "sequence", "statistic": "mult_prob_error", "agg": "mean", "upper": 0.9}, "upper: got 0.9"),
+        ({"level": "token", "statistic": "total_variation", "lower": 1.5}, "lower: got 1.5"),
         # an unreached end of the range (the registry's `reaches`): the clamp keeps a total variation below 1
-        ({"level": "token", "metric": "total_variation", "lower": 1.0}, "lower: got 1.0"),
+        ({"level": "token", "statistic": "total_variation", "lower": 1.0}, "lower: got 1.0"),
         # infinite bounds: nothing is on the kept side (a sum's range has no upper end)
-        ({"level": "sequence", "metric": "total_variation", "agg": "sum", "lower": float("inf")}, "lower: got inf"),
-        ({"level": "token", "metric": "kl_k1", "upper": float("-inf")}, "upper: got -inf"),
+        ({"level": "sequence", "statistic": "total_variation", "agg": "sum", "lower": float("inf")}, "lower: got inf"),
+        ({"level": "token", "statistic": "kl_k1", "upper": float("-inf")}, "upper: got -inf"),
     ],
 )
 def test_a_bound_that_rejects_everything_warns(flt, start):
@@ -125,11 +126,11 @@ def test_a_bound_at_a_reached_end_of_the_range_rejects_something():
     """The ends a statistic reaches are kept by such a bound (bounds are inclusive): a total variation
     or k3 of 0, a probability error of 1, a prob_diff of -1 or 1 (exp rounds a probability to 0 or 1)."""
     for flt in (
-        {"level": "token", "metric": "total_variation", "upper": 0.0},
-        {"level": "token", "metric": "prob_diff", "lower": 1.0},
-        {"level": "token", "metric": "prob_diff", "upper": -1.0},
-        {"level": "token", "metric": "kl_k3", "upper": 0.0},
-        {"level": "sequence", "metric": "mult_prob_error", "agg": "max", "upper": 1.0},
+        {"level": "token", "statistic": "total_variation", "upper": 0.0},
+        {"level": "token", "statistic": "prob_diff", "lower": 1.0},
+        {"level": "token", "statistic": "prob_diff", "upper": -1.0},
+        {"level": "token", "statistic": "kl_k3", "upper": 0.0},
+        {"level": "sequence", "statistic": "mult_prob_error", "agg": "max", "upper": 1.0},
     ):
         assert not [w for w in warnings_of({"rejection_sampling": [flt]}) if "rejects every unit" in w], flt
 
@@ -137,14 +138,16 @@ def test_a_bound_at_a_reached_end_of_the_range_rejects_something():
 @pytest.mark.parametrize(
     "flt",
     [
-        {"level": "token", "metric": "prob_diff", "lower": -1.0},
-        {"level": "token", "metric": "kl_k3", "lower": 0.0},  # inclusive: a k3 of 0 is kept
-        {"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "lower": 1.0},
+        {"level": "token", "statistic": "prob_diff", "lower": -1.0},
+        {"level": "token", "statistic": "kl_k3", "lower": 0.0},  # inclusive: a k3 of 0 is kept
+        {"level": "sequence", "statistic": "mult_prob_error", "agg": "mean", "lower": 1.0},
     ],
 )
 def test_a_lower_bound_at_the_lowest_value_never_rejects(flt):
     [w] = warnings_of({"rejection_sampling": [flt]})
-    assert w.startswith(f"loss_fn.rejection_sampling.0.lower: got {flt['lower']} with metric {flt['metric']!r}"), w
+    assert w.startswith(
+        f"loss_fn.rejection_sampling.0.lower: got {flt['lower']} with statistic {flt['statistic']!r}"
+    ), w
     assert "never rejects" in w, w
 
 
@@ -162,13 +165,13 @@ def test_is_correction_level_without_correction_warns():
 
 
 def test_total_variation_upper_above_its_maximum_warns():
-    [w] = warnings_of({"rejection_sampling": [{"level": "token", "metric": "total_variation", "upper": 5}]})
+    [w] = warnings_of({"rejection_sampling": [{"level": "token", "statistic": "total_variation", "upper": 5}]})
     assert (
         w.startswith("loss_fn.rejection_sampling.0.upper: got 5.0 with metric 'total_variation'") and "at most 1" in w
     )
     # summed over a sequence the statistic has no upper limit: nothing to say
     assert not warnings_of(
-        {"rejection_sampling": [{"level": "sequence", "metric": "total_variation", "agg": "sum", "upper": 5}]}
+        {"rejection_sampling": [{"level": "sequence", "statistic": "total_variation", "agg": "sum", "upper": 5}]}
     )
 
 
@@ -194,8 +197,12 @@ def test_valid_configurations_do_not_warn():
     for cfg in (
         {},
         {**IS_ON, "is_correction_level": "sequence_mean"},
-        {"rejection_sampling": [{"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.0, "upper": 1.01}]},
-        {"rejection_sampling": [{"level": "token", "metric": "total_variation", "upper": 0.3}]},
+        {
+            "rejection_sampling": [
+                {"level": "sequence", "statistic": "ratio", "agg": "mean", "lower": 0.0, "upper": 1.01}
+            ]
+        },
+        {"rejection_sampling": [{"level": "token", "statistic": "total_variation", "upper": 0.3}]},
     ):
         assert warnings_of(cfg) == [], cfg
 
@@ -267,7 +274,9 @@ def test_tis_at_an_infinite_ratio_is_warned_about():
 
 
 # --------------------------------------------------------------------------- issue 51, item 8
-@pytest.mark.parametrize("typo, guess", [("lowr", "lower"), ("uper", "upper"), ("metirc", "metric"), ("lvl", None)])
+@pytest.mark.parametrize(
+    "typo, guess", [("lowr", "lower"), ("uper", "upper"), ("statistc", "statistic"), ("lvl", None)]
+)
 def test_a_typo_in_a_filter_field_gets_a_did_you_mean(typo, guess):
     stage = {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01}
     stage.pop(guess, None)
@@ -277,10 +286,54 @@ def test_a_typo_in_a_filter_field_gets_a_did_you_mean(typo, guess):
     assert (f"did you mean {guess!r}?" in line) == (guess is not None), line
 
 
+def test_a_filter_s_old_metric_field_is_read_as_its_statistic_and_warned_about():
+    """One name per concept: ``metric`` (which also names what the loss logs) is ``statistic``'s old spelling."""
+    import torch
+
+    old = {"level": "sequence", "metric": "kl_k3", "agg": "mean", "upper": 0.01}
+    new = {"level": "sequence", "statistic": "kl_k3", "agg": "mean", "upper": 0.01}
+    assert warnings_of({**IS_ON, "rejection_sampling": [new]}) == []
+    assert warnings_of({**IS_ON, "rejection_sampling": [old]}) == [
+        "loss_fn.rejection_sampling.0.metric: deprecated; write statistic: kl_k3 instead (the same filter, "
+        "the same metric names)"
+    ]
+    with pytest.warns(ConfigWarning, match="deprecated"):
+        read_old = RSClippedPGLossConfig.from_any({**IS_ON, "rejection_sampling": [old]})
+    read_new = RSClippedPGLossConfig.from_any({**IS_ON, "rejection_sampling": [new]})
+    assert read_old.rejection_sampling[0].statistic == "kl_k3"
+    assert read_old.rejection_sampling[0].label == read_new.rejection_sampling[0].label == "sequence_kl_k3_mean"
+    # The same loss: a batch where the band rejects one of two sequences.
+    g = torch.Generator().manual_seed(3)
+    curr = -torch.rand(2, 6, generator=g)
+    gen = curr + torch.tensor([[0.0], [0.3]]) * torch.randn(2, 6, generator=g)
+    batch = make_batch(curr, curr, gen, advantages=torch.randn(2, 6, generator=g))
+    with pytest.warns(ConfigWarning, match="deprecated"):
+        loss_old, m_old = CorrectedPGLoss({**IS_ON, "rejection_sampling": [old]})(*batch)
+    loss_new, m_new = CorrectedPGLoss({**IS_ON, "rejection_sampling": [new]})(*batch)
+    assert m_new["rs_seq_rejected_frac"] == 0.5 and torch.equal(loss_old, loss_new) and m_old == m_new
+
+
+def test_a_filter_s_metric_and_statistic_that_disagree_are_refused_by_name():
+    [line] = problems_of(
+        {"rejection_sampling": [{"level": "token", "metric": "kl_k3", "statistic": "ratio", "upper": 1}]}
+    )
+    assert line == (
+        "loss_fn.rejection_sampling.0: metric: got 'kl_k3' with statistic 'ratio'; metric is the deprecated "
+        "spelling of statistic: remove metric"
+    ), line
+
+
+@pytest.mark.parametrize("typo", ["metrc", "negative_advantage_only"])
+def test_a_deprecated_filter_field_is_never_suggested_for_a_typo(typo):
+    [line] = problems_of({"rejection_sampling": [{"level": "token", "upper": 2.0, typo: 1}]})
+    assert "did you mean 'metric'" not in line and "did you mean 'negative_advantages_only'" not in line, line
+    assert "metric" not in line.split("(fields: ")[1] and "negative_advantages_only" not in line.split("(fields: ")[1]
+
+
 def test_an_infinite_upper_bound_is_not_said_to_be_at_most_inf():
     stage = {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": float("inf")}
     [line] = warnings_of({**IS_ON, "rejection_sampling": [stage]})
     assert line == (
-        "loss_fn.rejection_sampling.0.upper: got inf with metric 'ratio': an infinite upper bound never rejects; "
+        "loss_fn.rejection_sampling.0.upper: got inf with statistic 'ratio': an infinite upper bound never rejects; "
         "remove it (no upper bound means the same)"
     ), line

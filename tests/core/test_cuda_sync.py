@@ -23,19 +23,19 @@ PEER_MODES = {
     "truncated_importance_sampling_ratio": 2.0,
     "is_batch_normalization": "data_parallel",
     "rejection_sampling": [
-        {"level": "sequence", "metric": "ratio", "agg": "min", "lower": 1e-4},
-        {"level": "token", "metric": "binary_kl", "upper": 0.05},
-        {"level": "sequence", "metric": "total_variation", "agg": "mean", "upper": 0.2},
-        {"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "upper": 1.5},
+        {"level": "sequence", "statistic": "ratio", "agg": "min", "lower": 1e-4},
+        {"level": "token", "statistic": "binary_kl", "upper": 0.05},
+        {"level": "sequence", "statistic": "total_variation", "agg": "mean", "upper": 0.2},
+        {"level": "sequence", "statistic": "mult_prob_error", "agg": "mean", "upper": 1.5},
         {
             "level": "sequence",
-            "metric": "kl_k1",
+            "statistic": "kl_k1",
             "agg": "mean",
             "upper": 0.01,
             "log_ratio": "curr-gen",
             "advantage_sign": "negative",
         },
-        {"level": "token", "metric": "kl_k3", "upper": 0.4, "log_ratio": "gen-prev"},
+        {"level": "token", "statistic": "kl_k3", "upper": 0.4, "log_ratio": "gen-prev"},
     ],
 }
 PEER_MODES_SEQUENCE = {**PEER_MODES, "is_correction_level": "sequence", "is_batch_normalization": "microbatch"}

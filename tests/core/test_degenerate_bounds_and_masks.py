@@ -44,7 +44,7 @@ def test_sequence_mean_weight_averages_over_the_valid_tokens_whatever_the_sample
 def test_a_ratio_band_with_lower_bound_zero_has_no_lower_bound(level, agg):
     """``lower: 0`` on a ratio is ``log 0 = -inf``: open below, not a bound at ratio 1."""
     d = torch.tensor([[-0.7, -1.5, -0.2], [-3.0, -2.0, -4.0]])  # every ratio below 1, none above 2
-    spec = {"level": level, "metric": "ratio", "lower": 0, "upper": 2.0, **({"agg": agg} if agg else {})}
+    spec = {"level": level, "statistic": "ratio", "lower": 0, "upper": 2.0, **({"agg": agg} if agg else {})}
     _, metrics = CorrectedPGLoss({**IS, "rejection_sampling": [spec]})(*_batch(d))
     assert metrics["rs_token_rejected_frac"] == 0.0
     assert metrics["rs_seq_rejected_frac"] == 0.0
@@ -58,9 +58,9 @@ CONFIGS_READING_THE_LOG_RATIO = {
     "mult_prob_error-filters": {
         **IS,
         "rejection_sampling": [
-            {"level": "sequence", "metric": "mult_prob_error", "agg": "max", "upper": 3.0},
-            {"level": "token", "metric": "mult_prob_error", "upper": 3.0},
-            {"level": "sequence", "metric": "kl_k3", "agg": "sum", "upper": 3.0},
+            {"level": "sequence", "statistic": "mult_prob_error", "agg": "max", "upper": 3.0},
+            {"level": "token", "statistic": "mult_prob_error", "upper": 3.0},
+            {"level": "sequence", "statistic": "kl_k3", "agg": "sum", "upper": 3.0},
         ],
     },
 }

@@ -43,7 +43,7 @@ def test_the_registry_names_exactly_the_filters_levels():
 @pytest.mark.parametrize("name", list(FILTER_LEVELS))
 def test_each_level_accepts_exactly_what_its_entry_allows(name):
     entry = FILTER_LEVELS[name]
-    base = dict(level=name, metric="ratio", lower=0.5, upper=2.0)
+    base = dict(level=name, statistic="ratio", lower=0.5, upper=2.0)
     for sign in typing.get_args(AdvantageSign):
         if sign in entry.advantage_signs:
             RejectionFilter(**base, advantage_sign=sign)
@@ -81,7 +81,7 @@ def test_a_whole_sequence_level_rejects_rows_and_the_others_tokens(name):
         "sample_mask": torch.ones(B),
         "input_ids": torch.zeros(B, T + 1, dtype=torch.long),
     }
-    f = dict(level=name, metric="ratio", lower=0.5, upper=2.0) | ({"agg": "any"} if entry.whole_sequences else {})
+    f = dict(level=name, statistic="ratio", lower=0.5, upper=2.0) | ({"agg": "any"} if entry.whole_sequences else {})
     cfg = RSClippedPGLossConfig(rejection_sampling=[f], reference_policy_kl_penalty=0.0)
     _, m = CorrectedPGLoss(cfg)(prev[:, 1:].clone(), data, torch.tensor(float(B)), torch.tensor(float(B * T)))
     rejected_tokens = m["rs_token_rejected_frac"] * B * T

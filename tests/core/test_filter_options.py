@@ -69,7 +69,7 @@ def test_each_log_ratio_is_its_target_minus_its_behaviour(name):
 
 
 def test_a_filters_label_adds_what_its_entries_say():
-    base = dict(level="token", metric="ratio", lower=0.5, upper=2.0)
+    base = dict(level="token", statistic="ratio", lower=0.5, upper=2.0)
     assert RejectionFilter(**base).label == "token_ratio"
     assert RejectionFilter(**base, log_ratio="curr-gen").label == "token_ratio_curr-gen"
     assert RejectionFilter(**base, advantage_sign="positive").label == "token_ratio_positive_advantages"
@@ -99,7 +99,7 @@ def _call(cfg, advantages):
 
 @pytest.mark.parametrize("sign", list(ADVANTAGE_SIGNS))
 def test_a_sign_condition_rejects_only_units_of_its_sign(sign):
-    f = dict(level="token", metric="ratio", lower=0.5, upper=2.0, advantage_sign=sign)
+    f = dict(level="token", statistic="ratio", lower=0.5, upper=2.0, advantage_sign=sign)
     for advantage in (1.0, -1.0):
         metrics, _ = _call({"rejection_sampling": [f]}, [advantage, advantage])
         rejected = metrics["rs_token_rejected_frac"] * 8
@@ -109,14 +109,14 @@ def test_a_sign_condition_rejects_only_units_of_its_sign(sign):
 @pytest.mark.parametrize("scope", list(SCOPES))
 def test_a_scope_that_leaves_the_loss_removes_the_token_else_only_its_policy_gradient(scope):
     """With a k1 penalty toward the sampler on: a token that leaves the loss loses its penalty's gradient too."""
-    f = dict(level="token", metric="ratio", lower=0.5, upper=2.0, applies_to=scope)
+    f = dict(level="token", statistic="ratio", lower=0.5, upper=2.0, applies_to=scope)
     _, grad = _call({"rejection_sampling": [f], "sampler_kl_penalty": 1.0}, [0.0, 0.0])  # only the penalty trains
     assert (grad[0, 1] == 0) == LEAVES_LOSS[scope], scope
 
 
 @pytest.mark.parametrize("name", list(DENOMINATORS))
 def test_a_denominator_that_counts_kept_units_divides_by_them(name):
-    f = dict(level="sequence", metric="ratio", agg="any", lower=0.5, upper=2.0)
+    f = dict(level="sequence", statistic="ratio", agg="any", lower=0.5, upper=2.0)
     metrics, grad = _call({"rejection_sampling": [f], "rejection_denominator": name}, [1.0, 1.0])
     # row 1's 4 tokens are kept; the PPO slope of each is -A / N with N = 8 (original) or 4 (kept)
     n = 4.0 if COUNTS_KEPT[name] else 8.0

@@ -61,7 +61,7 @@ def _decide(filters, d, valid, d_finite=None):
 def test_ratio_bounds_are_logs_and_a_zero_lower_bound_is_minus_infinity():
     assert filter_bounds(TOKEN_BAND) == (log(0.5), log(2.0))
     assert filter_bounds(RejectionFilter(level="token", lower=0.0, upper=3.0)) == (-math.inf, log(3.0))
-    assert filter_bounds(RejectionFilter(level="token", metric="kl_k3", upper=0.5)) == (None, 0.5)  # not a ratio
+    assert filter_bounds(RejectionFilter(level="token", statistic="kl_k3", upper=0.5)) == (None, 0.5)  # not a ratio
 
 
 def test_a_token_ratio_filter_keeps_tokens_on_its_bounds_and_rejects_those_beyond():

@@ -25,7 +25,7 @@ FULL = {
     "rejection_sampling": [
         {"level": "sequence", "agg": "mean", "lower": 0.5, "upper": 2.0},
         {"level": "sequence", "agg": "any", "lower": 1e-4, "upper": 100},
-        {"level": "token", "metric": "kl_k3", "upper": 0.5},
+        {"level": "token", "statistic": "kl_k3", "upper": 0.5},
     ],
 }
 
@@ -372,7 +372,7 @@ DPPO = {
         *presets.dppo()["rejection_sampling"],
         {
             "level": "sequence",
-            "metric": "prob_diff",
+            "statistic": "prob_diff",
             "agg": "mean",
             "log_ratio": "curr-gen",
             "lower": -0.5,
@@ -523,7 +523,7 @@ def test_stacked_sequences_give_the_loss_of_one_call_on_the_microbatch():
             "use_importance_sampling_correction": True,
             "is_correction_level": "sequence_mean",
             "is_batch_normalization": "microbatch",
-            "rejection_sampling": [{"level": "token", "metric": "ratio", "lower": 0.9, "upper": 1.1}],
+            "rejection_sampling": [{"level": "token", "statistic": "ratio", "lower": 0.9, "upper": 1.1}],
             "rejection_denominator": "kept",
             "reference_policy_kl_penalty": 0.0,
         }

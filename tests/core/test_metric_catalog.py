@@ -29,11 +29,11 @@ TRUNCATIONS = [
 ]
 FILTERS = [
     [],
-    [{"level": "token", "metric": "ratio", "lower": 0.5, "upper": 2.0}],
+    [{"level": "token", "statistic": "ratio", "lower": 0.5, "upper": 2.0}],
     [
-        {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4},
-        {"level": "sequence", "metric": "kl_k3", "agg": "max", "upper": 5.0, "advantage_sign": "negative"},
-        {"level": "token", "metric": "prob_diff", "lower": -0.2, "upper": 0.2, "applies_to": "policy_gradient"},
+        {"level": "sequence", "statistic": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4},
+        {"level": "sequence", "statistic": "kl_k3", "agg": "max", "upper": 5.0, "advantage_sign": "negative"},
+        {"level": "token", "statistic": "prob_diff", "lower": -0.2, "upper": 0.2, "applies_to": "policy_gradient"},
     ],
 ]
 

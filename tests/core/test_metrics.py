@@ -157,8 +157,8 @@ def test_declaration_mistakes_are_errors():
             "use_importance_sampling_correction": True,
             "is_correction_level": "sequence_mean",
             "rejection_sampling": [
-                {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.99, "upper": 1.01},
-                {"level": "token", "metric": "kl_k3", "upper": 0.01},
+                {"level": "sequence", "statistic": "ratio", "agg": "mean", "lower": 0.99, "upper": 1.01},
+                {"level": "token", "statistic": "kl_k3", "upper": 0.01},
             ],
         },
     ],

@@ -17,8 +17,8 @@ from nemo_rs_plugin.core.batch.microbatch import current_policy_problems, needs_
 from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 from tests.conftest import make_batch
 
-VETO = {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 0.8, "upper": 1.25}
-TOKEN_MIS = {"level": "token", "metric": "ratio", "lower": 0.9, "upper": 1.1}
+VETO = {"level": "sequence", "statistic": "ratio", "agg": "any", "lower": 0.8, "upper": 1.25}
+TOKEN_MIS = {"level": "token", "statistic": "ratio", "lower": 0.9, "upper": 1.1}
 CONFIGS = {
     "batch_norm/sequence_mean": {
         "use_importance_sampling_correction": True,

@@ -223,7 +223,7 @@ def test_nemo_rl_sequence_logprob_error_filter():
     prev = [[-0.9, -1.1, -1.0], [-0.95, -1.05, -1.0]]
     mask = [[1, 1, 0], [1, 1, 1]]
     cfg = {
-        "rejection_sampling": [{"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "upper": 1.1}],
+        "rejection_sampling": [{"level": "sequence", "statistic": "mult_prob_error", "agg": "mean", "upper": 1.1}],
         "rejection_denominator": "kept",
     }
     _, keep, metrics = correction(cfg, prev, gen, mask)
@@ -249,13 +249,13 @@ def test_openrlhf_binary_kl_gate_on_the_sampled_token():
     q = 1 - 1e-6
     bkl0 = (1 / 3) * log((1 / 3) / q) + (2 / 3) * log((2 / 3) / (1 - q))
     assert bkl0 > 8
-    token = {**IS_TOKEN, "rejection_sampling": [{"level": "token", "metric": "binary_kl", "upper": 0.05}]}
+    token = {**IS_TOKEN, "rejection_sampling": [{"level": "token", "statistic": "binary_kl", "upper": 0.05}]}
     weight, keep, _ = correction(token, prev, gen, [[1, 1]])
     assert keep.tolist() == [[0, 1]] and weight.tolist() == [[0.0, 1.0]]
     # FlashREINFORCE: the sequence mean (bkl0 + 0) / 2 > 3e-3 drops the whole sequence.
     seq = {
         **IS_TOKEN,
-        "rejection_sampling": [{"level": "sequence", "metric": "binary_kl", "agg": "mean", "upper": 3e-3}],
+        "rejection_sampling": [{"level": "sequence", "statistic": "binary_kl", "agg": "mean", "upper": 3e-3}],
     }
     assert correction(seq, prev, gen, [[1, 1]])[1].tolist() == [[0, 0]]
     # Two-sided: the same pair with the roles swapped is dropped as well.
@@ -265,7 +265,7 @@ def test_openrlhf_binary_kl_gate_on_the_sampled_token():
 def test_openrlhf_total_variation_gate():
     # |p_gen - p_prev|: 0.6 vs 0.5 -> 0.1 > 0.05 rejected; 0.52 vs 0.5 -> 0.02 kept, weight 0.52 / 0.5.
     prev, gen = [[log(0.6), log(0.52)]], [[log(0.5), log(0.5)]]
-    cfg = {**IS_TOKEN, "rejection_sampling": [{"level": "token", "metric": "total_variation", "upper": 0.05}]}
+    cfg = {**IS_TOKEN, "rejection_sampling": [{"level": "token", "statistic": "total_variation", "upper": 0.05}]}
     weight, keep, metrics = correction(cfg, prev, gen, [[1, 1]])
     assert keep.tolist() == [[0, 1]]
     assert weight[0, 1].item() == pytest.approx(0.52 / 0.5, rel=1e-12)
@@ -287,7 +287,7 @@ def test_opsm_drops_negative_advantage_tokens_of_off_policy_sequences():
         "rejection_sampling": [
             {
                 "level": "sequence",
-                "metric": "kl_k1",
+                "statistic": "kl_k1",
                 "agg": "mean",
                 "upper": 0.01,
                 "log_ratio": "curr-gen",
@@ -344,7 +344,7 @@ def test_slime_opsm_reads_the_trainer_log_probs():
         "rejection_sampling": [
             {
                 "level": "sequence",
-                "metric": "kl_k1",
+                "statistic": "kl_k1",
                 "agg": "mean",
                 "upper": 1e-4,
                 "log_ratio": "curr-prev",
@@ -367,7 +367,7 @@ def test_conditional_and_unconditional_rejections_are_counted_once():
         "rejection_sampling": [
             {
                 "level": "sequence",
-                "metric": "kl_k1",
+                "statistic": "kl_k1",
                 "agg": "mean",
                 "upper": 0.01,
                 "log_ratio": "curr-gen",
@@ -392,8 +392,8 @@ def test_areal_k3_differs_from_verl_k3_token_by_token():
     # With upper 0.045 each rejects the token the other keeps, not only under `max`.
     gen = [[-1.0, -1.0]]
     prev = [[-1.3, -0.7]]
-    verl = {"rejection_sampling": [{"level": "token", "metric": "kl_k3", "upper": 0.045}]}
-    areal = {"rejection_sampling": [{"level": "token", "metric": "kl_k3", "upper": 0.045, "log_ratio": "gen-prev"}]}
+    verl = {"rejection_sampling": [{"level": "token", "statistic": "kl_k3", "upper": 0.045}]}
+    areal = {"rejection_sampling": [{"level": "token", "statistic": "kl_k3", "upper": 0.045, "log_ratio": "gen-prev"}]}
     assert correction(verl, prev, gen, [[1, 1]])[1].tolist() == [[1, 0]]
     assert correction(areal, prev, gen, [[1, 1]])[1].tolist() == [[0, 1]]
     # AReaL's kl_k1 is log r: the default's kl_k1 (-d) read on gen - prev.
@@ -401,7 +401,7 @@ def test_areal_k3_differs_from_verl_k3_token_by_token():
         "rejection_sampling": [
             {
                 "level": "sequence",
-                "metric": "kl_k1",
+                "statistic": "kl_k1",
                 "agg": "mean",
                 "lower": -0.01,
                 "upper": 0.01,
@@ -433,16 +433,16 @@ def test_default_labels_name_a_non_default_log_ratio_and_the_advantage_condition
     cfg = RSClippedPGLossConfig.from_any(
         {
             "rejection_sampling": [
-                {"level": "sequence", "metric": "kl_k1", "agg": "mean", "upper": 0.01},
+                {"level": "sequence", "statistic": "kl_k1", "agg": "mean", "upper": 0.01},
                 {
                     "level": "sequence",
-                    "metric": "kl_k1",
+                    "statistic": "kl_k1",
                     "agg": "mean",
                     "upper": 0.01,
                     "log_ratio": "curr-gen",
                     "advantage_sign": "negative",
                 },
-                {"level": "token", "metric": "kl_k3", "upper": 0.4, "log_ratio": "gen-prev"},
+                {"level": "token", "statistic": "kl_k3", "upper": 0.4, "log_ratio": "gen-prev"},
             ]
         }
     )
@@ -456,11 +456,11 @@ def test_default_labels_name_a_non_default_log_ratio_and_the_advantage_condition
 def test_new_metrics_and_log_ratios_are_validated():
     with pytest.raises(ConfigError, match="agg: got 'min' with metric 'binary_kl'; allowed: mean, sum, max"):
         RSClippedPGLossConfig.from_any(
-            {"rejection_sampling": [{"level": "sequence", "metric": "binary_kl", "agg": "min", "upper": 0.1}]}
+            {"rejection_sampling": [{"level": "sequence", "statistic": "binary_kl", "agg": "min", "upper": 0.1}]}
         )
     with pytest.raises(ConfigError, match="log_ratio: got 'gen-curr'"):
         RSClippedPGLossConfig.from_any(
-            {"rejection_sampling": [{"level": "token", "metric": "kl_k1", "upper": 0.1, "log_ratio": "gen-curr"}]}
+            {"rejection_sampling": [{"level": "token", "statistic": "kl_k1", "upper": 0.1, "log_ratio": "gen-curr"}]}
         )
 
 

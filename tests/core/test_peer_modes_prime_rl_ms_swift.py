@@ -232,7 +232,7 @@ def test_a_loss_filter_removes_the_penalty_a_policy_gradient_filter_does_not():
     # Same statistic, same bounds: with applies_to: loss the rejected token loses its penalty too.
     pc, pg = torch.tensor([[0.9, 0.5]], dtype=torch.float64), torch.tensor([[0.6, 0.45]], dtype=torch.float64)
     adv = torch.tensor([[1.0, 1.0]], dtype=torch.float64)
-    f = {"level": "token", "metric": "prob_diff", "log_ratio": "curr-gen", "upper": 0.2}
+    f = {"level": "token", "statistic": "prob_diff", "log_ratio": "curr-gen", "upper": 0.2}
     base = {**DPPO, "rejection_sampling": [f]}
     d0 = math.log(0.9 / 0.6)
     _, g_loss, m_loss = run_plugin(base, pc.log().double(), pg.log().double(), adv, torch.ones(1, 2), torch.ones(1))
@@ -245,7 +245,7 @@ def test_a_loss_filter_removes_the_penalty_a_policy_gradient_filter_does_not():
 
 def test_negative_advantages_only_is_a_deprecated_spelling_of_advantage_sign_negative():
     curr, gen, adv, mask, sample_mask = recorded_batch()
-    f = {"level": "token", "metric": "prob_diff", "log_ratio": "curr-gen", "lower": -0.02}
+    f = {"level": "token", "statistic": "prob_diff", "log_ratio": "curr-gen", "lower": -0.02}
     one = {**DPPO, "rejection_sampling": [{**f, "advantage_sign": "negative"}]}
     other = {**DPPO, "rejection_sampling": [{**f, "negative_advantages_only": True}]}
     a = run_plugin(one, curr, gen, adv, mask, sample_mask)
@@ -324,7 +324,7 @@ def test_the_sampler_penalty_ignores_huge_values_at_masked_positions(level):
             "applies_to: got 'pg'; Input should be 'loss' or 'policy_gradient'",
         ),
         (
-            {"rejection_sampling": [{"level": "sequence", "metric": "prob_diff", "agg": "min", "upper": 0.1}]},
+            {"rejection_sampling": [{"level": "sequence", "statistic": "prob_diff", "agg": "min", "upper": 0.1}]},
             "agg: got 'min' with metric 'prob_diff'; allowed: mean, sum, max",
         ),
     ],
@@ -382,7 +382,7 @@ def test_calibration_leaves_the_tokens_of_a_policy_gradient_filter_to_the_later_
     # the same bounds, sees token 0 again when the first removes only its policy-gradient term.
     prev = torch.tensor([[-0.1, -1.0, -1.0, -1.0]], dtype=torch.float64)
     gen = torch.tensor([[-1.1, -1.0, -1.0, -1.0]], dtype=torch.float64)
-    band = {"level": "token", "metric": "ratio", "upper": 2.0}
+    band = {"level": "token", "statistic": "ratio", "upper": 2.0}
     second = RejectionFilter(**band, name="second")
     loss_first = [RejectionFilter(**band), second]
     pg_first = [RejectionFilter(**band, applies_to="policy_gradient"), second]
@@ -412,7 +412,7 @@ def _random_batch(seed=0, B=4, T=12):
     return curr, gen, adv, mask, torch.ones(B, dtype=torch.float64)
 
 
-REJECT_ALL_PG = {"level": "token", "metric": "prob_diff", "log_ratio": "curr-gen", "lower": 2.0,
+REJECT_ALL_PG = {"level": "token", "statistic": "prob_diff", "log_ratio": "curr-gen", "lower": 2.0,
                  "applies_to": "policy_gradient"}  # fmt: skip
 
 
@@ -441,7 +441,7 @@ def test_later_filters_see_the_tokens_a_policy_gradient_only_filter_rejected():
     """A sequence filter after it reads the same tokens as without it; two such filters count a
     shared token once (the second's rejected fraction is 0)."""
     curr, gen, adv, mask, sm = _random_batch(seed=1)
-    geo = {"level": "sequence", "metric": "ratio", "agg": "mean", "log_ratio": "curr-gen", "lower": 0.9,
+    geo = {"level": "sequence", "statistic": "ratio", "agg": "mean", "log_ratio": "curr-gen", "lower": 0.9,
            "upper": 1.1}  # fmt: skip
     alone = {"use_importance_sampling_correction": True, "rejection_sampling": [geo]}
     after = {**alone, "rejection_sampling": [REJECT_ALL_PG, {**REJECT_ALL_PG, "name": "again"}, geo]}

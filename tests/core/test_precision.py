@@ -26,7 +26,7 @@ CONFIGS = {
         "rejection_sampling": [
             {"level": "sequence", "agg": "mean", "lower": 0.5, "upper": 2.0},
             {"level": "sequence", "agg": "any", "lower": 1e-4, "upper": 100},
-            {"level": "token", "metric": "kl_k3", "upper": 0.5},
+            {"level": "token", "statistic": "kl_k3", "upper": 0.5},
         ],
     },
     "gspo-kl": {

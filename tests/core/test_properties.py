@@ -25,23 +25,23 @@ pytestmark = DRAWN_CONFIG_WARNINGS
 
 filters = st.one_of(
     st.builds(
-        lambda lo, hi: {"level": "token", "metric": "ratio", "lower": lo, "upper": hi},
+        lambda lo, hi: {"level": "token", "statistic": "ratio", "lower": lo, "upper": hi},
         st.sampled_from([None, 0.2, 0.5]),
         st.sampled_from([1.5, 2.0, 5.0]),
     ),
     st.builds(
-        lambda m, hi: {"level": "token", "metric": m, "upper": hi},
+        lambda m, hi: {"level": "token", "statistic": m, "upper": hi},
         st.sampled_from(["kl_k2", "kl_k3"]),
         st.sampled_from([0.05, 0.5]),
     ),
     st.builds(
-        lambda agg, lo, hi: {"level": "sequence", "metric": "ratio", "agg": agg, "lower": lo, "upper": hi},
+        lambda agg, lo, hi: {"level": "sequence", "statistic": "ratio", "agg": agg, "lower": lo, "upper": hi},
         st.sampled_from(["mean", "sum", "max", "min", "any"]),
         st.sampled_from([0.3, 0.9, None]),
         st.sampled_from([1.1, 3.0, 100.0]),
     ),
     st.builds(
-        lambda m, agg, hi: {"level": "sequence", "metric": m, "agg": agg, "upper": hi},
+        lambda m, agg, hi: {"level": "sequence", "statistic": m, "agg": agg, "upper": hi},
         st.sampled_from(["kl_k1", "kl_k2", "kl_k3"]),
         st.sampled_from(["mean", "sum", "max"]),
         st.sampled_from([0.01, 0.3, 2.0]),
@@ -53,7 +53,7 @@ filters = st.one_of(
 option_filters = st.builds(
     lambda level, metric, log_ratio, negative, hi: {
         "level": level,
-        "metric": metric,
+        "statistic": metric,
         "upper": hi,
         "log_ratio": log_ratio,
         **({"advantage_sign": "negative"} if negative else {}),
@@ -215,17 +215,17 @@ def test_masks_are_consistent_with_the_bounds(cfg, batch):
     for f in c.rejection_sampling:
         if f.level != "token":
             continue
-        stat = token_filter_statistic(d, f.metric)
+        stat = token_filter_statistic(d, f.statistic)
         lo = (
             -math.inf
             if f.lower is None
             else (
                 math.log(f.lower)
-                if f.metric == "ratio" and f.lower > 0
-                else (-math.inf if f.metric == "ratio" else f.lower)
+                if f.statistic == "ratio" and f.lower > 0
+                else (-math.inf if f.statistic == "ratio" else f.lower)
             )
         )
-        hi = math.inf if f.upper is None else (math.log(f.upper) if f.metric == "ratio" else f.upper)
+        hi = math.inf if f.upper is None else (math.log(f.upper) if f.statistic == "ratio" else f.upper)
         assert torch.all(stat[keep] >= lo) and torch.all(stat[keep] <= hi), f
     if not c.rejection_sampling:
         assert torch.equal(keep, (valid > 0) & d_finite)

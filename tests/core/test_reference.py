@@ -161,7 +161,7 @@ def draw_filter(
         values = [sequence_statistic(metric, agg, row, rp) for row, rp in zip(ds, pairs) if row]
         qs = ((0.05, 0.45), (0.55, 0.95))
     lo, hi = _split(values, rng, *qs, log_space=FILTER_STATISTICS[metric].log_space)
-    f = {"level": level, "metric": metric}
+    f = {"level": level, "statistic": metric}
     if agg is not None:
         f["agg"] = agg
     if log_ratio != "prev-gen":

@@ -146,7 +146,7 @@ PEER_MODES = {
         {
             **TOKEN_IS,
             "rejection_sampling": [
-                {"level": "sequence", "metric": "kl_k1", "agg": "mean", "lower": -0.01, "upper": 0.01}
+                {"level": "sequence", "statistic": "kl_k1", "agg": "mean", "lower": -0.01, "upper": 0.01}
             ],
         },
         token_w(lambda r: r) * rows(1, 0, 0),
@@ -154,19 +154,19 @@ PEER_MODES = {
     ),
     # mean k2: row0 ~5e-5, row1 0.18, row2 0.045 -> upper 0.05 keeps rows 0 and 2.
     "areal/seq-mask-kl_k2-mean": (
-        {"rejection_sampling": [{"level": "sequence", "metric": "kl_k2", "agg": "mean", "upper": 0.05}]},
+        {"rejection_sampling": [{"level": "sequence", "statistic": "kl_k2", "agg": "mean", "upper": 0.05}]},
         rows(1, 0, 1),
         rows(1, 0, 1),
     ),
     # sum k3: row0 ~2e-4, row1 k3(1.2)=1.12, row2 3*k3(-0.3)=0.12 -> upper 0.5 keeps rows 0 and 2.
     "areal/seq-mask-kl_k3-sum": (
-        {"rejection_sampling": [{"level": "sequence", "metric": "kl_k3", "agg": "sum", "upper": 0.5}]},
+        {"rejection_sampling": [{"level": "sequence", "statistic": "kl_k3", "agg": "sum", "upper": 0.5}]},
         rows(1, 0, 1),
         rows(1, 0, 1),
     ),
     # max k3: row1 1.12 > 1.0 rejected; row2 0.0408 kept.
     "areal/seq-mask-kl_k3-max": (
-        {"rejection_sampling": [{"level": "sequence", "metric": "kl_k3", "agg": "max", "upper": 1.0}]},
+        {"rejection_sampling": [{"level": "sequence", "statistic": "kl_k3", "agg": "max", "upper": 1.0}]},
         rows(1, 0, 1),
         rows(1, 0, 1),
     ),
@@ -257,19 +257,19 @@ PEER_MODES = {
         {
             "rejection_sampling": [
                 {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01},
-                {"level": "token", "metric": "kl_k1", "lower": math.log(0.5), "upper": math.log(2.0)},
+                {"level": "token", "statistic": "kl_k1", "lower": math.log(0.5), "upper": math.log(2.0)},
             ]
         },
         rows(1, 0, 0),
         rows(1, 0, 0),
     ),
     "verl/seq_mean_k3": (
-        {"rejection_sampling": [{"level": "sequence", "metric": "kl_k3", "agg": "mean", "upper": 0.01}]},
+        {"rejection_sampling": [{"level": "sequence", "statistic": "kl_k3", "agg": "mean", "upper": 0.01}]},
         rows(1, 0, 0),
         rows(1, 0, 0),
     ),
     "verl/token_k2": (
-        {"rejection_sampling": [{"level": "token", "metric": "kl_k2", "upper": 0.1}]},
+        {"rejection_sampling": [{"level": "token", "statistic": "kl_k2", "upper": 0.1}]},
         token_w(lambda r: 1.0 if math.log(r) ** 2 / 2 <= 0.1 else 0.0),
         token_w(lambda r: 1.0 if math.log(r) ** 2 / 2 <= 0.1 else 0.0),
     ),
@@ -301,7 +301,7 @@ def test_verl_k1_band_maps_to_the_inverted_ratio_band():
     # VERL's k1 = log(gen/prev): a band [L, U] on gen/prev keeps 1/U <= r <= 1/L.
     L, U = 0.8, 3.0
     via_k1 = correction(
-        {"rejection_sampling": [{"level": "token", "metric": "kl_k1", "lower": math.log(L), "upper": math.log(U)}]}
+        {"rejection_sampling": [{"level": "token", "statistic": "kl_k1", "lower": math.log(L), "upper": math.log(U)}]}
     )[1]
     via_ratio = correction({"rejection_sampling": [{"level": "token", "lower": 1 / U, "upper": 1 / L}]})[1]
     torch.testing.assert_close(via_k1, via_ratio)
@@ -310,7 +310,7 @@ def test_verl_k1_band_maps_to_the_inverted_ratio_band():
 
 def test_k3_direction_is_kl_gen_prev():
     # Row 2 has r = e^-0.3: VERL's k3 = r - 1 - log r = 0.0408; AReaL's (1/r) gives 0.0499.
-    keep = correction({"rejection_sampling": [{"level": "token", "metric": "kl_k3", "upper": 0.045}]})[1]
+    keep = correction({"rejection_sampling": [{"level": "token", "statistic": "kl_k3", "upper": 0.045}]})[1]
     assert keep[2, 0] == 1
     assert k3(-0.3) < 0.045 < e(0.3) - 1 - 0.3
 
@@ -417,7 +417,7 @@ ON_THE_BOUND = [
 )
 def test_bounds_are_inclusive(level, metric, agg, row, bound, side):
     # docs/guide.md: a filter keeps a unit iff lower <= statistic <= upper.
-    f = {"level": level, "metric": metric, **({"agg": agg} if agg else {})}
+    f = {"level": level, "statistic": metric, **({"agg": agg} if agg else {})}
     if side in ("lower", "both"):
         f["lower"] = bound
     if side in ("upper", "both"):
@@ -527,7 +527,7 @@ def test_positive_advantage_filter_leaves_zero_advantage_tokens_and_counts_only_
     d = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0, -1.0]])  # ratio e^d: tokens 1, 2, 3 and 5 outside [0.9, 1.1]
     advantages = torch.tensor([[1.0, 1.0, 0.0, -1.0, 0.0, 0.0]])
     lp, data, gvs, gvt = make_batch(prev.clone(), prev, prev - d, advantages=advantages, ref=prev - 0.3)
-    band = {"level": "token", "metric": "ratio", "lower": 0.9, "upper": 1.1, "advantage_sign": "positive"}
+    band = {"level": "token", "statistic": "ratio", "lower": 0.9, "upper": 1.1, "advantage_sign": "positive"}
     lp = lp.detach().requires_grad_(True)
     loss, metrics = CorrectedPGLoss({"reference_policy_kl_penalty": 0.1, "rejection_sampling": [band]})(
         lp, data, gvs, gvt
@@ -564,7 +564,7 @@ def test_sequence_extremes_under_cp_come_from_the_cross_rank_extreme_not_a_sum(a
     rank1_low = bounds.pop("_rank1_low", -0.5)
     d = torch.tensor([[-0.4, 0.4, rank1_low, 0.5]], dtype=torch.float64)  # prev - gen, tokens 0-1 on rank 0
     prev = torch.full((1, 4), -1.0, dtype=torch.float64)
-    band = {"level": "sequence", "metric": "ratio", "agg": agg, **bounds}
+    band = {"level": "sequence", "statistic": "ratio", "agg": agg, **bounds}
     loss_fn = CorrectedPGLoss({"rejection_sampling": [band], "reference_policy_kl_penalty": 0.0})
     group = ThreadGroup([0, 1])
     count = torch.tensor(4.0, dtype=torch.float64)

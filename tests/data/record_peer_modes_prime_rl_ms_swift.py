@@ -240,7 +240,7 @@ def main(argv=None) -> int:
 
 def _filters(values: dict, kind: str) -> list[dict]:
     """The plugin's filters for a prime-rl trust region: ``p_curr - p_gen`` against the bounds."""
-    common = {"level": "token", "metric": "prob_diff", "log_ratio": "curr-gen", "applies_to": "policy_gradient"}
+    common = {"level": "token", "statistic": "prob_diff", "log_ratio": "curr-gen", "applies_to": "policy_gradient"}
     if kind == "ipo":
         return [{**common, "lower": -values["ipo_threshold"], "upper": values["ipo_threshold"]}]
     return [

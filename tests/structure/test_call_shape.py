@@ -31,9 +31,9 @@ CONFIGS = {
         "use_importance_sampling_correction": True,
         "is_correction_level": "sequence_mean",
         "rejection_sampling": [
-            {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.5, "upper": 2.0},
-            {"level": "token", "metric": "ratio", "lower": 0.1, "upper": 10.0},
-            {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4},
+            {"level": "sequence", "statistic": "ratio", "agg": "mean", "lower": 0.5, "upper": 2.0},
+            {"level": "token", "statistic": "ratio", "lower": 0.1, "upper": 10.0},
+            {"level": "sequence", "statistic": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4},
         ],
     },
     "gspo+kl+nll": {

@@ -52,7 +52,7 @@ CONFIGS = {
         "rejection_sampling": [
             {"level": "sequence", "agg": "mean", "lower": 0.95, "upper": 1.05},
             {"level": "sequence", "agg": "any", "lower": 0.1, "upper": 10.0},
-            {"level": "token", "metric": "kl_k3", "upper": 0.02},
+            {"level": "token", "statistic": "kl_k3", "upper": 0.02},
         ],
     },
     "token-level/filters-sum-max-min-kl": {
@@ -65,10 +65,10 @@ CONFIGS = {
             {"level": "sequence", "agg": "sum", "lower": 0.2, "upper": 5.0},
             {"level": "sequence", "agg": "max", "upper": 1.8},
             {"level": "sequence", "agg": "min", "lower": 0.6},
-            {"level": "sequence", "metric": "kl_k1", "agg": "mean", "lower": -0.1, "upper": 0.1},
-            {"level": "sequence", "metric": "kl_k2", "agg": "sum", "upper": 0.2},
-            {"level": "sequence", "metric": "kl_k3", "agg": "max", "upper": 0.2},
-            {"level": "token", "metric": "kl_k1", "lower": -0.3, "upper": 0.3},
+            {"level": "sequence", "statistic": "kl_k1", "agg": "mean", "lower": -0.1, "upper": 0.1},
+            {"level": "sequence", "statistic": "kl_k2", "agg": "sum", "upper": 0.2},
+            {"level": "sequence", "statistic": "kl_k3", "agg": "max", "upper": 0.2},
+            {"level": "token", "statistic": "kl_k1", "lower": -0.3, "upper": 0.3},
         ],
     },
     # Issue 9: the peers' statistics, OPSM's advantage condition and batch normalisation.
@@ -79,20 +79,20 @@ CONFIGS = {
         "truncated_importance_sampling_ratio": 1.3,
         "is_batch_normalization": "microbatch",
         "rejection_sampling": [
-            {"level": "token", "metric": "total_variation", "upper": 0.015, "advantage_sign": "negative"},
+            {"level": "token", "statistic": "total_variation", "upper": 0.015, "advantage_sign": "negative"},
             {
                 "level": "sequence",
-                "metric": "kl_k1",
+                "statistic": "kl_k1",
                 "agg": "mean",
                 "upper": -0.01,
                 "log_ratio": "curr-gen",
                 "advantage_sign": "negative",
             },
-            {"level": "token", "metric": "binary_kl", "upper": 0.002},
-            {"level": "sequence", "metric": "kl_k3", "agg": "max", "upper": 0.03, "log_ratio": "gen-prev"},
-            {"level": "sequence", "metric": "binary_kl", "agg": "sum", "upper": 0.001, "log_ratio": "curr-prev"},
-            {"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "upper": 1.09},
-            {"level": "sequence", "metric": "total_variation", "agg": "mean", "upper": 0.0095},
+            {"level": "token", "statistic": "binary_kl", "upper": 0.002},
+            {"level": "sequence", "statistic": "kl_k3", "agg": "max", "upper": 0.03, "log_ratio": "gen-prev"},
+            {"level": "sequence", "statistic": "binary_kl", "agg": "sum", "upper": 0.001, "log_ratio": "curr-prev"},
+            {"level": "sequence", "statistic": "mult_prob_error", "agg": "mean", "upper": 1.09},
+            {"level": "sequence", "statistic": "total_variation", "agg": "mean", "upper": 0.0095},
         ],
     },
     # Issue 20: prime-rl's DPPO (advantage-signed, policy-gradient-only prob_diff filters and the
@@ -104,7 +104,7 @@ CONFIGS = {
         "rejection_sampling": [
             {
                 "level": "token",
-                "metric": "prob_diff",
+                "statistic": "prob_diff",
                 "log_ratio": "curr-gen",
                 "advantage_sign": "positive",
                 "upper": 0.01,
@@ -112,13 +112,13 @@ CONFIGS = {
             },
             {
                 "level": "token",
-                "metric": "prob_diff",
+                "statistic": "prob_diff",
                 "log_ratio": "curr-gen",
                 "advantage_sign": "negative",
                 "lower": -0.01,
                 "applies_to": "policy_gradient",
             },
-            {"level": "sequence", "metric": "prob_diff", "agg": "mean", "lower": -0.004, "upper": 0.004},
+            {"level": "sequence", "statistic": "prob_diff", "agg": "mean", "lower": -0.004, "upper": 0.004},
         ],
     },
     # VERL's decoupled denominator: the kept fraction's base is the valid tokens summed over
@@ -143,7 +143,7 @@ CONFIGS = {
         "is_correction_level": "sequence_mean",
         "token_level_loss": False,
         "is_batch_normalization": "microbatch",
-        "rejection_sampling": [{"level": "sequence", "metric": "mult_prob_error", "agg": "max", "upper": 1.2}],
+        "rejection_sampling": [{"level": "sequence", "statistic": "mult_prob_error", "agg": "max", "upper": 1.2}],
     },
 }
 
@@ -486,7 +486,7 @@ def check_data_parallel_batch_normalization(rank, world_size):
             "truncated_importance_sampling_type": "tis",
             "truncated_importance_sampling_ratio": 1.1,
             "is_batch_normalization": "data_parallel",
-            "rejection_sampling": [{"level": "sequence", "metric": "mult_prob_error", "agg": "mean", "upper": 1.09}],
+            "rejection_sampling": [{"level": "sequence", "statistic": "mult_prob_error", "agg": "mean", "upper": 1.09}],
         }
         loss_fn = CorrectedPGLoss(cfg)
         ref_loss, ref_metrics, _, _ = reference(loss_fn, logits, data, gvs, gvt)

@@ -78,7 +78,7 @@ def filter_label(f: dict) -> str:
     itself (docs/guide.md)."""
     if f.get("name"):
         return f["name"]
-    parts = [f["level"], f.get("metric", "ratio")]
+    parts = [f["level"], f.get("statistic", "ratio")]
     if f["level"] == "sequence":
         agg = f.get("agg") or "mean"
         parts.append({"max": "largest", "min": "smallest"}.get(agg, agg))  # no "_max": NeMo-RL scales those
@@ -316,7 +316,7 @@ def reference(cfg: dict, batch: dict) -> dict[str, Any]:
     cond_touched = [False] * B
     for f in filters:
         key = f"rs/{filter_label(f)}"
-        metric = f.get("metric", "ratio")
+        metric = f.get("statistic", "ratio")
         lo, hi = f.get("lower"), f.get("upper")
         log_space = metric == "ratio"
         only_negative = f.get("advantage_sign") == "negative" or f.get("negative_advantages_only", False)

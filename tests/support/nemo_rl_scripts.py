@@ -21,8 +21,8 @@ def _loss_cfg():
         "use_importance_sampling_correction": True,
         "is_correction_level": "sequence_mean",
         "rejection_sampling": [
-            {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.9, "upper": 1.1},
-            {"level": "token", "metric": "kl_k3", "upper": 0.5},
+            {"level": "sequence", "statistic": "ratio", "agg": "mean", "lower": 0.9, "upper": 1.1},
+            {"level": "token", "statistic": "kl_k3", "upper": 0.5},
         ],
     }
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from nemo_rs_plugin.core.settings import presets
 from nemo_rs_plugin.core.settings.config import ConfigError, NeMoRLLossFields, RSClippedPGLossConfig
-from nemo_rs_plugin.core.settings.rejection_filter import AGGS_FOR_METRIC, RejectionFilter
+from nemo_rs_plugin.core.settings.rejection_filter import AGGS_FOR_STATISTIC, RejectionFilter
 
 #: Bounds per filter statistic that reject some of the test batch's units and keep others.
 _BOUNDS: dict[str, dict[str, float]] = {
@@ -45,17 +45,19 @@ def _literal_values(annotation: Any) -> list[Any]:
 def _filter_field_cases() -> dict[str, dict[str, Any]]:
     cases: dict[str, dict[str, Any]] = {}
     fields = RejectionFilter.model_fields
-    for metric, aggs in AGGS_FOR_METRIC.items():
+    for metric, aggs in AGGS_FOR_STATISTIC.items():
         bounds = _BOUNDS.get(metric, _DEFAULT_BOUNDS)
-        cases[f"filter/token_{metric}"] = {"rejection_sampling": [{"level": "token", "metric": metric, **bounds}]}
+        cases[f"filter/token_{metric}"] = {"rejection_sampling": [{"level": "token", "statistic": metric, **bounds}]}
         for agg in aggs:
             cases[f"filter/sequence_{metric}_{agg}"] = {
-                "rejection_sampling": [{"level": "sequence", "metric": metric, "agg": agg, **bounds}]
+                "rejection_sampling": [{"level": "sequence", "statistic": metric, "agg": agg, **bounds}]
             }
     for log_ratio in _literal_values(fields["log_ratio"].annotation):
         for level in ("token", "sequence"):
             cases[f"filter/{level}_ratio_{log_ratio}"] = {
-                "rejection_sampling": [{"level": level, "metric": "ratio", "log_ratio": log_ratio, **_BOUNDS["ratio"]}]
+                "rejection_sampling": [
+                    {"level": level, "statistic": "ratio", "log_ratio": log_ratio, **_BOUNDS["ratio"]}
+                ]
             }
     for sign in _literal_values(fields["advantage_sign"].annotation):
         cases[f"filter/token_ratio_{sign}_advantages"] = {

@@ -44,7 +44,7 @@ CONFIGS = {
         "rejection_sampling": [
             {"level": "sequence", "agg": "mean", "lower": 0.9, "upper": 1.1},
             {"level": "sequence", "agg": "any", "lower": 1e-2, "upper": 1e2},
-            {"level": "token", "metric": "kl_k3", "upper": 0.5},
+            {"level": "token", "statistic": "kl_k3", "upper": 0.5},
         ],
     },
     "token-loss/sequence-IS/icepop/filters-kept-denominator": {
@@ -59,7 +59,7 @@ CONFIGS = {
         "rejection_sampling": [
             {"level": "token", "lower": 0.2, "upper": 5.0},
             {"level": "sequence", "agg": "max", "upper": 20.0},
-            {"level": "sequence", "metric": "kl_k1", "agg": "sum", "lower": -3.0, "upper": 3.0},
+            {"level": "sequence", "statistic": "kl_k1", "agg": "sum", "lower": -3.0, "upper": 3.0},
         ],
     },
     # Totals that need every sequence's current policy: under the per-sequence packing wrapper with
@@ -72,7 +72,7 @@ CONFIGS = {
         "force_on_policy_ratio": True,
         "rejection_denominator": "kept",
         "rejection_sampling": [
-            {"level": "sequence", "metric": "kl_k1", "agg": "mean", "upper": 0.05, "log_ratio": "curr-gen"}
+            {"level": "sequence", "statistic": "kl_k1", "agg": "mean", "upper": 0.05, "log_ratio": "curr-gen"}
         ],
     },
 }

@@ -52,7 +52,7 @@ PARITY: dict[str, dict[str, Any]] = {
 }
 #: Sequence-level correction with two sequence filters (``agg: max`` is labelled ``largest``).
 SEQUENCE_FILTERS = [
-    {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.9, "upper": 1.1},
+    {"level": "sequence", "statistic": "ratio", "agg": "mean", "lower": 0.9, "upper": 1.1},
     {"level": "sequence", "agg": "max", "upper": 5.0},
 ]
 #: The plugin's corrections (is_batch_normalization is left out on purpose: see the test).
@@ -67,7 +67,7 @@ CORRECTED: dict[str, dict[str, Any]] = {
         "is_correction_level": "token",
         "truncated_importance_sampling_type": "tis",
         "truncated_importance_sampling_ratio": 2.0,
-        "rejection_sampling": [{"level": "token", "metric": "ratio", "lower": 0.2, "upper": 5.0}],
+        "rejection_sampling": [{"level": "token", "statistic": "ratio", "lower": 0.2, "upper": 5.0}],
     },
 }
 #: Metric labels of :data:`SEQUENCE_FILTERS` (the plugin's defaults) and what each rejects.

@@ -81,7 +81,7 @@ def test_calibrate_refuses_what_a_dump_cannot_calibrate(dump, tmp_path, capsys):
     recipe.write_text(yaml.safe_dump({"loss_fn": {"name": "rs_clipped_pg"}}))
     assert main(["calibrate", "--from", str(dump), "--recipe", str(recipe)]) == 2
     assert "has no loss_fn.rejection_sampling" in capsys.readouterr().err
-    opsm = {"level": "sequence", "metric": "ratio", "upper": 2.0, "log_ratio": "curr-prev"}
+    opsm = {"level": "sequence", "statistic": "ratio", "upper": 2.0, "log_ratio": "curr-prev"}
     recipe.write_text(yaml.safe_dump({"loss_fn": {"name": "rs_clipped_pg", "rejection_sampling": [opsm]}}))
     assert main(["calibrate", "--from", str(dump), "--recipe", str(recipe)]) == 2
     assert "reads the current policy" in capsys.readouterr().err
@@ -89,7 +89,7 @@ def test_calibrate_refuses_what_a_dump_cannot_calibrate(dump, tmp_path, capsys):
 
 def _recipe(tmp_path, band, tokens, agg="mean"):
     path = tmp_path / "r.yaml"
-    stage = {"level": "sequence", "metric": "ratio", "agg": agg, "lower": band[0], "upper": band[1]}
+    stage = {"level": "sequence", "statistic": "ratio", "agg": agg, "lower": band[0], "upper": band[1]}
     path.write_text(
         yaml.safe_dump(
             {

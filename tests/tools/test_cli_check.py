@@ -555,3 +555,13 @@ def test_one_sequence_per_call_suggests_the_compiled_core(tmp_path, capsys, no_n
     assert ("every loss call holds one sequence" in out + err) is said, out + err
     if said:
         assert "set loss_fn.compile: true" in out + err
+
+
+def test_check_says_how_to_update_a_filter_s_old_metric_field(tmp_path, capsys, no_nemo_rl):
+    """``metric`` (the old name of ``statistic``) still validates, and ``check`` names the new spelling."""
+    loss = {**LOSS, "rejection_sampling": [{"level": "sequence", "metric": "kl_k3", "agg": "mean", "upper": 0.01}]}
+    recipe = write_recipe(tmp_path / "r.yaml", {"loss_fn": loss})
+    code, out, err = run_check(capsys, recipe)
+    assert code != EXIT_INVALID, err
+    said = " ".join((out + err).split())
+    assert "rejection_sampling.0.metric: deprecated; write statistic: kl_k3 instead" in said, said

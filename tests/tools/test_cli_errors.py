@@ -277,7 +277,7 @@ def test_check_prints_the_config_s_warnings_once_each(tmp_path, capsys):
     loss = {
         "name": "rs_clipped_pg",
         "is_correction_level": "sequence_mean",
-        "rejection_sampling": [{"level": "token", "metric": "total_variation", "upper": 5}],
+        "rejection_sampling": [{"level": "token", "statistic": "total_variation", "upper": 5}],
     }
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"grpo": {"num_prompts_per_step": 8}, "loss_fn": loss}))

@@ -15,7 +15,7 @@ from nemo_rs_plugin.cli import EXIT_INVALID, main
 NAMELESS = {
     "use_importance_sampling_correction": True,
     "is_correction_level": "sequence_mean",
-    "rejection_sampling": [{"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.99, "upper": 1.01}],
+    "rejection_sampling": [{"level": "sequence", "statistic": "ratio", "agg": "mean", "lower": 0.99, "upper": 1.01}],
 }
 WANT = [
     f"loss_fn.{field}: a nemo-rs-plugin field under NeMo-RL's own loss, which would ignore it; "

@@ -34,7 +34,7 @@ def recipe(tmp_path):
         "  is_correction_level: sequence_mean\n"
         "  record_logprobs: true\n"
         "  rejection_sampling:\n"
-        "    - {level: sequence, metric: ratio, agg: mean, lower: 0.99, upper: 1.01}\n"
+        "    - {level: sequence, statistic: ratio, agg: mean, lower: 0.99, upper: 1.01}\n"
     )
     return path
 

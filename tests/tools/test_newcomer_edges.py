@@ -160,7 +160,7 @@ def test_simulate_from_zero_advantages_says_no_gradient_once(tmp_path, capsys):
 # ----------------------------------------------------------------------------- kept denominators
 PG_ONLY = {
     "level": "token",
-    "metric": "prob_diff",
+    "statistic": "prob_diff",
     "log_ratio": "curr-gen",
     "upper": 0.2,
     "applies_to": "policy_gradient",
@@ -181,7 +181,7 @@ def test_kept_with_only_policy_gradient_filters_warns_as_with_none():
         "applies_to: loss, or remove rejection_denominator"
     ]
     assert len(kept_warnings([])) == 1  # no filter at all: the existing warning
-    assert kept_warnings([PG_ONLY, {"level": "token", "metric": "ratio", "lower": 0.5, "upper": 2.0}]) == []
+    assert kept_warnings([PG_ONLY, {"level": "token", "statistic": "ratio", "lower": 0.5, "upper": 2.0}]) == []
 
 
 # ----------------------------------------------------------------------------- JSONL key twice

@@ -28,7 +28,7 @@ from nemo_rs_plugin.tools import recipe_yaml
 from nemo_rs_plugin.tools.correction_warnings import FALLBACK_RESPONSE_TOKENS
 
 REPO = Path(__file__).resolve().parents[2]
-BAND = "    - level: sequence\n      metric: ratio\n      agg: mean\n      lower: {lower}\n      upper: {upper}\n"
+BAND = "    - level: sequence\n      statistic: ratio\n      agg: mean\n      lower: {lower}\n      upper: {upper}\n"
 LOSS = (
     "loss_fn:\n  name: rs_clipped_pg\n  is_correction_level: sequence_mean\n"
     "  use_importance_sampling_correction: true\n"
@@ -220,12 +220,12 @@ def test_an_output_linked_to_the_from_file_is_refused(capsys, tmp_path):
 # ----------------------------------------------------------------------------- (d) calibrate --recipe
 def test_calibrate_names_the_stage_field_value_and_allowed_values(capsys, tmp_path):
     recipe = band_recipe(tmp_path, "0.99", "1.01", grpo="grpo: {}\n")
-    Path(recipe).write_text(Path(recipe).read_text().replace("metric: ratio", "metric: ratios"))
+    Path(recipe).write_text(Path(recipe).read_text().replace("statistic: ratio", "statistic: ratios"))
     dump, _ = logprob_dump(tmp_path / "d.pt")
     code, _, err = run(capsys, "calibrate", "--from", dump, "--recipe", recipe)
     assert code == EXIT_INVALID, err
     [line] = lines(err, "error:")
-    assert f"--recipe {recipe}: loss_fn.rejection_sampling.0.metric: got 'ratios';" in line, line
+    assert f"--recipe {recipe}: loss_fn.rejection_sampling.0.statistic: got 'ratios';" in line, line
     assert "'ratio'" in line and "'kl_k3'" in line, line  # the allowed values
     _, _, check_err = run(capsys, "check", recipe)
     assert line.split(f"--recipe {recipe}: ", 1)[1] in check_err  # check's own words

@@ -197,8 +197,8 @@ def test_check_without_nemo_rl_accepts_1e_minus_4_in_an_override(tmp_path, capsy
     recipe.write_text(
         "grpo: {}\nloss_fn:\n  name: rs_clipped_pg\n  use_importance_sampling_correction: true\n"
         "  is_correction_level: sequence_mean\n  rejection_sampling:\n"
-        "    - {level: sequence, metric: ratio, agg: mean, lower: 0.99, upper: 1.01}\n"
-        "    - {level: sequence, metric: ratio, agg: any, lower: 1.0e-4, upper: 1.0e+4}\n"
+        "    - {level: sequence, statistic: ratio, agg: mean, lower: 0.99, upper: 1.01}\n"
+        "    - {level: sequence, statistic: ratio, agg: any, lower: 1.0e-4, upper: 1.0e+4}\n"
     )
     code = main(["check", str(recipe), "loss_fn.rejection_sampling.1.lower=1e-4", "+loss_fn.ratio_clip_max=2.8e-1"])
     out, err = capsys.readouterr()

@@ -24,7 +24,7 @@ def no_nemo_rl(monkeypatch):
 RECIPE = (
     "defaults: missing-parent.yaml\ngrpo: {}\nloss_fn:\n  name: rs_clipped_pg\n"
     "  use_importance_sampling_correction: true\n  is_correction_level: sequence_mean\n  rejection_sampling:\n"
-    '    - {level: sequence, metric: ratio, agg: mean, lower: 0.99, upper: "${grpo.band_hi}"}\n'
+    '    - {level: sequence, statistic: ratio, agg: mean, lower: 0.99, upper: "${grpo.band_hi}"}\n'
 )
 
 

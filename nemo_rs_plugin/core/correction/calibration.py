@@ -115,7 +115,7 @@ def band_for_rejection(
 
 def _sides(f: RejectionFilter) -> tuple[bool, bool]:
     """Which bounds to calibrate: a ratio's set bounds; a divergence's upper (else its lower)."""
-    if filter_statistic_entry(f.metric).log_space:
+    if filter_statistic_entry(f.statistic).log_space:
         return f.lower is not None, f.upper is not None
     return f.upper is None, f.upper is not None
 
@@ -154,7 +154,7 @@ def calibrate_filters(
     """
 
     def calibrate(f: RejectionFilter, low: torch.Tensor, high: torch.Tensor) -> RejectionFilter:
-        lower, upper = band_for_rejection(low, high, target, _sides(f), filter_statistic_entry(f.metric).log_space)
+        lower, upper = band_for_rejection(low, high, target, _sides(f), filter_statistic_entry(f.statistic).log_space)
         if widen_only:
             lower = lower if lower is None or f.lower is None else min(lower, f.lower)
             upper = upper if upper is None or f.upper is None else max(upper, f.upper)
@@ -214,7 +214,7 @@ def _stages(filters, prev, gen, mask, choose) -> list[CalibratedStage]:
         values = low if low is high else torch.cat([low, high])
         out.append(
             CalibratedStage(
-                f, int(low.numel()), rejected, _quantiles(values, filter_statistic_entry(f.metric).log_space)
+                f, int(low.numel()), rejected, _quantiles(values, filter_statistic_entry(f.statistic).log_space)
             )
         )
     return out

@@ -81,17 +81,17 @@ class PolicyLogProbs:
 
 def token_filter_statistic(
     d: torch.Tensor,
-    metric: str,
+    statistic: str,
     target: Optional[torch.Tensor] = None,
     behaviour: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Per-token statistic ``metric`` of a filter, from ``d = target - behaviour`` (log-probs).
+    """Per-token value of a filter's ``statistic``, from ``d = target - behaviour`` (log-probs).
 
     The entry of :data:`~nemo_rs_plugin.core.registries.filter_statistics.FILTER_STATISTICS` computes it
     (its formula is there); ``ratio`` is returned in log space (``d`` itself: bounds are compared
     as logs). The probability-space statistics read ``target`` and ``behaviour`` themselves.
     """
-    return filter_statistic_entry(metric).token_value(d, target, behaviour)
+    return filter_statistic_entry(statistic).token_value(d, target, behaviour)
 
 
 def filter_log_ratio(
@@ -133,7 +133,7 @@ def _log_bound(v: Optional[float]) -> Optional[float]:
 
 def filter_bounds(f: RejectionFilter) -> tuple[Optional[float], Optional[float]]:
     """Bounds in the space the statistic lives in (log space for ratios)."""
-    if filter_statistic_entry(f.metric).log_space:
+    if filter_statistic_entry(f.statistic).log_space:
         return _log_bound(f.lower), _log_bound(f.upper)
     return f.lower, f.upper
 
@@ -183,7 +183,7 @@ def filter_statistic(
     f: RejectionFilter, d: torch.Tensor, masks: TokenMasks, log_probs: Optional[PolicyLogProbs]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, T]`` the filter's statistic (finite) and the 0/1 mask of where its log-ratio was finite."""
-    entry = filter_statistic_entry(f.metric)
+    entry = filter_statistic_entry(f.statistic)
     fd, f_finite, target, behaviour = filter_log_ratio(
         f.log_ratio_entry, d, masks.d_finite, log_probs, entry.needs_probabilities
     )

@@ -1,4 +1,4 @@
-"""The rejection filters' statistics: one entry per statistic (``RejectionFilter.metric``), read by everything else.
+"""The rejection filters' statistics: one entry per statistic (``RejectionFilter.statistic``), read by everything else.
 
 An entry holds the per-token function (from the filter's log-ratio ``d = log pi_a - log pi_b``
 and, for the probability-space statistics, both log-probs), the aggregations a sequence filter
@@ -7,7 +7,7 @@ ratios (compared in log space). The filter's config validation and its range che
 (``config_problems``), the tensor side (``correction.filters``), calibration, ``nemo-rs check``'s
 sentences and the configuration reference all read :data:`FILTER_STATISTICS`; nothing else
 compares a statistic's name. A new statistic is one entry here (and its name in
-``rejection_filter.FilterMetric``, which a test holds equal to the keys), plus a reference
+``rejection_filter.FilterStatisticName``, which a test holds equal to the keys), plus a reference
 formula in ``tests/support/naive_reference.py``.
 
 References:
@@ -61,7 +61,7 @@ class FilterStatistic:
     """One filter statistic.
 
     Attributes:
-        name: the ``metric`` value of a filter.
+        name: the ``statistic`` value of a filter.
         formula: the per-token statistic as the docs state it (``r = exp(d)``, ``p = exp(log pi)``).
         meaning: what it is and where it comes from, for the guide's table.
         token_value: the per-token statistic (``ratio``: ``d`` itself, its log).
@@ -255,11 +255,11 @@ def filter_statistic_entry(name: str) -> FilterStatistic:
     try:
         return FILTER_STATISTICS[name]
     except KeyError:
-        raise ValueError(f"metric: got {name!r}; allowed: {', '.join(FILTER_STATISTICS)}") from None
+        raise ValueError(f"statistic: got {name!r}; allowed: {', '.join(FILTER_STATISTICS)}") from None
 
 
 def filter_statistics_text() -> str:
-    """Every statistic and its per-token formula, as the filter's ``metric`` field states them."""
+    """Every statistic and its per-token formula, as the filter's ``statistic`` field states them."""
     return "; ".join(f"``{s.name}``: ``{s.formula}``" for s in FILTER_STATISTICS.values())
 
 

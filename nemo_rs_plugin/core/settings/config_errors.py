@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from nemo_rs_plugin.core.settings.rejection_filter import RejectionFilter
+from nemo_rs_plugin.core.settings.rejection_filter import RejectionFilter, current_filter_fields
 
 
 def shown(value: Any) -> str:
@@ -164,12 +164,10 @@ def format_validation_error(exc: ValidationError) -> list[str]:
         elif err["type"] == "extra_forbidden" and len(err["loc"]) == 3 and err["loc"][0] == "rejection_sampling":
             # as a top-level field's: the field named, a close one suggested (pydantic: "Extra inputs ...")
             key = str(err["loc"][-1])
-            guess = difflib.get_close_matches(key, sorted(RejectionFilter.model_fields), n=1, cutoff=0.6)
+            fields = current_filter_fields()
+            guess = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.6)
             hint = f"did you mean {guess[0]!r}? " if guess else ""
-            lines.append(
-                f"{loc}: unknown field of a rejection_sampling stage; {hint}(fields: "
-                f"{', '.join(RejectionFilter.model_fields)})"
-            )
+            lines.append(f"{loc}: unknown field of a rejection_sampling stage; {hint}(fields: {', '.join(fields)})")
         elif err["loc"] == ("rejection_sampling",) and err["type"] in ("tuple_type", "list_type"):
             lines.append(
                 f"{loc}: got {err.get('input')!r}; allowed: a list of stages (in YAML, start each stage "

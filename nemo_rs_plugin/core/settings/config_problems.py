@@ -30,7 +30,7 @@ def statistic_range(f: RejectionFilter) -> tuple[float, float, bool, bool]:
     its lower one only where the token's is >= 0 (the ratio's ``sum`` is the product: the ratio's
     range). An infinite end is never reached (the statistics are finite).
     """
-    entry = FILTER_STATISTICS[f.metric]
+    entry = FILTER_STATISTICS[f.statistic]
     (lo, hi), (reaches_lo, reaches_hi) = entry.value_range, entry.reaches
     aggregation = f.aggregation_entry
     if aggregation is not None and not aggregation.keeps_token_range and not entry.log_space:
@@ -45,7 +45,7 @@ def filter_bound_extremes(i: int, f: RejectionFilter) -> list[str]:
     nothing.
     """
     lo, hi, reaches_lo, reaches_hi = statistic_range(f)
-    what = f"{f.metric}" + (f" ({f.aggregation} over a sequence)" if f.aggregation else " (per token)")
+    what = f"{f.statistic}" + (f" ({f.aggregation} over a sequence)" if f.aggregation else " (per token)")
     if not f.scope_entry.leaves_loss:
         consequence = "only the penalty terms train"
     elif f.advantage_sign is not None:
@@ -63,12 +63,12 @@ def filter_bound_extremes(i: int, f: RejectionFilter) -> list[str]:
             return p
     if f.upper is not None and (f.upper < lo or (f.upper == lo and not reaches_lo)):
         p.append(
-            f"rejection_sampling.{i}: upper: got {f.upper} with metric {f.metric!r}, but {what} is never "
+            f"rejection_sampling.{i}: upper: got {f.upper} with statistic {f.statistic!r}, but {what} is never "
             f"below {lo:g}: the filter rejects every unit and {consequence}; set an upper bound >= {lo:g}"
         )
     if f.lower is not None and (f.lower > hi or (f.lower == hi and not reaches_hi)):
         p.append(
-            f"rejection_sampling.{i}: lower: got {f.lower} with metric {f.metric!r}, but {what} is below "
+            f"rejection_sampling.{i}: lower: got {f.lower} with statistic {f.statistic!r}, but {what} is below "
             f"{hi:g}: the filter rejects every unit and {consequence}; set a lower bound < {hi:g}"
         )
     return p
@@ -76,19 +76,19 @@ def filter_bound_extremes(i: int, f: RejectionFilter) -> list[str]:
 
 def filter_bound_warnings(i: int, f: RejectionFilter) -> list[str]:
     """A bound that can never reject: harmless, but not what was meant."""
-    entry = FILTER_STATISTICS[f.metric]
+    entry = FILTER_STATISTICS[f.statistic]
     lo, hi, _, _ = statistic_range(f)
     what = f"a {f.level_entry.unit}'s" + (f" {f.aggregation}" if f.aggregation is not None else "")
     clamped = f"; below {hi:g} with the probabilities clamped" if entry.clamped else ""
     w = []
     if f.upper == math.inf and hi == math.inf:
         w.append(
-            f"rejection_sampling.{i}.upper: got {f.upper} with metric {f.metric!r}: an infinite upper bound never "
-            "rejects; remove it (no upper bound means the same)"
+            f"rejection_sampling.{i}.upper: got {f.upper} with statistic {f.statistic!r}: an infinite upper bound "
+            "never rejects; remove it (no upper bound means the same)"
         )
     elif f.upper is not None and f.upper >= hi:
         w.append(
-            f"rejection_sampling.{i}.upper: got {f.upper} with metric {f.metric!r}, which is at most {hi:g} "
+            f"rejection_sampling.{i}.upper: got {f.upper} with statistic {f.statistic!r}, which is at most {hi:g} "
             f"({what}{clamped}): this bound never rejects; set an upper bound below {hi:g}, or remove it"
         )
     # Bounds are inclusive: a lower bound at the lowest value keeps every unit (for a ratio, lower: 0 is
@@ -96,7 +96,7 @@ def filter_bound_warnings(i: int, f: RejectionFilter) -> list[str]:
     never_below = f.lower is not None and f.lower <= lo
     if never_below and not entry.log_space:
         w.append(
-            f"rejection_sampling.{i}.lower: got {f.lower} with metric {f.metric!r}, which is never below "
+            f"rejection_sampling.{i}.lower: got {f.lower} with statistic {f.statistic!r}, which is never below "
             f"{lo:g}: this bound never rejects; set a lower bound above {lo:g}, or remove it"
         )
     return w
@@ -180,6 +180,12 @@ def setting_warnings(cfg: Any) -> list[str]:
         )
     for i, f in enumerate(cfg.rejection_sampling):
         w += filter_bound_extremes(i, f) + filter_bound_warnings(i, f)
+        if f.metric is not None:
+            # One name per concept: "metric" also names what the loss logs.
+            w.append(
+                f"rejection_sampling.{i}.metric: deprecated; write statistic: {f.statistic} instead (the same "
+                "filter, the same metric names)"
+            )
         if f.negative_advantages_only:
             # One name per concept: the sign field says both signs; the old flag said only one.
             w.append(

@@ -60,9 +60,9 @@ def selects_nemo_rl_loss(name: Any) -> bool:
     return name is None or name == NEMO_RL_LOSS_NAME
 
 
-GEO_RS: dict[str, Any] = {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.99, "upper": 1.01}
-OUTLIER_VETO: dict[str, Any] = {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4}
-TOKEN_MIS: dict[str, Any] = {"level": "token", "metric": "ratio", "lower": 0.5, "upper": 2.0}
+GEO_RS: dict[str, Any] = {"level": "sequence", "statistic": "ratio", "agg": "mean", "lower": 0.99, "upper": 1.01}
+OUTLIER_VETO: dict[str, Any] = {"level": "sequence", "statistic": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4}
+TOKEN_MIS: dict[str, Any] = {"level": "token", "statistic": "ratio", "lower": 0.5, "upper": 2.0}
 TIS_CAP = 2.0
 #: The filter presets by the names the tools accept (``nemo-rs calibrate --filters``).
 FILTERS: dict[str, dict[str, Any]] = {"geo-rs": GEO_RS, "token-mis": TOKEN_MIS, "outlier-veto": OUTLIER_VETO}
@@ -99,7 +99,13 @@ def _prime_rl_trust_region(filters: list, kl_tau: float) -> dict[str, Any]:
 
 
 def _prob_diff_filter(**bounds: Any) -> dict[str, Any]:
-    return {"level": "token", "metric": "prob_diff", "log_ratio": "curr-gen", **bounds, "applies_to": "policy_gradient"}
+    return {
+        "level": "token",
+        "statistic": "prob_diff",
+        "log_ratio": "curr-gen",
+        **bounds,
+        "applies_to": "policy_gradient",
+    }
 
 
 def dppo(mask_high: float = 0.2, mask_low: float = 0.2, kl_tau: float = 1e-3) -> dict[str, Any]:

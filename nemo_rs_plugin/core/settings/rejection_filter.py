@@ -8,7 +8,7 @@ References:
       Training-Inference Mismatch", https://yingru.notion.site/When-Speed-Kills-Stability-Demystifying-RL-Collapse-from-the-Training-Inference-Mismatch-271211a558b7808d8b12d403fd15edda
     - Token-MIS: IcePop (Ant Group's Ling team), https://ringtech.notion.site/icepop; the Ring-1T
       report, https://arxiv.org/abs/2510.18855
-    - Filter fields (level, metric, agg, bounds), denominators unchanged: AReaL PR #1088,
+    - Filter fields (level, metric (here: statistic), agg, bounds), denominators unchanged: AReaL PR #1088,
       https://github.com/inclusionAI/AReaL/pull/1088
     - Stage order, Geo-RS then Token-MIS: AReaL PR #1218, https://github.com/inclusionAI/AReaL/pull/1218
     - Product and geometric masks, outlier-token veto (``agg: any``): SkyRL PR #849,
@@ -44,10 +44,10 @@ from nemo_rs_plugin.core.registries.filter_options import (
 )
 from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS, filter_statistics_text
 
-__all__ = ["AGGS_FOR_METRIC", "RejectionFilter"]
+__all__ = ["AGGS_FOR_STATISTIC", "DEPRECATED_FILTER_FIELDS", "RejectionFilter", "current_filter_fields"]
 
 FilterLevel = Literal["token", "sequence"]
-FilterMetric = Literal[
+FilterStatisticName = Literal[
     "ratio", "kl_k1", "kl_k2", "kl_k3", "mult_prob_error", "chi2", "binary_kl", "total_variation", "prob_diff"
 ]
 FilterAgg = Literal["mean", "sum", "max", "min", "any"]
@@ -55,10 +55,15 @@ FilterLogRatio = Literal["prev-gen", "gen-prev", "curr-gen", "curr-prev"]
 FilterAdvantageSign = Literal["positive", "negative"]
 FilterScope = Literal["loss", "policy_gradient"]
 
-# Aggregations allowed per metric (the registry's): ratios aggregate in log space, so
+# Aggregations allowed per statistic (the registry's): ratios aggregate in log space, so
 # min/max/any are well defined; every other statistic aggregates arithmetically (mean, sum,
 # max), as in VERL/AReaL/OpenRLHF/NeMo-RL.
-AGGS_FOR_METRIC: dict[str, tuple[str, ...]] = {name: s.aggregations for name, s in FILTER_STATISTICS.items()}
+AGGS_FOR_STATISTIC: dict[str, tuple[str, ...]] = {name: s.aggregations for name, s in FILTER_STATISTICS.items()}
+
+
+#: A filter's old spellings and the field each is read as: accepted, warned about
+#: (``setting_warnings``), never suggested for a misspelled key.
+DEPRECATED_FILTER_FIELDS: dict[str, str] = {"metric": "statistic", "negative_advantages_only": "advantage_sign"}
 
 
 #: Metric names NeMo-RL's workers leave undivided by the number of global batches per step (they
@@ -81,7 +86,7 @@ class RejectionFilter(BaseModel):
     denominators do not change.
 
     Statistics: one entry each in :data:`~nemo_rs_plugin.core.registries.filter_statistics.FILTER_STATISTICS`
-    (its per-token formula, aggregations and range; the ``metric`` field's description lists them).
+    (its per-token formula, aggregations and range; the ``statistic`` field's description lists them).
     ``ratio`` is compared in log space: a sequence's ``mean`` is ``exp(sum_t m d / n)`` (the geometric
     mean, "Geo-RS"), ``sum`` = ``exp(sum_t m d)`` (product), ``max``/``min`` the extreme token ratio,
     ``any`` rejects when any valid token ratio is outside the bounds (outlier-token veto).
@@ -98,13 +103,16 @@ class RejectionFilter(BaseModel):
 
     level: FilterLevel
     """``token`` rejects single tokens; ``sequence`` rejects whole sequences."""
-    metric: FilterMetric = Field(
+    statistic: FilterStatisticName = Field(
         default="ratio",
         description=(
             "Statistic compared with the bounds, per token from ``d = log pi_a - log pi_b`` (``log_ratio``; "
             f"``p = exp(log pi)``): {filter_statistics_text()}."
         ),
     )
+    metric: Optional[FilterStatisticName] = None
+    """Deprecated spelling of ``statistic`` (accepted, warned about: ``nemo-rs check`` says how to
+    update); the name collided with the logged metrics."""
     agg: Optional[FilterAgg] = None
     """Sequence filters only: how token values are aggregated (default ``mean``)."""
     lower: Optional[float] = None
@@ -137,9 +145,22 @@ class RejectionFilter(BaseModel):
     counts the tokens whose policy-gradient term it removed."""
     name: Optional[str] = None
     """Label used in metric names; default
-    ``<level>_<metric>[_<agg>][_<log_ratio>][_<sign>_advantages][_policy_gradient]`` (the
+    ``<level>_<statistic>[_<agg>][_<log_ratio>][_<sign>_advantages][_policy_gradient]`` (the
     last three only when not at their defaults; ``agg`` ``max`` and ``min`` read ``largest`` and
     ``smallest``, which NeMo-RL's workers scale as sums). Labels must be unique within ``rejection_sampling``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_for_the_statistic(cls, data: Any) -> Any:
+        """``metric: kl_k3`` is read as ``statistic: kl_k3`` (its one name).
+
+        The old field stays set, so the deprecation is warned about (``setting_warnings``) and a
+        contradiction with ``statistic`` is still refused by name; a value that is no statistic is left
+        to the old field's own check, so the error names the field the user wrote.
+        """
+        if isinstance(data, dict) and data.get("metric") in FILTER_STATISTICS and data.get("statistic") is None:
+            data = {**data, "statistic": data["metric"]}
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -211,7 +232,7 @@ class RejectionFilter(BaseModel):
         if self.name:
             return self.name
         entry = self.aggregation_entry
-        parts = [self.level, self.metric] + ([entry.label] if entry is not None else [])
+        parts = [self.level, self.statistic] + ([entry.label] if entry is not None else [])
         sign = f"{self.advantage_sign}_advantages" if self.advantage_sign is not None else ""
         parts += [LOG_RATIOS[self.log_ratio].label_part, sign, SCOPES[self.applies_to].label_part]
         return "_".join(part for part in parts if part)
@@ -222,19 +243,24 @@ def _filter_problems(f: RejectionFilter) -> list[str]:
     if f.lower is None and f.upper is None:
         problems.append(
             "a filter needs at least one bound: set lower, upper or both "
-            f"(got lower=None, upper=None for level={f.level!r}, metric={f.metric!r})"
+            f"(got lower=None, upper=None for level={f.level!r}, statistic={f.statistic!r})"
         )
     for side, v in (("lower", f.lower), ("upper", f.upper)):
         if v is not None and math.isnan(v):
             problems.append(f"{side}: got nan; allowed: a number")
     if f.lower is not None and f.upper is not None and f.lower > f.upper:
         problems.append(f"lower > upper: got lower={f.lower}, upper={f.upper}; need lower <= upper")
-    if FILTER_STATISTICS[f.metric].log_space:
+    if FILTER_STATISTICS[f.statistic].log_space:
         for side, v in (("lower", f.lower), ("upper", f.upper)):
             if v is not None and v < 0:
                 problems.append(f"{side}: got {v}; a ratio bound must be >= 0")
         if f.upper is not None and f.upper <= 0:
             problems.append(f"upper: got {f.upper}; a ratio upper bound must be > 0")
+    if f.metric is not None and f.metric != f.statistic:
+        problems.append(
+            f"metric: got {f.metric!r} with statistic {f.statistic!r}; metric is the deprecated spelling of "
+            "statistic: remove metric"
+        )
     if f.negative_advantages_only and f.sign_entry is not None and f.sign_entry.sign > 0:
         problems.append(
             "advantage_sign: got 'positive' with negative_advantages_only: true, which rejects only "
@@ -259,7 +285,12 @@ def _filter_problems(f: RejectionFilter) -> list[str]:
         aggregating = " or ".join(n for n, e in FILTER_LEVELS.items() if e.whole_sequences)
         problems.append(f"agg: got {f.agg!r} on a {level.name} filter; agg is only allowed with level: {aggregating}")
     if level.whole_sequences and f.agg is not None:
-        allowed = AGGS_FOR_METRIC[f.metric]
+        allowed = AGGS_FOR_STATISTIC[f.statistic]
         if f.agg not in allowed:
-            problems.append(f"agg: got {f.agg!r} with metric {f.metric!r}; allowed: {', '.join(allowed)}")
+            problems.append(f"agg: got {f.agg!r} with statistic {f.statistic!r}; allowed: {', '.join(allowed)}")
     return problems
+
+
+def current_filter_fields() -> list[str]:
+    """A filter's fields by their current names (what a misspelled key is compared with)."""
+    return [name for name in RejectionFilter.model_fields if name not in DEPRECATED_FILTER_FIELDS]
