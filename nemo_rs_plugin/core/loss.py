@@ -223,7 +223,9 @@ class CorrectedPGLoss:
         x = x.to_dtype(x.compute_dtype())
         cfg = self.cfg
         counts = global_counts(global_valid_seqs, global_valid_toks, x.curr.dtype, x.curr.device)
-        metrics = MetricSet(None, self.declared_specs, batched, host_reads, compute_per_call=self.per_call_metrics)
+        metrics = MetricSet(
+            self.declared_specs, batched=batched, host_reads=host_reads, compute_per_call=self.per_call_metrics
+        )
         # Set, not passed: a compiled core rebuilds the objects it returns from their constructor's
         # arguments, and the counts (views of the caller's tensors, dropped by stack()) would then
         # be graph outputs, rebuilt as aliases of its inputs on every call.
@@ -242,7 +244,6 @@ class CorrectedPGLoss:
             cfg,
             clean.d,
             masks,
-            None,
             groups,
             log_probs=PolicyLogProbs(curr=x.curr.detach(), prev=clean.prev_raw.detach(), gen=x.generation),
             advantages=clean.advantages,
@@ -282,11 +283,10 @@ class CorrectedPGLoss:
                 cfg,
                 clean.d,
                 clean.masks,
-                None,
                 groups,
                 log_probs=PolicyLogProbs(curr=x.curr, prev=clean.prev_raw, gen=x.generation),
                 advantages=clean.advantages,
-                metrics=MetricSet(None, self.declared_specs, batched),
+                metrics=MetricSet(self.declared_specs, batched=batched),
             )
             return self.objective.totals_of(corr, clean.masks, x.rewards)
 

@@ -168,7 +168,7 @@ def _applied_weights(cfg: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     sm = batch["sample_mask"].to(dtype)
     valid = tm * sm[:, None]
     masks = TokenMasks.build(tm, sm, d_finite, d_finite, valid=valid)
-    out = compute_correction(c, d, masks, GlobalCounts(tokens=valid.sum(), sequences=sm.sum()))
+    out = compute_correction(c, d, masks, counts=GlobalCounts(tokens=valid.sum(), sequences=sm.sum()))
     if c.is_level_entry.per_token:
         # A token with a non-finite log-ratio leaves the loss (docs/guide.md#non-finite-inputs):
         # no weight is applied to it, so it is no unit here (a 0 would pull the mean below the min).

@@ -105,7 +105,7 @@ def test_invalid_upstream_combinations(cfg, needles):
         ({"level": "token", "agg": "mean", "upper": 2.0}, ["agg: got 'mean' on a token filter", "level: sequence"]),
         (
             {"level": "sequence", "statistic": "kl_k3", "agg": "any", "upper": 0.5},
-            ["agg: got 'any' with metric 'kl_k3'", "mean, sum, max"],
+            ["agg: got 'any' with statistic 'kl_k3'", "mean, sum, max"],
         ),
         ({"level": "sequence", "statistic": "kl_k2", "agg": "min", "upper": 0.5}, ["agg: got 'min'"]),
         ({"level": "token", "statistic": "ratio", "lower": -1.0, "upper": 2.0}, ["lower: got -1.0", ">= 0"]),

@@ -167,7 +167,8 @@ def test_is_correction_level_without_correction_warns():
 def test_total_variation_upper_above_its_maximum_warns():
     [w] = warnings_of({"rejection_sampling": [{"level": "token", "statistic": "total_variation", "upper": 5}]})
     assert (
-        w.startswith("loss_fn.rejection_sampling.0.upper: got 5.0 with metric 'total_variation'") and "at most 1" in w
+        w.startswith("loss_fn.rejection_sampling.0.upper: got 5.0 with statistic 'total_variation'")
+        and "at most 1" in w
     )
     # summed over a sequence the statistic has no upper limit: nothing to say
     assert not warnings_of(

@@ -54,7 +54,7 @@ def _decide(filters, d, valid, d_finite=None):
         stages=stages,
     )
     counts = GlobalCounts(tokens=valid.sum(), sequences=torch.tensor(float(valid.shape[0]), dtype=F64))
-    metrics = MetricSet(counts, declared_specs(RSClippedPGLossConfig(rejection_sampling=list(filters))))
+    metrics = MetricSet(declared_specs(RSClippedPGLossConfig(rejection_sampling=list(filters))), counts=counts)
     return apply_filters(filters, stats, masks.sample_mask, metrics), metrics
 
 

@@ -103,14 +103,14 @@ def test_a_declaration_the_catalog_does_not_hold_is_an_error():
     another configuration has, a hidden value not in DIAGNOSTIC_CATALOG) is refused where declared."""
     specs = declared_specs(CorrectedPGLoss({}).cfg)
     with pytest.raises(KeyError, match="'is_weight_median' is not in the catalog"):
-        MetricSet(None, specs).add("is_weight_median", torch.tensor(1.0))
+        MetricSet(specs).add("is_weight_median", torch.tensor(1.0))
     with pytest.raises(KeyError, match="'is_batch_norm_factor' is not in the catalog for this configuration"):
-        MetricSet(None, specs).add("is_batch_norm_factor", torch.tensor(1.0))
+        MetricSet(specs).add("is_batch_norm_factor", torch.tensor(1.0))
     with pytest.raises(KeyError, match="'_internal' is not in the catalog .*DIAGNOSTIC_CATALOG"):
-        MetricSet(None, specs).add("_internal", torch.tensor(1.0))
+        MetricSet(specs).add("_internal", torch.tensor(1.0))
     with pytest.raises(KeyError, match="not in the catalog \\(core/reporting/metric_catalog.py\\): add its entry"):
         catalog_entry("rs/x/seq_kept_frac")
-    MetricSet(None, specs).add("_global_valid_toks", torch.tensor(1.0))  # a diagnostic: declared, never returned
+    MetricSet(specs).add("_global_valid_toks", torch.tensor(1.0))  # a diagnostic: declared, never returned
 
 
 def test_the_metric_set_reads_normalization_reduction_and_per_call_from_the_catalog():
@@ -122,14 +122,14 @@ def test_the_metric_set_reads_normalization_reduction_and_per_call_from_the_cata
     counts = GlobalCounts(tokens=torch.tensor(8.0), sequences=torch.tensor(2.0))
     for cfg, count in ((token, 8.0), (sequence, 2.0)):
         specs = declared_specs(CorrectedPGLoss(cfg).cfg)
-        metrics = MetricSet(counts, specs)
+        metrics = MetricSet(specs, counts=counts)
         metrics.add_total("is_weight_raw_mean", torch.tensor(4.0))
         metrics.add_masked_extrema("is_weight_raw_min", "is_weight_raw_max", torch.ones(2, 3), torch.zeros(2, 3))
         assert metrics.finalize() == pytest.approx(
             {"is_weight_raw_mean": 4.0 / count, "is_weight_raw_min": 1.0, "is_weight_raw_max": 1.0}
         )
         assert metrics.normalizations()["is_weight_raw_mean"] == specs["is_weight_raw_mean"].normalization
-        without_per_call = MetricSet(counts, specs, compute_per_call=False)
+        without_per_call = MetricSet(specs, counts=counts, compute_per_call=False)
         without_per_call.add_masked_extrema(
             "is_weight_raw_min", "is_weight_raw_max", torch.ones(2, 3), torch.zeros(2, 3)
         )

@@ -21,7 +21,7 @@ DERIVED = MetricSpec("none", "derived", False)
 
 def _metrics(counts=None, batched=False, **specs: MetricSpec) -> MetricSet:
     """A metric set whose catalog is ``specs`` (every name the test declares)."""
-    return MetricSet(counts, specs, batched)
+    return MetricSet(specs, counts=counts, batched=batched)
 
 
 def _batch(seed: int = 0):

@@ -50,7 +50,7 @@ def correction(cfg, prev, gen, mask, curr=None, advantages=None):
         c,
         d,
         TokenMasks.build(mask, torch.ones(B, dtype=d.dtype), finite, finite),
-        GlobalCounts(tokens=mask.sum(), sequences=torch.tensor(float(B))),
+        counts=GlobalCounts(tokens=mask.sum(), sequences=torch.tensor(float(B))),
         log_probs=PolicyLogProbs(curr=curr, prev=prev, gen=gen),
         advantages=advantages,
     )
@@ -454,7 +454,7 @@ def test_default_labels_name_a_non_default_log_ratio_and_the_advantage_condition
 
 
 def test_new_metrics_and_log_ratios_are_validated():
-    with pytest.raises(ConfigError, match="agg: got 'min' with metric 'binary_kl'; allowed: mean, sum, max"):
+    with pytest.raises(ConfigError, match="agg: got 'min' with statistic 'binary_kl'; allowed: mean, sum, max"):
         RSClippedPGLossConfig.from_any(
             {"rejection_sampling": [{"level": "sequence", "statistic": "binary_kl", "agg": "min", "upper": 0.1}]}
         )
@@ -511,8 +511,8 @@ def test_data_parallel_batch_mean_on_emulated_dp2_cp2_ranks(name, monkeypatch):
             cfg,
             d,
             TokenMasks.build(m, torch.ones(4, dtype=d.dtype), ones, ones),
-            GlobalCounts(tokens=mask.sum(), sequences=torch.tensor(8.0)),
             groups,
+            counts=GlobalCounts(tokens=mask.sum(), sequences=torch.tensor(8.0)),
             log_probs=PolicyLogProbs(curr=part(curr), prev=p, gen=g),
             advantages=part(adv),
         )

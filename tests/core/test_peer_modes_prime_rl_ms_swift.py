@@ -325,7 +325,7 @@ def test_the_sampler_penalty_ignores_huge_values_at_masked_positions(level):
         ),
         (
             {"rejection_sampling": [{"level": "sequence", "statistic": "prob_diff", "agg": "min", "upper": 0.1}]},
-            "agg: got 'min' with metric 'prob_diff'; allowed: mean, sum, max",
+            "agg: got 'min' with statistic 'prob_diff'; allowed: mean, sum, max",
         ),
     ],
 )

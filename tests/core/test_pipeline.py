@@ -50,7 +50,7 @@ def _masks(token_mask, sample_mask=None, d_finite=None, inputs_finite=None) -> T
 
 def _run(cfg, d, masks, **kw):
     counts = GlobalCounts(tokens=masks.valid.sum(), sequences=masks.sample_mask.sum())
-    return compute_correction(cfg, d, masks, counts, **kw)
+    return compute_correction(cfg, d, masks, counts=counts, **kw)
 
 
 @pytest.mark.parametrize(
@@ -142,7 +142,7 @@ def test_keep_is_the_token_decisions_times_the_sequence_decisions_times_the_fini
     cfg = _cfg(rejection_sampling=[TOKEN_BAND, GEO_MEAN])
     plan = plan_correction(cfg, STAGE_D, masks)
     assert plan.alive.tolist() == [[1.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0, 0.0]]
-    out = apply_correction(cfg, plan, plan.reduce(), MetricSet(None, declared_specs(cfg)))
+    out = apply_correction(cfg, plan, plan.reduce(), MetricSet(declared_specs(cfg)))
     sequence_kept = torch.tensor([[0.0], [1.0]], dtype=F64)  # row 0's kept tokens still average 0.4 > log 1.25
     torch.testing.assert_close(out.keep, plan.alive * sequence_kept * inputs_finite, rtol=0, atol=0)
     torch.testing.assert_close(out.loss_tokens, masks.valid * out.keep, rtol=0, atol=0)
@@ -181,7 +181,7 @@ def test_compute_correction_is_the_plan_its_reduction_and_apply_chained():
     whole = _run(cfg, STAGE_D, masks)
     plan = plan_correction(cfg, STAGE_D, masks)
     counts = GlobalCounts(tokens=masks.valid.sum(), sequences=masks.sample_mask.sum())
-    steps = apply_correction(cfg, plan, plan.reduce(), MetricSet(counts, declared_specs(cfg)))
+    steps = apply_correction(cfg, plan, plan.reduce(), MetricSet(declared_specs(cfg), counts=counts))
     for name in ("is_weight", "keep", "loss_tokens"):
         torch.testing.assert_close(getattr(whole, name), getattr(steps, name), rtol=0, atol=0, msg=name)
     assert whole.metrics.finalize() == steps.metrics.finalize()

@@ -208,7 +208,7 @@ def test_masks_are_consistent_with_the_bounds(cfg, batch):
     d = torch.where(d_finite, raw_d, torch.zeros_like(raw_d))
     valid = token_mask.float() * sample_mask[:, None]
     masks = TokenMasks.build(token_mask.float(), sample_mask, d_finite.float(), d_finite.float())
-    out = compute_correction(c, d, masks, GlobalCounts(tokens=valid.sum(), sequences=sample_mask.sum()))
+    out = compute_correction(c, d, masks, counts=GlobalCounts(tokens=valid.sum(), sequences=sample_mask.sum()))
     keep = out.keep.bool() & (valid > 0)
     assert torch.isfinite(out.is_weight).all()
     assert not torch.any(keep & ~d_finite), "a non-finite log-ratio reached a kept token"

@@ -39,7 +39,7 @@ def correction(cfg: dict, d=D, mask=MASK, metrics=None):
         c,
         d,
         TokenMasks.build(mask, torch.ones(B, dtype=d.dtype), torch.isfinite(d).to(d.dtype), torch.ones_like(d)),
-        GlobalCounts(tokens=mask.sum(), sequences=torch.tensor(float(B))),
+        counts=GlobalCounts(tokens=mask.sum(), sequences=torch.tensor(float(B))),
     )
     if metrics is not None:
         metrics.update(out.metrics.finalize())
@@ -408,7 +408,7 @@ ON_THE_BOUND = [
 # A lower bound of 0 on kl_k2 / kl_k3 sits at the statistic's lowest value: the ConfigWarning that it
 # never rejects is right, and a side effect here (the subject is that the bound keeps the unit on it).
 @pytest.mark.filterwarnings(
-    r"ignore:loss_fn\.rejection_sampling\.0\.lower. got 0\.0 with metric 'kl_k[23]', which is never below 0"
+    r"ignore:loss_fn\.rejection_sampling\.0\.lower. got 0\.0 with statistic 'kl_k[23]', which is never below 0"
     ":nemo_rs_plugin.core.settings.config.ConfigWarning"
 )
 @pytest.mark.parametrize("side", ["lower", "upper", "both"])

@@ -50,7 +50,7 @@ def _masks(valid=VALID) -> TokenMasks:
 def _metrics(tokens: float, sequences: float, cfg: RSClippedPGLossConfig) -> MetricSet:
     """A metric set with these global counts, declaring what ``cfg`` declares (the catalog's specs)."""
     counts = GlobalCounts(tokens=torch.tensor(tokens, dtype=F64), sequences=torch.tensor(sequences, dtype=F64))
-    return MetricSet(counts, declared_specs(cfg))
+    return MetricSet(declared_specs(cfg), counts=counts)
 
 
 def test_token_level_weight_is_exp_of_d_and_zero_where_d_was_not_finite():

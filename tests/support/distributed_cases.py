@@ -270,8 +270,8 @@ def _correction_keep(cfg, data, groups, shard_fn, gvs, gvt, curr):
         cfg,
         d,
         TokenMasks.build(tm, sm, finite, finite),
-        GlobalCounts(tokens=torch.as_tensor(gvt), sequences=torch.as_tensor(gvs)),
         groups,
+        counts=GlobalCounts(tokens=torch.as_tensor(gvt), sequences=torch.as_tensor(gvs)),
         log_probs=PolicyLogProbs(curr=shard_fn(curr), prev=prev, gen=gen),
         advantages=shard_fn(shift_left(data["advantages"])),
     )
@@ -314,8 +314,8 @@ def check_statistic_reduced_before_masking(rank, world_size):
     finite = torch.isfinite(local).float()
     masks = TokenMasks.build(tm_l, torch.ones(1), finite, finite)
     counts = GlobalCounts(tokens=tm.sum(), sequences=torch.tensor(1.0))
-    out = compute_correction(cfg, local, masks, counts, SequenceGroups.of(group))
-    unreduced = compute_correction(cfg, local, masks, counts, SequenceGroups())
+    out = compute_correction(cfg, local, masks, SequenceGroups.of(group), counts=counts)
+    unreduced = compute_correction(cfg, local, masks, SequenceGroups(), counts=counts)
     failures = []
     if out.keep.sum() != 0:
         failures.append(f"sequence kept on rank {rank}: its statistic was not reduced before masking")

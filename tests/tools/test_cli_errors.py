@@ -286,7 +286,7 @@ def test_check_prints_the_config_s_warnings_once_each(tmp_path, capsys):
     warned = [line for line in out.splitlines() if line.startswith("warning: loss_fn.")]
     assert len(warned) == 2, out
     assert warned[0].startswith("warning: loss_fn.is_correction_level: got 'sequence_mean'")
-    assert warned[1].startswith("warning: loss_fn.rejection_sampling.0.upper: got 5.0 with metric 'total_variation'")
+    assert warned[1].startswith("warning: loss_fn.rejection_sampling.0.upper: got 5.0 with statistic 'total_variation'")
 
 
 # --------------------------------------------------------------------------- 9. simulate --from bad data

@@ -297,9 +297,9 @@ def compute_correction(
     cfg: RSClippedPGLossConfig,
     d: torch.Tensor,
     masks: TokenMasks,
-    counts: Optional[GlobalCounts],
     groups: SequenceGroups = NO_GROUPS,
     *,
+    counts: Optional[GlobalCounts] = None,
     log_probs: Optional[PolicyLogProbs] = None,
     advantages: Optional[torch.Tensor] = None,
     metrics: Optional[MetricSet] = None,
@@ -323,6 +323,6 @@ def compute_correction(
     than boolean ops, and none of it syncs with the host.
     """
     if metrics is None:
-        metrics = MetricSet(counts, declared_specs(cfg), batched_evaluation(d.device))
+        metrics = MetricSet(declared_specs(cfg), counts=counts, batched=batched_evaluation(d.device))
     plan = plan_correction(cfg, d, masks, log_probs=log_probs, advantages=advantages)
     return apply_correction(cfg, plan, plan.reduce(groups), metrics, groups, batch_norm_factor)

@@ -107,8 +107,9 @@ class MetricSet:
 
     def __init__(
         self,
-        counts: Optional[GlobalCounts],
         catalog: Mapping[str, MetricSpec],
+        *,
+        counts: Optional[GlobalCounts] = None,
         batched: bool = False,
         host_reads: bool = False,
         compute_per_call: bool = True,
@@ -323,7 +324,9 @@ class MetricSet:
                 names += entry_names
             count = self.counts.of(norm) if self.counts is not None else None
             if count is None:
-                raise ValueError(f"metrics normalized by {norm!r} need the global counts (MetricSet(counts))")
+                raise ValueError(
+                    f"metrics normalized by {norm!r} need the global counts (MetricSet(catalog, counts=...))"
+                )
             parts.append((torch.cat(flat) if len(flat) > 1 else flat[0]) / (count + EPS))
         for extremes in self._extrema.values():
             lows, highs = masked_extrema([e.values for e in extremes], [e.penalty for e in extremes])
