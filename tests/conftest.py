@@ -107,22 +107,13 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
-def pytest_collection_modifyitems(config, items):
-    """One xdist group per test file, and per NeMo-RL checkout where a test takes a ``host``.
+def pytest_xdist_make_scheduler(config, log):
+    """One work unit per test file, and per NeMo-RL checkout where a test takes a ``host``.
 
-    Many files compute one world (a multi-process run of every case) per module or per host and
-    share it between their tests through a module-level cache: run in two workers, a world would
-    be computed twice. Grouping by file keeps that cache in one worker; splitting by host lets the
-    three checkouts' worlds of one file run in parallel. Without xdist the marks do nothing.
+    ``--dist loadgroup`` (pyproject's ``addopts``) schedules by :mod:`tests.support.xdist_units`:
+    a module's shared world (a multi-process run of every case) stays in one worker, and the three
+    checkouts' worlds of one file run side by side. Without xdist this hook is never called.
     """
-    from tests.support.nemo_rl_hosts import host_label
+    from tests.support.xdist_units import make_scheduler
 
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        group = item.nodeid.split("::", 1)[0]
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if isinstance(params.get("host"), str):  # not NotSet: a host list that is empty here
-            group += f"@{host_label(params['host'])}"
-        item.add_marker(pytest.mark.xdist_group(group))
+    return make_scheduler(config, log)
