@@ -33,7 +33,7 @@ CONFIG = {
     "rejection_sampling": [
         {"level": "sequence", "agg": "mean", "lower": 0.99, "upper": 1.01},
         {"level": "sequence", "agg": "any", "lower": 1e-4, "upper": 100},
-        {"level": "token", "metric": "kl_k3", "upper": 0.5},
+        {"level": "token", "statistic": "kl_k3", "upper": 0.5},
     ],
 }
 

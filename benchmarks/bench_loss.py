@@ -46,9 +46,9 @@ CONFIGS = {
         "use_importance_sampling_correction": True,
         "is_correction_level": "sequence_mean",
         "rejection_sampling": [
-            {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.999, "upper": 1.002},
-            {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 100},
-            {"level": "token", "metric": "kl_k3", "upper": 0.5},
+            {"level": "sequence", "statistic": "ratio", "agg": "mean", "lower": 0.999, "upper": 1.002},
+            {"level": "sequence", "statistic": "ratio", "agg": "any", "lower": 1e-4, "upper": 100},
+            {"level": "token", "statistic": "kl_k3", "upper": 0.5},
         ],
     },
 }

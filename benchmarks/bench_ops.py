@@ -55,9 +55,9 @@ PIPELINE = {
     "truncated_importance_sampling_type": "tis",
     "truncated_importance_sampling_ratio": 2.0,
     "rejection_sampling": [
-        {"level": "sequence", "metric": "ratio", "agg": "mean", "lower": 0.999, "upper": 1.002},
-        {"level": "sequence", "metric": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4},
-        {"level": "token", "metric": "ratio", "lower": 0.5, "upper": 2.0},
+        {"level": "sequence", "statistic": "ratio", "agg": "mean", "lower": 0.999, "upper": 1.002},
+        {"level": "sequence", "statistic": "ratio", "agg": "any", "lower": 1e-4, "upper": 1e4},
+        {"level": "token", "statistic": "ratio", "lower": 0.5, "upper": 2.0},
     ],
 }
 
