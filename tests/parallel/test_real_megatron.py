@@ -6,6 +6,12 @@ megatron-core ``parallel_state``, ``forward_step``/``backward_step`` and NeMo-RL
 logits, and compares ``sharded_logits_input: true`` with NeMo-RL's default gathered path:
 logits gradients (1e-5 relative in fp32), every reported metric and the loss value. What is
 real and what is a stand-in: see ``tests/support/real_megatron_cases.py``.
+
+The newest checkout runs all 16 (layout, packing, dtype) runs; a released one a cover of them
+(``real_megatron_cases.RELEASE_COVER``: each layout, packing and dtype, and every pairing of packing
+and dtype; ``NEMO_RS_FULL_HOST_MATRIX=1`` runs all 16 everywhere): the comparison checks the
+plugin's sharded arithmetic, the same code at every checkout, while what a checkout changes,
+NeMo-RL's post-processing around the loss, every run of the cover exercises.
 """
 
 import importlib.util
@@ -31,3 +37,10 @@ def _megatron_core():
 def test_sharded_path_equals_nemo_rl_gathered_path(host):
     """Also checks the premise: the gathered path sends rank r the whole dL/dz_r."""
     run_world(4, cases.check_real_megatron, host, timeout=600)
+
+
+def test_the_release_cover_holds_each_layout_packing_and_dtype():
+    every, cover = cases.runs(True), cases.runs(False)
+    assert len(every) == 16 and set(cover) <= set(every)
+    assert sorted(layout for layout, _, _ in cover) == sorted(cases.LAYOUTS)
+    assert {(packed, dtype) for _, packed, dtype in cover} == {(p, d) for _, p, d in every}

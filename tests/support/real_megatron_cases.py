@@ -24,7 +24,18 @@ from typing import Optional
 
 import torch
 
+from tests.support.nemo_rl_hosts import whole_matrix
+
 LAYOUTS = ((1, 2), (1, 4), (2, 2), (2, 1))  # (tp, cp) on 4 ranks; the rest is data parallel
+#: A released checkout's cover of (layout, packed, dtype) (``nemo_rl_hosts.whole_matrix``): every
+#: layout once, packed and unpacked twice each, float32 and bfloat16 twice each, every pairing of
+#: packing and dtype once; the newest checkout runs all 16.
+RELEASE_COVER = {
+    ((1, 2), True, torch.float32),
+    ((1, 4), False, torch.float32),
+    ((2, 2), True, torch.bfloat16),
+    ((2, 1), False, torch.bfloat16),
+}
 B, S, V = 5, 16, 12
 NUM_MICROBATCHES = 2  # NeMo-RL's "* nmb / cp" must cancel megatron-core's "* cp / nmb"
 
@@ -261,48 +272,57 @@ def check_sharded_equals_gathered(rank, world_size, host):
 
     sharded.target_logprobs_and_nonfinite_rows = recording
     try:
-        return _sharded_equals_gathered(rank, m, RSClippedPGLossFn, chunk_sizes_used)
+        return _sharded_equals_gathered(rank, m, RSClippedPGLossFn, chunk_sizes_used, whole_matrix(host))
     finally:
         sharded.target_logprobs_and_nonfinite_rows = real_target_logprobs
 
 
-def _sharded_equals_gathered(rank, m, RSClippedPGLossFn, chunk_sizes_used):
+def runs(every: bool) -> list[tuple[tuple[int, int], bool, torch.dtype]]:
+    """The (layout, packed, logits dtype) runs of one world: all of them, or :data:`RELEASE_COVER`."""
+    out = [
+        (layout, packed, dtype)
+        for layout in LAYOUTS
+        for packed in (False, True)
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    return out if every else [r for r in out if r in RELEASE_COVER]
+
+
+def _sharded_equals_gathered(rank, m, RSClippedPGLossFn, chunk_sizes_used, every):
     logits_full, data, gvs, gvt = make_batch()
     failures, ratios = [], {}
-    for tp, cp in LAYOUTS:
-        m["ps"].destroy_model_parallel()
-        m["ps"].initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
-        for packed in (False, True):
-            for dtype in (torch.float32, torch.bfloat16):
-                shard, packed_seq_params = _local_logits(m, logits_full.to(dtype), data, tp, cp, packed)
-                # bf16 gradients are rounded to 8 bits of mantissa; fp32 ones must agree to 1e-5.
-                rel = 1e-5 if dtype == torch.float32 else 1e-2
-                chunk_size = 3 if dtype == torch.float32 else None
-                for name, cfg in CONFIGS.items():
-                    label = f"tp{tp}cp{cp}/{'packed' if packed else 'unpacked'}/{str(dtype)[6:]}/{name}"
-                    out = {}
-                    for path, sharded in (("gathered", False), ("sharded", True)):
-                        loss_fn = RSClippedPGLossFn(dict(cfg, name="rs_clipped_pg", sharded_logits_input=sharded))
-                        chunk_sizes_used.clear()
-                        out[path] = _train_step(
-                            m, loss_fn, shard, data, gvs, gvt, packed_seq_params, cp, chunk_size=chunk_size
-                        )
-                    want_chunks = chunk_size if _host_passes_chunk_size() else None
-                    if not chunk_sizes_used or set(chunk_sizes_used) != {want_chunks}:
-                        failures.append(f"{label}: chunk sizes used {chunk_sizes_used}, expected {want_chunks}")
-                    (g_grad, g_metrics, g_out), (s_grad, s_metrics, s_out) = out["gathered"], out["sharded"]
-                    ok, err = _close(s_grad, g_grad, rel)
-                    ratios[label] = float(s_grad.float().norm() / g_grad.float().norm().clamp_min(1e-30))
-                    if not ok:
-                        failures.append(
-                            f"{label}: logits grad rel err {err:.3g}, |sharded|/|gathered| = {ratios[label]:.4f}"
-                        )
-                    if not torch.allclose(s_out.float(), g_out.float(), rtol=1e-5, atol=1e-6):
-                        failures.append(f"{label}: scaled loss {float(s_out)} vs {float(g_out)}")
-                    for key, value in g_metrics.items():
-                        got = s_metrics.get(key)
-                        if got is None or not (got == value or abs(got - value) <= 1e-6 + 1e-5 * abs(value)):
-                            failures.append(f"{label}: metric {key} {got} vs {value}")
+    chosen = runs(every)
+    layout = None
+    for (tp, cp), packed, dtype in chosen:
+        if layout != (tp, cp):  # once per layout: megatron-core's destroy forgets its gloo groups unfreed
+            layout = (tp, cp)
+            m["ps"].destroy_model_parallel()
+            m["ps"].initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        shard, packed_seq_params = _local_logits(m, logits_full.to(dtype), data, tp, cp, packed)
+        # bf16 gradients are rounded to 8 bits of mantissa; fp32 ones must agree to 1e-5.
+        rel = 1e-5 if dtype == torch.float32 else 1e-2
+        chunk_size = 3 if dtype == torch.float32 else None
+        for name, cfg in CONFIGS.items():
+            label = f"tp{tp}cp{cp}/{'packed' if packed else 'unpacked'}/{str(dtype)[6:]}/{name}"
+            out = {}
+            for path, sharded in (("gathered", False), ("sharded", True)):
+                loss_fn = RSClippedPGLossFn(dict(cfg, name="rs_clipped_pg", sharded_logits_input=sharded))
+                chunk_sizes_used.clear()
+                out[path] = _train_step(m, loss_fn, shard, data, gvs, gvt, packed_seq_params, cp, chunk_size=chunk_size)
+            want_chunks = chunk_size if _host_passes_chunk_size() else None
+            if not chunk_sizes_used or set(chunk_sizes_used) != {want_chunks}:
+                failures.append(f"{label}: chunk sizes used {chunk_sizes_used}, expected {want_chunks}")
+            (g_grad, g_metrics, g_out), (s_grad, s_metrics, s_out) = out["gathered"], out["sharded"]
+            ok, err = _close(s_grad, g_grad, rel)
+            ratios[label] = float(s_grad.float().norm() / g_grad.float().norm().clamp_min(1e-30))
+            if not ok:
+                failures.append(f"{label}: logits grad rel err {err:.3g}, |sharded|/|gathered| = {ratios[label]:.4f}")
+            if not torch.allclose(s_out.float(), g_out.float(), rtol=1e-5, atol=1e-6):
+                failures.append(f"{label}: scaled loss {float(s_out)} vs {float(g_out)}")
+            for key, value in g_metrics.items():
+                got = s_metrics.get(key)
+                if got is None or not (got == value or abs(got - value) <= 1e-6 + 1e-5 * abs(value)):
+                    failures.append(f"{label}: metric {key} {got} vs {value}")
     if rank == 0 and not failures:
         print(f"[rank 0] stand-in modules: {m['stand_ins']()}", flush=True)
     return failures
