@@ -34,18 +34,20 @@ def host_label(host: str) -> str:
     return name.removeprefix("nemo-rl-")
 
 
-#: Set to 1 to run the training-step worlds' whole split matrix at every checkout, not only the newest.
+#: Set to 1 to run the host matrices whole at every checkout, not only the newest (``whole_matrix``).
 FULL_MATRIX_ENV = "NEMO_RS_FULL_HOST_MATRIX"
 #: Released checkouts: fixed code, each already run through the whole matrix when it was the newest.
 RELEASES = ("v0.6.0", "v0.7.0")
 
 
 def whole_matrix(host: str) -> bool:
-    """Whether the training-step worlds run every split at ``host``, or a cover of each kind of split.
+    """Whether the host's matrices run whole at ``host``, or a cover of them.
 
-    The split matrix (microbatch sizes, packing lengths, data-parallel shapes) checks the plugin's
-    own arithmetic, which is the same code at every checkout; what a checkout changes is NeMo-RL's
-    step around the loss, and every kind of split exercises that once in the cover. So the newest
+    Read by the DTensor training step (a cover of each kind of split), the real Megatron
+    post-processing (each layout, packing and dtype) and the live parity (every pair of options).
+    A matrix (microbatch sizes, packing lengths, data-parallel shapes, option products) checks the
+    plugin's own arithmetic, which is the same code at every checkout; what a checkout changes is
+    NeMo-RL's code around the loss, and every case of a cover exercises that. So the newest
     NeMo-RL (``main``, or an installed one) runs the whole matrix and a released checkout
     (:data:`RELEASES`) the cover, unless ``$NEMO_RS_FULL_HOST_MATRIX=1`` (a release's first run,
     or a change to a step's glue) asks for the whole matrix everywhere.
