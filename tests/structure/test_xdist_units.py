@@ -58,7 +58,6 @@ def test_without_host():
 
 @pytest.mark.slow  # about 10 s: a pytest run with two workers
 def test_each_file_and_checkout_runs_in_one_worker_under_two_workers(tmp_path):
-    pytest.importorskip("xdist")
     suite, out = tmp_path / "suite", tmp_path / "out"
     suite.mkdir()
     out.mkdir()
