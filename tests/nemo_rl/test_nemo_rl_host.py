@@ -8,14 +8,13 @@ PYTHONPATH, so the installed start-up hook activates the plugin as in a real run
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import fixtures_path
 from tests.nemo_rl.test_activation import plugin_installed
+from tests.support.fork_server import run_python
 from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, real_host_required, skip_or_fail
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "support" / "nemo_rl_scripts.py"
@@ -34,10 +33,8 @@ def run(host, name, *args):
     env = dict(os.environ)
     if host:
         env["PYTHONPATH"] = os.pathsep.join([host] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS), name, *args],
-        capture_output=True,
-        text=True,
+    proc = run_python(
+        [str(SCRIPTS), name, *args],
         env=env,
         timeout=900,
         cwd=SCRIPTS.parents[3],

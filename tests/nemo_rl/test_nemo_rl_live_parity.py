@@ -18,12 +18,11 @@ difference occur, so a new kind, or their disappearance, fails too.
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.fork_server import run_python
 from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, whole_matrix
 
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "nemo_rl_live_parity.py"
@@ -55,10 +54,8 @@ def _kind(failure: str) -> str:
 def test_plugin_equals_nemo_rl_loss_on_every_option_combination(host):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([host, os.environ.get("PYTHONPATH", "")]))
     every = whole_matrix(host)
-    proc = subprocess.run(
-        [sys.executable, "-W", "ignore", str(SCRIPT), *([] if every else ["--cover"])],
-        capture_output=True,
-        text=True,
+    proc = run_python(
+        ["-W", "ignore", str(SCRIPT), *([] if every else ["--cover"])],
         env=env,
         timeout=900,
     )

@@ -10,12 +10,11 @@ must actually have been built.
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.fork_server import run_python
 from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,9 +27,8 @@ def test_nemo_rl_loss_tests_pass_with_the_plugin_substituted(host):
     test_file = Path(host) / "tests" / "unit" / "algorithms" / "test_loss_functions.py"
     assert test_file.is_file(), f"{test_file} missing from the NeMo-RL checkout"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([host, str(REPO)]))
-    proc = subprocess.run(
+    proc = run_python(
         [
-            sys.executable,
             "-m",
             "pytest",
             "-q",
@@ -42,8 +40,6 @@ def test_nemo_rl_loss_tests_pass_with_the_plugin_substituted(host):
             "tests.support.nemo_rl_own_tests_plugin",
             str(test_file),
         ],
-        capture_output=True,
-        text=True,
         env=env,
         cwd=REPO,
         timeout=900,

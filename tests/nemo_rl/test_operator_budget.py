@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.fork_server import run_python
 from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark
 
 pytestmark = [pytest.mark.slow, no_hosts_mark()]
@@ -34,10 +33,8 @@ HOSTS = nemo_rl_hosts()[-1:]  # the newest: NEMO_RS_NEMO_RL_CHECKOUTS lists the 
 def test_upstream_configurations_stay_within_the_operator_budget(host, tmp_path):
     out = tmp_path / "ops.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([host, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, "-W", "ignore", str(SCRIPT), "--json", str(out)],
-        capture_output=True,
-        text=True,
+    proc = run_python(
+        ["-W", "ignore", str(SCRIPT), "--json", str(out)],
         env=env,
         timeout=600,
     )

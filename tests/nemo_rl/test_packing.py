@@ -25,8 +25,6 @@ microbatches each, metrics combined by NeMo-RL's driver rule. Here:
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +32,7 @@ import pytest
 from nemo_rs_plugin.core.batch.microbatch import current_policy_problems
 from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 from tests.nemo_rl.test_activation import plugin_installed
+from tests.support.fork_server import run_python
 from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, real_host_required, skip_or_fail
 from tests.support.packing_cases import UPSTREAM_ONLY, packing_cases
 
@@ -62,10 +61,8 @@ def results(host, tmp_path_factory):
         env = dict(os.environ)
         if host:
             env["PYTHONPATH"] = os.pathsep.join([host] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPT), str(tmp / "cases.json"), str(tmp / "out.json")],
-            capture_output=True,
-            text=True,
+        proc = run_python(
+            [str(SCRIPT), str(tmp / "cases.json"), str(tmp / "out.json")],
             env=env,
             timeout=900,
             cwd=SCRIPT.parents[2],

@@ -8,8 +8,6 @@ NeMo-RL's real per-sequence packing wrapper writes one file per microbatch.
 import json
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from nemo_rs_plugin.core.settings.config import ConfigError, RejectionFilter, RS
 from nemo_rs_plugin.nemo_rl.record_format import MANIFEST, META, fields_digest, parse_record_name
 from nemo_rs_plugin.nemo_rl.recording import RECORDED_FIELDS, LogprobRecorder, record_name
 from nemo_rs_plugin.tools.batch_formats import BatchFormatError, load_batch
+from tests.support.fork_server import run_python
 from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
 
 REPO = Path(__file__).resolve().parents[2]
@@ -184,10 +183,8 @@ print(sorted(n for n in os.listdir(os.path.join({out!r}, run)) if n.startswith("
 def test_the_nemo_rl_loss_records_under_per_sequence_packing(host, sharded, tmp_path):
     out = tmp_path / "records"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (host, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run(
-        [sys.executable, "-c", _HOST_SCRIPT.format(repo=str(REPO), out=str(out), sharded=sharded)],
-        capture_output=True,
-        text=True,
+    proc = run_python(
+        ["-c", _HOST_SCRIPT.format(repo=str(REPO), out=str(out), sharded=sharded)],
         env=env,
         cwd=REPO,
         timeout=300,

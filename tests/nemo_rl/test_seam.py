@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from nemo_rs_plugin.nemo_rl.packing import HostCall
+from tests.support.fork_server import run_python
 from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, skip_or_fail
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,10 +67,11 @@ def _run(host, *args, no_site=False, tmp):
             f"import sys, runpy; sys.path.append({site!r}); sys.argv = {[str(SCRIPT), *args]!r}; "
             f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')"
         )
-        cmd = [sys.executable, "-S", "-c", code]
-    else:
-        cmd = [sys.executable, str(SCRIPT), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+        proc = subprocess.run(
+            [sys.executable, "-S", "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=REPO
+        )
+    else:  # the start-up hook ran in the fork server, as it runs at any interpreter's start
+        proc = run_python([str(SCRIPT), *args], env=env, timeout=600, cwd=REPO)
     if proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr:
         skip_or_fail(f"NeMo-RL at {host} lacks a dependency: {proc.stderr.splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-4000:]

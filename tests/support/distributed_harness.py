@@ -2,7 +2,9 @@
 
 Each rank runs ``fn(rank, world_size, *args)`` after ``init_process_group`` with a
 ``file://`` rendezvous under a temporary folder; ``fn`` returns a list of failure strings.
-The parent joins with a timeout and raises with every rank's failures or traceback.
+The parent joins with a timeout and raises with every rank's failures or traceback. Ranks are
+forked from this process's fork server (:mod:`tests.support.fork_server`), which has the heavy
+third-party modules imported already; each rank imports NeMo-RL and the plugin itself.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import tempfile
 import traceback
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.support import fork_server
 
 
-def _worker(rank, world_size, rdzv, fn, args, queue):
+def _worker(rank, world_size, rdzv, fn, args, queue, env):
+    fork_server.apply_environment(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world_size)
@@ -69,11 +73,14 @@ def run_world(world_size: int, fn, *args, timeout: float = 240.0) -> None:
 
 
 def _world_problems(world_size: int, fn, args, timeout: float) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = fork_server.context()  # ranks forked with torch, megatron-core, transformers imported
     queue = ctx.Queue()
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         rdzv = os.path.join(tmp, "rdzv")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, rdzv, fn, args, queue)) for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, rdzv, fn, args, queue, env)) for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         results = {}

@@ -16,14 +16,13 @@ Each rule of :data:`nemo_rs_plugin.tools.check.GRPO_SETUP_RULES` is checked thre
 import copy
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from nemo_rs_plugin.tools.check import CheckReport
 from nemo_rs_plugin.tools.grpo_setup import GRPO_SETUP_RULES, NEMO_RL_VERSIONS
+from tests.support.fork_server import run_python
 from tests.support.nemo_rl_hosts import RUN_CLI_SOURCE, host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
 from tests.tools.test_cli_check import (
     EXIT_INVALID,
@@ -508,10 +507,8 @@ def test_real_nemo_rl_refuses_what_check_refuses(host, tmp_path):
             jobs.append({"case": name, "variant": variant, "path": path})
     (tmp_path / "tmp").mkdir(exist_ok=True)  # made by the isolated fixture
     env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"), NEMO_RS_PLUGIN_WORKER_PATH=str(tmp_path / "worker-path"))
-    proc = subprocess.run(
-        [sys.executable, "-c", HOST_SCRIPT, host, str(REPO), str(root), json.dumps(jobs)],
-        capture_output=True,
-        text=True,
+    proc = run_python(
+        ["-c", HOST_SCRIPT, host, str(REPO), str(root), json.dumps(jobs)],
         env=env,
         cwd=tmp_path,
         timeout=900,

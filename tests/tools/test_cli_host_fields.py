@@ -10,13 +10,13 @@ names only), and against every real checkout in ``$NEMO_RS_NEMO_RL_CHECKOUTS`` (
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import yaml
 
+from tests.support.fork_server import run_python
 from tests.support.nemo_rl_hosts import RUN_CLI_SOURCE, host_label, nemo_rl_hosts, real_host_required, skip_or_fail
 from tests.tools.test_cli_check import (  # noqa: F401 - `isolated` is an autouse fixture
     GRPO_TYPEDDICT,
@@ -136,9 +136,7 @@ def test_real_nemo_rl_refuses_exactly_the_fields_it_lacks(host, tmp_path):
         path.write_text(yaml.safe_dump({"defaults": base, "loss_fn": loss}))
         recipes.append(["check", str(path), "--nemo-rl", host])
     env = dict(os.environ, TMPDIR=str(tmp_path), NEMO_RS_PLUGIN_WORKER_PATH=str(tmp_path / "worker-path"))
-    proc = subprocess.run(
-        [sys.executable, "-c", RUNNER, json.dumps(recipes)], capture_output=True, text=True, env=env, timeout=900
-    )
+    proc = run_python(["-c", RUNNER, json.dumps(recipes)], env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(proc.stdout.strip().splitlines()[-1])
     if host_label(host) == "v0.6.0":

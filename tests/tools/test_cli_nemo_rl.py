@@ -10,14 +10,13 @@ so that its ``MasterConfig`` imports and the full validation runs.
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from nemo_rs_plugin.tools.recipes import list_recipes
+from tests.support.fork_server import run_python
 from tests.support.nemo_rl_hosts import RUN_CLI_SOURCE, host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
 
 HOSTS = nemo_rl_hosts()
@@ -60,10 +59,8 @@ def checkout_of(host):
 def run_checks(host, tmp_path, mode, arg_lists):
     env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"), NEMO_RS_PLUGIN_WORKER_PATH=str(tmp_path / "worker-path"))
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    proc = subprocess.run(
-        [sys.executable, "-c", RUNNER, mode, json.dumps(arg_lists)],
-        capture_output=True,
-        text=True,
+    proc = run_python(
+        ["-c", RUNNER, mode, json.dumps(arg_lists)],
         env=env,
         timeout=900,
     )

@@ -94,11 +94,11 @@ def test_nemo_rl_loss_runs_without_ray_for_the_gpu_comparison():
     """bench_gpu.py compares with NeMo-RL's own loss on a machine without ray (the lent GPU
     machine has none): NeMo-RL's loss module imports ray only for its cluster code, which the
     shims answer with a stand-in; the loss itself runs for real."""
+    from tests.support.fork_server import run_python
+
     host = _checkout()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), host]))
-    proc = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_RAY, host], capture_output=True, text=True, env=env, cwd=REPO, timeout=300
-    )
+    proc = run_python(["-c", _WITHOUT_RAY, host], env=env, cwd=REPO, timeout=300)  # ray is not preloaded
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "ray stand-ins: ['ray'" in proc.stdout, proc.stdout
 
