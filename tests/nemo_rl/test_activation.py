@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.fork_server import run_python
+
 REPO = Path(__file__).resolve().parents[2]
 FAKE = Path(__file__).resolve().parents[1] / "fake_hosts"
 
@@ -30,20 +32,26 @@ needs_install = pytest.mark.skipif(not plugin_installed(), reason="nemo-rs-plugi
 SCRIPTS = Path(__file__).resolve().parents[1] / "support" / "host_scripts.py"
 
 
-def run_script(name, *args, host="supported", python=sys.executable, env=None, cwd=None):
+def run_script(name, *args, host="supported", python=sys.executable, env=None, cwd=None, forked=False):
     """Run tests/support/host_scripts.py by path: the repository root is not on sys.path, so the
-    plugin is imported from wherever it is installed (or not at all)."""
+    plugin is imported from wherever it is installed (or not at all).
+
+    A new interpreter each time (these tests are about what an interpreter's start does), unless
+    ``forked``: a script that only computes after start-up runs from the fork server."""
     env = dict(os.environ if env is None else env)
     paths = [str(host if os.path.isabs(str(host)) else FAKE / host)] if host else []
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run(
-        [python, str(SCRIPTS), name, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd or REPO.parent,
-        timeout=300,
-    )
+    if forked and python == sys.executable:
+        proc = run_python([str(SCRIPTS), name, *args], env=env, cwd=cwd or REPO.parent, timeout=300)
+    else:
+        proc = subprocess.run(
+            [python, str(SCRIPTS), name, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=cwd or REPO.parent,
+            timeout=300,
+        )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -270,7 +278,7 @@ def ray_worker_roundtrip(tmp_path, host):
     """Driver builds and pickles the loss; a worker venv without the plugin unpickles it."""
     pickled = tmp_path / "loss.pkl"
     env = dict(os.environ, NEMO_RS_PLUGIN_WORKER_PATH=str(tmp_path / "worker-path"))
-    driver = run_script("driver_pickle", str(pickled), env=env, host=host)
+    driver = run_script("driver_pickle", str(pickled), env=env, host=host, forked=True)
     # A worker venv as NeMo-RL builds one: its own interpreter and site-packages (NeMo-RL's
     # lockfile dependencies, not the plugin), started with the driver's environment.
     worker_python = _make_venv(tmp_path / "worker-venv")

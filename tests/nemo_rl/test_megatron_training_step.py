@@ -89,7 +89,7 @@ import os
 import pytest
 
 from tests.support import training_step_cases as C
-from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail
+from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, skip_or_fail, whole_matrix
 
 HOSTS = nemo_rl_hosts()
 #: v0.6.0 aside: there the plugin computes v0.7.0's loss on purpose (test_nemo_rl_live_parity.py pins
@@ -134,6 +134,9 @@ LAYOUTS = [
     ("tp1ep1dp2", 1, 1, {"gb2/mbs4": _split(2, 2, 4)}),
 ]
 REFERENCE = {1: "tp2ep2/gb1/mbs8", 2: "tp2ep2/gb2/mbs8"}
+#: Splits a released checkout leaves out (``whole_matrix``): the short packing length, whose
+#: packing ``gb2/packed64`` and every recipe case (packed to 40) still run there.
+RELEASE_SKIPS = ("tp2ep2/gb1/packed40",)
 BREAKS = {
     # break: (kind, config, where, sharded)
     "scaled_loss": ("plugin", "rs/sequence_mean+filters", "tp2ep2/gb2/mbs4", False),
@@ -193,6 +196,8 @@ def world_cases(host: str = "") -> list[dict]:
     for layout, tp, ep, splits in LAYOUTS:
         for split_name, split in splits.items():
             where = f"{layout}/{split_name}"
+            if where not in wheres(host):
+                continue
             base = {"tp": tp, "ep": ep, "split": split}
             configs = {**C.PARITY, **C.CORRECTED} if layout == "tp2ep2" else {**C.CORRECTED, **DP_PARITY}
             for config, section in configs.items():
@@ -306,8 +311,10 @@ def parity_at(where: str) -> dict:
     return C.PARITY if where.startswith("tp2ep2/") else DP_PARITY
 
 
-def wheres() -> list[str]:
-    return [f"{layout}/{s}" for layout, _, _, splits in LAYOUTS for s in splits]
+def wheres(host: str = "") -> list[str]:
+    """The splits that run at ``host``: all at the newest NeMo-RL, all but :data:`RELEASE_SKIPS` at a release."""
+    every = [f"{layout}/{s}" for layout, _, _, splits in LAYOUTS for s in splits]
+    return every if whole_matrix(host) else [w for w in every if w not in RELEASE_SKIPS]
 
 
 @pytest.mark.parametrize("host", PARITY_HOSTS, ids=host_label)
@@ -315,7 +322,7 @@ def test_nemo_rl_fields_alone_equal_nemo_rl_own_loss(host, tmp_path_factory):
     """(a): microbatch metrics, gradients after the step's reductions, parameters, policy loss, driver metrics."""
     ranks = world(host, tmp_path_factory)
     failures = {}
-    for where in wheres():
+    for where in wheres(host):
         for config in parity_at(where):
             skip = (GSPO_METRIC,) if config == "nemo_rl/gspo" else ()
             plugin, own = result(ranks, name("plugin", config, where)), result(ranks, name("nemo_rl", config, where))
@@ -336,7 +343,7 @@ def test_corrections_give_one_result_in_every_layout_and_split(host, tmp_path_fa
     """(b), NeMo-RL's own loss the control: each split equals TP 2 + EP 2 with one microbatch per global batch."""
     ranks = world(host, tmp_path_factory)
     failures = {}
-    for where in wheres():
+    for where in wheres(host):
         ngb = 2 if "/gb2/" in where else 1
         # NeMo-RL's own loss is the control where the parity holds: at v0.6.0 its logged is_oob_ratio is
         # off by a whole number that grows with the microbatches of a split (measured here: +1 to +7)
@@ -360,7 +367,7 @@ def test_sharded_logits_input_equals_the_gathered_path(host, tmp_path_factory):
     """(c): the 64k recipe's path (``sharded_logits_input: true``, ``logprob_chunk_size: 3``) in the same step."""
     ranks = world(host, tmp_path_factory)
     failures = {}
-    for where in [w for w in wheres() if w.startswith("tp2ep2/")]:
+    for where in [w for w in wheres(host) if w.startswith("tp2ep2/")]:
         for config in SHARDED:
             sharded = result(ranks, name("plugin", config, where, sharded=True))
             gathered = result(ranks, name("plugin", config, where))
@@ -407,7 +414,7 @@ def test_the_step_runs_what_it_claims(host, tmp_path_factory):
         meta = out["_meta"]
         assert meta["world_size"] == 2
         assert all(n.startswith("megatron.core.") for n in meta["missing_names"]), meta["missing_names"]
-    for where in wheres():
+    for where in wheres(host):
         for run in result(ranks, name("plugin", "rs/sequence_mean+filters", where)):
             assert run["worker_group_calls"] == ["train"]
             ngb = 2 if "/gb2/" in where else 1
@@ -437,3 +444,17 @@ def test_each_recipe_trains_one_step(host, tmp_path_factory):
             for where, metrics in run["driver"].items():
                 bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
                 assert not bad, (case["name"], where, bad)
+
+
+def test_the_release_cover_keeps_every_split_a_check_reads(monkeypatch):
+    """At a released checkout the world leaves :data:`RELEASE_SKIPS` out; every layout, a packed
+    split, both references and the breaks' splits still run, and the newest checkout runs all."""
+    monkeypatch.delenv("NEMO_RS_FULL_HOST_MATRIX", raising=False)
+    every, cover = wheres("/checkouts/nemo-rl-main"), wheres("/checkouts/nemo-rl-v0.6.0")
+    assert set(cover) < set(every) and set(every) - set(cover) == set(RELEASE_SKIPS)
+    assert {w.split("/")[0] for w in cover} == {layout for layout, _, _, _ in LAYOUTS}
+    assert set(REFERENCE.values()) | {where for _, _, where, _ in BREAKS.values()} <= set(cover)
+    assert any("packed" in w for w in cover)
+    released = {c["name"] for c in world_cases("/checkouts/nemo-rl-v0.7.0")}
+    newest = {c["name"] for c in world_cases("/checkouts/nemo-rl-main")}
+    assert released == {n for n in newest if not set(n.split("|")[2:3]) & set(RELEASE_SKIPS)}
