@@ -3,18 +3,17 @@
 The ``aot_eager`` backend traces exactly what inductor would compile (dynamo's graph, its
 guards and graph breaks, AOTAutograd's joint forward/backward) in seconds; the ``inductor``
 cases add the generated kernels' numerics and take ~30 s of compilation per configuration on
-a 2-core CPU, so they are marked slow, as is every case here over ~10 s under aot_eager (the full
-configuration's sizes, ~10 s). The four parity cases run under inductor only (which checks all that
-``aot_eager`` would, and its kernels too). ``NEMO_RS_TEST_DEVICE=cuda`` runs them
-on a GPU.
+a 2-core CPU (much more with a cold cache, as in CI), so they are marked slow, as is every case
+here over ~10 s under aot_eager (the four parity cases, ~45 s; the full configuration's sizes,
+~10 s). ``NEMO_RS_TEST_DEVICE=cuda`` runs them on a GPU.
 
 Compilation is the cost, so each configuration family is compiled once per backend and every
-check of that family runs on that one graph: under inductor, the four parity families (numerics
-against eager and NeMo-RL) and the kernel budget's two configurations, whose test also calls
-other microbatch sizes (no recompile, equal to eager); under aot_eager, the sizes test also
-passes the global counts as Python numbers, and the graph-shape tests share one trace per
-configuration. Inductor compiles in this process (``compile_threads=1``): on 2 cores its worker
-pool costs more to start than it saves.
+check of that family runs on that one graph: under aot_eager, the four parity families (against
+eager and NeMo-RL's recorded outputs; on a GPU under inductor too), the sizes test, which also
+passes the global counts as Python numbers, and the graph-shape tests, one trace per
+configuration; under inductor, the kernel budget's two configurations, whose test also calls other
+microbatch sizes (no recompile, kernels equal to eager). Inductor compiles in this process
+(``compile_threads=1``): on 2 cores its worker pool costs more to start than it saves.
 """
 
 import pytest
@@ -64,11 +63,17 @@ def compiled_loss(cfg, backend):
     return CorrectedPGLoss({**cfg, "compile": True}, compile_backend=backend)
 
 
-# Inductor only: it runs the same dynamo trace, guards and AOTAutograd joint graph that the
-# ``aot_eager`` backend would check (the same graph count, the same breaks), then its kernels'
-# numerics; an ``aot_eager`` run of these four cost another ~45 s and could only fail with it.
-@pytest.mark.slow
-@pytest.mark.parametrize("compile_on", ["inductor"], indirect=True)
+# The four graphs against eager and NeMo-RL's recorded outputs under ``aot_eager`` (dynamo's
+# trace, guards and breaks, AOTAutograd's joint graph: what compiling adds to the maths). On the
+# CPU, inductor's generated kernels are held to eager by the kernel budget's two families below,
+# on five sizes each; compiling these four too cost ~170 s of cold C++ compilation on 2 cores for
+# no path of its own. On a GPU (``NEMO_RS_TEST_DEVICE=cuda``, benchmarks/gpu_check.sh) the Triton
+# kernels of all four run as well.
+PARITY_BACKENDS = ["aot_eager"] + (["inductor"] if torch.device(DEVICE).type == "cuda" else [])
+
+
+@pytest.mark.slow  # ~45 s: four configurations, traced and run both ways
+@pytest.mark.parametrize("compile_on", PARITY_BACKENDS, indirect=True)
 def test_compiled_equals_eager_on_parity_cases(compile_on):
     for name in SAMPLE:
         case = BY_NAME[name]
