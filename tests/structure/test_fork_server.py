@@ -18,10 +18,12 @@ from tests.support.fork_server import HEAVY_MODULES, run_python
 
 PROBE = r"""
 import atexit, json, os, sys, tempfile
+def annotated(x: int): pass
 atexit.register(lambda: print("atexit ran"))
 print(json.dumps({
     "argv": sys.argv,
-    "path_head": sys.path[:3],
+    "path": sys.path,
+    "annotations": repr(annotated.__annotations__),
     "cwd": os.getcwd(),
     "env": os.environ.get("FORK_SERVER_PROBE"),
     "tmp": tempfile.gettempdir(),
@@ -44,7 +46,8 @@ def probe(tmp_path):
         os.environ,
         FORK_SERVER_PROBE="seen",
         FORK_SERVER_PROBE_EXIT="3",
-        PYTHONPATH=os.pathsep.join([str(tmp_path / "first"), str(tmp_path / "second")]),
+        # as the interpreter reads it: relative made absolute, an empty entry the working directory
+        PYTHONPATH=os.pathsep.join([str(tmp_path / "first"), "relative", "", str(tmp_path / "second")]),
         TMPDIR=str(tmp_path / "tmp"),
     )
     return script, env, tmp_path
@@ -96,3 +99,9 @@ def test_only_third_party_modules_are_preloaded():
     """What a script may need to find absent (NeMo-RL, the plugin, ray) is never imported ahead of it."""
     tops = {name.split(".")[0] for name in HEAVY_MODULES}
     assert not tops & {"nemo_rl", "nemo_rs_plugin", "ray", "tests", "_nemo_rs_plugin_hook"}
+
+
+def test_a_forked_script_finds_the_heavy_modules_imported_already():
+    """What the fork server is for: a ``-c`` script sees torch in ``sys.modules`` before importing it."""
+    proc = run_python(["-c", "import sys; print('torch' in sys.modules)"], timeout=120)
+    assert (proc.returncode, proc.stdout) == (0, "True\n"), proc.stderr

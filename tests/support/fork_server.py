@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import subprocess
@@ -73,10 +74,24 @@ def preload() -> None:
 multiprocessing.util.get_temp_dir()
 
 
+#: The repository root: on the fork server's ``PYTHONPATH`` alone, so that it finds its preload
+#: module wherever pytest was started (Python 3.11's fork server does not take the caller's path).
+_REPO = str(Path(__file__).resolve().parents[2])
+
+
 def context() -> multiprocessing.context.ForkServerContext:
-    """The ``forkserver`` context whose server has :data:`HEAVY_MODULES` imported."""
+    """The ``forkserver`` context whose server runs, with :data:`HEAVY_MODULES` imported."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([f"{__name__}_preload"])
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([_REPO, saved] if saved else [_REPO])
+    try:
+        multiprocessing.forkserver.ensure_running()  # started with this environment, if not running
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
     return ctx
 
 
@@ -95,13 +110,16 @@ def run_python(
     """``subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)``, forked.
 
     ``args`` as the interpreter takes them: ``script.py ...``, ``-c CODE ...`` or ``-m MODULE
-    ...``, after any ``-W ACTION``. The process starts as a fresh interpreter would: ``sys.argv``, ``sys.path`` (the
-    script's folder, ``''`` or the working directory first, then ``PYTHONPATH`` from ``env``,
-    then the interpreter's own), the environment and working directory given, standard input from
+    ...``, after any ``-W ACTION``. The process starts as a fresh interpreter would in what a
+    script reads after start-up: ``sys.argv``, ``sys.path`` (the script's folder, ``''`` or the
+    working directory first, then ``PYTHONPATH`` from ``env``, then the interpreter's own), the
+    environment and working directory given, the temporary folder they name, standard input from
     ``input``; NeMo-RL, the plugin and the test modules are not imported yet. It differs in what
-    :data:`HEAVY_MODULES` imported already, and in running ``atexit`` handlers before the fork
-    server's ``os._exit`` rather than at interpreter shutdown. Output comes back whole whatever
-    the exit (files, not pipes: no deadlock on a large output).
+    was decided at the server's start: :data:`HEAVY_MODULES` imported (and what they read from
+    the environment then), the hash seed, ``PYTHONWARNINGS``/``PYTHONIOENCODING``, the ``.pth``
+    start-up hook run; and ``atexit`` handlers run before the fork server's ``os._exit``, not at
+    interpreter shutdown. A script about any of those keeps ``subprocess``. Output comes back
+    whole whatever the exit (files, not pipes: no deadlock on a large output).
     """
     if args[0].startswith("-") and args[0] not in ("-c", "-m", "-W"):
         raise ValueError(f"run_python: interpreter option {args[0]} is not supported (use subprocess)")
@@ -130,16 +148,18 @@ def _run_as_interpreter(args, env, cwd, paths):  # in the forked process
     import types
     import warnings
 
-    from tests.support import fork_server_preload
-
-    apply_environment(env)
-    os.chdir(cwd)
     write = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     for fd, name, mode in ((0, "stdin", os.O_RDONLY), (1, "stdout", write), (2, "stderr", write)):
         os.dup2(os.open(paths[name], mode, 0o644), fd)
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", closefd=False)
-    sys.stderr = open(2, "w", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # as an interpreter's
+    # The server's own start-up path, kept by its preload; missing, nothing was preloaded (say so).
+    preloaded = sys.modules.get("tests.support.fork_server_preload")
+    if preloaded is None:
+        raise RuntimeError("the fork server did not import tests.support.fork_server_preload: nothing is preloaded")
+    apply_environment(env)
+    os.chdir(cwd)
     # Forget the test modules this process inherited: the script imports what it imports.
     for name in [m for m in sys.modules if m == "tests" or m.startswith("tests.")]:
         del sys.modules[name]
@@ -153,15 +173,18 @@ def _run_as_interpreter(args, env, cwd, paths):  # in the forked process
         first, sys.argv = cwd, [args[1], *args[2:]]
     else:
         first, sys.argv = os.path.dirname(os.path.abspath(args[0])), list(args)
-    python_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    server_only = set(fork_server_preload.SERVER_PYTHONPATH)
-    interpreter_path = [p for p in fork_server_preload.SERVER_SYS_PATH[1:] if p not in server_only]
+    # As the interpreter reads PYTHONPATH: entries made absolute, an empty one is the working directory.
+    python_path = (
+        [os.path.abspath(p) if p else cwd for p in env["PYTHONPATH"].split(os.pathsep)] if env.get("PYTHONPATH") else []
+    )
+    server_only = set(preloaded.SERVER_PYTHONPATH)
+    interpreter_path = [p for p in preloaded.SERVER_SYS_PATH[1:] if p not in server_only]
     sys.path[:] = [first, *python_path, *interpreter_path]
     try:
         if args[0] == "-c":
             main = types.ModuleType("__main__")
             sys.modules["__main__"] = main
-            exec(compile(args[1], "<string>", "exec"), main.__dict__)
+            exec(compile(args[1], "<string>", "exec", dont_inherit=True), main.__dict__)  # not this module's __future__
         elif args[0] == "-m":
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         else:
