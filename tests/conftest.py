@@ -23,10 +23,17 @@ _HYPOTHESIS_HOME = tempfile.TemporaryDirectory(prefix="nemo-rs-hypothesis-")
 set_hypothesis_home_dir(_HYPOTHESIS_HOME.name)
 
 # Under pytest-xdist (CI and the README's command run `-n auto`): the workers share the cores, so
-# each takes its share of torch's intra-op threads instead of every worker taking all of them.
+# each takes its share of torch's intra-op threads instead of every worker taking all of them, and
+# so does every process a test starts (gloo ranks, scripts the fork server runs, other venvs'
+# interpreters, which read OMP_NUM_THREADS from the environment they inherit). Left at the cores'
+# count, each such process ran two OpenMP threads beside the other worker's on 2 cores: the
+# NeMo-RL packing, seam and live-parity files took 154 s against 120 s with one thread each
+# (2026-11-29). A value the caller set is kept.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURE_NAME = "upstream_clipped_pg_public.pt"
