@@ -97,21 +97,6 @@ def _import_filling_missing_names(module: str):
     raise ImportError(module)
 
 
-def _int_device_mode():
-    """Integer device arguments (``torch.cuda.current_device()``) become the CPU."""
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    class _IntDeviceOnCpu(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if isinstance(kwargs.get("device"), int):
-                kwargs = {**kwargs, "device": torch.device("cpu")}
-            return func(*args, **kwargs)
-
-    return _IntDeviceOnCpu()
-
-
 def install(host: str) -> None:
     from tests.support.training_step_host import install_stand_ins
 
@@ -120,7 +105,6 @@ def install(host: str) -> None:
 
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None  # NeMo-RL main's train synchronises before its timer
-    _int_device_mode().__enter__()
     from megatron.core.tensor_parallel import random as mrandom
 
     @contextlib.contextmanager
@@ -514,7 +498,9 @@ def _local_tensors(model, which: str) -> dict:
         sharded = getattr(p, "tensor_model_parallel", False) and not is_expert and tp > 1
         value = p.main_grad if which == "grad" else p.data
         key = (_global_name(name, 4 // ep, ps.get_expert_model_parallel_rank()), tp_rank if sharded else None)
-        out[key] = (value.detach().to("cpu").double().clone(), p.partition_dim if sharded else None)
+        # numpy, not torch: all_gather_object pickles a tensor's storage through torch.save, one
+        # archive per tensor (a quarter of a case's time went there); an array pickles as its bytes
+        out[key] = (value.detach().to("cpu").double().numpy().copy(), p.partition_dim if sharded else None)
     return out
 
 
@@ -527,7 +513,7 @@ def full_tensors(model, which: str) -> dict:
     pieces: dict = {}
     for local in gathered:
         for (name, tp_rank), (value, dim) in local.items():
-            pieces.setdefault(name, {})[tp_rank] = (value, dim)
+            pieces.setdefault(name, {})[tp_rank] = (torch.from_numpy(value), dim)
     out = {}
     for name, by_rank in sorted(pieces.items()):
         if None in by_rank:

@@ -221,16 +221,31 @@ def _cuda_to_cpu(value):
 
 
 def _cuda_on_cpu_mode():
+    import torch
     from torch.overrides import TorchFunctionMode
 
+    devices = (str, torch.device)
+
     class _CudaOnCpu(TorchFunctionMode):
-        """Every ``cuda`` device argument of a torch call becomes the CPU."""
+        """Every ``cuda`` device argument of a torch call becomes the CPU; so does an integer
+        ``device=`` (a CUDA ordinal, as ``torch.cuda.current_device()`` gives it: Megatron's).
+
+        Every torch call of a rank passes here (some 8,000 per training step), so the common case,
+        no device argument, returns at once: no new tuple or dict.
+        """
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if "device" in kwargs:
-                kwargs = {**kwargs, "device": _cuda_to_cpu(kwargs["device"])}
-            args = tuple(_cuda_to_cpu(a) for a in args)
+            if kwargs:
+                device = kwargs.get("device")
+                if device is not None:
+                    device = torch.device("cpu") if isinstance(device, int) else _cuda_to_cpu(device)
+                    kwargs = {**kwargs, "device": device}
+            else:
+                kwargs = {}
+            for arg in args:
+                if isinstance(arg, devices):
+                    args = tuple(_cuda_to_cpu(a) for a in args)
+                    break
             return func(*args, **kwargs)
 
     return _CudaOnCpu()
