@@ -2,7 +2,7 @@
 
 The GPU run itself needs a CUDA device (docs/performance.md#on-a-gpu); the dry run proves
 that the script, the GPU tests' collection and ``bench_gpu.py`` (on CPU, compiled rows with
-the ``aot_eager`` backend) work, so that a GPU session does not spend its time on a typo.
+the ``eager`` backend) work, so that a GPU session does not spend its time on a typo.
 """
 
 import json
@@ -30,7 +30,7 @@ def dry_run(tmp_path, timeout=240, **env):
     return proc, log.read_text() if log.exists() else ""
 
 
-@pytest.mark.slow  # ~30 s: the whole GPU script, dry
+@pytest.mark.slow  # ~40 s: the whole GPU script, dry
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script for the Linux GPU machines")
 def test_gpu_check_dry_run_completes(tmp_path):
     proc, log = dry_run(tmp_path, NEMO_RL=str(tmp_path / "no-nemo-rl"))
@@ -103,28 +103,24 @@ def test_nemo_rl_loss_runs_without_ray_for_the_gpu_comparison():
     assert "ray stand-ins: ['ray'" in proc.stdout, proc.stdout
 
 
-@pytest.mark.slow  # ~15 s: NeMo-RL imported in a fresh interpreter, a few packed calls
+@pytest.mark.slow  # ~45 s: NeMo-RL imported in fresh interpreters, a few packed calls, four log-prob variants
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script for the Linux GPU machines")
-def test_gpu_check_dry_run_times_the_packing_wrapper_with_a_real_checkout(tmp_path):
-    """The ``packing`` step (bench_packing.py, NeMo-RL's real ``SequencePackingLossWrapper``)
-    starts and prints its table on the CPU with the checkout that GPU run would carry, and the
-    steps left out of ``STEPS`` do not run."""
-    proc, log = dry_run(tmp_path, NEMO_RL=_checkout(), STEPS="packing")
+def test_gpu_check_dry_run_runs_the_steps_that_need_a_checkout(tmp_path):
+    """With the checkout that GPU run would carry, on the CPU, in one dry run (each start of the
+    script costs its dependency check and its interpreters):
+
+    * the ``packing`` step (bench_packing.py, NeMo-RL's real ``SequencePackingLossWrapper``) prints
+      its table, its ``--only`` rows and nothing else;
+    * the ``logprob_memory`` step (bench_logprob_memory.py against NeMo-RL's own log-prob
+      functions) prints its four rows, which agree on the log-probs' sum;
+    * the steps left out of ``STEPS`` do not run.
+    """
+    proc, log = dry_run(tmp_path, NEMO_RL=_checkout(), STEPS="packing,logprob_memory")
     assert proc.returncode == 0, log[-4000:]
     assert "=== bench_packing on CPU (dry run): rc=0" in log
     assert "SequencePackingLossWrapper + prepare_loss_input over 4 sequences" in log
     assert "\nplain " in log and "\nGSPO " in log  # --only "plain, GSPO": both rows, nothing else
     assert "\nIS + token TIS " not in log
-    assert "collect the GPU tests" not in log and not (tmp_path / "bench_gpu.json").exists()
-
-
-@pytest.mark.slow  # ~20 s: four variants, each in a fresh interpreter
-@pytest.mark.skipif(sys.platform != "linux", reason="bash script for the Linux GPU machines")
-def test_gpu_check_dry_run_measures_log_prob_memory_with_a_real_checkout(tmp_path):
-    """The ``logprob_memory`` step (bench_logprob_memory.py against NeMo-RL's own log-prob functions)
-    prints its table on the CPU with the checkout that GPU run would carry."""
-    proc, log = dry_run(tmp_path, NEMO_RL=_checkout(), STEPS="logprob_memory")
-    assert proc.returncode == 0, log[-4000:]
     assert "=== bench_logprob_memory on CPU (dry run): rc=0" in log
     rows = [
         line.split()
@@ -133,7 +129,7 @@ def test_gpu_check_dry_run_measures_log_prob_memory_with_a_real_checkout(tmp_pat
     ]
     assert [r[0] for r in rows] == ["plugin", "nemo-rl-chunked", "nemo-rl", "plugin-unchunked"], log[-2000:]
     assert len({r[-1] for r in rows}) == 1, rows  # the four agree on the log-probs' sum
-    assert "collect the GPU tests" not in log
+    assert "collect the GPU tests" not in log and not (tmp_path / "bench_gpu.json").exists()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script for the Linux GPU machines")
