@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--compile-backend",
         default="inductor",
-        help="torch.compile backend of the compiled rows (eager or aot_eager: the same trace, no kernels; for dry runs)",
+        help="torch.compile backend of the compiled rows (eager, aot_eager: the same trace, no kernels; dry runs)",
     )
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)

@@ -33,7 +33,14 @@ from nemo_rs_plugin.core.batch.microbatch import current_policy_problems
 from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 from tests.nemo_rl.test_activation import plugin_installed
 from tests.support.fork_server import run_python
-from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, no_hosts_mark, real_host_required, skip_or_fail
+from tests.support.nemo_rl_hosts import (
+    host_label,
+    nemo_rl_hosts,
+    no_hosts_mark,
+    real_host_required,
+    skip_or_fail,
+    whole_matrix,
+)
 from tests.support.packing_cases import UPSTREAM_ONLY, packing_cases
 
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "packing_host.py"
@@ -51,13 +58,25 @@ TOLERANCE = {"per_sequence": 1e-9, "fused": 2e-6, "per_sequence_unindexed": 1e-9
 #: The plugin against NeMo-RL's own loss: the same formulas, arithmetic in another order (GSPO: 7e-9).
 PARITY_TOLERANCE = 1e-7
 _RESULTS: dict = {}
+#: The field cases of one filter each (statistic x aggregation, log-ratio, sign, scope): the plugin's
+#: own arithmetic under wrappers that every other case runs too. A released checkout leaves them out
+#: (``whole_matrix``) but for the one the rejection check below reads; the presets there still
+#: filter at both levels, with and without a sign and a policy-gradient scope.
+FILTER_FIELD_CASES = tuple(name for name in CASES if name.startswith("filter/") and name != "filter/sequence_ratio_any")
+
+
+def host_cases(host) -> dict:
+    """The cases that run at ``host``: every one at the newest NeMo-RL, all but the filter field cases at a release."""
+    if whole_matrix(host):
+        return CASES
+    return {name: section for name, section in CASES.items() if name not in FILTER_FIELD_CASES}
 
 
 def results(host, tmp_path_factory):
     """Every case through the three wrappers at ``host``, in one interpreter (cached per host)."""
     if host not in _RESULTS:
         tmp = tmp_path_factory.mktemp("packing")
-        (tmp / "cases.json").write_text(json.dumps(CASES))
+        (tmp / "cases.json").write_text(json.dumps(host_cases(host)))
         env = dict(os.environ)
         if host:
             env["PYTHONPATH"] = os.pathsep.join([host] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -133,11 +152,33 @@ def test_the_matrix_covers_the_configuration():
     assert f"on {plugin_cases} configurations generated" in " ".join(guide.split())
 
 
+def test_a_release_leaves_out_only_the_filter_field_cases(monkeypatch):
+    """A released checkout's cover keeps what the checks read: NeMo-RL's fields and their controls,
+    the refusals, the sequence level's weights, the rejecting filter, and the presets, which filter
+    at both levels with a sign and a policy-gradient scope."""
+    from tests.support.nemo_rl_hosts import FULL_MATRIX_ENV
+
+    monkeypatch.delenv(FULL_MATRIX_ENV, raising=False)
+    assert host_cases("/checkouts/nemo-rl-main") == CASES
+    release = host_cases("/checkouts/nemo-rl-v0.7.0")
+    assert set(CASES) - set(release) == set(FILTER_FIELD_CASES)
+    assert FILTER_FIELD_CASES and all(name.startswith("filter/") for name in FILTER_FIELD_CASES)
+    kept = set(UPSTREAM_ONLY) | {f"control/{name}" for name in UPSTREAM_ONLY} | CURRENT_POLICY_TOTALS
+    assert kept | {"filter/sequence_ratio_any", "preset/is_level(sequence)"} <= set(release)
+    filters = [f for name, section in release.items() for f in section.get("rejection_sampling", [])]
+    assert {f["level"] for f in filters} == {"token", "sequence"}
+    assert {f.get("advantage_sign") for f in filters} >= {None, "negative", "positive"}
+    assert {f.get("applies_to", "loss") for f in filters} == {"loss", "policy_gradient"}
+    monkeypatch.setenv(FULL_MATRIX_ENV, "1")
+    assert host_cases("/checkouts/nemo-rl-v0.7.0") == CASES
+
+
 @pytest.mark.parametrize("host", HOSTS, ids=host_label)
 def test_packed_calls_equal_the_unpacked_call(host, tmp_path_factory):
     out = results(host, tmp_path_factory)
+    assert set(out) == set(host_cases(host))
     failures = {}
-    for name, section in CASES.items():
+    for name, section in host_cases(host).items():
         if name.startswith("control/"):
             continue
         runs = out[name]

@@ -45,7 +45,8 @@ def whole_matrix(host: str) -> bool:
 
     Read by the DTensor training step (a cover of each kind of split), the Megatron training step
     (all splits but the short packing length), the real Megatron post-processing (each layout,
-    packing and dtype) and the live parity (every pair of options).
+    packing and dtype), the live parity (every pair of options) and the packing wrappers (all
+    but the one-filter field cases).
     A matrix (microbatch sizes, packing lengths, data-parallel shapes, option products) checks the
     plugin's own arithmetic, which is the same code at every checkout; what a checkout changes is
     NeMo-RL's code around the loss, and every case of a cover exercises that. So the newest
