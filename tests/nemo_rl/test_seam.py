@@ -27,7 +27,7 @@ import pytest
 
 from nemo_rs_plugin.nemo_rl.packing import HostCall
 from tests.support.fork_server import run_python
-from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, skip_or_fail
+from tests.support.nemo_rl_hosts import host_label, nemo_rl_hosts, skip_or_fail, whole_matrix
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "support" / "seam_host.py"
@@ -59,9 +59,15 @@ def test_a_host_call_counts_one_call_per_sequence():
 
 
 def _run(host, *args, no_site=False, tmp):
+    """``seam_host.py`` at ``host``. ``no_site``: as a worker without the start-up hook; at the newest
+    NeMo-RL a new interpreter with ``-S`` (no ``.pth`` processed), at a release (``whole_matrix``) a
+    process of the fork server with the hook's finder taken off (the same state, 20-30 s sooner)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([host] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    if no_site:  # no site-packages processing: no .pth, so no start-up hook (a worker environment)
+    if no_site and not whole_matrix(host):
+        env["NEMO_RS_TEST_HOOK_REMOVED"] = "1"
+        proc = run_python([str(SCRIPT), *args], env=env, timeout=600, cwd=REPO)
+    elif no_site:  # no site-packages processing: no .pth, so no start-up hook (a worker environment)
         site = sysconfig.get_paths()["purelib"]
         code = (
             f"import sys, runpy; sys.path.append({site!r}); sys.argv = {[str(SCRIPT), *args]!r}; "

@@ -45,8 +45,9 @@ def whole_matrix(host: str) -> bool:
 
     Read by the DTensor training step (a cover of each kind of split), the Megatron training step
     (all splits but the short packing length), the real Megatron post-processing (each layout,
-    packing and dtype), the live parity (every pair of options) and the packing wrappers (all
-    but the one-filter field cases).
+    packing and dtype), the live parity (every pair of options), the packing wrappers (all
+    but the one-filter field cases) and the seam's worker without the start-up hook (a new ``-S``
+    interpreter at the newest, a fork server's process with the hook's finder removed at a release).
     A matrix (microbatch sizes, packing lengths, data-parallel shapes, option products) checks the
     plugin's own arithmetic, which is the same code at every checkout; what a checkout changes is
     NeMo-RL's code around the loss, and every case of a cover exercises that. So the newest

@@ -12,7 +12,10 @@ It also pickles a plugin loss to ``OUT.pickle`` for ``worker``.
 ``worker`` (an interpreter started with ``-S``, without the start-up hook: a Ray worker whose
 environment lacks it): imports the training module first, reports its names, unpickles the
 loss and reports them again, and whether NeMo-RL's own per-sequence wrapper refuses the loss.
-Writes a JSON report to ``OUT``.
+Writes a JSON report to ``OUT``. With ``$NEMO_RS_TEST_HOOK_REMOVED=1`` it runs in a process forked
+from the suite's fork server, where the hook ran at the server's start: its finder is taken off
+``sys.meta_path`` first, which leaves what an interpreter without the hook has (nothing of NeMo-RL
+or the plugin is imported there before this script).
 """
 
 import json
@@ -117,6 +120,8 @@ def worker(blob):
 
     import _nemo_rs_plugin_hook as hook
 
+    if os.environ.get("NEMO_RS_TEST_HOOK_REMOVED") == "1":
+        sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, hook._Finder)]
     report = {"hook_installed": hook.installed()}
     _names(report, "before")
     with open(blob, "rb") as fh:
