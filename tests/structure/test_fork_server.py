@@ -105,3 +105,28 @@ def test_a_forked_script_finds_the_heavy_modules_imported_already():
     """What the fork server is for: a ``-c`` script sees torch in ``sys.modules`` before importing it."""
     proc = run_python(["-c", "import sys; print('torch' in sys.modules)"], timeout=120)
     assert (proc.returncode, proc.stdout) == (0, "True\n"), proc.stderr
+
+
+def _rank_one_exits_without_reporting(rank, world_size):
+    """Rank 1 dies as a crash does (no exception, no report); rank 0 waits for it in a collective."""
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+    return []
+
+
+def test_a_rank_that_dies_before_reporting_ends_the_world_at_once():
+    """The harness stops waiting when a rank exits with a non-zero code before its report (a crash,
+    a rank function that could not be unpickled) and says so, instead of waiting out the timeout and
+    saying only that nothing came (rank 0 reports its broken collective, or is killed)."""
+    import time
+
+    from tests.support.distributed_harness import run_world
+
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as failure:
+        run_world(2, _rank_one_exits_without_reporting, timeout=180)
+    assert "ranks [1] exited before reporting (rank 1: 3)" in str(failure.value), str(failure.value)
+    assert time.monotonic() - started < 60

@@ -10,7 +10,9 @@ third-party modules imported already; each rank imports NeMo-RL and the plugin i
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import tempfile
+import time
 import traceback
 
 import torch.distributed as dist
@@ -83,20 +85,49 @@ def _world_problems(world_size: int, fn, args, timeout: float) -> list:
         ]
         for p in procs:
             p.start()
-        results = {}
+        results: dict = {}
+        died: dict = {}
         try:
-            for _ in range(world_size):
-                rank, failures = queue.get(timeout=timeout)
-                results[rank] = failures
-        except Exception:  # queue.Empty: a rank hung or died; reported below
-            pass
+            died = _collect(queue, procs, results, time.monotonic() + timeout)
         finally:
             for p in procs:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
     problems = [f"rank {r}: {f}" for r in sorted(results) for f in results[r]]
-    missing = set(range(world_size)) - set(results)
+    if died:
+        codes = ", ".join(f"rank {r}: {code}" for r, code in sorted(died.items()))
+        problems.append(
+            f"ranks {sorted(died)} exited before reporting ({codes}); their stderr says why (a crash, an "
+            "os._exit, a rank function that could not be unpickled)"
+        )
+    missing = set(range(world_size)) - set(results) - set(died)
     if missing:
         problems.append(f"ranks {sorted(missing)} reported nothing within {timeout:.0f} s")
     return problems
+
+
+def _collect(queue, procs, results: dict, deadline: float) -> dict:
+    """Read the ranks' reports into ``results`` until all are in, the deadline, or a rank dies.
+
+    A rank that exits with a non-zero code before reporting (a crash, its function not unpickled)
+    ends the wait at once: its peers may be waiting for it in a collective, and waiting out
+    the whole timeout would say only that nothing came. Returns ``{rank: exit code}`` of those.
+    """
+    while len(results) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, failures = queue.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            results[rank] = failures
+            continue
+        except queue_module.Empty:
+            pass
+        died = {r: p.exitcode for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)}
+        if died:
+            try:  # a report put just before the exit is still read
+                while True:
+                    rank, failures = queue.get(timeout=0.5)
+                    results[rank] = failures
+            except queue_module.Empty:
+                pass
+            return {r: code for r, code in died.items() if r not in results}
+    return {}
