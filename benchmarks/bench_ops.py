@@ -14,7 +14,7 @@ Issue 43: the three upstream-equivalent configs together at most 0.68x NeMo-RL's
 "all three"; ``--json`` writes the numbers for tests/nemo_rl/test_operator_budget.py).
 
 The plugin evaluates its metrics and input checks stacked on accelerators and row by row on
-the CPU (``nemo_rs_plugin.core.reporting.metrics.batched_evaluation``); the counts here are those of the GPU
+the CPU (``nemo_rs_plugin.core.evaluation.batched_evaluation``); the counts here are those of the GPU
 form (``CorrectedPGLoss(batched_metrics=True)``), ``--cpu-form`` counts what a CPU run dispatches.
 
 Usage: PYTHONPATH=<NeMo-RL checkout> python benchmarks/bench_ops.py [--top 8] [--size 4x256]

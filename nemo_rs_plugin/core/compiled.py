@@ -32,9 +32,9 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from nemo_rs_plugin.core.reporting.metrics import batched_evaluation
+from nemo_rs_plugin.core.evaluation import EvaluationForm
 
-__all__ = ["INDUCTOR_OPTIONS", "core_fn", "free_host_reads", "metrics_form"]
+__all__ = ["INDUCTOR_OPTIONS", "core_fn"]
 
 _COMPILED: dict[tuple[Callable, str], Callable] = {}
 
@@ -51,53 +51,20 @@ def _compile(fn: Callable, backend: str) -> Callable:
     return torch.compile(fn, dynamic=True, backend=backend, options=options or None)
 
 
-def core_fn(loss: Any, groups: Any) -> Callable:
+def core_fn(loss: Any, form: EvaluationForm) -> Callable:
     """The function computing ``(loss, MetricSet)`` for ``loss`` (called with ``loss`` first).
 
-    The plain ``type(loss)._tensors`` unless ``loss.cfg.compile`` is on and applicable, then its
-    compiled twin for ``loss.compile_backend`` (built on first use and shared by every instance).
+    The plain ``type(loss)._tensors``, or where ``form.compiled`` its compiled twin for
+    ``loss.compile_backend`` (built on first use and shared by every instance).
     """
     fn = type(loss)._tensors
-    if not loss.cfg.compile or getattr(groups, "active", False) or torch.compiler.is_compiling():
+    if not form.compiled:
         return fn
     backend = loss.compile_backend
     compiled = _COMPILED.get((fn, backend))
     if compiled is None:
         compiled = _COMPILED[(fn, backend)] = _with_tracing_settings(_compile(fn, backend))
     return compiled
-
-
-def metrics_form(loss: Any, core: Callable, device: torch.device) -> bool:
-    """Whether ``core`` (what :func:`core_fn` returned) evaluates the metrics stacked (``batched``).
-
-    Eager: by device (:func:`~nemo_rs_plugin.core.reporting.metrics.batched_evaluation`). Compiled: row
-    by row on every device, unless ``loss.batched_metrics`` forces a form: inductor fuses the
-    per-row reductions into one multi-output reduction, where stacking the rows for a
-    matrix-vector product adds copies and a matmul (the counts: ``benchmarks/bench_kernels.py``,
-    docs/performance.md#torchcompile).
-    """
-    forced = loss.batched_metrics
-    if forced is None and core is not type(loss)._tensors:
-        forced = False
-    return batched_evaluation(device, forced)
-
-
-def free_host_reads(loss: Any, core: Callable, device: torch.device, groups: Any, batched: bool) -> bool:
-    """Whether ``core`` may read tensor values on the host to skip work it can tell is not needed.
-
-    Only where a read costs no device sync and changes no graph: the eager core (not
-    compiled, not inside the caller's compile), on the CPU, in the CPU form (the GPU form on a
-    CPU stands for the accelerator and reads nothing), unsharded (every rank of a sharded
-    call must declare the same metric rows, whatever its own values). Everywhere else the
-    loss makes its one host transfer at the end of the call and nothing else.
-    """
-    return (
-        device.type == "cpu"
-        and not batched
-        and core is type(loss)._tensors
-        and not getattr(groups, "active", False)
-        and not torch.compiler.is_compiling()
-    )
 
 
 def _with_tracing_settings(compiled: Callable) -> Callable:

@@ -33,14 +33,15 @@ from nemo_rs_plugin.core.batch.input_checks import (
 from nemo_rs_plugin.core.batch.inputs import LossInputs, global_counts
 from nemo_rs_plugin.core.batch.microbatch import MicrobatchTotals, missing_totals
 from nemo_rs_plugin.core.batch.sanitizing import nonfinite_logit_metric, nonfinite_metrics, sanitize_inputs
-from nemo_rs_plugin.core.compiled import core_fn, free_host_reads, metrics_form
+from nemo_rs_plugin.core.compiled import core_fn
 from nemo_rs_plugin.core.correction import PolicyLogProbs, compute_correction
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
+from nemo_rs_plugin.core.evaluation import ROW_BY_ROW, EvaluationForm, evaluation_form
 from nemo_rs_plugin.core.loss_terms.objective import Objective
 from nemo_rs_plugin.core.loss_terms.parity_metrics import record_nemo_rl_metrics
 from nemo_rs_plugin.core.reporting.health import RejectionMonitor
 from nemo_rs_plugin.core.reporting.metric_catalog import declared_specs, metric_specs
-from nemo_rs_plugin.core.reporting.metrics import MetricSet, batched_evaluation
+from nemo_rs_plugin.core.reporting.metrics import MetricSet
 from nemo_rs_plugin.core.settings.config import ConfigWarning, RSClippedPGLossConfig
 
 #: The warning of a section that asks :class:`CorrectedPGLoss` itself to record (it never does).
@@ -66,7 +67,7 @@ class CorrectedPGLoss:
         cfg: anything :meth:`RSClippedPGLossConfig.from_any` accepts; validated here, once.
         batched_metrics: evaluate the metrics stacked (``True``, the accelerator form) or row
             by row (``False``, the CPU form); ``None`` picks by device, and a compiled core row
-            by row (:func:`~nemo_rs_plugin.core.compiled.metrics_form`).
+            by row (:func:`~nemo_rs_plugin.core.evaluation.evaluation_form`).
         compile_backend: the ``torch.compile`` backend when ``cfg.compile`` is on
             (``aot_eager`` traces the same graph without generating kernels, for debugging).
         per_call_metrics: return the metrics that hold for this call alone (extremes, the ESS,
@@ -189,17 +190,16 @@ class CorrectedPGLoss:
                     "CorrectedPGLoss.microbatch_totals(...) of the whole microbatch"
                 )
         # The tensor math (optionally torch.compile'd, see nemo_rs_plugin/core/compiled.py) never
-        # leaves the device; the one host transfer stays here, eager.
-        # The evaluation form is decided here, eagerly: a compiled core specialises on the bool.
-        core = core_fn(self, groups)
-        if core is not type(self)._tensors:
+        # leaves the device; the one host transfer stays here, eager. The evaluation form is
+        # decided here, eagerly: a compiled core specialises on its bools.
+        form = evaluation_form(self, x.curr.device, groups)
+        if form.compiled:
             # Counts given as Python numbers become tensors here: the compiled core specialises
             # Python floats (compiled.py), and a count that changes every step would recompile.
             as_tensors = global_counts(global_valid_seqs, global_valid_toks, x.compute_dtype(), x.curr.device)
             global_valid_seqs, global_valid_toks = as_tensors.sequences, as_tensors.tokens
-        batched = metrics_form(self, core, x.curr.device)
-        host_reads = free_host_reads(self, core, x.curr.device, groups, batched)
-        loss, metrics = core(self, x, global_valid_seqs, global_valid_toks, groups, batched, host_reads, microbatch)
+        core = core_fn(self, form)
+        loss, metrics = core(self, x, global_valid_seqs, global_valid_toks, groups, form, microbatch)
         reported = metrics.finalize(groups)  # the one host transfer
         diagnostics = metrics.diagnostics  # the loss's own values, from the same transfer
         judge_inputs(diagnostics)  # raises on a bad count or token mask, warns on positive log-probs
@@ -215,22 +215,19 @@ class CorrectedPGLoss:
         global_valid_seqs: Any,
         global_valid_toks: Any,
         groups: SequenceGroups,
-        batched: bool = False,
-        host_reads: bool = False,
+        form: EvaluationForm = ROW_BY_ROW,
         microbatch: Optional[MicrobatchTotals] = None,
     ) -> tuple[torch.Tensor, MetricSet]:
-        """The pure-tensor part of :meth:`compute`: the loss and the stacked, unreduced metrics."""
+        """The pure-tensor part of :meth:`compute`: the loss and the stacked, unreduced metrics, in ``form``."""
         x = x.to_dtype(x.compute_dtype())
         cfg = self.cfg
         counts = global_counts(global_valid_seqs, global_valid_toks, x.curr.dtype, x.curr.device)
-        metrics = MetricSet(
-            self.declared_specs, batched=batched, host_reads=host_reads, compute_per_call=self.per_call_metrics
-        )
+        metrics = MetricSet(self.declared_specs, form=form, compute_per_call=self.per_call_metrics)
         # Set, not passed: a compiled core rebuilds the objects it returns from their constructor's
         # arguments, and the counts (views of the caller's tensors, dropped by stack()) would then
         # be graph outputs, rebuilt as aliases of its inputs on every call.
         metrics.counts = counts
-        clean = sanitize_inputs(x, cfg.force_on_policy_ratio, self.kl_coef != 0, batched, host_reads)
+        clean = sanitize_inputs(x, cfg.force_on_policy_ratio, self.kl_coef != 0, form)
         masks = clean.masks
         nonfinite_metrics(metrics, masks, clean.nonfinite, clean.input_names)
         nonfinite_logit_metric(metrics, x.nonfinite_logit_rows, self.metric_specs)
@@ -277,8 +274,8 @@ class CorrectedPGLoss:
         with torch.no_grad():
             x = x.to_dtype(x.compute_dtype())
             cfg = self.cfg
-            batched = batched_evaluation(x.curr.device)  # the device's form; its metrics are dropped
-            clean = sanitize_inputs(x, cfg.force_on_policy_ratio, x.reference is not None, batched)
+            form = EvaluationForm.for_device(x.curr.device)  # the device's; its metrics are dropped
+            clean = sanitize_inputs(x, cfg.force_on_policy_ratio, x.reference is not None, form)
             corr = compute_correction(
                 cfg,
                 clean.d,
@@ -286,7 +283,7 @@ class CorrectedPGLoss:
                 groups,
                 log_probs=PolicyLogProbs(curr=x.curr, prev=clean.prev_raw, gen=x.generation),
                 advantages=clean.advantages,
-                metrics=MetricSet(self.declared_specs, batched=batched),
+                metrics=MetricSet(self.declared_specs, form=form),
             )
             return self.objective.totals_of(corr, clean.masks, x.rewards)
 

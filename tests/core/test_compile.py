@@ -26,6 +26,7 @@ from benchmarks.bench_ops import PIPELINE as BENCH_PIPELINE
 from nemo_rs_plugin import CorrectedPGLoss
 from nemo_rs_plugin.core import compiled
 from nemo_rs_plugin.core.distributed import NO_GROUPS
+from nemo_rs_plugin.core.evaluation import EvaluationForm, evaluation_form
 from tests.core.test_inputs import FULL, batch
 from tests.core.test_parity import CASES, DEVICE, assert_matches_upstream, run_case
 from tests.support.references import tensors_reachable
@@ -165,18 +166,22 @@ def test_other_microbatch_sizes_and_python_counts_do_not_recompile(compile_on, c
     assert_other_sizes_do_not_recompile(loss_fn, cfg, PYTHON_COUNTS)
 
 
+def _core(loss_fn, groups=NO_GROUPS):
+    return compiled.core_fn(loss_fn, evaluation_form(loss_fn, torch.device("cpu"), groups))
+
+
 def test_compile_is_opt_in(monkeypatch):
-    assert compiled.core_fn(CorrectedPGLoss({}), NO_GROUPS) is CorrectedPGLoss._tensors
-    assert compiled.core_fn(CorrectedPGLoss({"compile": False}), NO_GROUPS) is CorrectedPGLoss._tensors
+    assert _core(CorrectedPGLoss({})) is CorrectedPGLoss._tensors
+    assert _core(CorrectedPGLoss({"compile": False})) is CorrectedPGLoss._tensors
     monkeypatch.setattr(compiled, "_COMPILED", {})
     loss_fn = CorrectedPGLoss({"compile": True}, compile_backend="aot_eager")
-    assert compiled.core_fn(loss_fn, NO_GROUPS) is not CorrectedPGLoss._tensors
+    assert _core(loss_fn) is not CorrectedPGLoss._tensors
     assert list(compiled._COMPILED) == [(CorrectedPGLoss._tensors, "aot_eager")]
 
     class Sharded:
         active = True
 
-    assert compiled.core_fn(loss_fn, Sharded()) is CorrectedPGLoss._tensors  # collectives stay eager
+    assert _core(loss_fn, Sharded()) is CorrectedPGLoss._tensors  # collectives stay eager
 
 
 def test_compile_on_the_sharded_path_is_warned_about():
@@ -249,7 +254,7 @@ def test_the_metric_set_keeps_no_tensor_but_its_vector_after_stack(batched):
     from nemo_rs_plugin.core.batch.inputs import LossInputs
 
     inputs = LossInputs.from_nemo_rl(lp, data, need_prev=True, need_reference=loss_fn.kl_coef != 0)
-    _, metrics = loss_fn._tensors(inputs, gvs, gvt, NO_GROUPS, batched)
+    _, metrics = loss_fn._tensors(inputs, gvs, gvt, NO_GROUPS, EvaluationForm(batched=batched))
     # Through closures, dataclasses and bound methods alike: only 0-dim values and the [M] vector.
     held = [t for t in tensors_reachable(metrics) if t.dim() > 1]
     assert held == [], [tuple(t.shape) for t in held]

@@ -2,15 +2,14 @@
 (names, normalizations, shapes, one host transfer) holds."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
 from nemo_rs_plugin import CorrectedPGLoss, metric_normalizations
-from nemo_rs_plugin.core.compiled import free_host_reads
 from nemo_rs_plugin.core.distributed import NO_GROUPS
+from nemo_rs_plugin.core.evaluation import EvaluationForm
 from nemo_rs_plugin.core.settings import presets
 from tests.conftest import make_batch
 from tests.support.logprobs import at_most_zero
@@ -404,17 +403,6 @@ def test_eager_cpu_reads_the_host_only_for_checks_that_skip_work(cfg):
     assert counter.calls == ["__bool__", "tolist", "tolist"]
 
 
-def test_host_reads_only_where_free():
-    """Only the eager core, on the CPU, in the CPU form, unsharded, reads values on the host."""
-    loss_fn = CorrectedPGLoss({})
-    eager, cpu = type(loss_fn)._tensors, torch.device("cpu")
-    assert free_host_reads(loss_fn, eager, cpu, NO_GROUPS, batched=False)
-    assert not free_host_reads(loss_fn, eager, torch.device("cuda"), NO_GROUPS, batched=False)
-    assert not free_host_reads(loss_fn, eager, cpu, NO_GROUPS, batched=True)
-    assert not free_host_reads(loss_fn, lambda *a: None, cpu, NO_GROUPS, batched=False)  # a compiled core
-    assert not free_host_reads(loss_fn, eager, cpu, SimpleNamespace(active=True), batched=False)
-
-
 def test_kl_uses_unfiltered_current_logprobs_when_given():
     # With top-k/top-p filtering NeMo-RL passes curr_logprobs_unfiltered for the KL term.
     B, T = 2, 4
@@ -475,19 +463,20 @@ def test_finite_inputs_are_used_as_given_where_the_host_can_read():
     overflows (its values are exact either way)."""
     from nemo_rs_plugin.core.batch.sanitizing import sanitize_inputs
 
+    READS = EvaluationForm(host_reads=True)  # eager CPU, unsharded
     lp, data, _, _ = batch()
     x = _loss_inputs(lp, data)
-    clean = sanitize_inputs(x, False, True, batched=False, host_reads=True)
+    clean = sanitize_inputs(x, False, True, READS)
     assert clean.nonfinite is None and clean.curr is x.curr and clean.masks.all_finite
-    assert sanitize_inputs(x, False, True, batched=False, host_reads=False).nonfinite is not None
+    assert sanitize_inputs(x, False, True, EvaluationForm()).nonfinite is not None
     for key, value in (("reference_policy_logprobs", math.nan), ("advantages", math.inf)):
         broken = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in data.items()}
         broken["token_mask"][0, -1] = 0
         broken[key][0, -1] = value  # a masked position
-        clean = sanitize_inputs(_loss_inputs(lp, broken), False, True, batched=False, host_reads=True)
+        clean = sanitize_inputs(_loss_inputs(lp, broken), False, True, READS)
         assert clean.nonfinite is not None and not clean.masks.all_finite, key
     huge = {**data, "advantages": torch.full_like(data["advantages"], 3e38)}  # finite; its sum is inf
-    clean = sanitize_inputs(_loss_inputs(lp, huge), False, True, batched=False, host_reads=True)
+    clean = sanitize_inputs(_loss_inputs(lp, huge), False, True, READS)
     assert clean.nonfinite is not None and torch.equal(clean.advantages, huge["advantages"][:, 1:])
 
 

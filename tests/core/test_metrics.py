@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from nemo_rs_plugin.core.evaluation import EvaluationForm
 from nemo_rs_plugin.core.masking import EPS, extrema_penalty
 from nemo_rs_plugin.core.reporting.metric_catalog import MetricSpec
 from nemo_rs_plugin.core.reporting.metric_kernels import ClippedExtreme, EffectiveSampleSize
@@ -21,7 +22,7 @@ DERIVED = MetricSpec("none", "derived", False)
 
 def _metrics(counts=None, batched=False, **specs: MetricSpec) -> MetricSet:
     """A metric set whose catalog is ``specs`` (every name the test declares)."""
-    return MetricSet(specs, counts=counts, batched=batched)
+    return MetricSet(specs, counts=counts, form=EvaluationForm(batched=batched))
 
 
 def _batch(seed: int = 0):

@@ -148,11 +148,12 @@ def test_every_folder_of_the_package_is_a_layer_and_only_the_program_sits_above(
 
 
 #: core/'s parts in the order of one loss call, bottom up (docs/architecture.md): the tensor
-#: primitives, what the config's names mean, the config, the metric machinery, the inputs, the
+#: primitives and the evaluation form, what the config's names mean, the config, the metric machinery, the inputs, the
 #: correction, the objective, then the loss. Each imports only from the parts before it.
 CORE_ORDER = (
     "masking",
     "distributed",
+    "evaluation",
     "policy_loss",
     "registries",
     "settings",

@@ -72,7 +72,7 @@ def count_positive_logprobs(metrics: MetricSet, clean: SanitizedInputs, force_on
     else:
         present = [(key, t) for field, key in sources.items() if (t := getattr(clean, field)) is not None]
         names = [f"_positive_{key}_count" for key, _ in present]
-        if metrics.host_reads and present and clean.curr.numel():
+        if metrics.form.host_reads and present and clean.curr.numel():
             # An input nowhere above the slack (its largest entry, read on the host) has no
             # positive valid token: its count is 0 without a [B, T] comparison.
             largest = torch.stack([t.detach().amax() for _, t in present]).tolist()

@@ -17,6 +17,7 @@ from typing import Mapping, NamedTuple, Optional, Union
 import torch
 
 from nemo_rs_plugin.core.batch.inputs import LossInputs
+from nemo_rs_plugin.core.evaluation import ROW_BY_ROW, EvaluationForm
 from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, sanitize
 from nemo_rs_plugin.core.reporting.metric_catalog import NONFINITE_LOGIT_ROWS
 from nemo_rs_plugin.core.reporting.metrics import MetricSet
@@ -71,13 +72,14 @@ class SanitizedInputs:
 
 
 def sanitize_inputs(
-    x: LossInputs, force_on_policy: bool, with_reference: bool, batched: bool, host_reads: bool = False
+    x: LossInputs, force_on_policy: bool, with_reference: bool, form: EvaluationForm = ROW_BY_ROW
 ) -> SanitizedInputs:
     """One pass over every input: sanitised copies, non-finite masks, the token masks.
 
     The detached inputs are stacked, so replacing and detecting non-finite entries costs two
     kernels whatever their number; ``curr`` is sanitised on its own (it carries the gradient).
-    With ``host_reads`` (eager CPU) and every input finite, read on the host from one sum per
+    In the batched ``form`` the inputs are cleaned through one ``[K, B, T]`` stack, else one by one.
+    With ``form.host_reads`` (eager CPU) and every input finite, read on the host from one sum per
     input, nothing is copied or masked: the inputs are used as given and ``nonfinite`` is
     ``None`` (every count 0). The values are the same either way.
     """
@@ -92,33 +94,33 @@ def sanitize_inputs(
             rows["curr_unfiltered"] = x.curr_unfiltered
     n_logprob = len(rows)
     rows.update(prev=prev_raw, gen=x.generation, advantages=x.advantages)
-    checked = tuple(rows) if batched else tuple(name for name in rows if name not in ("prev", "gen"))
+    checked = tuple(rows) if form.batched else tuple(name for name in rows if name not in ("prev", "gen"))
     # host_reads: where every input reads finite they are used as given (no copy, no mask).
-    as_given = host_reads and _finite_on_host([rows[name] for name in checked])
+    as_given = form.host_reads and _finite_on_host([rows[name] for name in checked])
     clean_of = _as_given if as_given else sanitize
     curr = clean_of(x.curr)
     if as_given:
-        form = _used_as_given(rows, x, curr.dtype)
-    elif batched:
-        form = _sanitized_stacked(rows, x, n_logprob)
+        cleaned = _used_as_given(rows, x, curr.dtype)
+    elif form.batched:
+        cleaned = _sanitized_stacked(rows, x, n_logprob)
     else:
-        form = _sanitized_per_input(rows, x, n_logprob, checked)
+        cleaned = _sanitized_per_input(rows, x, n_logprob, checked)
     kl = None
     if with_reference:
         unfiltered = clean_of(x.curr_unfiltered) if x.curr_unfiltered is not None else curr
-        kl = KLInputs(reference=form.clean["reference"], curr_unfiltered=unfiltered)
+        kl = KLInputs(reference=cleaned.clean["reference"], curr_unfiltered=unfiltered)
     return SanitizedInputs(
         curr=curr,
-        prev=curr.detach() if force_on_policy else form.clean["prev"],
+        prev=curr.detach() if force_on_policy else cleaned.clean["prev"],
         prev_raw=prev_raw,
-        gen=form.clean["gen"],
+        gen=cleaned.clean["gen"],
         kl=kl,
-        advantages=form.clean["advantages"],
-        d=form.clean["d"],
-        masks=form.masks,
-        nonfinite=form.nonfinite,
+        advantages=cleaned.clean["advantages"],
+        d=cleaned.clean["d"],
+        masks=cleaned.masks,
+        nonfinite=cleaned.nonfinite,
         input_names=checked,
-        stacked=form.stacked,
+        stacked=cleaned.stacked,
     )
 
 

@@ -24,9 +24,10 @@ from nemo_rs_plugin.core.correction.weights import (
     record_token_weight_metrics,
 )
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
+from nemo_rs_plugin.core.evaluation import EvaluationForm
 from nemo_rs_plugin.core.masking import TokenMasks, row_dot, sanitize
 from nemo_rs_plugin.core.reporting.metric_catalog import declared_specs
-from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet, batched_evaluation
+from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet
 from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
 
 __all__ = [
@@ -323,6 +324,6 @@ def compute_correction(
     than boolean ops, and none of it syncs with the host.
     """
     if metrics is None:
-        metrics = MetricSet(declared_specs(cfg), counts=counts, batched=batched_evaluation(d.device))
+        metrics = MetricSet(declared_specs(cfg), counts=counts, form=EvaluationForm.for_device(d.device))
     plan = plan_correction(cfg, d, masks, log_probs=log_probs, advantages=advantages)
     return apply_correction(cfg, plan, plan.reduce(groups), metrics, groups, batch_norm_factor)

@@ -7,7 +7,7 @@ host in a single ``tolist()``.
 
 Most metrics are masked sums over the same few masks divided by the same global count. So
 they are declared, not computed, where they are defined, and :meth:`MetricSet.stack`
-evaluates them together, in the form that suits the device (:func:`batched_evaluation`): on
+evaluates them together, in the form that suits the device (:mod:`nemo_rs_plugin.core.evaluation`): on
 a GPU, where each small operator is a kernel launch, per mask one ``stack`` and one
 matrix-vector product and all masked extrema in one ``amin`` and one ``amax`` (a handful of
 kernels whatever the number of metrics); on a CPU, where copying rows into a matrix costs more
@@ -37,6 +37,7 @@ from typing import Iterable, Mapping, NamedTuple, Optional
 import torch
 
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
+from nemo_rs_plugin.core.evaluation import ROW_BY_ROW, EvaluationForm
 from nemo_rs_plugin.core.masking import EPS
 from nemo_rs_plugin.core.reporting.metric_catalog import Diagnostics, MetricSpec, Normalization
 from nemo_rs_plugin.core.reporting.metric_kernels import (
@@ -49,20 +50,7 @@ from nemo_rs_plugin.core.reporting.metric_kernels import (
     stacked_masked_totals,
 )
 
-__all__ = ["GlobalCounts", "MetricSet", "batched_evaluation"]
-
-
-def batched_evaluation(device: torch.device, forced: Optional[bool] = None) -> bool:
-    """Whether per-token rows are stacked and reduced together (few kernels) or one by one (no copies).
-
-    Stacked on accelerators, where a kernel launch costs more than a copy of a ``[B, T]`` row;
-    row by row on the CPU, where it is the other way round. ``forced`` (``CorrectedPGLoss``'s
-    ``batched_metrics``) picks either (``benchmarks/bench_ops.py`` counts both; the tests
-    compare them).
-    """
-    if forced is not None:
-        return forced
-    return device.type != "cpu"
+__all__ = ["GlobalCounts", "MetricSet"]
 
 
 _CATALOGS = (
@@ -110,8 +98,7 @@ class MetricSet:
         catalog: Mapping[str, MetricSpec],
         *,
         counts: Optional[GlobalCounts] = None,
-        batched: bool = False,
-        host_reads: bool = False,
+        form: EvaluationForm = ROW_BY_ROW,
         compute_per_call: bool = True,
     ) -> None:
         """A metric set reading each declaration's spec from ``catalog``.
@@ -121,20 +108,18 @@ class MetricSet:
 
         ``counts``: the global denominators (``None`` where the metrics are dropped unevaluated).
 
-        ``batched``: evaluate in the stacked (GPU) form, see :func:`batched_evaluation`.
+        ``form``: the call's :class:`~nemo_rs_plugin.core.evaluation.EvaluationForm`: rows reduced
+        stacked (``batched``, the accelerator's) or one by one, each at once (the CPU's); whether
+        checks may read a value on the host to skip work (``host_reads``). Decided once, outside
+        any compiled region, so that a compiled core specialises on plain bools.
 
         ``compute_per_call=False``: per-call metrics are declared (their names and normalizations are
         known) but neither computed nor returned, for a caller that would drop them (the
         NeMo-RL loss).
-
-        ``host_reads``: checks may read a value on the host to skip work (eager CPU only,
-        :func:`~nemo_rs_plugin.core.compiled.free_host_reads`). The caller decides both once,
-        outside any compiled region, so that a compiled core specialises on plain bools.
         """
         self.counts = counts
         self.catalog = catalog
-        self.batched = batched
-        self.host_reads = host_reads
+        self.form = form
         self.computes_per_call = compute_per_call
         self._declared: dict[str, MetricSpec] = {}  # name -> its catalog spec, in declaration order
         self._values: dict[str, torch.Tensor] = {}  # final 0-dim values
@@ -206,7 +191,7 @@ class MetricSet:
         ``rows``: a list of tensors, a stacked ``[len(names), *mask.shape]`` one, or an iterator
         of tensors (the CPU form then builds and reduces one row at a time).
         """
-        if not self.batched:
+        if not self.form.batched:
             # CPU form: reduced now, so each [B, T] row can be freed as soon as its caller drops
             # it (rows held until stack() raised the peak memory of an eager call; on the CPU a
             # fresh [B, T] allocation costs far more than the operator on reused memory).
@@ -242,7 +227,7 @@ class MetricSet:
         """
         if self._declare((min_name, max_name)) is None:
             return
-        if not self.batched:  # CPU form: reduced now (see add_masked_totals), final values as add() records them
+        if not self.form.batched:  # CPU form: reduced now (see add_masked_totals), final values as add() records them
             lows, highs = masked_extrema([values.detach()], [penalty])
             self._values[min_name], self._values[max_name] = lows[0], highs[0]
             return
