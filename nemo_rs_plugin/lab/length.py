@@ -37,6 +37,7 @@ from nemo_rs_plugin.tools import report
 
 __all__ = [
     "LENGTH_FIELDS",
+    "LENGTH_RERUN",
     "LENGTH_STUDY",
     "format_length_study",
     "length_comparisons",
@@ -50,6 +51,21 @@ LENGTH_STUDY: dict[str, Any] = dict(
     lag=2,
     lengths=[16, 64, 256],
     seeds=list(range(6000, 6008)),
+    steps=80,
+)
+
+#: The 256-token rerun (docs/lab.md#length), fixed before it ran: the study's open question,
+#: ``sequence_mean`` against ``none`` at 256 tokens one batch stale, is its one primary comparison
+#: (so no Holm step), on 16 seeds no run had used. Sized from the two earlier draws' paired sd of
+#: ``eval_auc`` (0.071 on seeds 6000-6007, 0.050 on an outside rerun's 7100-7105): 7 seeds detect
+#: the protocol's ±0.1 with power 0.8 at the larger sd, 16 with power above 0.99, and the 90%
+#: interval's half-width at 16 seeds (about 0.03) is small enough to tell +0.07 from zero and
+#: from ±0.1.
+LENGTH_RERUN: dict[str, Any] = dict(
+    configs=["none", "sequence_mean"],
+    lag=2,
+    lengths=[256],
+    seeds=list(range(8000, 8016)),
     steps=80,
 )
 
