@@ -23,6 +23,8 @@ _PUBLIC = {
     "ConfigError": "nemo_rs_plugin.core.settings.config",
     "RejectionFilter": "nemo_rs_plugin.core.settings.config",
     "RSClippedPGLossConfig": "nemo_rs_plugin.core.settings.config",
+    "SequenceFilter": "nemo_rs_plugin.core.settings.config",
+    "TokenFilter": "nemo_rs_plugin.core.settings.config",
     "SequenceGroups": "nemo_rs_plugin.core.distributed",
     "CorrectedPGLoss": "nemo_rs_plugin.core.loss",
     "LossInputs": "nemo_rs_plugin.core.loss",

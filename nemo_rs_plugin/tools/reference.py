@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS, aggregated_text
 from nemo_rs_plugin.core.reporting.metric_catalog import METRIC_CATALOG, MetricEntry
 from nemo_rs_plugin.core.settings.config import PLUGIN_FIELDS, RejectionFilter, RSClippedPGLossConfig
-from nemo_rs_plugin.core.settings.rejection_filter import AGGS_FOR_STATISTIC
+from nemo_rs_plugin.core.settings.rejection_filter import AGGS_FOR_STATISTIC, FILTER_KINDS
 
 __all__ = ["render_reference"]
 
@@ -26,10 +26,15 @@ def _type_name(annotation: Any) -> str:
         return " \\| ".join(repr(a).replace("'", "`") for a in args)
     if origin is typing.Union:
         parts = [a for a in args if a is not type(None)]
+        bases = {a.__base__ for a in parts if isinstance(a, type) and issubclass(a, BaseModel)}
+        if len(bases) == 1 and len(parts) == len(args) > 1 and all(issubclass(a, BaseModel) for a in parts):
+            return _type_name(bases.pop())  # kinds of one model (the stages of rejection_sampling)
         inner = " \\| ".join(_type_name(a) for a in parts)
         return f"{inner} \\| null" if len(parts) < len(args) else inner
     if origin in (tuple, list):
         return f"list of {_type_name(args[0])}"
+    if origin is typing.Annotated:  # a discriminated union: its members' shared base, documented once
+        return _type_name(args[0])
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return f"[{annotation.__name__}](#{annotation.__name__.lower()})"
     return getattr(annotation, "__name__", str(annotation))
@@ -51,15 +56,25 @@ def _default(field: Any) -> str:
     return f"`{value}`" if not isinstance(value, type(...)) else "required"
 
 
-def _rows(model: type[BaseModel], only: tuple[str, ...] = ()) -> list[str]:
+def _rows(model: type[BaseModel], only: tuple[str, ...] = (), more: dict[str, Any] | None = None) -> list[str]:
     rows = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
-    for name, field in model.model_fields.items():
+    for name, field in {**model.model_fields, **(more or {})}.items():
         if only and name not in only:
             continue
         desc = " ".join((field.description or "").split()).replace("|", "\\|")
         default = "required" if field.is_required() else _default(field)
         rows.append(f"| `{name}` | {_type_name(field.annotation)} | {default} | {desc} |")
     return rows
+
+
+def _level_only_fields() -> dict[str, Any]:
+    """The fields one kind of stage has and the shared base does not (``agg``)."""
+    return {
+        name: field
+        for kind in FILTER_KINDS.values()
+        for name, field in kind.model_fields.items()
+        if name not in RejectionFilter.model_fields
+    }
 
 
 def _aggregations_text() -> str:
@@ -136,9 +151,10 @@ def render_reference() -> str:
         "",
         "## RejectionFilter",
         "",
-        "One entry of `rejection_sampling`.",
+        "One entry of `rejection_sampling`: its `level` names its kind, a token filter (`TokenFilter`) or a",
+        "sequence filter (`SequenceFilter`, which alone has `agg`).",
         "",
-        *_rows(RejectionFilter),
+        *_rows(RejectionFilter, more=_level_only_fields()),
         "",
         f"Allowed `agg` per `statistic`: {_aggregations_text()}. Ratio bounds are >= 0. Labels",
         "(`name`, or the default) must be unique. Formulas: [guide](guide.md#rejection-sampling).",

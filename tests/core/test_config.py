@@ -109,7 +109,7 @@ def test_invalid_upstream_combinations(cfg, needles):
         ),
         ({"level": "sequence", "statistic": "kl_k2", "agg": "min", "upper": 0.5}, ["agg: got 'min'"]),
         ({"level": "token", "statistic": "ratio", "lower": -1.0, "upper": 2.0}, ["lower: got -1.0", ">= 0"]),
-        ({"level": "tokens", "upper": 2.0}, ["rejection_sampling.0.level: got 'tokens'", "'token' or 'sequence'"]),
+        ({"level": "tokens", "upper": 2.0}, ["rejection_sampling.0.level: got 'tokens'", "allowed: token or sequence"]),
         (
             {"level": "token", "upper": 2.0, "threshold": 3},
             ["rejection_sampling.0.threshold: unknown field of a rejection_sampling stage; (fields: level, "],

@@ -48,7 +48,12 @@ from nemo_rs_plugin.core.settings.config_problems import (
     truncation_problems,
     valid_filters,
 )
-from nemo_rs_plugin.core.settings.rejection_filter import RejectionFilter
+from nemo_rs_plugin.core.settings.rejection_filter import (
+    AnyRejectionFilter,
+    RejectionFilter,
+    SequenceFilter,
+    TokenFilter,
+)
 
 __all__ = [
     "ConfigError",
@@ -56,6 +61,8 @@ __all__ = [
     "ISCorrectionLevel",
     "RejectionFilter",
     "RSClippedPGLossConfig",
+    "SequenceFilter",
+    "TokenFilter",
     "UPSTREAM_FIELDS",
     "PLUGIN_FIELDS",
     "own_loss_problems",
@@ -183,8 +190,9 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
     weights as they are. ``None`` disables it."""
 
     # --- Plugin: rejection sampling ---
-    rejection_sampling: tuple[RejectionFilter, ...] = Field(default_factory=tuple)
-    """Ordered filters. A sequence filter aggregates over the tokens kept by the token
+    rejection_sampling: tuple[AnyRejectionFilter, ...] = Field(default_factory=tuple)
+    """Ordered filters, each the kind its ``level`` names (``TokenFilter``, ``SequenceFilter``).
+    A sequence filter aggregates over the tokens kept by the token
     filters listed before it; a token filter only matters on sequences kept by the
     sequence filters before it."""
     rejection_denominator: Literal["original", "kept"] = "original"

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from nemo_rs_plugin.core.settings.rejection_filter import RejectionFilter, current_filter_fields
+from nemo_rs_plugin.core.settings.rejection_filter import FILTER_KINDS, current_filter_fields, filter_field
 
 
 def shown(value: Any) -> str:
@@ -85,7 +85,7 @@ def without_coercions(raw: dict, fields: Mapping[str, Any]) -> tuple[dict, list[
                 if isinstance(entry, Mapping):
                     kept = {}
                     for k, v in entry.items():
-                        f = RejectionFilter.model_fields.get(str(k))
+                        f = filter_field(str(k))
                         p = coercion_problem(f"{key}.{i}.{k}", v, f.annotation) if f is not None else None
                         if p:
                             problems.append(p)
@@ -99,13 +99,29 @@ def without_coercions(raw: dict, fields: Mapping[str, Any]) -> tuple[dict, list[
     return clean, problems, bad
 
 
+def _errors(exc: ValidationError) -> list[Any]:
+    """Pydantic's errors, each located as the recipe spells it.
+
+    A ``rejection_sampling`` entry is parsed as the kind its ``level`` names, and pydantic puts
+    that tag into the location (``rejection_sampling.0.token.upper``); the recipe has no such
+    key, so it is dropped (``rejection_sampling.0.upper``).
+    """
+    errors = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        if len(loc) >= 3 and loc[0] == "rejection_sampling" and loc[2] in FILTER_KINDS:
+            err = {**err, "loc": loc[:2] + loc[3:]}
+        errors.append(err)
+    return errors
+
+
 def failed_locations(exc: ValidationError) -> set[tuple]:
     """What failed below the top level.
 
     A field on its own (type, literal, required), or a whole filter (its own combinations), which
     keeps the section's combination checks from running.
     """
-    return {tuple(err["loc"]) for err in exc.errors() if err["loc"]}
+    return {tuple(err["loc"]) for err in _errors(exc) if err["loc"]}
 
 
 def left_out(failed: set[tuple]) -> set[str]:
@@ -151,7 +167,7 @@ def blames(line: str, failed: set[tuple]) -> bool:
 
 def format_validation_error(exc: ValidationError) -> list[str]:
     lines = []
-    for err in exc.errors():
+    for err in _errors(exc):
         loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"]
         if msg.startswith("Value error, "):
@@ -168,6 +184,11 @@ def format_validation_error(exc: ValidationError) -> list[str]:
             guess = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.6)
             hint = f"did you mean {guess[0]!r}? " if guess else ""
             lines.append(f"{loc}: unknown field of a rejection_sampling stage; {hint}(fields: {', '.join(fields)})")
+        elif err["type"] in ("union_tag_not_found", "union_tag_invalid"):
+            # the stage's kind is read from its level: name the field as pydantic's literal check would
+            level = err.get("input", {}).get("level") if isinstance(err.get("input"), Mapping) else None
+            got = f"got {shown(level)}" if err["type"] == "union_tag_invalid" else "missing"
+            lines.append(f"{loc}.level: {got}; allowed: {' or '.join(FILTER_KINDS)} (which kind of stage this is)")
         elif err["loc"] == ("rejection_sampling",) and err["type"] in ("tuple_type", "list_type"):
             lines.append(
                 f"{loc}: got {err.get('input')!r}; allowed: a list of stages (in YAML, start each stage "

@@ -1,4 +1,13 @@
-"""One stage of rejection sampling, :class:`RejectionFilter`: its fields, statistics and checks.
+"""One stage of rejection sampling: :class:`TokenFilter` or :class:`SequenceFilter`, keyed on ``level``.
+
+A stage is one of two kinds, a union discriminated by its ``level`` (prime-rl's config unions
+are the model): a :class:`TokenFilter` keeps or rejects single tokens; a :class:`SequenceFilter`
+keeps or rejects whole sequences and alone has ``agg``, how it aggregates its tokens' values.
+:class:`RejectionFilter` is what both share (the fields, the checks, the label) and the type
+code that takes either kind names; ``RejectionFilter(level=..., ...)`` builds the kind its
+``level`` names, and :data:`AnyRejectionFilter` is the union the loss configuration parses
+``rejection_sampling`` entries with. Which advantage signs and scopes each level allows is its
+:data:`~nemo_rs_plugin.core.registries.filter_levels.FILTER_LEVELS` entry (one definition).
 
 Part of the loss configuration (:mod:`nemo_rs_plugin.core.settings.config` re-exports it); the
 tensor side of a filter is :mod:`nemo_rs_plugin.core.correction.filters`.
@@ -24,9 +33,9 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from nemo_rs_plugin.core.registries.aggregations import (
     DEFAULT_AGGREGATION,
@@ -44,7 +53,18 @@ from nemo_rs_plugin.core.registries.filter_options import (
 )
 from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS, filter_statistics_text
 
-__all__ = ["AGGS_FOR_STATISTIC", "DEPRECATED_FILTER_FIELDS", "RejectionFilter", "current_filter_fields"]
+__all__ = [
+    "AGGS_FOR_STATISTIC",
+    "DEPRECATED_FILTER_FIELDS",
+    "AnyRejectionFilter",
+    "RejectionFilter",
+    "SequenceFilter",
+    "TokenFilter",
+    "current_filter_fields",
+    "filter_field",
+    "foreign_field_problem",
+    "parse_filter",
+]
 
 FilterLevel = Literal["token", "sequence"]
 FilterStatisticName = Literal[
@@ -76,7 +96,7 @@ NEMO_RL_UNDIVIDED_MARKERS = ("_min", "_max")
 
 
 class RejectionFilter(BaseModel):
-    """One stage of rejection sampling.
+    """One stage of rejection sampling: what :class:`TokenFilter` and :class:`SequenceFilter` share.
 
     A filter computes a statistic from the per-token log-ratio ``d = log pi_a - log pi_b``
     chosen by ``log_ratio`` (default ``prev-gen``: ``d = prev_logprobs -
@@ -97,12 +117,31 @@ class RejectionFilter(BaseModel):
     OPSM); with ``advantage_sign: positive`` (token filters) only tokens whose advantage is
     positive. With ``applies_to: policy_gradient`` (token filters) a rejected token loses
     its policy-gradient term only and keeps its KL penalties (prime-rl's DPPO / IPO mask).
+
+    ``RejectionFilter(level="token", ...)`` builds a :class:`TokenFilter`, ``level="sequence"`` a
+    :class:`SequenceFilter` (and ``RejectionFilter.model_validate`` parses either): the level
+    names the kind, as in a recipe.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
+    def __new__(cls, *args: Any, **data: Any) -> "RejectionFilter":
+        # ``RejectionFilter(level=...)`` is the kind the level names; the subclass's own
+        # __init__ then validates (Python calls the __init__ of the object __new__ returns).
+        # Without a known level the base validates, and refuses with pydantic's message.
+        if cls is RejectionFilter and data.get("level") in FILTER_KINDS:
+            cls = FILTER_KINDS[data["level"]]
+        return super().__new__(cls)
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> "RejectionFilter":
+        """Parse one stage: on :class:`RejectionFilter`, the kind its ``level`` names (:func:`parse_filter`)."""
+        if cls is RejectionFilter:
+            return _FILTER_ADAPTER.validate_python(obj, **kwargs)
+        return super().model_validate(obj, **kwargs)
+
     level: FilterLevel
-    """``token`` rejects single tokens; ``sequence`` rejects whole sequences."""
+    """``token`` rejects single tokens; ``sequence`` rejects whole sequences (and alone has ``agg``)."""
     statistic: FilterStatisticName = Field(
         default="ratio",
         description=(
@@ -113,8 +152,6 @@ class RejectionFilter(BaseModel):
     metric: Optional[FilterStatisticName] = None
     """Deprecated spelling of ``statistic`` (accepted, warned about: ``nemo-rs check`` says how to
     update); the name collided with the logged metrics."""
-    agg: Optional[FilterAgg] = None
-    """Sequence filters only: how token values are aggregated (default ``mean``)."""
     lower: Optional[float] = None
     """Inclusive lower bound; ``None`` leaves the low side open."""
     upper: Optional[float] = None
@@ -178,12 +215,37 @@ class RejectionFilter(BaseModel):
             data = {**data, "advantage_sign": "negative"}
         return data
 
-    @model_validator(mode="after")
-    def _check(self) -> "RejectionFilter":
-        problems = _filter_problems(self)
+    @model_validator(mode="wrap")
+    @classmethod
+    def _check(cls, data: Any, handler: Any) -> Any:
+        """Every problem of the stage in one message: its values together, and fields of another level.
+
+        ``agg`` on a token filter is named as such (pydantic would call it an extra input and
+        stop): the stage is validated without it, so its other problems come with it.
+        """
+        foreign: dict[str, str] = {}
+        if isinstance(data, dict) and cls is not RejectionFilter:
+            level = data.get("level", cls.model_fields["level"].default)  # TokenFilter(...) needs no level
+            lines = {k: foreign_field_problem(level, str(k), v) for k, v in data.items()}
+            foreign = {k: line for k, line in lines.items() if line is not None}
+            # ``agg: null`` on a token filter says nothing: dropped, as the old single class read it
+            data = {
+                k: v for k, v in data.items() if k not in foreign and not (v is None and _of_another_level(level, k))
+            }
+        try:
+            stage = handler(data)
+        except ValidationError as exc:
+            if not foreign:
+                raise
+            raise ValueError("; ".join([*(_error_line(err) for err in exc.errors()), *foreign.values()])) from None
+        problems = [*stage._problems(), *foreign.values()]
         if problems:
             raise ValueError("; ".join(problems))
-        return self
+        return stage
+
+    def _problems(self) -> list[str]:
+        """What is wrong with this stage's values together (a kind adds its own)."""
+        return _filter_problems(self)
 
     @property
     def level_entry(self) -> RejectionLevel:
@@ -216,15 +278,8 @@ class RejectionFilter(BaseModel):
 
     @property
     def aggregation_entry(self) -> Optional[SequenceAggregation]:
-        """The :data:`~nemo_rs_plugin.core.registries.aggregations.SEQUENCE_AGGREGATIONS` entry of :attr:`aggregation`.
-
-        Read on every loss call with a sequence filter: plain lookups of validated names (the
-        ``Literal`` fields hold only registry keys), no nested call; the one place the default
-        aggregation is applied (:attr:`aggregation` reads its name).
-        """
-        if not FILTER_LEVELS[self.level].whole_sequences:
-            return None
-        return SEQUENCE_AGGREGATIONS[self.agg or DEFAULT_AGGREGATION]
+        """How the stage aggregates its tokens' values: ``None`` for a token filter (a sequence filter has one)."""
+        return None
 
     @property
     def label(self) -> str:
@@ -236,6 +291,88 @@ class RejectionFilter(BaseModel):
         sign = f"{self.advantage_sign}_advantages" if self.advantage_sign is not None else ""
         parts += [LOG_RATIOS[self.log_ratio].label_part, sign, SCOPES[self.applies_to].label_part]
         return "_".join(part for part in parts if part)
+
+
+class TokenFilter(RejectionFilter):
+    """A stage that keeps or rejects single tokens (``level: token``): each token's statistic against the bounds."""
+
+    level: Literal["token"] = "token"
+    """``token`` rejects single tokens."""
+
+
+class SequenceFilter(RejectionFilter):
+    """A stage that keeps or rejects whole sequences (``level: sequence``) by an aggregate of their tokens."""
+
+    level: Literal["sequence"] = "sequence"
+    """``sequence`` rejects whole sequences."""
+    agg: Optional[FilterAgg] = None
+    """Sequence filters only: how token values are aggregated (default ``mean``)."""
+
+    @property
+    def aggregation_entry(self) -> SequenceAggregation:
+        """The :data:`~nemo_rs_plugin.core.registries.aggregations.SEQUENCE_AGGREGATIONS` entry of :attr:`aggregation`.
+
+        Read on every loss call with a sequence filter: a plain lookup of a validated name (the
+        ``Literal`` field holds only registry keys); the one place the default aggregation is
+        applied (:attr:`aggregation` reads its name).
+        """
+        return SEQUENCE_AGGREGATIONS[self.agg or DEFAULT_AGGREGATION]
+
+    def _problems(self) -> list[str]:
+        problems = super()._problems()
+        allowed = AGGS_FOR_STATISTIC[self.statistic]
+        if self.agg is not None and self.agg not in allowed:
+            problems.append(f"agg: got {self.agg!r} with statistic {self.statistic!r}; allowed: {', '.join(allowed)}")
+        return problems
+
+
+#: Each level's kind of stage (the union's members, keyed as the discriminator reads them).
+FILTER_KINDS: dict[str, type[RejectionFilter]] = {"token": TokenFilter, "sequence": SequenceFilter}
+
+#: One ``rejection_sampling`` entry as the loss configuration parses it: the kind its ``level`` names.
+AnyRejectionFilter = Annotated[Union[TokenFilter, SequenceFilter], Field(discriminator="level")]
+
+_FILTER_ADAPTER: TypeAdapter[RejectionFilter] = TypeAdapter(AnyRejectionFilter)
+
+
+def parse_filter(entry: Any) -> RejectionFilter:
+    """One stage from a mapping (or a stage): the kind its ``level`` names, validated."""
+    return _FILTER_ADAPTER.validate_python(entry)
+
+
+def filter_field(name: str) -> Any:
+    """The pydantic field ``name`` of whichever kind of stage has it (``None`` if none has)."""
+    for kind in FILTER_KINDS.values():
+        if name in kind.model_fields:
+            return kind.model_fields[name]
+    return None
+
+
+def _error_line(err: Any) -> str:
+    """One of pydantic's errors as a problem line (``field: got value; message``, or our own message)."""
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] == "value_error" or not err["loc"]:
+        return msg
+    return f"{'.'.join(map(str, err['loc']))}: got {err.get('input')!r}; {msg}"
+
+
+def _of_another_level(level: Any, name: Any) -> bool:
+    here = FILTER_KINDS.get(str(level))
+    return here is not None and str(name) not in here.model_fields and filter_field(str(name)) is not None
+
+
+def foreign_field_problem(level: Any, name: str, value: Any) -> Optional[str]:
+    """The line for a field another level's stages have (``agg`` on a token filter); ``None`` if no kind has it.
+
+    Pydantic calls such a key an extra input; the configuration says where it belongs instead.
+    """
+    here = FILTER_KINDS.get(str(level))
+    if here is None or name in here.model_fields or value is None:
+        return None
+    elsewhere = [lvl for lvl, kind in FILTER_KINDS.items() if name in kind.model_fields]
+    if not elsewhere:
+        return None
+    return f"{name}: got {value!r} on a {level} filter; {name} is only allowed with level: {' or '.join(elsewhere)}"
 
 
 def _filter_problems(f: RejectionFilter) -> list[str]:
@@ -281,16 +418,10 @@ def _filter_problems(f: RejectionFilter) -> list[str]:
             f"applies_to: got {f.applies_to!r} on a {level.name} filter; allowed there: {', '.join(level.scopes)} "
             f"({what} works on {elsewhere} filters)"
         )
-    if not level.whole_sequences and f.agg is not None:
-        aggregating = " or ".join(n for n, e in FILTER_LEVELS.items() if e.whole_sequences)
-        problems.append(f"agg: got {f.agg!r} on a {level.name} filter; agg is only allowed with level: {aggregating}")
-    if level.whole_sequences and f.agg is not None:
-        allowed = AGGS_FOR_STATISTIC[f.statistic]
-        if f.agg not in allowed:
-            problems.append(f"agg: got {f.agg!r} with statistic {f.statistic!r}; allowed: {', '.join(allowed)}")
     return problems
 
 
 def current_filter_fields() -> list[str]:
-    """A filter's fields by their current names (what a misspelled key is compared with)."""
-    return [name for name in RejectionFilter.model_fields if name not in DEPRECATED_FILTER_FIELDS]
+    """A stage's fields, of either kind, by their current names (what a misspelled key is compared with)."""
+    names = dict.fromkeys(name for kind in FILTER_KINDS.values() for name in kind.model_fields)
+    return [name for name in names if name not in DEPRECATED_FILTER_FIELDS]

@@ -1,0 +1,101 @@
+"""Guards ``core/settings/rejection_filter.py``: a stage is the kind its ``level`` names.
+
+A token filter (``TokenFilter``) and a sequence filter (``SequenceFilter``) are one
+discriminated union keyed on ``level``: the configuration parses each ``rejection_sampling``
+entry into its kind, ``RejectionFilter(level=...)`` builds it, and only the sequence filter has
+``agg``. A field of the other kind is refused by name, with the stage's other problems in the
+same line, as one class refused it before the union.
+"""
+
+import pickle
+import typing
+
+import pytest
+
+from nemo_rs_plugin.core.registries.filter_levels import FILTER_LEVELS
+from nemo_rs_plugin.core.settings.config import ConfigError, RejectionFilter, RSClippedPGLossConfig
+from nemo_rs_plugin.core.settings.rejection_filter import (
+    FILTER_KINDS,
+    FilterLevel,
+    SequenceFilter,
+    TokenFilter,
+    current_filter_fields,
+    parse_filter,
+)
+
+
+def problems_of(*stages: dict) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        RSClippedPGLossConfig.from_any({"rejection_sampling": list(stages)})
+    return info.value.problems
+
+
+def test_one_kind_per_level_and_only_whole_sequence_levels_aggregate():
+    assert tuple(FILTER_KINDS) == typing.get_args(FilterLevel) == tuple(FILTER_LEVELS)
+    for level, kind in FILTER_KINDS.items():
+        assert typing.get_args(kind.model_fields["level"].annotation) == (level,)
+        assert ("agg" in kind.model_fields) == FILTER_LEVELS[level].whole_sequences, level
+    assert "agg" not in RejectionFilter.model_fields  # the shared base has no level's own field
+    assert "agg" in current_filter_fields()  # ... but a misspelled key is still compared with it
+
+
+@pytest.mark.parametrize(
+    "stage, kind, aggregation",
+    [
+        ({"level": "token", "upper": 2.0}, TokenFilter, None),
+        ({"level": "token", "upper": 2.0, "agg": None}, TokenFilter, None),  # null says nothing: accepted
+        ({"level": "sequence", "upper": 1.1}, SequenceFilter, "mean"),  # the default aggregation
+        ({"level": "sequence", "upper": 1.1, "agg": "max"}, SequenceFilter, "max"),
+    ],
+)
+def test_each_way_of_building_a_stage_gives_the_kind_its_level_names(stage, kind, aggregation):
+    built = [
+        RejectionFilter(**stage),
+        RejectionFilter.model_validate(stage),
+        parse_filter(stage),
+        RSClippedPGLossConfig.from_any({"rejection_sampling": [stage]}).rejection_sampling[0],
+    ]
+    for f in built:
+        assert type(f) is kind, (stage, type(f))
+        assert f.aggregation == aggregation
+        assert f == built[0]
+        again = pickle.loads(pickle.dumps(f))  # NeMo-RL pickles the loss to its Ray workers
+        assert type(again) is kind and again == f
+        assert type(f.model_copy(update={"upper": 3.0})) is kind
+
+
+def test_a_kind_built_by_its_own_name_needs_no_level():
+    assert TokenFilter(upper=2.0) == RejectionFilter(level="token", upper=2.0)
+    assert SequenceFilter(upper=1.1, agg="sum").label == "sequence_ratio_sum"
+
+
+def test_a_field_of_the_other_level_is_named_with_the_stages_other_problems():
+    [line] = problems_of({"level": "token", "agg": "mean", "lower": 3.0, "upper": 1.0})
+    assert line.startswith("loss_fn.rejection_sampling.0: ")
+    assert "lower > upper: got lower=3.0, upper=1.0" in line
+    assert "agg: got 'mean' on a token filter; agg is only allowed with level: sequence" in line
+    [line] = problems_of({"level": "token", "agg": "mean", "statistic": "nope", "upper": 1.0})
+    assert "statistic: got 'nope'" in line and "agg: got 'mean' on a token filter" in line
+    with pytest.raises(ValueError, match="agg: got 'max' on a token filter"):
+        TokenFilter(agg="max", upper=2.0)
+
+
+@pytest.mark.parametrize(
+    "stage, expected",
+    [
+        (
+            {"level": "tokens", "upper": 2.0},
+            "loss_fn.rejection_sampling.1.level: got 'tokens'; allowed: token or sequence",
+        ),
+        ({"upper": 2.0}, "loss_fn.rejection_sampling.1.level: missing; allowed: token or sequence"),
+    ],
+)
+def test_a_level_that_names_no_kind_is_one_line_on_the_level(stage, expected):
+    # the union's tag error, not pydantic's "Unable to extract tag" or the tag inside the location
+    [line] = problems_of({"level": "token", "upper": 2.0}, stage)
+    assert line.startswith(expected), line
+
+
+def test_a_field_error_inside_a_stage_is_located_without_the_kind():
+    [line] = problems_of({"level": "sequence", "agg": "median", "upper": 1.0})
+    assert line.startswith("loss_fn.rejection_sampling.0.agg: got 'median'"), line
