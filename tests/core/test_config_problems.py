@@ -1,4 +1,6 @@
-"""A setting that silently does nothing (or the wrong thing) is an error
+"""Guards ``core/settings/config_problems.py`` (and ``RSClippedPGLossConfig.from_any``, which runs it).
+
+A setting that silently does nothing (or the wrong thing) is an error
 naming the field, the value and what is allowed, or a warning where it is harmless; strings are
 never coerced; every problem of a section is reported at once, in one ``ConfigError``."""
 

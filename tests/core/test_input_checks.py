@@ -1,4 +1,4 @@
-"""A ``token_mask`` that is not 0/1, and a ``global_valid_toks`` smaller than the
+"""Guards ``core/batch/input_checks.py``: a ``token_mask`` that is not 0/1, and a ``global_valid_toks`` smaller than the
 microbatch's own valid tokens, are errors naming the input and the value; positive log-probs
 (probabilities passed as log-probs) are a warning naming the input. All are decided on the one
 host transfer of the metrics (no extra sync: tests/core/test_cuda_sync.py counts them on a GPU)."""
