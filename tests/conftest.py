@@ -102,6 +102,24 @@ def make_batch(
     return lp, data, gvs, gvt
 
 
+def random_batch(B, T, *, spread=1.0, curr_noise=0.05, gen_noise=0.1, ref_noise=None, rewards=None):
+    """:func:`make_batch` of random log-probs near one another, from torch's global generator.
+
+    ``prev`` is uniform on ``[-spread, 0]``; ``curr``, ``gen`` (and ``ref`` with ``ref_noise``)
+    are ``prev`` plus Gaussian noise of those scales, drawn in that order, then moved down
+    together to at most 0 (the log-ratios unchanged); advantages are standard normal. The one
+    builder of the core tests' random batches (the autouse ``_seed`` makes each test's draw the same).
+    """
+    from tests.support.logprobs import at_most_zero
+
+    prev = -torch.rand(B, T) * spread
+    noisy = [prev + curr_noise * torch.randn(B, T), prev, prev + gen_noise * torch.randn(B, T)]
+    if ref_noise is not None:
+        noisy.append(prev + ref_noise * torch.randn(B, T))
+    curr, prev, gen, *ref = at_most_zero(*noisy)
+    return make_batch(curr, prev, gen, ref=ref[0] if ref else None, advantages=torch.randn(B, T), rewards=rewards)
+
+
 @pytest.fixture(autouse=True)
 def _own_worker_path(tmp_path, monkeypatch):
     """The start-up hook's worker-path link goes under this test's tmp_path (in every

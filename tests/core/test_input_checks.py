@@ -10,16 +10,13 @@ import torch
 
 from nemo_rs_plugin import CorrectedPGLoss
 from nemo_rs_plugin.core.batch.input_checks import InputWarning
-from tests.conftest import make_batch
+from tests.conftest import make_batch, random_batch
 from tests.core.test_inputs import FULL
-from tests.support.logprobs import at_most_zero
 
 
 def batch(B=4, T=8):
     torch.manual_seed(0)
-    prev = -torch.rand(B, T)
-    curr, prev, gen = at_most_zero(prev + 0.05 * torch.randn(B, T), prev, prev + 0.1 * torch.randn(B, T))
-    return make_batch(curr, prev, gen, advantages=torch.randn(B, T))
+    return random_batch(B, T)
 
 
 @pytest.mark.parametrize("value", [2, -1, 0.5])

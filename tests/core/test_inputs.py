@@ -11,7 +11,7 @@ from nemo_rs_plugin import CorrectedPGLoss, metric_normalizations
 from nemo_rs_plugin.core.distributed import NO_GROUPS
 from nemo_rs_plugin.core.evaluation import EvaluationForm
 from nemo_rs_plugin.core.settings import presets
-from tests.conftest import make_batch
+from tests.conftest import make_batch, random_batch
 from tests.support.logprobs import at_most_zero
 
 FULL = {
@@ -33,15 +33,7 @@ GSPO = {"sequence_level_importance_ratios": True, "token_level_loss": False, "us
 
 
 def batch(B=3, T=6):
-    prev = -torch.rand(B, T)
-    curr, prev, gen = at_most_zero(prev + 0.05 * torch.randn(B, T), prev, prev + 0.1 * torch.randn(B, T))
-    return make_batch(
-        curr,
-        prev,
-        gen,
-        advantages=torch.randn(B, T),
-        rewards=torch.tensor([1.0, -1.0, 0.5])[:B],
-    )
+    return random_batch(B, T, rewards=torch.tensor([1.0, -1.0, 0.5])[:B])
 
 
 def test_shape_mismatch_names_the_tensor():

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from nemo_rs_plugin import CorrectedPGLoss
-from tests.conftest import make_batch
-from tests.support.logprobs import at_most_zero
+from tests.conftest import random_batch
 
 CONFIGS = {
     "default": {},
@@ -48,18 +47,7 @@ POSITIVE_CURR = pytest.mark.filterwarnings(
 def batch(B=3, T=101):
     # 303 valid tokens: not representable in bf16 (8 significant bits), so a global count
     # held in bf16 would scale the loss by 304/303.
-    prev = -torch.rand(B, T) * 3
-    curr, prev, gen, ref = at_most_zero(
-        prev + 0.05 * torch.randn(B, T), prev, prev + 0.05 * torch.randn(B, T), prev + 0.1 * torch.randn(B, T)
-    )
-    return make_batch(
-        curr,
-        prev,
-        gen,
-        ref=ref,
-        advantages=torch.randn(B, T),
-        rewards=torch.tensor([1.0, -1.0, 0.5])[:B],
-    )
+    return random_batch(B, T, spread=3.0, gen_noise=0.05, ref_noise=0.1, rewards=torch.tensor([1.0, -1.0, 0.5])[:B])
 
 
 def cast(lp, data, lp_dtype, data_dtype):
