@@ -27,7 +27,7 @@ def _type_name(annotation: Any) -> str:
     if origin is typing.Union:
         parts = [a for a in args if a is not type(None)]
         bases = {a.__base__ for a in parts if isinstance(a, type) and issubclass(a, BaseModel)}
-        if len(bases) == 1 and len(parts) == len(args) > 1 and all(issubclass(a, BaseModel) for a in parts):
+        if len(bases) == 1 and bases != {BaseModel} and len(parts) == len(args) > 1:
             return _type_name(bases.pop())  # kinds of one model (the stages of rejection_sampling)
         inner = " \\| ".join(_type_name(a) for a in parts)
         return f"{inner} \\| null" if len(parts) < len(args) else inner

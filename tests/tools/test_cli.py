@@ -139,7 +139,7 @@ def test_check_bad_input_one_line_per_problem_exit_2(tmp_path, capsys):
             2,
             [
                 "loss_fn.is_correction_level: got 'seq'",
-                "loss_fn.rejection_sampling.0: agg: got 'mean' on a token filter",
+                "loss_fn.rejection_sampling.0.agg: got 'mean' on a token filter",
             ],
         ),
     }

@@ -33,6 +33,7 @@ References:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -140,6 +141,36 @@ class RejectionFilter(BaseModel):
             return _FILTER_ADAPTER.validate_python(obj, **kwargs)
         return super().model_validate(obj, **kwargs)
 
+    @classmethod
+    def model_validate_json(cls, json_data: Any, **kwargs: Any) -> "RejectionFilter":
+        """:meth:`model_validate` from JSON."""
+        if cls is RejectionFilter:
+            return _FILTER_ADAPTER.validate_json(json_data, **kwargs)
+        return super().model_validate_json(json_data, **kwargs)
+
+    @classmethod
+    def model_validate_strings(cls, obj: Any, **kwargs: Any) -> "RejectionFilter":
+        """:meth:`model_validate` from strings."""
+        if cls is RejectionFilter:
+            return _FILTER_ADAPTER.validate_strings(obj, **kwargs)
+        return super().model_validate_strings(obj, **kwargs)
+
+    @classmethod
+    def model_construct(cls, _fields_set: Optional[set[str]] = None, **values: Any) -> "RejectionFilter":
+        """Unvalidated, as pydantic's; on :class:`RejectionFilter`, the kind ``level`` names."""
+        if cls is RejectionFilter and values.get("level") in FILTER_KINDS:
+            cls = FILTER_KINDS[values["level"]]
+        return super(RejectionFilter, cls).model_construct(_fields_set, **values)
+
+    def model_copy(self, *, update: Optional[Mapping[str, Any]] = None, deep: bool = False) -> "RejectionFilter":
+        """A copy, as pydantic's (unvalidated); a new ``level`` is refused: it names another kind of stage."""
+        if update and "level" in update and update["level"] != self.level:
+            raise ValueError(
+                f"level: got {update['level']!r} in model_copy of a {self.level} filter; the level names the kind "
+                "of stage: build a new one, RejectionFilter(**{**f.model_dump(), 'level': ...})"
+            )
+        return super().model_copy(update=update, deep=deep)
+
     level: FilterLevel
     """``token`` rejects single tokens; ``sequence`` rejects whole sequences (and alone has ``agg``)."""
     statistic: FilterStatisticName = Field(
@@ -218,29 +249,47 @@ class RejectionFilter(BaseModel):
     @model_validator(mode="wrap")
     @classmethod
     def _check(cls, data: Any, handler: Any) -> Any:
-        """Every problem of the stage in one message: its values together, and fields of another level.
+        """Every problem of the stage at once: its fields, its values together, and fields of another level.
 
-        ``agg`` on a token filter is named as such (pydantic would call it an extra input and
-        stop): the stage is validated without it, so its other problems come with it.
+        ``agg`` on a token filter is located at ``agg`` and named as such (pydantic would call it
+        an extra input); the stage is validated without it, so its other problems, each at its
+        own location, come with it. A stage of the shared base with a known level (a field or
+        adapter typed ``RejectionFilter`` instead of :data:`AnyRejectionFilter`) is refused: it
+        would be neither kind.
         """
+        if cls is RejectionFilter:
+            handler(data)  # pydantic's own errors first (an unknown or missing level)
+            raise ValueError(
+                "a stage must be the kind its level names: type the field AnyRejectionFilter (or TokenFilter, "
+                "SequenceFilter), or build it with RejectionFilter(...) / RejectionFilter.model_validate(...)"
+            )
         foreign: dict[str, str] = {}
-        if isinstance(data, dict) and cls is not RejectionFilter:
+        given = data
+        if isinstance(data, Mapping):
             level = data.get("level", cls.model_fields["level"].default)  # TokenFilter(...) needs no level
-            lines = {k: foreign_field_problem(level, str(k), v) for k, v in data.items()}
+            lines = {str(k): foreign_field_problem(level, str(k), v) for k, v in data.items()}
             foreign = {k: line for k, line in lines.items() if line is not None}
-            # ``agg: null`` on a token filter says nothing: dropped, as the old single class read it
-            data = {
-                k: v for k, v in data.items() if k not in foreign and not (v is None and _of_another_level(level, k))
-            }
+            if foreign or any(v is None and _of_another_level(level, k) for k, v in data.items()):
+                # ``agg: null`` on a token filter says nothing: dropped, as the old single class read it
+                data = {
+                    k: v
+                    for k, v in data.items()
+                    if k not in foreign and not (v is None and _of_another_level(level, k))
+                }
         try:
             stage = handler(data)
         except ValidationError as exc:
             if not foreign:
                 raise
-            raise ValueError("; ".join([*(_error_line(err) for err in exc.errors()), *foreign.values()])) from None
-        problems = [*stage._problems(), *foreign.values()]
-        if problems:
-            raise ValueError("; ".join(problems))
+            errors = [_init_error(err) for err in exc.errors()]
+        else:
+            problems = stage._problems()
+            if problems and not foreign:
+                raise ValueError("; ".join(problems))
+            errors = [_located("; ".join(problems), (), data)] if problems else []
+        if foreign:
+            errors += [_located(line, (name,), given[name]) for name, line in foreign.items()]
+            raise ValidationError.from_exception_data(cls.__name__, errors)
         return stage
 
     def _problems(self) -> list[str]:
@@ -348,12 +397,17 @@ def filter_field(name: str) -> Any:
     return None
 
 
-def _error_line(err: Any) -> str:
-    """One of pydantic's errors as a problem line (``field: got value; message``, or our own message)."""
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    if err["type"] == "value_error" or not err["loc"]:
-        return msg
-    return f"{'.'.join(map(str, err['loc']))}: got {err.get('input')!r}; {msg}"
+def _init_error(err: Any) -> Any:
+    """One of pydantic's reported errors as an error to raise again, at its location."""
+    raised = {"type": err["type"], "loc": err["loc"], "input": err["input"]}
+    if "ctx" in err:
+        raised["ctx"] = err["ctx"]
+    return raised
+
+
+def _located(message: str, loc: tuple, value: Any) -> Any:
+    """Our own message as a ``value_error`` at ``loc``, as a validator raising ``ValueError`` there gives."""
+    return {"type": "value_error", "loc": loc, "input": value, "ctx": {"error": ValueError(message)}}
 
 
 def _of_another_level(level: Any, name: Any) -> bool:
@@ -362,9 +416,10 @@ def _of_another_level(level: Any, name: Any) -> bool:
 
 
 def foreign_field_problem(level: Any, name: str, value: Any) -> Optional[str]:
-    """The line for a field another level's stages have (``agg`` on a token filter); ``None`` if no kind has it.
+    """The message for a field another level's stages have (``agg`` on a token filter); ``None`` if no kind has it.
 
-    Pydantic calls such a key an extra input; the configuration says where it belongs instead.
+    Pydantic calls such a key an extra input; the configuration says where it belongs instead
+    (the message goes at the field's location: it does not repeat the field's name first).
     """
     here = FILTER_KINDS.get(str(level))
     if here is None or name in here.model_fields or value is None:
@@ -372,7 +427,7 @@ def foreign_field_problem(level: Any, name: str, value: Any) -> Optional[str]:
     elsewhere = [lvl for lvl, kind in FILTER_KINDS.items() if name in kind.model_fields]
     if not elsewhere:
         return None
-    return f"{name}: got {value!r} on a {level} filter; {name} is only allowed with level: {' or '.join(elsewhere)}"
+    return f"got {value!r} on a {level} filter; {name} is only allowed with level: {' or '.join(elsewhere)}"
 
 
 def _filter_problems(f: RejectionFilter) -> list[str]:
