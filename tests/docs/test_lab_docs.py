@@ -32,7 +32,7 @@ from nemo_rs_plugin.lab.confirm import SMALLER_THAN_DELTA, confirm, format_confi
 from nemo_rs_plugin.lab.dose import read_seed_csv
 from nemo_rs_plugin.lab.dose_report import BLOCKS, doc_block_mismatch, marked_block
 from nemo_rs_plugin.lab.experiment import LabSettings
-from nemo_rs_plugin.lab.length import format_length_study, length_comparisons, read_length_csv
+from nemo_rs_plugin.lab.length import LENGTH_RERUN, format_length_study, length_comparisons, read_length_csv
 from nemo_rs_plugin.lab.run_report import (
     compare,
     default_pairs,
@@ -91,6 +91,7 @@ REPO = DOCS.parent
 CONFIRM_SEEDS = LAB_FILES / "lab_confirm_seeds.csv"
 PLAN_SEEDS = LAB_FILES / "lab_explore_primary_seeds.csv"
 LENGTH_SEEDS = LAB_FILES / "lab_length_seeds.csv"
+LENGTH_RERUN_SEEDS = LAB_FILES / "lab_length_rerun_seeds.csv"  # the 256-token rerun (LENGTH_RERUN)
 #: Where advice is given: every paired interval quoted there is a published confirmation's.
 ADVICE = [
     REPO / "README.md",
@@ -110,6 +111,7 @@ INTERVAL = re.compile(r"[+-]\d\.\d{3} \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\]")
         ("power-plan", PLAN_SEEDS, lambda p: format_power_plan(power_plan(read_seed_csv(p)))),
         ("confirmation", CONFIRM_SEEDS, lambda p: format_confirmation(read_seed_csv(p))),
         ("length", LENGTH_SEEDS, lambda p: format_length_study(read_length_csv(p))),
+        ("length-rerun", LENGTH_RERUN_SEEDS, lambda p: format_length_study(read_length_csv(p))),
     ],
 )
 def test_the_pages_confirmation_blocks_are_what_the_lab_renders(block, csv_path, render):
@@ -124,10 +126,24 @@ def _published_intervals() -> set[str]:
     found = set()
     for r in confirm(read_seed_csv(CONFIRM_SEEDS)):
         found.add(interval(r["diff"], r["low"], r["high"]))
-    for r in length_comparisons(read_length_csv(LENGTH_SEEDS)):
-        if r["seeds"] and r["diff"] == r["diff"]:  # not NaN: an arm against none
-            found.add(interval(r["diff"], r["low"], r["high"]))
+    for path in (LENGTH_SEEDS, LENGTH_RERUN_SEEDS):
+        for r in length_comparisons(read_length_csv(path)):
+            if r["seeds"] and r["diff"] == r["diff"]:  # not NaN: an arm against none
+                found.add(interval(r["diff"], r["low"], r["high"]))
     return found
+
+
+def test_the_length_rerun_ran_the_protocol_fixed_before_it():
+    """``LENGTH_RERUN`` was committed before the run (issue: a primary comparison fixed in advance); the
+    published settings are that protocol, and its seeds are fresh: no other published run used them."""
+    settings = json.loads((LAB_FILES / "lab_length_rerun_settings.json").read_text())
+    ran = {k: settings[k] for k in LENGTH_RERUN}
+    assert ran == LENGTH_RERUN
+    outcomes = read_length_csv(LENGTH_RERUN_SEEDS)
+    assert {o["seed"] for o in outcomes} == set(LENGTH_RERUN["seeds"])
+    assert {o["config"] for o in outcomes} == set(LENGTH_RERUN["configs"])
+    others = [read_seed_csv(p) for p in (CONFIRM_SEEDS, PLAN_SEEDS, DOSE_SEEDS)] + [read_length_csv(LENGTH_SEEDS)]
+    assert not {o["seed"] for rows in others for o in rows} & set(LENGTH_RERUN["seeds"])
 
 
 @pytest.mark.parametrize("path", ADVICE, ids=lambda p: str(p.relative_to(REPO)))
@@ -166,7 +182,11 @@ MARKED = re.compile(r"<!-- lab:([\w-]+):begin -->.*?<!-- lab:\1:end -->", re.DOT
 def _published_verdicts() -> dict[str, str]:
     """Each published interval, as the pages quote it, with its row's verdict."""
     found = {}
-    rows = [*confirm(read_seed_csv(CONFIRM_SEEDS)), *length_comparisons(read_length_csv(LENGTH_SEEDS))]
+    rows = [
+        *confirm(read_seed_csv(CONFIRM_SEEDS)),
+        *length_comparisons(read_length_csv(LENGTH_SEEDS)),
+        *length_comparisons(read_length_csv(LENGTH_RERUN_SEEDS)),
+    ]
     for r in rows:
         if "verdict" in r and not math.isnan(r["low"]):
             found[f"{r['diff']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}]"] = r["verdict"]
