@@ -63,7 +63,6 @@ __all__ = [
     "TokenFilter",
     "current_filter_fields",
     "filter_field",
-    "foreign_field_problem",
     "parse_filter",
 ]
 
@@ -263,19 +262,15 @@ class RejectionFilter(BaseModel):
                 "a stage must be the kind its level names: type the field AnyRejectionFilter (or TokenFilter, "
                 "SequenceFilter), or build it with RejectionFilter(...) / RejectionFilter.model_validate(...)"
             )
-        foreign: dict[str, str] = {}
+        foreign: dict[Any, str] = {}  # a field of another level's stages, given a value -> its message
         given = data
         if isinstance(data, Mapping):
             level = data.get("level", cls.model_fields["level"].default)  # TokenFilter(...) needs no level
-            lines = {str(k): foreign_field_problem(level, str(k), v) for k, v in data.items()}
-            foreign = {k: line for k, line in lines.items() if line is not None}
-            if foreign or any(v is None and _of_another_level(level, k) for k, v in data.items()):
-                # ``agg: null`` on a token filter says nothing: dropped, as the old single class read it
-                data = {
-                    k: v
-                    for k, v in data.items()
-                    if k not in foreign and not (v is None and _of_another_level(level, k))
-                }
+            elsewhere = [k for k in data if _of_another_level(level, k)]
+            # ``agg: null`` on a token filter says nothing: dropped, as the old single class read it
+            foreign = {k: _another_levels_field(level, str(k), data[k]) for k in elsewhere if data[k] is not None}
+            if elsewhere:
+                data = {k: v for k, v in data.items() if k not in elsewhere}
         try:
             stage = handler(data)
         except ValidationError as exc:
@@ -411,22 +406,17 @@ def _located(message: str, loc: tuple, value: Any) -> Any:
 
 
 def _of_another_level(level: Any, name: Any) -> bool:
+    """Whether ``name`` is no field of ``level``'s kind of stage but one of another's (``agg`` on a token filter)."""
     here = FILTER_KINDS.get(str(level))
     return here is not None and str(name) not in here.model_fields and filter_field(str(name)) is not None
 
 
-def foreign_field_problem(level: Any, name: str, value: Any) -> Optional[str]:
-    """The message for a field another level's stages have (``agg`` on a token filter); ``None`` if no kind has it.
+def _another_levels_field(level: Any, name: str, value: Any) -> str:
+    """The message at a field another level's stages have: where it belongs (pydantic would call it extra).
 
-    Pydantic calls such a key an extra input; the configuration says where it belongs instead
-    (the message goes at the field's location: it does not repeat the field's name first).
+    It goes at the field's location, so it does not repeat the field's name first.
     """
-    here = FILTER_KINDS.get(str(level))
-    if here is None or name in here.model_fields or value is None:
-        return None
     elsewhere = [lvl for lvl, kind in FILTER_KINDS.items() if name in kind.model_fields]
-    if not elsewhere:
-        return None
     return f"got {value!r} on a {level} filter; {name} is only allowed with level: {' or '.join(elsewhere)}"
 
 
