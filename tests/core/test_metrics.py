@@ -281,3 +281,40 @@ def test_the_cpu_form_reduces_each_row_where_it_is_declared():
     del row
     assert kept() is not None  # stacked with the others at the end
     assert math.isclose(gpu.finalize()["a"], float((values[0] * mask).sum()), rel_tol=1e-6)
+
+
+def test_the_cpu_form_casts_each_mask_once_and_holds_values_without_a_copy():
+    """Row by row, a mask is cast and flattened once per call however many rows it reduces, each
+    row costs one dot product, and values are held as given: no ``detach``, reshape or cast per
+    metric (in eager mode each is about a microsecond of host time, as much as the small operator
+    it serves: docs/performance.md#per-call-cost-under-packing)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class EveryOperator(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket).removeprefix("aten.")
+            self.counts[name] = self.counts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    values, mask = _batch()
+    rows = list(values.double().unbind(0))  # float64 rows over a float32 mask: the mask is cast
+    weight = torch.ones((), requires_grad=True)
+    with_grad = values[0].sum() * weight  # a value with a gradient: the set must not detach it itself
+    counts = GlobalCounts(tokens=torch.tensor(10.0), sequences=torch.tensor(3.0))
+    m = _metrics(counts, v=RAW, **{f"r{i}": MetricSpec("tokens", "sum", False) for i in range(5)})
+    with EveryOperator() as ops:
+        for i, row in enumerate(rows):
+            m.add_masked_total(f"r{i}", row, mask)
+        m.add("v", with_grad)
+        names, vector = m.stack()
+    assert ops.counts.get("_to_copy", 0) == 1, ops.counts  # the mask, once
+    assert ops.counts.get("dot", 0) == 5, ops.counts
+    assert ops.counts.get("detach", 0) == 0, ops.counts
+    assert not vector.requires_grad
+    want = {f"r{i}": float((rows[i] * mask.double()).sum() / (10 + EPS)) for i in range(5)}
+    want["v"] = float(with_grad.detach())
+    assert dict(zip(names, vector.tolist())) == pytest.approx(want)

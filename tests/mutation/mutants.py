@@ -296,8 +296,8 @@ MUTANTS: list[Mutant] = [
     # ---- the metric set: masked totals, normalisation, extrema
     Mutant(
         MK,
-        "totals.append(torch.dot(row.reshape(-1), cast.reshape(-1)))",
-        "totals.append(row.sum())",
+        "out.append(torch.dot(row.reshape(-1), flat))",
+        "out.append(row.sum())",
         "masked totals ignore their mask (CPU form)",
     ),
     Mutant(
@@ -316,12 +316,24 @@ MUTANTS: list[Mutant] = [
         MK,
         "return (v + p).amin(-1), (v - p).amax(-1)",
         "return v.amin(-1), (v - p).amax(-1)",
-        "min metrics range over masked tokens too (both forms; the maxima stay masked)",
+        "min metrics range over masked tokens too (GPU form; the maxima stay masked)",
+    ),
+    Mutant(
+        MK,
+        "return (values + penalty).amin(), (values - penalty).amax()",
+        "return values.amin(), (values - penalty).amax()",
+        "min metrics range over masked tokens too (CPU form; the maxima stay masked)",
+    ),
+    Mutant(
+        MK,
+        "if known is mask and dtype == row.dtype:",
+        "if dtype == row.dtype:",
+        "a row reduced over the first mask of its dtype, not its own (the per-call cast cache keyed on dtype alone)",
     ),
     Mutant(
         MS,
-        "parts.append((torch.cat(flat) if len(flat) > 1 else flat[0]) / (count + EPS))",
-        "parts.append(torch.cat(flat) if len(flat) > 1 else flat[0])",
+        "vector = vector / (count + EPS)",
+        "vector = vector",
         "normalized totals not divided by their global count",
     ),
     Mutant(

@@ -13,7 +13,7 @@ this module computes.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Iterable, Mapping, NamedTuple, Sequence, Union
 
 import torch
 
@@ -26,6 +26,7 @@ __all__ = [
     "HostFormula",
     "host_value",
     "masked_extrema",
+    "masked_extremum",
     "reduce_over_ranks",
     "row_totals",
     "stacked_masked_totals",
@@ -72,26 +73,39 @@ def host_value(formula: HostFormula, out: Mapping[str, float]) -> float:
     return value if not math.isfinite(value) else min(max(value, formula.low), formula.high)
 
 
-def row_totals(rows: Iterable[torch.Tensor], mask: torch.Tensor) -> Optional[torch.Tensor]:
-    """``[k]`` totals ``sum(row * mask)``, one dot product per row (the CPU form).
+def row_totals(
+    rows: Iterable[torch.Tensor],
+    mask: torch.Tensor,
+    flat_masks: list[tuple[torch.Tensor, torch.dtype, torch.Tensor]],
+    out: list[torch.Tensor],
+) -> int:
+    """Append ``sum(row * mask)`` of each row to ``out``, a 0-dim tensor each (the CPU form); the row count.
 
-    Each row is read where it is and released before the next is taken from ``rows``;
-    ``None`` for no row.
+    One dot product per row, read where it is (a row of another shape is expanded to the mask's,
+    a view) and released before the next is taken from ``rows``. ``flat_masks`` holds each mask
+    flattened in each row dtype, ``(mask, dtype, flat)``, found by identity: the caller keeps it
+    for the whole call, so a mask is cast and flattened once per call, not once per row. No stack
+    here: ``MetricSet.stack`` stacks every value once.
     """
-    masks: dict[torch.dtype, torch.Tensor] = {}  # the mask in each row dtype, cast once
-    totals = []
+    count = 0
+    shape = mask.shape
     for row in rows:
-        row = row.detach()
-        cast = masks.get(row.dtype)
-        if cast is None:
-            cast = masks[row.dtype] = mask if mask.dtype == row.dtype else mask.to(row.dtype)
-        # masked_sum's dot product, written out (the row is expanded and the mask cast here already)
-        row = row.expand(mask.shape) if row.shape != mask.shape else row
-        totals.append(torch.dot(row.reshape(-1), cast.reshape(-1)))
-        del row
-    if not totals:
-        return None
-    return totals[0].reshape(1) if len(totals) == 1 else torch.stack(totals)  # one row: a view, no op
+        if row.requires_grad:
+            row = row.detach()
+        if row.shape != shape:
+            row = row.expand(shape)
+        flat = None
+        for known, dtype, cast in flat_masks:
+            if known is mask and dtype == row.dtype:
+                flat = cast
+                break
+        if flat is None:
+            flat = (mask if mask.dtype == row.dtype else mask.to(row.dtype)).reshape(-1)
+            flat_masks.append((mask, row.dtype, flat))
+        out.append(torch.dot(row.reshape(-1), flat))
+        del row  # released before the next row is built
+        count += 1
+    return count
 
 
 def stacked_masked_totals(groups: list, mask: torch.Tensor) -> torch.Tensor:
@@ -137,6 +151,16 @@ def masked_extrema(values: list[torch.Tensor], penalties: list[torch.Tensor]) ->
     else:
         p = torch.stack([q.expand(values[0].shape) for q in penalties]).reshape(k, -1)
     return (v + p).amin(-1), (v - p).amax(-1)
+
+
+def masked_extremum(values: torch.Tensor, penalty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of ``values`` where ``penalty`` is 0, each 0-dim (``+-finfo.max`` if nowhere); the CPU form."""
+    if values.requires_grad:
+        values = values.detach()
+    if values.numel() == 0:
+        big = torch.finfo(values.dtype).max
+        return values.new_full((), big), values.new_full((), -big)
+    return (values + penalty).amin(), (values - penalty).amax()
 
 
 def reduce_over_ranks(values: torch.Tensor, reductions: Sequence[str], groups: SequenceGroups) -> torch.Tensor:

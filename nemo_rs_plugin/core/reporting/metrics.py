@@ -11,7 +11,10 @@ evaluates them together, in the form that suits the device (:mod:`nemo_rs_plugin
 a GPU, where each small operator is a kernel launch, per mask one ``stack`` and one
 matrix-vector product and all masked extrema in one ``amin`` and one ``amax`` (a handful of
 kernels whatever the number of metrics); on a CPU, where copying rows into a matrix costs more
-than it saves, one dot product per row, no copy. Either way one division per global count.
+than it saves, one dot product per row, no copy, each mask cast and flattened once per call.
+Either way one division per global count, and every value held as given until one ``stack``
+per count, without gradient: no ``detach``, reshape or cast per metric (in eager mode each
+such view costs about a microsecond of host time, as much as the small operator it serves).
 
 Each metric carries, from its entry in the metric catalog (``core/reporting/metric_catalog.py``; a
 declaration names the metric and gives its value, nothing else):
@@ -32,7 +35,7 @@ declaration names the metric and gives its value, nothing else):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, NamedTuple, Optional
+from typing import Iterable, Literal, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -45,6 +48,7 @@ from nemo_rs_plugin.core.reporting.metric_kernels import (
     HostFormula,
     host_value,
     masked_extrema,
+    masked_extremum,
     reduce_over_ranks,
     row_totals,
     stacked_masked_totals,
@@ -56,6 +60,12 @@ __all__ = ["GlobalCounts", "MetricSet"]
 _CATALOGS = (
     "core/reporting/metric_catalog.py: METRIC_CATALOG for a returned metric, DIAGNOSTIC_CATALOG for a _-prefixed one"
 )
+
+
+#: Where a declared value waits for :meth:`MetricSet.stack`: ``final`` (never divided) or the
+#: global count it is divided by.
+_Bucket = Literal["final", "tokens", "sequences"]
+_ZERO = Constant(0.0)
 
 
 class _Extreme(NamedTuple):
@@ -122,10 +132,16 @@ class MetricSet:
         self.form = form
         self.computes_per_call = compute_per_call
         self._declared: dict[str, MetricSpec] = {}  # name -> its catalog spec, in declaration order
-        self._values: dict[str, torch.Tensor] = {}  # final 0-dim values
-        self._totals: dict[Normalization, list[tuple[list[str], torch.Tensor]]] = {}  # normalization -> (names, totals)
-        self._masked: list[tuple[torch.Tensor, Normalization, list]] = []  # (mask, normalization, [(names, rows)])
-        self._extrema: dict[tuple[int, torch.dtype], list[_Extreme]] = {}  # (rank, dtype) -> its extremes
+        # The values on the device by what stack() divides them by: final values (``add``, and
+        # sums whose normalization is ``none``) and the sums per global count. Names and values
+        # side by side; in the CPU form every value is a 0-dim tensor, stacked once by stack().
+        self._names: dict[_Bucket, list[str]] = {"final": [], "tokens": [], "sequences": []}
+        self._parts: dict[_Bucket, list[torch.Tensor]] = {"final": [], "tokens": [], "sequences": []}
+        self._flat_masks: list[tuple[torch.Tensor, torch.dtype, torch.Tensor]] = []  # CPU form: mask, dtype, flat cast
+        self._masked: list[
+            tuple[torch.Tensor, Normalization, list]
+        ] = []  # GPU form: (mask, normalization, [(names, rows)])
+        self._extrema: dict[tuple[int, torch.dtype], list[_Extreme]] = {}  # GPU form: (rank, dtype) -> its extremes
         self._derived: list[tuple[str, HostFormula]] = []  # name -> its formula over the transferred values
         self._stacked: Optional[tuple[list[str], torch.Tensor]] = None
         self.diagnostics = Diagnostics()  # the ``_``-prefixed entries, set by finalize()
@@ -163,18 +179,20 @@ class MetricSet:
 
         ``min``/``max`` entries may hold ``+-finfo.max`` for "no unit" (see
         :func:`~nemo_rs_plugin.core.masking.extrema_penalty`); :meth:`finalize` reports them as
-        ``+-inf``, as NeMo-RL does.
+        ``+-inf``, as NeMo-RL does. Held as given until :meth:`stack`, which stacks every value
+        once, without gradient (no ``detach`` or reshape per value).
         """
         if self._declare((name,)) is not None:
-            self._values[name] = value.detach().reshape(())
+            self._names["final"].append(name)
+            self._parts["final"].append(value if value.dim() == 0 else value.reshape(()))
 
     def add_total(self, name: str, total: torch.Tensor) -> None:
         """Record a 0-dim sum; its value is ``total / (count + 1e-8)`` for the count of its normalization."""
         normalization = self._declare((name,))
-        if normalization == "none":  # a final value, as add() records it
-            self._values[name] = total.detach().reshape(())
-        elif normalization is not None:
-            self._totals.setdefault(normalization, []).append(([name], total.detach().reshape(())))
+        if normalization is not None:
+            bucket: _Bucket = "final" if normalization == "none" else normalization
+            self._names[bucket].append(name)
+            self._parts[bucket].append(total if total.dim() == 0 else total.reshape(()))
 
     def add_masked_total(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
         """Record ``sum(values * mask)`` (divided as in :meth:`add_total`); ``values`` broadcasts to ``mask``.
@@ -183,31 +201,35 @@ class MetricSet:
         evaluated together in :meth:`stack` (one ``stack`` and one matrix-vector product per run
         of rows given one by one); in the CPU form each is reduced here, at once.
         """
-        self.add_masked_totals([name], [values], mask)
+        self.add_masked_totals([name], (values,), mask)
 
     def add_masked_totals(self, names: list[str], rows: Iterable[torch.Tensor], mask: torch.Tensor) -> None:
         """:meth:`add_masked_total` for each row of ``rows``; the names share one normalization.
 
-        ``rows``: a list of tensors, a stacked ``[len(names), *mask.shape]`` one, or an iterator
-        of tensors (the CPU form then builds and reduces one row at a time).
+        ``rows``: a list or tuple of tensors, a stacked ``[len(names), *mask.shape]`` one, or an
+        iterator of tensors (the CPU form then builds and reduces one row at a time).
         """
         if not self.form.batched:
             # CPU form: reduced now, so each [B, T] row can be freed as soon as its caller drops
             # it (rows held until stack() raised the peak memory of an eager call; on the CPU a
             # fresh [B, T] allocation costs far more than the operator on reused memory).
-            totals = row_totals(rows.unbind(0) if isinstance(rows, torch.Tensor) else rows, mask)
-            _check_row_count(names, 0 if totals is None else totals.shape[0])
+            if isinstance(rows, torch.Tensor):
+                rows = rows.unbind(0)
+            totals: list[torch.Tensor] = []
+            row_totals(rows, mask, self._flat_masks, totals)
+            if len(totals) != len(names):
+                raise ValueError(f"add_masked_totals: {len(names)} names for {len(totals)} rows")
             normalization = self._declare(names)  # after the count: a refused call leaves the names free
-            if totals is None or normalization is None:  # no row; per-call metrics left uncomputed
-                return
-            if normalization == "none":  # final values, as add() records them
-                self._values.update(zip(names, totals.unbind(0)))
-            else:  # sums, as add_total() records them
-                self._totals.setdefault(normalization, []).append((names, totals))
+            if normalization is not None:  # else per-call metrics left uncomputed
+                bucket: _Bucket = "final" if normalization == "none" else normalization
+                self._names[bucket] += names
+                self._parts[bucket] += totals
             return
         if not isinstance(rows, (list, tuple, torch.Tensor)):
             rows = list(rows)
-        _check_row_count(names, len(rows) if isinstance(rows, (list, tuple)) else rows.shape[0])
+        count = len(rows) if isinstance(rows, (list, tuple)) else rows.shape[0]
+        if count != len(names):
+            raise ValueError(f"add_masked_totals: {len(names)} names for {count} rows")
         normalization = self._declare(names)
         if normalization is None:
             return
@@ -228,8 +250,8 @@ class MetricSet:
         if self._declare((min_name, max_name)) is None:
             return
         if not self.form.batched:  # CPU form: reduced now (see add_masked_totals), final values as add() records them
-            lows, highs = masked_extrema([values.detach()], [penalty])
-            self._values[min_name], self._values[max_name] = lows[0], highs[0]
+            self._names["final"] += (min_name, max_name)
+            self._parts["final"] += masked_extremum(values, penalty)
             return
         # Same rank and dtype stack together (their shapes agree: one microbatch). Not the
         # shape itself: hashing a symbolic size would pin it in a compiled graph.
@@ -249,7 +271,8 @@ class MetricSet:
 
     def add_zero(self, name: str) -> None:
         """Declare a metric that is 0 by construction (a term that is off, a count known to be 0): no tensor."""
-        self.derive(name, Constant(0.0))
+        if self._declare((name,), computed=False) is not None:
+            self._derived.append((name, _ZERO))
 
     def normalizations(self, per_call: bool = True) -> dict[str, str]:
         """Public metric name -> the normalization declared with it (what NeMo-RL's ``MetricNormalizer`` reads).
@@ -280,55 +303,53 @@ class MetricSet:
         """``(names, values)``: every device-side metric in one ``[M]`` tensor (no sync).
 
         Called at the end of the loss's tensor core (so a compiled core evaluates the metrics
-        in its graph); :meth:`finalize` calls it if nobody did.
+        in its graph); :meth:`finalize` calls it if nobody did. Without gradient: the metrics
+        are read, never differentiated, and no value needs a ``detach`` of its own.
         """
         if self._stacked is not None:
             return self._stacked
-        names: list[str] = list(self._values)
-        # Views, not a stack: the one cat below builds the vector (a nested stack cost a kernel compiled).
-        parts: list[torch.Tensor] = [v.reshape(1) for v in self._values.values()]
-        reduced = [
-            (
-                [n for group, _ in entries for n in group],
-                norm,
-                stacked_masked_totals([rows for _, rows in entries], mask),
-            )
-            for mask, norm, entries in self._masked
-        ]
-        for names_here, norm, totals in reduced:
-            if norm == "none":
-                names += names_here
-                parts.append(totals)
+        names, parts = self._names, self._parts
+        with torch.no_grad():
+            for mask, norm, entries in self._masked:  # the GPU form's rows, one product per mask
+                bucket: _Bucket = "final" if norm == "none" else norm
+                names[bucket] += [n for group, _ in entries for n in group]
+                parts[bucket].append(stacked_masked_totals([rows for _, rows in entries], mask))
+            for extremes in self._extrema.values():  # the GPU form's extremes, one amin and one amax per rank and dtype
+                lows, highs = masked_extrema([e.values for e in extremes], [e.penalty for e in extremes])
+                names["final"] += [e.min_name for e in extremes] + [e.max_name for e in extremes]
+                parts["final"] += [lows, highs]
+            stacked_names: list[str] = []
+            vectors: list[torch.Tensor] = []
+            for bucket in ("final", "tokens", "sequences"):
+                if not parts[bucket]:
+                    continue
+                vector = _joined(parts[bucket])
+                if bucket != "final":
+                    count = self.counts.of(bucket) if self.counts is not None else None
+                    if count is None:
+                        raise ValueError(
+                            f"metrics normalized by {bucket!r} need the global counts (MetricSet(catalog, counts=...))"
+                        )
+                    vector = vector / (count + EPS)
+                stacked_names += names[bucket]
+                vectors.append(vector)
+            if not vectors:
+                self._stacked = ([], torch.zeros(0))
             else:
-                self._totals.setdefault(norm, []).append((names_here, totals))
-        for norm, entries in self._totals.items():
-            if not entries:
-                continue
-            flat = [t.reshape(-1) for _, t in entries]
-            for entry_names, _ in entries:
-                names += entry_names
-            count = self.counts.of(norm) if self.counts is not None else None
-            if count is None:
-                raise ValueError(
-                    f"metrics normalized by {norm!r} need the global counts (MetricSet(catalog, counts=...))"
-                )
-            parts.append((torch.cat(flat) if len(flat) > 1 else flat[0]) / (count + EPS))
-        for extremes in self._extrema.values():
-            lows, highs = masked_extrema([e.values for e in extremes], [e.penalty for e in extremes])
-            names += [e.min_name for e in extremes] + [e.max_name for e in extremes]
-            parts += [lows, highs]
-        if not parts:
-            self._stacked = ([], torch.zeros(0))
-        else:
-            dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
-            # cat promotes integer parts (counts, a mask's extremes) to the float dtype itself
-            vector = torch.cat(parts) if len(parts) > 1 else parts[0]
-            self._stacked = (names, vector if vector.dtype == dtype else vector.to(dtype))
+                # cat promotes integer parts (counts, a mask's extremes) to the float dtype itself
+                vector = torch.cat(vectors) if len(vectors) > 1 else vectors[0]
+                if vector.dtype != torch.float32 and vector.dtype != torch.float64:
+                    vector = vector.to(torch.float32)
+                self._stacked = (stacked_names, vector)
         # Drop the [B, T] rows, masks and penalties: only the [M] vector outlives the tensor
         # core (a compiled core would otherwise return every one of them as a graph output).
         # The counts too: views of the caller's tensors, which as outputs of a compiled core
         # are rebuilt as aliases of its inputs after every call.
-        self._values, self._totals, self._masked, self._extrema = {}, {}, [], {}
+        self._names, self._parts = (
+            {"final": [], "tokens": [], "sequences": []},
+            {"final": [], "tokens": [], "sequences": []},
+        )
+        self._flat_masks, self._masked, self._extrema = [], [], {}
         self.counts = None
         return self._stacked
 
@@ -355,7 +376,7 @@ class MetricSet:
             elif red == "max" and out[name] <= -half:
                 out[name] = float("-inf")
         for name, formula in self._derived:
-            out[name] = host_value(formula, out)
+            out[name] = formula.value if type(formula) is Constant else host_value(formula, out)
         # Private entries (``_name``) ride on the same transfer for the loss's own bookkeeping
         # (its input checks, the run-time rejection warning); NeMo-RL never sees them.
         public, private = self._public_and_private(per_call)
@@ -363,6 +384,9 @@ class MetricSet:
         return {n: out[n] for n in public}
 
 
-def _check_row_count(names: list[str], count: int) -> None:
-    if count != len(names):
-        raise ValueError(f"add_masked_totals: {len(names)} names for {count} rows")
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One vector of 0-dim values (one ``stack``) and ``[k]`` ones (the GPU form's products: one ``cat``)."""
+    for p in parts:
+        if p.dim() != 0:
+            return torch.cat([q.reshape(1) if q.dim() == 0 else q for q in parts])
+    return torch.stack(parts)
