@@ -46,23 +46,24 @@ def record_nemo_rl_metrics(
         d = d * usable
 
         # One row at a time: the CPU form reduces each where it is declared (one [B, T] row alive).
-        def token_mean(name: str, row: torch.Tensor) -> None:
-            metrics.add_masked_total(name, row, usable)
-
-        token_mean("probs_ratio", r)
-        token_mean("probs_ratio_clamped", rc)
-        token_mean("token_mult_prob_error", torch.exp(d.abs()))
-        token_mean("gen_kl_error", kl_estimate(d, kl_type))
-        token_mean("policy_kl_error", kl_estimate(-d, kl_type))
+        metrics.add_masked_total("probs_ratio", r, usable)
+        metrics.add_masked_total("probs_ratio_clamped", rc, usable)
+        metrics.add_masked_total("token_mult_prob_error", torch.exp(d.abs()), usable)
+        metrics.add_masked_total("gen_kl_error", kl_estimate(d, kl_type), usable)
+        metrics.add_masked_total("policy_kl_error", kl_estimate(-d, kl_type), usable)
         # NeMo-RL's per-token JS estimate with M = (P_train + P_gen) / 2,
         #   0.5 [k3(log M/P_train) + k3(log M/P_gen)],  k3(x) = exp(x) - 1 - x,
         # simplifies exactly to log cosh(d / 2) = softplus(-d) + d / 2 - log 2, which is
         # stable for any d and costs one transcendental instead of five.
-        token_mean("js_divergence_error", torch.nn.functional.softplus(-d).add_(d, alpha=0.5).sub_(math.log(2.0)))
+        js = torch.nn.functional.softplus(-d).add_(d, alpha=0.5).sub_(math.log(2.0))
+        metrics.add_masked_total("js_divergence_error", js, usable)
+        del js
         # E_gen[-(pi/pi_gen) log pi]
-        token_mean("approx_entropy", (clean.curr - clean.gen).mul_(usable).exp_().mul_(clean.curr).neg_())
+        entropy = (clean.curr - clean.gen).mul_(usable).exp_().mul_(clean.curr).neg_()
+        metrics.add_masked_total("approx_entropy", entropy, usable)
+        del entropy
         if cfg.is_level_entry.per_token:
-            token_mean("sampling_importance_ratio", corr.is_weight)
+            metrics.add_masked_total("sampling_importance_ratio", corr.is_weight, usable)
         # NeMo-RL's own extremes: its wrappers and driver combine them by min and max
         metrics.add_masked_extrema("probs_ratio_min", "probs_ratio_max", r, clean.masks.usable_penalty)
         _clamped_extremes(cfg, metrics)

@@ -138,17 +138,18 @@ class MetricSet:
         self._names: dict[_Bucket, list[str]] = {"final": [], "tokens": [], "sequences": []}
         self._parts: dict[_Bucket, list[torch.Tensor]] = {"final": [], "tokens": [], "sequences": []}
         self._flat_masks: list[tuple[torch.Tensor, torch.dtype, torch.Tensor]] = []  # CPU form: mask, dtype, flat cast
-        self._masked: list[
-            tuple[torch.Tensor, Normalization, list]
-        ] = []  # GPU form: (mask, normalization, [(names, rows)])
+        self._masked: list[tuple[torch.Tensor, _Bucket, list]] = []  # GPU form: (mask, bucket, [(names, rows)])
         self._extrema: dict[tuple[int, torch.dtype], list[_Extreme]] = {}  # GPU form: (rank, dtype) -> its extremes
         self._derived: list[tuple[str, HostFormula]] = []  # name -> its formula over the transferred values
         self._stacked: Optional[tuple[list[str], torch.Tensor]] = None
         self.diagnostics = Diagnostics()  # the ``_``-prefixed entries, set by finalize()
 
     # ------------------------------------------------------------------ declaring
-    def _declare(self, names: Iterable[str], computed: bool = True) -> Optional[Normalization]:
-        """Record each name once; the normalization they share, or ``None`` where they are left uncomputed.
+    def _declare(self, names: Iterable[str], computed: bool = True) -> Optional[_Bucket]:
+        """Record each name once; where their sums wait for :meth:`stack`, ``None`` where they are left uncomputed.
+
+        The bucket is the global count the names' shared normalization divides by, or ``final``
+        for ``none`` (a value :meth:`add` records is final whatever its normalization).
 
         ``computed``: their values are computed on the device (not derived on the host). Names
         declared together share one normalization and per-call flag. One loop, no nested call:
@@ -172,7 +173,9 @@ class MetricSet:
             elif here != shared:
                 raise ValueError(f"metrics {list(names)} declared together differ in normalization or per-call flag")
             declared[name] = spec
-        return None if shared is None or shared[1] else shared[0]
+        if shared is None or shared[1]:
+            return None
+        return "final" if shared[0] == "none" else shared[0]
 
     def add(self, name: str, value: torch.Tensor) -> None:
         """Record a final 0-dim value (never synced here, never divided by a count).
@@ -188,9 +191,8 @@ class MetricSet:
 
     def add_total(self, name: str, total: torch.Tensor) -> None:
         """Record a 0-dim sum; its value is ``total / (count + 1e-8)`` for the count of its normalization."""
-        normalization = self._declare((name,))
-        if normalization is not None:
-            bucket: _Bucket = "final" if normalization == "none" else normalization
+        bucket = self._declare((name,))
+        if bucket is not None:
             self._names[bucket].append(name)
             self._parts[bucket].append(total if total.dim() == 0 else total.reshape(()))
 
@@ -201,7 +203,15 @@ class MetricSet:
         evaluated together in :meth:`stack` (one ``stack`` and one matrix-vector product per run
         of rows given one by one); in the CPU form each is reduced here, at once.
         """
-        self.add_masked_totals([name], (values,), mask)
+        if self.form.batched:
+            self.add_masked_totals([name], [values], mask)
+            return
+        totals: list[torch.Tensor] = []  # the CPU form, as add_masked_totals reduces it, for one row
+        row_totals((values,), mask, self._flat_masks, totals)
+        bucket = self._declare((name,))
+        if bucket is not None:
+            self._names[bucket].append(name)
+            self._parts[bucket].append(totals[0])
 
     def add_masked_totals(self, names: list[str], rows: Iterable[torch.Tensor], mask: torch.Tensor) -> None:
         """:meth:`add_masked_total` for each row of ``rows``; the names share one normalization.
@@ -219,9 +229,8 @@ class MetricSet:
             row_totals(rows, mask, self._flat_masks, totals)
             if len(totals) != len(names):
                 raise ValueError(f"add_masked_totals: {len(names)} names for {len(totals)} rows")
-            normalization = self._declare(names)  # after the count: a refused call leaves the names free
-            if normalization is not None:  # else per-call metrics left uncomputed
-                bucket: _Bucket = "final" if normalization == "none" else normalization
+            bucket = self._declare(names)  # after the count: a refused call leaves the names free
+            if bucket is not None:  # else per-call metrics left uncomputed
                 self._names[bucket] += names
                 self._parts[bucket] += totals
             return
@@ -230,15 +239,15 @@ class MetricSet:
         count = len(rows) if isinstance(rows, (list, tuple)) else rows.shape[0]
         if count != len(names):
             raise ValueError(f"add_masked_totals: {len(names)} names for {count} rows")
-        normalization = self._declare(names)
-        if normalization is None:
+        bucket = self._declare(names)
+        if bucket is None:
             return
         # Grouped by the mask *object* (identity, not id(): traceable by torch.compile).
-        for group_mask, group_norm, entries in self._masked:
-            if group_mask is mask and group_norm == normalization:
+        for group_mask, group_bucket, entries in self._masked:
+            if group_mask is mask and group_bucket == bucket:
                 entries.append((names, rows))
                 return
-        self._masked.append((mask, normalization, [(names, rows)]))
+        self._masked.append((mask, bucket, [(names, rows)]))
 
     def add_masked_extrema(self, min_name: str, max_name: str, values: torch.Tensor, penalty: torch.Tensor) -> None:
         """Record the min and max of finite ``values`` where the mask behind ``penalty`` is 1.
@@ -310,8 +319,7 @@ class MetricSet:
             return self._stacked
         names, parts = self._names, self._parts
         with torch.no_grad():
-            for mask, norm, entries in self._masked:  # the GPU form's rows, one product per mask
-                bucket: _Bucket = "final" if norm == "none" else norm
+            for mask, bucket, entries in self._masked:  # the GPU form's rows, one product per mask
                 names[bucket] += [n for group, _ in entries for n in group]
                 parts[bucket].append(stacked_masked_totals([rows for _, rows in entries], mask))
             for extremes in self._extrema.values():  # the GPU form's extremes, one amin and one amax per rank and dtype
