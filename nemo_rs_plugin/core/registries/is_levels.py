@@ -18,7 +18,7 @@ References:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -48,11 +48,12 @@ class ISLevel:
     unit: str
     sequence_log_weight: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
     grows_with_length: bool = False
+    #: A weight per valid token (``[B, T]``), else one per sequence (``[B, 1]``): no
+    #: ``sequence_log_weight``. A field, not a property: the loss reads it several times per call.
+    per_token: bool = field(init=False)
 
-    @property
-    def per_token(self) -> bool:
-        """A weight per valid token (``[B, T]``), else one per sequence (``[B, 1]``)."""
-        return self.sequence_log_weight is None
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "per_token", self.sequence_log_weight is None)
 
 
 IS_LEVELS: dict[str, ISLevel] = {

@@ -28,7 +28,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from nemo_rs_plugin.core.registries.filter_options import DENOMINATORS, Denominator
-from nemo_rs_plugin.core.registries.is_levels import ISLevel, is_level, is_levels_text
+from nemo_rs_plugin.core.registries.is_levels import IS_LEVELS, ISLevel, is_levels_text
 from nemo_rs_plugin.core.registries.truncation import Truncation, truncation, truncations_text
 from nemo_rs_plugin.core.settings.config_errors import (
     blames,
@@ -336,7 +336,7 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
     @property
     def is_level_entry(self) -> ISLevel:
         """The :data:`~nemo_rs_plugin.core.registries.is_levels.IS_LEVELS` entry of :attr:`effective_is_level`."""
-        return is_level(self.effective_is_level)
+        return IS_LEVELS[self.effective_is_level]  # validated at construction: a plain lookup
 
     @property
     def denominator_entry(self) -> Denominator:

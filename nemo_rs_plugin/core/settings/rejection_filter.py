@@ -334,7 +334,7 @@ class RejectionFilter(BaseModel):
         parts = [self.level, self.statistic] + ([entry.label] if entry is not None else [])
         sign = f"{self.advantage_sign}_advantages" if self.advantage_sign is not None else ""
         parts += [LOG_RATIOS[self.log_ratio].label_part, sign, SCOPES[self.applies_to].label_part]
-        return "_".join(part for part in parts if part)
+        return "_".join([part for part in parts if part])
 
 
 class TokenFilter(RejectionFilter):
