@@ -318,3 +318,15 @@ def test_the_cpu_form_casts_each_mask_once_and_holds_values_without_a_copy():
     want = {f"r{i}": float((rows[i] * mask.double()).sum() / (10 + EPS)) for i in range(5)}
     want["v"] = float(with_grad.detach())
     assert dict(zip(names, vector.tolist())) == pytest.approx(want)
+
+
+def test_an_integer_count_beside_a_half_precision_value_keeps_its_digits():
+    """The metric vector is float32 (float64 with a float64 part): an integer count stacked beside a
+    bfloat16 value must be promoted with the vector, not rounded to bfloat16 on the way."""
+    counts = GlobalCounts(tokens=torch.tensor(1.0), sequences=torch.tensor(1.0))
+    m = _metrics(counts, count=RAW, half=RAW, total=MetricSpec("tokens", "sum", False))
+    m.add("count", torch.tensor(1_000_001))
+    m.add("half", torch.tensor(0.5, dtype=torch.bfloat16))
+    m.add_total("total", torch.tensor(2.0))
+    out = m.finalize()
+    assert out["count"] == 1_000_001.0 and out["half"] == 0.5

@@ -393,8 +393,18 @@ class MetricSet:
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """One vector of 0-dim values (one ``stack``) and ``[k]`` ones (the GPU form's products: one ``cat``)."""
-    for p in parts:
+    """One vector of 0-dim values (one ``stack``) and ``[k]`` ones (the GPU form's products: one ``cat``).
+
+    A half-precision part is widened to float32 first: stacked with an integer count, it would
+    round the count to half precision before the metric vector is promoted (the loss computes in
+    float32 or float64, so only a direct caller meets this).
+    """
+    stacked = True
+    for i, p in enumerate(parts):
+        if p.dtype == torch.bfloat16 or p.dtype == torch.float16:
+            parts[i] = p.float()
         if p.dim() != 0:
-            return torch.cat([q.reshape(1) if q.dim() == 0 else q for q in parts])
-    return torch.stack(parts)
+            stacked = False
+    if stacked:
+        return torch.stack(parts)
+    return torch.cat([q.reshape(1) if q.dim() == 0 else q for q in parts])
