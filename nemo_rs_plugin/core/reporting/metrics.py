@@ -331,6 +331,13 @@ class MetricSet:
             for bucket in ("final", "tokens", "sequences"):
                 if not parts[bucket]:
                     continue
+                if bucket == "final" and self.form.batched:
+                    # An accelerator's final values join the one cat below as views: a stack of
+                    # their own would be a kernel more (the CPU form stacks: a view per value
+                    # costs it as much as the stack).
+                    stacked_names += names[bucket]
+                    vectors += [p.reshape(1) if p.dim() == 0 else p for p in parts[bucket]]
+                    continue
                 vector = _joined(parts[bucket])
                 if bucket != "final":
                     count = self.counts.of(bucket) if self.counts is not None else None
@@ -405,6 +412,8 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
             parts[i] = p.float()
         if p.dim() != 0:
             stacked = False
+    if len(parts) == 1:
+        return parts[0].reshape(-1)  # a view: no kernel for one part
     if stacked:
         return torch.stack(parts)
     return torch.cat([q.reshape(1) if q.dim() == 0 else q for q in parts])
