@@ -67,7 +67,7 @@ def warn_about_correction(
         report.notes.append(
             "async GRPO with a sequence ratio band: staleness shifts whole sequences by far more than "
             "precision mismatch (docs/lab.md#confirmation: two batches stale, Geo-RS [0.99, 1.01] kept "
-            "25% of the sequences, and a band calibrated from the run beat it by +0.253 [+0.219, +0.287] on the "
+            "25% of the sequences, and a band calibrated from the run beat it by +0.258 [+0.222, +0.294] on the "
             "area under the eval curve, 38 seeds); set the band from your own run's "
             "log-probs (loss_fn.record_logprobs: true for a few steps): nemo-rs calibrate --from <record_dir> "
             "--recipe <this recipe>"

@@ -269,7 +269,7 @@ def test_verdict_words_are_the_quoted_rows_verdicts(path):
 def test_the_verdict_word_check_catches_what_the_issue_named():
     verdicts = _published_verdicts()
     gain = "+0.063 [+0.023, +0.103]"
-    band = "+0.007 [-0.027, +0.041]"
+    band = "+0.008 [-0.026, +0.042]"
     assert verdicts[gain].startswith("a higher:") and SMALLER_THAN_DELTA in verdicts[gain]
     assert not verdict_word_problems(f"token TIS {gain}, a gain {SMALLER_THAN_DELTA}.", verdicts, False)
     assert verdict_word_problems(f"In the lab the correction helps: {gain}.", verdicts, False)

@@ -50,10 +50,13 @@ def test_every_published_run_names_its_commit_and_its_stale_arms():
         assert len(run["commit"]) == 40 and run["commit"][:7] in reproducing, name
         for s in run["stale"]:
             assert s["since"][:7] in reproducing, name
+        if "republished" in run:  # the commit a republished run replaced, and what moved, said on the page too
+            assert run["republished"]["previous_commit"][:7] in reproducing and run["republished"]["moved"], name
     if not (REPO / ".git").exists():
         pytest.skip("no git history here to find the commits in")
     for run in MANIFEST["runs"].values():
-        for commit in [run["commit"], *(s["since"] for s in run["stale"])]:
+        replaced = [run["republished"]["previous_commit"]] if "republished" in run else []
+        for commit in [run["commit"], *(s["since"] for s in run["stale"]), *replaced]:
             got = subprocess.run(["git", "cat-file", "-t", commit], cwd=REPO, capture_output=True, text=True)
             assert got.stdout.strip() == "commit", f"{commit} is not in this repository's history"
 
