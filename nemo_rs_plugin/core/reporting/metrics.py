@@ -328,17 +328,18 @@ class MetricSet:
                 parts["final"] += [lows, highs]
             stacked_names: list[str] = []
             vectors: list[torch.Tensor] = []
+            # On an accelerator and in a compiled graph a view is free and a stack is a kernel
+            # more: values join the cats below as views. Eager on the CPU each view costs about
+            # as much as the small operator it serves: one stack per bucket instead.
+            as_views = self.form.batched or self.form.compiled
             for bucket in ("final", "tokens", "sequences"):
                 if not parts[bucket]:
                     continue
-                if bucket == "final" and self.form.batched:
-                    # An accelerator's final values join the one cat below as views: a stack of
-                    # their own would be a kernel more (the CPU form stacks: a view per value
-                    # costs it as much as the stack).
+                if bucket == "final" and as_views:  # never divided: straight into the one cat
                     stacked_names += names[bucket]
                     vectors += [p.reshape(1) if p.dim() == 0 else p for p in parts[bucket]]
                     continue
-                vector = _joined(parts[bucket])
+                vector = _joined(parts[bucket], as_views)
                 if bucket != "final":
                     count = self.counts.of(bucket) if self.counts is not None else None
                     if count is None:
@@ -399,14 +400,16 @@ class MetricSet:
         return {n: out[n] for n in public}
 
 
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """One vector of 0-dim values (one ``stack``) and ``[k]`` ones (the GPU form's products: one ``cat``).
+def _joined(parts: list[torch.Tensor], as_views: bool) -> torch.Tensor:
+    """One vector of the parts: 0-dim values and ``[k]`` ones (the GPU form's products).
 
+    ``as_views``: one ``cat`` of views (an accelerator's or a compiled graph's: no kernel per
+    value); else one ``stack`` where every part is 0-dim (the eager CPU form). One part is a view.
     A half-precision part is widened to float32 first: stacked with an integer count, it would
     round the count to half precision before the metric vector is promoted (the loss computes in
     float32 or float64, so only a direct caller meets this).
     """
-    stacked = True
+    stacked = not as_views
     for i, p in enumerate(parts):
         if p.dtype == torch.bfloat16 or p.dtype == torch.float16:
             parts[i] = p.float()
