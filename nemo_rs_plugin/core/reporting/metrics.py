@@ -203,15 +203,7 @@ class MetricSet:
         evaluated together in :meth:`stack` (one ``stack`` and one matrix-vector product per run
         of rows given one by one); in the CPU form each is reduced here, at once.
         """
-        if self.form.batched:
-            self.add_masked_totals([name], [values], mask)
-            return
-        totals: list[torch.Tensor] = []  # the CPU form, as add_masked_totals reduces it, for one row
-        row_totals((values,), mask, self._flat_masks, totals)
-        bucket = self._declare((name,))
-        if bucket is not None:
-            self._names[bucket].append(name)
-            self._parts[bucket].append(totals[0])
+        self.add_masked_totals([name], [values], mask)
 
     def add_masked_totals(self, names: list[str], rows: Iterable[torch.Tensor], mask: torch.Tensor) -> None:
         """:meth:`add_masked_total` for each row of ``rows``; the names share one normalization.
