@@ -26,6 +26,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -48,10 +49,14 @@ DEFAULT_NEMO_RL = ROOT / ".nemo-rl" / "nemo-rl-main"
 
 
 def nemo_rl_loss(checkout: Path | None):
-    """NeMo-RL's ``ClippedPGLossFn`` on UPSTREAM as ``fn(lp, data, gvs, gvt)``, or None and why."""
-    if checkout is None or not (checkout / "nemo_rl").is_dir():
+    """NeMo-RL's ``ClippedPGLossFn`` on UPSTREAM as ``fn(lp, data, gvs, gvt)``, or None and why.
+
+    From ``checkout``, or else a ``nemo_rl`` already importable (NeMo-RL's own environment).
+    """
+    if checkout is not None and (checkout / "nemo_rl").is_dir():
+        sys.path.insert(0, str(checkout))
+    elif importlib.util.find_spec("nemo_rl") is None:
         return None, f"no NeMo-RL checkout at {checkout} (extract one: see docs/performance.md#on-a-gpu)"
-    sys.path.insert(0, str(checkout))
     try:
         from tests.support import nemo_rl_shims
 

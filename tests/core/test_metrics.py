@@ -283,6 +283,51 @@ def test_the_cpu_form_reduces_each_row_where_it_is_declared():
     assert math.isclose(gpu.finalize()["a"], float((values[0] * mask).sum()), rel_tol=1e-6)
 
 
+def test_the_gpu_form_holds_no_stacked_group_and_lets_each_group_go_once_reduced(monkeypatch):
+    """The GPU form's peak memory (issue 52): a group given as one ``[k, B, T]`` tensor (the
+    non-finite masks, the positive-log-prob rows) is reduced where it is declared, by the same one
+    matrix-vector product ``stack()`` would run, so it is not held beside every later row; and in
+    ``stack()`` the rows of a mask are let go once their product is taken, before the extremes are
+    stacked (benchmarks/bench_memory.py: 1.79x -> 1.31x NeMo-RL's peak at 4 x 2048)."""
+    import gc
+    import weakref
+
+    from benchmarks.bench_ops import OpCounter
+    from nemo_rs_plugin.core.reporting import metrics as metrics_module
+
+    values, mask = _batch()
+    m = _metrics(batched=True, a=RAW, b=RAW, c=RAW, lo=LOW, hi=HIGH)
+    stacked = values[:2].clone()
+    group = weakref.ref(stacked)
+    with OpCounter() as counter:
+        m.add_masked_totals(["a", "b"], stacked, mask)
+    assert counter.counts["mv"] == 1, counter.counts  # reduced here: one product, as stack() ran it
+    del stacked
+    gc.collect()
+    assert group() is None
+
+    loose = values[2].clone()
+    loose_ref = weakref.ref(loose)
+    m.add_masked_total("c", loose, mask)
+    m.add_masked_extrema("lo", "hi", values[3], extrema_penalty(mask))
+    del loose
+    assert loose_ref() is not None  # a loose row waits for stack(): one product for every row of its mask
+    alive_at_extrema = []
+    reduce_extrema = metrics_module.masked_extrema
+
+    def observing(vals, penalties):
+        gc.collect()
+        alive_at_extrema.append(loose_ref() is not None)
+        return reduce_extrema(vals, penalties)
+
+    monkeypatch.setattr(metrics_module, "masked_extrema", observing)
+    out = m.finalize()
+    assert alive_at_extrema == [False]  # the loose row was let go before the extremes were stacked
+    for i, name in enumerate("abc"):
+        assert math.isclose(out[name], float((values[i] * mask).sum()), rel_tol=1e-6)
+    assert out["lo"] == float(values[3][mask > 0].min()) and out["hi"] == float(values[3][mask > 0].max())
+
+
 def test_the_cpu_form_casts_each_mask_once_and_holds_values_without_a_copy():
     """Row by row, a mask is cast and flattened once per call however many rows it reduces, each
     row costs one dot product, and values are held as given: no ``detach``, reshape or cast per

@@ -234,6 +234,14 @@ class MetricSet:
         bucket = self._declare(names)
         if bucket is None:
             return
+        if isinstance(rows, torch.Tensor) and rows.shape[1:] == mask.shape:
+            # Already one [k, *mask.shape] tensor: its one matrix-vector product now, as stack()
+            # would run it, so the k [B, T] rows are not held until then (the GPU form's peak
+            # memory: the stacked non-finite masks and positive-log-prob rows, 12 [B, T] of them).
+            with torch.no_grad():
+                self._names[bucket] += names
+                self._parts[bucket].append(stacked_masked_totals([rows], mask))
+            return
         # Grouped by the mask *object* (identity, not id(): traceable by torch.compile).
         for group_mask, group_bucket, entries in self._masked:
             if group_mask is mask and group_bucket == bucket:
@@ -311,13 +319,22 @@ class MetricSet:
             return self._stacked
         names, parts = self._names, self._parts
         with torch.no_grad():
-            for mask, bucket, entries in self._masked:  # the GPU form's rows, one product per mask
+            # The GPU form's rows, one product per mask, then its extremes, one amin and one amax
+            # per rank and dtype: each group let go as soon as it is reduced, so that the [B, T]
+            # rows of one group are not alive beside the stack of the next (the call's peak memory).
+            masked, self._masked = self._masked, []
+            while masked:
+                mask, bucket, entries = masked.pop()
                 names[bucket] += [n for group, _ in entries for n in group]
                 parts[bucket].append(stacked_masked_totals([rows for _, rows in entries], mask))
-            for extremes in self._extrema.values():  # the GPU form's extremes, one amin and one amax per rank and dtype
+                del mask, entries
+            extrema, self._extrema = list(self._extrema.values()), {}
+            while extrema:
+                extremes = extrema.pop()
                 lows, highs = masked_extrema([e.values for e in extremes], [e.penalty for e in extremes])
                 names["final"] += [e.min_name for e in extremes] + [e.max_name for e in extremes]
                 parts["final"] += [lows, highs]
+                del extremes
             stacked_names: list[str] = []
             vectors: list[torch.Tensor] = []
             # On an accelerator and in a compiled graph a view is free and a stack is a kernel

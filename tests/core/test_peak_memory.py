@@ -1,0 +1,44 @@
+"""The loss call's peak memory, read from torch's allocator events by ``benchmarks/bench_memory.py``.
+
+In ``[B, T]`` float32 units (size-independent): what one forward + backward allocates beyond its
+inputs, in the form that runs on a GPU (every metric row stacked) and in the CPU form. Exact on
+every run and machine (the profiler's record of each tensor created and freed), so the budgets
+below are the measured values plus half a unit. NeMo-RL's own loss peaks at 26.8 units on the
+same inputs (tests/nemo_rl/test_memory_budget.py compares the two live); issue 52 asks for at most
+that in the GPU form, which the upstream-equivalent configuration does not meet yet
+(docs/performance.md#peak-memory-of-one-call).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch.profiler.profile, "_memory_profile"), reason="this torch's profiler has no memory timeline"
+)
+
+#: candidate -> its peak in [B, T] float32 units, measured at 4 x 2048 (torch 2.13) plus 0.5
+BUDGET_UNITS = {
+    "upstream-equivalent, GPU form": 35.5,  # 48.0 before the stacked groups were reduced where declared
+    "seq_mean+seq-mask-tis, GPU form": 30.5,  # 42.0
+    "rs-pipeline-3, GPU form": 32.5,  # 44.0
+    "upstream-equivalent, CPU form": 15.0,
+    "seq_mean+seq-mask-tis, CPU form": 14.0,
+    "rs-pipeline-3, CPU form": 16.0,
+}
+
+
+def test_peak_memory_of_one_call_stays_within_its_budget():
+    from benchmarks.bench_memory import measure
+
+    rows = {row["candidate"]: row for row in measure("4x2048", torch.device("cpu"), None)}
+    assert set(rows) == set(BUDGET_UNITS), rows
+    over = {
+        name: round(rows[name]["units"], 2) for name, budget in BUDGET_UNITS.items() if rows[name]["units"] > budget
+    }
+    assert not over, f"peak memory above budget ([B, T] float32 units): {over}"
+    # The CPU form reduces every row where it is declared: never above the GPU form's.
+    for name in BUDGET_UNITS:
+        if name.endswith("CPU form"):
+            assert rows[name]["units"] < rows[name.replace("CPU form", "GPU form")]["units"]
