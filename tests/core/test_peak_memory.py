@@ -20,9 +20,10 @@ pytestmark = pytest.mark.skipif(
 
 #: candidate -> its peak in [B, T] float32 units, measured at 4 x 2048 (torch 2.13) plus 0.5
 BUDGET_UNITS = {
-    "upstream-equivalent, GPU form": 35.5,  # 48.0 before the stacked groups were reduced where declared
-    "seq_mean+seq-mask-tis, GPU form": 30.5,  # 42.0
-    "rs-pipeline-3, GPU form": 32.5,  # 44.0
+    # before the stacked groups and the KL-error pair were reduced where declared: 48.0, 42.0, 44.0
+    "upstream-equivalent, GPU form": 31.5,
+    "seq_mean+seq-mask-tis, GPU form": 26.5,
+    "rs-pipeline-3, GPU form": 28.5,
     "upstream-equivalent, CPU form": 15.0,
     "seq_mean+seq-mask-tis, CPU form": 14.0,
     "rs-pipeline-3, CPU form": 16.0,

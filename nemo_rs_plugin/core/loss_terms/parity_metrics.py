@@ -49,8 +49,16 @@ def record_nemo_rl_metrics(
         metrics.add_masked_total("probs_ratio", r, usable)
         metrics.add_masked_total("probs_ratio_clamped", rc, usable)
         metrics.add_masked_total("token_mult_prob_error", torch.exp(d.abs()), usable)
-        metrics.add_masked_total("gen_kl_error", kl_estimate(d, kl_type), usable)
-        metrics.add_masked_total("policy_kl_error", kl_estimate(-d, kl_type), usable)
+        # The KL error both ways: in the GPU form one [2, B, T] pass, reduced where it is declared
+        # (one product, no row held until stack(): the call's peak memory); in the CPU form one
+        # row at a time, each reduced as it is built.
+        kl_rows = (
+            kl_estimate(torch.stack([d, d.neg()]), kl_type)
+            if metrics.form.batched
+            else (kl_estimate(d if way == "gen" else d.neg(), kl_type) for way in ("gen", "policy"))
+        )
+        metrics.add_masked_totals(["gen_kl_error", "policy_kl_error"], kl_rows, usable)
+        del kl_rows
         # NeMo-RL's per-token JS estimate with M = (P_train + P_gen) / 2,
         #   0.5 [k3(log M/P_train) + k3(log M/P_gen)],  k3(x) = exp(x) - 1 - x,
         # simplifies exactly to log cosh(d / 2) = softplus(-d) + d / 2 - log 2, which is
