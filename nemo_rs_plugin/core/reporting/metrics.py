@@ -209,7 +209,9 @@ class MetricSet:
         """:meth:`add_masked_total` for each row of ``rows``; the names share one normalization.
 
         ``rows``: a list or tuple of tensors, a stacked ``[len(names), *mask.shape]`` one, or an
-        iterator of tensors (the CPU form then builds and reduces one row at a time).
+        iterator of tensors (the CPU form then builds and reduces one row at a time). In the GPU
+        form a stacked one is reduced here, by its one matrix-vector product, and not held; rows
+        given one by one wait for :meth:`stack` with the other rows of their mask.
         """
         if not self.form.batched:
             # CPU form: reduced now, so each [B, T] row can be freed as soon as its caller drops
