@@ -6,8 +6,9 @@ on the same inputs. On the CPU the peak is read from torch's own allocator event
 (``torch.profiler`` with ``profile_memory=True``: every tensor created and freed during the call,
 in order), so it is exact and the same on every run and machine, unlike a resident-set reading;
 on a GPU (``--device cuda``) it is ``torch.cuda.max_memory_allocated`` above the memory allocated
-before the call. The inputs, the log-probs' gradient and the returned loss are not counted; the
-saved activations and every temporary are.
+before the call. The inputs are not counted; the saved activations, every temporary, the
+log-probs' gradient and the returned values are (the peak falls in the forward, where the metric
+rows are evaluated).
 
 Candidates, on the inputs of ``bench_loss.py`` (ragged responses, 2% log-prob mismatch):
 NeMo-RL's loss on its token-TIS configuration (when a checkout is importable), and the plugin on
@@ -56,21 +57,26 @@ def _one_call(fn: Callable, batch) -> Callable[[], None]:
 
 
 def peak_bytes_cpu(call: Callable[[], None]) -> int:
-    """The largest total of bytes alive at once among the tensors ``call`` creates, from the allocator events."""
+    """The highest running total of the bytes ``call`` allocates and frees, from the allocator's own events.
+
+    Every allocation and free the profiler records during ``call`` (``+size`` and ``-size``), in
+    order: memory allocated before ``call`` and freed during it counts below 0, as it should not
+    raise the peak.
+    """
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         call()
-    alive: dict = {}
+    events = sorted(
+        (event.start_time_ns, event.typed[1].alloc_size)
+        for event in prof._memory_profile()._op_tree.dfs()
+        if event.typed[0] == _EventType.Allocation
+    )
     current = peak = 0
-    for _, action, key, size in prof._memory_profile().timeline:
-        tensor = key[0] if isinstance(key, tuple) else key
-        if action.name == "CREATE":
-            alive[tensor] = size
-            current += size
-            peak = max(peak, current)
-        elif action.name == "DESTROY" and tensor in alive:
-            current -= alive.pop(tensor)
+    for _, size in events:
+        current += size
+        peak = max(peak, current)
     return peak
 
 
@@ -84,11 +90,15 @@ def peak_bytes_cuda(call: Callable[[], None], device: torch.device) -> int:
 
 
 def measure(size: str, device: torch.device, nemo_rl: Path | None) -> list[dict]:
-    """One row per candidate: its peak bytes, in ``[B, T]`` float32 units, and against NeMo-RL's."""
+    """One row per candidate: its peak bytes, in ``[B, T]`` float32 units, and against NeMo-RL's.
+
+    ``nemo_rl``: NeMo-RL's checkout (else an importable ``nemo_rl``: ``bench_gpu.nemo_rl_loss``);
+    ``None``: the plugin's rows alone.
+    """
     B, S = (int(v) for v in size.lower().split("x"))
     batch = to_device(make_batch(B, S), device, torch.float32)
     candidates: dict[str, Callable] = {}
-    host, why = nemo_rl_loss(nemo_rl)
+    host, why = nemo_rl_loss(nemo_rl) if nemo_rl is not None else (None, "no checkout asked for")
     if host is not None:
         candidates[HOST] = host
     else:

@@ -2,7 +2,7 @@
 
 In ``[B, T]`` float32 units (size-independent): what one forward + backward allocates beyond its
 inputs, in the form that runs on a GPU (every metric row stacked) and in the CPU form. Exact on
-every run and machine (the profiler's record of each tensor created and freed), so the budgets
+every run and machine (the profiler's record of every allocation and free), so the budgets
 below are the measured values plus half a unit. NeMo-RL's own loss peaks at 26.8 units on the
 same inputs (tests/nemo_rl/test_memory_budget.py compares the two live); issue 52 asks for at most
 that in the GPU form, which the upstream-equivalent configuration does not meet yet

@@ -3,8 +3,8 @@
 The same script docs/performance.md quotes, run in NeMo-RL's environment on its token-TIS
 configuration and the plugin's three benchmark configurations (4 x 2048, forward + backward,
 torch's allocator events). Issue 52's goal is the GPU form at no more than NeMo-RL's peak; it
-stands at 0.97-1.16x (1.57-1.79x before), so the budget holds that level and the CPU form's
-0.50-0.58x; the docs say what reaching 1.0x would cost in operators.
+stands at 0.97-1.16x on this CPU proxy (1.57-1.80x before), so the budget holds that level and
+the CPU form's 0.50-0.58x; the docs say what reaching 1.0x would cost in operators.
 """
 
 from __future__ import annotations
