@@ -870,6 +870,12 @@ MUTANTS: list[Mutant] = [
         "rejection_denominator: kept divides by the original counts",
     ),
     Mutant(
+        PM,
+        "kl_estimate(torch.stack([d, d.neg()]), kl_type)",
+        "kl_estimate(torch.stack([d.neg(), d]), kl_type)",
+        "gen_kl_error and policy_kl_error swapped (GPU form: both ways in one [2, B, T] pass)",
+    ),
+    Mutant(
         FO,
         'LogRatio("curr-gen", "curr", "gen", False, True, False, "curr-gen")',
         'LogRatio("curr-gen", "curr", "gen", False, False, False, "curr-gen")',
