@@ -133,7 +133,9 @@ class CorrectedPGLoss:
 
     def loss_dtype(self, next_token_logprobs: torch.Tensor, data: Mapping[str, Any]) -> torch.dtype:
         """The dtype of the loss :meth:`__call__` returns for these inputs (``LossInputs.compute_dtype``)."""
-        return self.inputs_from_nemo_rl(next_token_logprobs, data).compute_dtype()
+        return LossInputs.dtype_from_nemo_rl(
+            next_token_logprobs, data, need_prev=not self.cfg.force_on_policy_ratio, need_reference=self.kl_coef != 0
+        )
 
     def metric_normalizations(self) -> dict[str, str]:
         """Metric name -> ``tokens`` / ``sequences`` / ``none``, from the metric catalog.

@@ -109,6 +109,9 @@ class HostCall:
         self.sequences = sequences
         self.positions = positions
         self.calls = 0
+        # A call's position is read only where the whole microbatch is what it should be; the
+        # wrapper's data is the same object for all its calls, so this is decided once.
+        self._readable = positions and sequences is not None and is_microbatch(microbatch, sequences)
 
     def next_call(self) -> Optional[WrapperCall]:
         """The loss's next call under this wrapper call (``None``: not a per-sequence wrapper).
@@ -125,9 +128,7 @@ class HostCall:
                 f"rs_clipped_pg: {PER_SEQUENCE_WRAPPER} called the loss {self.calls} times for "
                 f"{self.sequences} sequences (its cu_seqlens_q): expected one call per sequence"
             )
-        # gathered only where the position and the whole microbatch are both what they should be
-        readable = self.positions and is_microbatch(self.microbatch, self.sequences)
-        return WrapperCall(id(self), self.sequences, self.microbatch, index if readable else None)
+        return WrapperCall(id(self), self.sequences, self.microbatch, index if self._readable else None)
 
     def check_complete(self) -> None:
         """After the wrapper's loop: every sequence was a call (else a microbatch would go uncounted).

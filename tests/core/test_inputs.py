@@ -548,3 +548,32 @@ def test_stacking_refuses_an_optional_field_some_parts_lack():
         LossInputs.stack_rows([_part(4, 0), _part(4, 1, with_rewards=False)])
     with pytest.raises(ValueError, match="no part to stack"):
         LossInputs.stack_rows([])
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [{}, {"force_on_policy_ratio": True}, {"reference_policy_kl_penalty": 0.0}],
+    ids=["default", "on-policy", "no-kl"],
+)
+def test_the_loss_dtype_is_read_without_building_the_inputs(cfg, monkeypatch):
+    """``loss_dtype`` (what a per-sequence packing call before the last returns its zero in) is the
+    dtype the full call computes in, read from the fields' dtypes alone: no field sliced or checked
+    (that cost more than the rest of such a call: benchmarks/bench_packing.py)."""
+    from nemo_rs_plugin.core.batch.inputs import LossInputs
+
+    loss = CorrectedPGLoss(cfg)
+    lp, data, _, _ = random_batch(2, 6)
+    fields = ["prev_logprobs", "generation_logprobs", "reference_policy_logprobs", "advantages", "sample_mask"]
+    cases = [(lp, data)] + [(lp.double(), data)]
+    for key in fields:
+        cases.append((lp, {**data, key: data[key].double()}))
+    cases.append((lp, {**data, "curr_logprobs_unfiltered": lp.detach().double()}))
+    cases.append((lp, {**data, "token_mask": data["token_mask"].double()}))
+    expected = [loss.inputs_from_nemo_rl(x, d).compute_dtype() for x, d in cases]
+    assert torch.float64 in expected and torch.float32 in expected
+
+    def not_built(*args, **kwargs):
+        raise AssertionError("loss_dtype built the inputs")
+
+    monkeypatch.setattr(LossInputs, "from_nemo_rl", not_built)
+    assert [loss.loss_dtype(x, d) for x, d in cases] == expected

@@ -58,6 +58,22 @@ def test_a_host_call_counts_one_call_per_sequence():
     assert HostCall({"chunk_size": 4}).next_call() is None  # a wrapper that calls the loss once
 
 
+def test_a_host_call_reads_its_microbatch_once(monkeypatch):
+    """Whether the wrapper's data is its whole microbatch is decided when the wrapper call opens,
+    not in each of its per-sequence calls (a per-call cost under packing: bench_packing.py)."""
+    import torch
+
+    from nemo_rs_plugin.nemo_rl import packing
+
+    microbatch = {k: torch.zeros(2, 3) for k in ("token_mask", "sample_mask", "generation_logprobs")}
+    reads = []
+    monkeypatch.setattr(packing, "is_microbatch", lambda data, n: reads.append(n) or True)
+    call = HostCall({}, microbatch=microbatch, sequences=2)
+    assert [c.sequence_index for c in (call.next_call(), call.next_call())] == [0, 1]
+    assert reads == [2]
+    assert HostCall({}, microbatch=microbatch, sequences=2, positions=False).next_call().sequence_index is None
+
+
 def _run(host, *args, no_site=False, tmp):
     """``seam_host.py`` at ``host``. ``no_site``: as a worker without the start-up hook; at the newest
     NeMo-RL a new interpreter with ``-S`` (no ``.pth`` processed), at a release (``whole_matrix``) a

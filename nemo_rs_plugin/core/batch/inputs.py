@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from nemo_rs_plugin.core.reporting.metrics import GlobalCounts
 
-__all__ = ["LossInputs", "global_counts", "stack_padded"]
+__all__ = ["LossInputs", "compute_dtype", "global_counts", "stack_padded"]
 
 
 @dataclass
@@ -98,6 +98,23 @@ class LossInputs:
             curr_unfiltered=unfiltered,
         )
 
+    @staticmethod
+    def dtype_from_nemo_rl(
+        next_token_logprobs: torch.Tensor, data: Mapping[str, Any], need_prev: bool, need_reference: bool
+    ) -> torch.dtype:
+        """``from_nemo_rl(...).compute_dtype()`` without building the inputs: the dtypes of the same fields.
+
+        For the per-sequence packing calls before a microbatch's last, which return a zero in the
+        loss's dtype (nemo_rs_plugin.nemo_rl.loss_fn): slicing and checking five fields there cost
+        more than the rest of such a call. The last call checks the whole microbatch's fields.
+        """
+        keys = ["generation_logprobs", "advantages", "token_mask"]
+        if need_prev:
+            keys.append("prev_logprobs")
+        if need_reference:
+            keys += ["reference_policy_logprobs", "curr_logprobs_unfiltered"]
+        return compute_dtype(next_token_logprobs, *[data.get(k) for k in keys])
+
     @classmethod
     def stack_rows(cls, parts: Sequence["LossInputs"]) -> "LossInputs":
         """One microbatch from the inputs of its sequences (NeMo-RL's per-sequence packing calls).
@@ -143,13 +160,8 @@ class LossInputs:
         )
 
     def compute_dtype(self) -> torch.dtype:
-        """float32, or float64 when any float input is float64: the dtype the loss runs in.
-
-        bf16 and fp16 cannot hold the sensitive steps: an fp16 ``exp`` overflows from a
-        log-ratio of 11.1 (the +-20 clamp allows exp(20) = 4.9e8), and a bf16 count of
-        global tokens rounds to 8 significant bits.
-        """
-        inputs = (
+        """The dtype the loss runs in for these inputs (:func:`compute_dtype`)."""
+        return compute_dtype(
             self.curr,
             self.prev,
             self.generation,
@@ -158,9 +170,6 @@ class LossInputs:
             self.token_mask,
             self.curr_unfiltered,
         )
-        # Python-side dtype logic: torch.promote_types would dispatch an operator per input.
-        wide = any(t is not None and t.dtype == torch.float64 for t in inputs)
-        return torch.float64 if wide else torch.float32
 
     def to_dtype(self, dtype: torch.dtype) -> "LossInputs":
         """Float tensors cast to ``dtype`` (differentiably; a no-op for those already in it).
@@ -251,6 +260,21 @@ def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tenso
     if t is None or not t.is_floating_point() or t.dtype == dtype:
         return t
     return t.to(dtype)
+
+
+def compute_dtype(*inputs: Any) -> torch.dtype:
+    """float32, or float64 when any float input is float64: the dtype the loss runs in.
+
+    bf16 and fp16 cannot hold the sensitive steps: an fp16 ``exp`` overflows from a
+    log-ratio of 11.1 (the +-20 clamp allows exp(20) = 4.9e8), and a bf16 count of
+    global tokens rounds to 8 significant bits. ``None`` and non-tensor inputs are skipped.
+    """
+    # Python-side dtype logic (torch.promote_types would dispatch an operator per input), a plain
+    # loop: it runs in every per-sequence packing call.
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
 
 
 def _required(data: Mapping[str, Any], key: str) -> torch.Tensor:
