@@ -696,7 +696,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         PACK,
-        "return WrapperCall(id(self), self.sequences, self.microbatch, index if readable else None)",
+        "return WrapperCall(id(self), self.sequences, self.microbatch, index if self._readable else None)",
         "return WrapperCall(id(self), self.sequences, self.microbatch, None)",
         "the seam's position never used: every per-sequence call computed alone (refusals where it gathers)",
     ),
