@@ -35,7 +35,7 @@ declaration names the metric and gives its value, nothing else):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal, Mapping, NamedTuple, Optional
+from typing import Iterable, Literal, Mapping, NamedTuple, NoReturn, Optional
 
 import torch
 
@@ -222,7 +222,7 @@ class MetricSet:
             totals: list[torch.Tensor] = []
             row_totals(rows, mask, self._flat_masks, totals)
             if len(totals) != len(names):
-                raise ValueError(f"add_masked_totals: {len(names)} names for {len(totals)} rows")
+                _row_count_mismatch(names, len(totals))
             bucket = self._declare(names)  # after the count: a refused call leaves the names free
             if bucket is not None:  # else per-call metrics left uncomputed
                 self._names[bucket] += names
@@ -232,7 +232,7 @@ class MetricSet:
             rows = list(rows)
         count = len(rows) if isinstance(rows, (list, tuple)) else rows.shape[0]
         if count != len(names):
-            raise ValueError(f"add_masked_totals: {len(names)} names for {count} rows")
+            _row_count_mismatch(names, count)
         bucket = self._declare(names)
         if bucket is None:
             return
@@ -409,6 +409,11 @@ class MetricSet:
         public, private = self._public_and_private(per_call)
         self.diagnostics = Diagnostics.from_values({n: out[n] for n in private})
         return {n: out[n] for n in public}
+
+
+def _row_count_mismatch(names: list[str], count: int) -> NoReturn:
+    """The one error for a row count that differs from the names' (called only when it does: no call per row)."""
+    raise ValueError(f"add_masked_totals: {len(names)} names for {count} rows")
 
 
 def _joined(parts: list[torch.Tensor], as_views: bool) -> torch.Tensor:
