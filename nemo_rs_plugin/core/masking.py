@@ -53,7 +53,7 @@ def extrema_penalty(mask: torch.Tensor) -> torch.Tensor:
     boolean indexing, no host sync. See :meth:`~nemo_rs_plugin.core.reporting.metrics.MetricSet.add_masked_extrema`.
     """
     big = torch.finfo(mask.dtype).max
-    return (mask * -big).add_(big)  # (1 - m) * big for a 0/1 mask, in one [B, T] allocation
+    return torch.rsub(mask, big, alpha=big)  # big - big * m = (1 - m) * big for a 0/1 mask, exactly: one operator
 
 
 def nonfinite(x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +70,15 @@ def out_of_bounds(x: torch.Tensor, lower: Optional[float], upper: Optional[float
     """
     if lower is None and upper is None:
         return x != x
-    return x != x.clamp(lower, upper)
+    return clamp_marking_outside(x, lower, upper)[1]
+
+
+def clamp_marking_outside(
+    x: torch.Tensor, lower: Optional[float], upper: Optional[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` clamped to ``[lower, upper]`` (one bound at least) and :func:`out_of_bounds` of it, from one clamp."""
+    clamped = x.clamp(lower, upper)
+    return clamped, x != clamped
 
 
 def finite_exp(x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +107,11 @@ def sanitize(x: torch.Tensor) -> torch.Tensor:
     back-propagates ``0 * NaN = NaN``; a value replaced up front receives an exact zero.
     """
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def sanitize_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`sanitize` in place, for a tensor the caller owns and reads no more as it was (no gradient)."""
+    return x.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 @dataclass(frozen=True)

@@ -215,7 +215,10 @@ def kl_estimate(log_ratio: torch.Tensor, kl_type: str) -> torch.Tensor:
         return log_ratio.square() / 2
     if kl_type == "k3":
         # expm1: exp(x) - 1 in float32 loses every digit of k3 ~ x^2/2 for |x| < 1e-3.
-        return torch.expm1(log_ratio) - log_ratio
+        k3 = torch.expm1(log_ratio)
+        if log_ratio.requires_grad and torch.is_grad_enabled():
+            return k3 - log_ratio  # expm1's backward reads its output: not overwritten
+        return k3.sub_(log_ratio)  # a metric's row: no second [B, T] temporary
     raise ValueError(f"kl type: got {kl_type!r}; allowed: k1, k2, k3")
 
 
@@ -251,8 +254,10 @@ def kl_penalty_per_token(
             # gradient on its closed interval.
             clamped_away = log_ratio != clamped
             log_ratio = clamped
+            del clamped  # one name: the del below frees it
         kl = kl_estimate(log_ratio, options.kl_type)
         slope = _kl_slope_over_weight(log_ratio, options.kl_type)
+        del log_ratio  # read no more: one [B, T] less beside the clamps' temporaries (peak memory)
         if options.on_policy_approximation:
             weights = finite_exp(curr - generation)
             kl, slope = kl * weights, slope * weights
@@ -261,8 +266,10 @@ def kl_penalty_per_token(
         if clamped_away is not None:  # in place (slope is this function's own): no scalar tensor, no copy
             slope = slope.masked_fill_(clamped_away, 0.0)
         if output_clamp is not None:
-            slope = torch.where(kl.abs() <= output_clamp, slope, 0.0)
-            kl = kl.clamp(-output_clamp, output_clamp)
+            # In place, kl and slope being this function's own: no [B, T] copy of either. Not
+            # ``abs() > clamp``: a NaN estimate keeps a slope of 0, as ``where(abs() <= clamp)``.
+            slope = slope.masked_fill_((kl.abs() <= output_clamp).logical_not_(), 0.0)
+            kl = kl.clamp_(-output_clamp, output_clamp)
     return with_slope(curr, kl, slope)
 
 

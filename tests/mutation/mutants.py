@@ -229,8 +229,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         OB,
-        "token_denominator = counts.tokens * kept_tokens",
-        "token_denominator = counts.tokens",
+        "kept = counts.tokens * kept_tokens if self.token_level_loss",
+        "kept = counts.tokens if self.token_level_loss",
         "rejection_denominator kept leaves the token denominator unchanged",
     ),
     Mutant(

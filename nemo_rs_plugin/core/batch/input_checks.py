@@ -211,12 +211,11 @@ def _count_token_mask_entries(metrics: MetricSet, token_mask: torch.Tensor, dtyp
     if token_mask.dtype == torch.bool or not token_mask.numel():
         return
     if not token_mask.is_floating_point():
-        # Row by row, then over the rows: aminmax of the whole view NeMo-RL passes (token_mask[:, 1:],
-        # not contiguous) first copies it, a [B, T] int64 temporary; its rows are contiguous.
-        row_lo, row_hi = torch.aminmax(token_mask, dim=-1)
-        lo, hi = row_lo.amin(), row_hi.amax()  # integers: MetricSet.stack promotes them
-        metrics.add("_token_mask_min", lo)
-        metrics.add("_token_mask_max", hi)
+        # amin and amax, not aminmax: aminmax of the whole view NeMo-RL passes (token_mask[:, 1:],
+        # not contiguous) first copies it, a [B, T] int64 temporary; these read it where it is.
+        # Integers: MetricSet.stack promotes them.
+        metrics.add("_token_mask_min", token_mask.amin())
+        metrics.add("_token_mask_max", token_mask.amax())
         return
     mask = token_mask if token_mask.dtype == dtype else token_mask.to(dtype)
     other = (mask != 0) & (mask != 1)

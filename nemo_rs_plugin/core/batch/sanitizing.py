@@ -18,7 +18,7 @@ import torch
 
 from nemo_rs_plugin.core.batch.inputs import LossInputs
 from nemo_rs_plugin.core.evaluation import ROW_BY_ROW, EvaluationForm
-from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, sanitize
+from nemo_rs_plugin.core.masking import TokenMasks, nonfinite, sanitize, sanitize_
 from nemo_rs_plugin.core.reporting.metric_catalog import NONFINITE_LOGIT_ROWS
 from nemo_rs_plugin.core.reporting.metrics import MetricSet
 
@@ -141,9 +141,9 @@ def _used_as_given(rows: dict[str, torch.Tensor], x: LossInputs, dtype: torch.dt
 
 def _sanitized_stacked(rows: dict[str, torch.Tensor], x: LossInputs, n_logprob: int) -> _CleanForm:
     """The GPU form (``batched_evaluation``): two kernels for all inputs, through one ``[K, B, T]`` stack."""
-    stacked = torch.stack([t.detach() for t in rows.values()])  # [K, B, T]
-    sanitized = sanitize(stacked)
+    stacked = torch.stack([t.detach() for t in rows.values()])  # [K, B, T], the call's own copy
     bad = nonfinite(stacked)  # [K, B, T] 0/1
+    sanitized = sanitize_(stacked)  # in place: no second [K, B, T] beside the first (peak memory)
     any_bad = bad[:n_logprob].amax(0)
     return _CleanForm(dict(zip(rows, sanitized)), bad, _masks(x, bad[1], any_bad), sanitized)
 
@@ -167,7 +167,7 @@ def _sanitized_per_input(
 def _masks(x: LossInputs, d_bad: torch.Tensor, any_bad: torch.Tensor) -> TokenMasks:
     """The token masks from where ``d`` and where any log-prob input is not finite (``any_bad``, consumed)."""
     d_finite = 1.0 - d_bad
-    inputs_finite = any_bad.neg_().add_(1.0)  # 1 - any_bad, in place: any_bad is a fresh tensor
+    inputs_finite = torch.rsub(any_bad, 1.0)  # 1 - any_bad, one operator
     return TokenMasks.build(x.token_mask, x.sample_mask, d_finite, inputs_finite)
 
 

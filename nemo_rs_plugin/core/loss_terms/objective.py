@@ -94,19 +94,21 @@ class Objective:
         token_mask, sample_mask = masks.token_mask, masks.sample_mask
         # NeMo-RL's sequence-level aggregation averages each row over token_mask.
         agg_mask = loss_tokens if self.token_level_loss else token_mask * keep
-        token_denominator, seq_denominator = counts.tokens, counts.sequences
+        # The one global count the loss divides by: valid tokens (token-level loss) or valid
+        # sequences, + 1e-8, shared with the metrics (one operator for both).
         kept_tokens, kept_seqs = totals.kept_token_fraction, totals.kept_sequence_fraction
         if kept_tokens is not None and kept_seqs is not None:  # set exactly with rejection_denominator: kept
             # VERL's decoupled semantics: shrink the global denominators by the kept fraction
             # of this microbatch (over all ranks that split its sequences).
-            token_denominator = counts.tokens * kept_tokens
-            seq_denominator = counts.sequences * kept_seqs
+            kept = counts.tokens * kept_tokens if self.token_level_loss else counts.sequences * kept_seqs
+            divisor = kept + EPS
+        else:
+            divisor = counts.divisor("tokens" if self.token_level_loss else "sequences")
         return Aggregation(
             mask=agg_mask,
             sample_mask=sample_mask,
             seq_mask_count=None if self.token_level_loss else sequence_counts_of(corr).mask_count,
-            seq_denominator=seq_denominator,
-            token_denominator=token_denominator,
+            divisor=divisor,
             groups=groups,
         )
 
@@ -185,10 +187,10 @@ class Objective:
         row's full ``token_mask`` count (reduced over ``groups``), as NeMo-RL's.
         """
         if agg.seq_mask_count is None:  # token-level loss
-            return masked_sum(per_token, agg.mask.to(per_token.dtype)) / (agg.token_denominator + EPS)
+            return masked_sum(per_token, agg.mask.to(per_token.dtype)) / agg.divisor
         row_sum = all_reduce_sum_with_grad((per_token * agg.mask).sum(-1), agg.groups)  # [B]
         row_mean = row_sum / (agg.seq_mask_count + EPS)
-        loss = (row_mean * agg.sample_mask).sum() / (agg.seq_denominator + EPS)
+        loss = (row_mean * agg.sample_mask).sum() / agg.divisor
         if agg.groups.active:
             # Every rank now holds the whole value; return its share so that the shares
             # summed over the ranks (the data-parallel gradient reduction) are the loss.
@@ -218,8 +220,8 @@ class Aggregation:
     mask: torch.Tensor  # [B, T] valid (token-level) or token_mask (sequence-level), kept
     sample_mask: torch.Tensor  # [B]
     seq_mask_count: Optional[torch.Tensor]  # [B] token_mask count per row, all ranks (None: token-level loss)
-    seq_denominator: torch.Tensor  # global_valid_seqs (or its kept share)
-    token_denominator: torch.Tensor  # global_valid_toks (or its kept share)
+    # global_valid_toks (token-level loss) or global_valid_seqs, or its kept share, + 1e-8
+    divisor: torch.Tensor
     groups: SequenceGroups
 
 

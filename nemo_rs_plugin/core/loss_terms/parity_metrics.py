@@ -8,6 +8,7 @@ extremes are derived on the host from the reduced extremes of the ratio.
 from __future__ import annotations
 
 import math
+from typing import Iterator
 
 import torch
 
@@ -45,31 +46,13 @@ def record_nemo_rl_metrics(
         # and inf * 0 in the masked sums below is NaN: no masked token reaches an exp.
         d = d * usable
 
-        # One row at a time: the CPU form reduces each where it is declared (one [B, T] row alive).
+        # Rows alive anyway (the ratios, the weight) wait for the metric set's one product per
+        # mask in the GPU form; rows built for their metric alone are each reduced as they are
+        # built, in both forms (one [B, T] alive; held for that product they were the GPU form's
+        # peak memory).
         metrics.add_masked_total("probs_ratio", r, usable)
         metrics.add_masked_total("probs_ratio_clamped", rc, usable)
-        metrics.add_masked_total("token_mult_prob_error", torch.exp(d.abs()), usable)
-        # The KL error both ways: in the GPU form one [2, B, T] pass, reduced where it is declared
-        # (one product, no row held until stack(): the call's peak memory); in the CPU form one
-        # row at a time, each reduced as it is built.
-        kl_rows = (
-            kl_estimate(torch.stack([d, d.neg()]), kl_type)
-            if metrics.form.batched
-            else (kl_estimate(d if way == "gen" else d.neg(), kl_type) for way in ("gen", "policy"))
-        )
-        metrics.add_masked_totals(["gen_kl_error", "policy_kl_error"], kl_rows, usable)
-        del kl_rows
-        # NeMo-RL's per-token JS estimate with M = (P_train + P_gen) / 2,
-        #   0.5 [k3(log M/P_train) + k3(log M/P_gen)],  k3(x) = exp(x) - 1 - x,
-        # simplifies exactly to log cosh(d / 2) = softplus(-d) + d / 2 - log 2, which is
-        # stable for any d and costs one transcendental instead of five.
-        js = torch.nn.functional.softplus(-d).add_(d, alpha=0.5).sub_(math.log(2.0))
-        metrics.add_masked_total("js_divergence_error", js, usable)
-        del js
-        # E_gen[-(pi/pi_gen) log pi]
-        entropy = (clean.curr - clean.gen).mul_(usable).exp_().mul_(clean.curr).neg_()
-        metrics.add_masked_total("approx_entropy", entropy, usable)
-        del entropy
+        metrics.add_masked_totals(list(_MISMATCH_ROWS), _mismatch_rows(d, clean, usable, kl_type), usable)
         if cfg.is_level_entry.per_token:
             metrics.add_masked_total("sampling_importance_ratio", corr.is_weight, usable)
         # NeMo-RL's own extremes: its wrappers and driver combine them by min and max
@@ -88,6 +71,32 @@ def record_nemo_rl_metrics(
             metrics.add("positive_nll_loss", nll)
         else:
             metrics.add_zero("positive_nll_loss")
+
+
+#: NeMo-RL's per-token mismatch metrics, in its order: the rows :func:`_mismatch_rows` yields.
+_MISMATCH_ROWS = (
+    "token_mult_prob_error",
+    "gen_kl_error",
+    "policy_kl_error",
+    "js_divergence_error",
+    "approx_entropy",
+)
+
+
+def _mismatch_rows(
+    d: torch.Tensor, clean: SanitizedInputs, usable: torch.Tensor, kl_type: str
+) -> Iterator[torch.Tensor]:
+    """The ``[B, T]`` rows of :data:`_MISMATCH_ROWS`, built one at a time; ``d = prev - gen`` masked to ``usable``."""
+    yield torch.exp(d.abs())  # token_mult_prob_error: exp|log p_train - log p_gen|
+    yield kl_estimate(d, kl_type)  # gen_kl_error
+    yield kl_estimate(d.neg(), kl_type)  # policy_kl_error
+    # NeMo-RL's per-token JS estimate with M = (P_train + P_gen) / 2,
+    #   0.5 [k3(log M/P_train) + k3(log M/P_gen)],  k3(x) = exp(x) - 1 - x,
+    # simplifies exactly to log cosh(d / 2) = softplus(-d) + d / 2 - log 2, which is
+    # stable for any d and costs one transcendental instead of five.
+    yield torch.nn.functional.softplus(-d).add_(d, alpha=0.5).sub_(math.log(2.0))
+    # approx_entropy: E_gen[-(pi/pi_gen) log pi]
+    yield (clean.curr - clean.gen).mul_(usable).exp_().mul_(clean.curr).neg_()
 
 
 def _clamped_extremes(cfg: RSClippedPGLossConfig, metrics: MetricSet) -> None:

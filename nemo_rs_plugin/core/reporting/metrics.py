@@ -34,7 +34,7 @@ declaration names the metric and gives its value, nothing else):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Literal, Mapping, NamedTuple, NoReturn, Optional
 
 import torch
@@ -62,6 +62,8 @@ _CATALOGS = (
 )
 
 
+_COUNTS = "MetricSet(catalog, counts=...)"
+
 #: Where a declared value waits for :meth:`MetricSet.stack`: ``final`` (never divided) or the
 #: global count it is divided by.
 _Bucket = Literal["final", "tokens", "sequences"]
@@ -86,10 +88,16 @@ class GlobalCounts:
 
     tokens: torch.Tensor
     sequences: torch.Tensor
+    #: ``count + 1e-8`` per normalization, computed once per call on first use: the loss's terms
+    #: and the metrics divide by the same one (an operator each time otherwise).
+    _divisors: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def of(self, normalization: Normalization) -> Optional[torch.Tensor]:
-        """The count a ``normalization`` divides by (``None`` for ``none``)."""
-        return {"tokens": self.tokens, "sequences": self.sequences}.get(normalization)
+    def divisor(self, count: Literal["tokens", "sequences"]) -> torch.Tensor:
+        """``count + 1e-8``, what a total normalized by ``count`` is divided by."""
+        divisor = self._divisors.get(count)
+        if divisor is None:
+            divisor = self._divisors[count] = (self.tokens if count == "tokens" else self.sequences) + EPS
+        return divisor
 
 
 class MetricSet:
@@ -139,7 +147,7 @@ class MetricSet:
         self._parts: dict[_Bucket, list[torch.Tensor]] = {"final": [], "tokens": [], "sequences": []}
         self._flat_masks: list[tuple[torch.Tensor, torch.dtype, torch.Tensor]] = []  # CPU form: mask, dtype, flat cast
         self._masked: list[tuple[torch.Tensor, _Bucket, list]] = []  # GPU form: (mask, bucket, [(names, rows)])
-        self._extrema: dict[tuple[int, torch.dtype], list[_Extreme]] = {}  # GPU form: (rank, dtype) -> its extremes
+        self._extrema: list[list[_Extreme]] = []  # GPU form: extremes of one penalty, rank and dtype together
         self._derived: list[tuple[str, HostFormula]] = []  # name -> its formula over the transferred values
         self._stacked: Optional[tuple[list[str], torch.Tensor]] = None
         self.diagnostics = Diagnostics()  # the ``_``-prefixed entries, set by finalize()
@@ -209,9 +217,9 @@ class MetricSet:
         """:meth:`add_masked_total` for each row of ``rows``; the names share one normalization.
 
         ``rows``: a list or tuple of tensors, a stacked ``[len(names), *mask.shape]`` one, or an
-        iterator of tensors (the CPU form then builds and reduces one row at a time). In the GPU
-        form a stacked one is reduced here, by its one matrix-vector product, and not held; rows
-        given one by one wait for :meth:`stack` with the other rows of their mask.
+        iterator of tensors (built and reduced one row at a time, in both forms: one row alive).
+        In the GPU form a stacked one is reduced here, by its one matrix-vector product, and not
+        held; rows given in a list wait for :meth:`stack` with the other rows of their mask.
         """
         if not self.form.batched:
             # CPU form: reduced now, so each [B, T] row can be freed as soon as its caller drops
@@ -229,7 +237,17 @@ class MetricSet:
                 self._parts[bucket] += totals
             return
         if not isinstance(rows, (list, tuple, torch.Tensor)):
-            rows = list(rows)
+            # An iterator: each row's product as it is built, so that one row is alive at a time
+            # (two rows built at once were the GPU form's peak memory: the KL errors both ways).
+            with torch.no_grad():
+                totals = [stacked_masked_totals([row.unsqueeze(0)], mask) for row in rows]
+            if len(totals) != len(names):
+                _row_count_mismatch(names, len(totals))
+            bucket = self._declare(names)
+            if bucket is not None:
+                self._names[bucket] += names
+                self._parts[bucket] += totals
+            return
         count = len(rows) if isinstance(rows, (list, tuple)) else rows.shape[0]
         if count != len(names):
             _row_count_mismatch(names, count)
@@ -264,10 +282,17 @@ class MetricSet:
             self._names["final"] += (min_name, max_name)
             self._parts["final"] += masked_extremum(values, penalty)
             return
-        # Same rank and dtype stack together (their shapes agree: one microbatch). Not the
-        # shape itself: hashing a symbolic size would pin it in a compiled graph.
-        key = (values.dim(), values.dtype)
-        self._extrema.setdefault(key, []).append(_Extreme(min_name, max_name, values.detach(), penalty))
+        # Extremes of one penalty (one mask: found by identity, traceable by torch.compile),
+        # rank and dtype stack together; the penalty broadcasts over them, never stacked (a
+        # [B, T] copy per extreme: the GPU form's peak memory). Not the shape itself: hashing a
+        # symbolic size would pin it in a compiled graph.
+        extreme = _Extreme(min_name, max_name, values.detach(), penalty)
+        for group in self._extrema:
+            first = group[0]
+            if first.penalty is penalty and first.values.dim() == values.dim() and first.values.dtype == values.dtype:
+                group.append(extreme)
+                return
+        self._extrema.append([extreme])
 
     def derive(self, name: str, formula: HostFormula) -> None:
         """Declare a metric :meth:`finalize` computes on the host from the reduced values.
@@ -330,44 +355,37 @@ class MetricSet:
                 names[bucket] += [n for group, _ in entries for n in group]
                 parts[bucket].append(stacked_masked_totals([rows for _, rows in entries], mask))
                 del mask, entries
-            extrema, self._extrema = list(self._extrema.values()), {}
+            extrema, self._extrema = self._extrema, []
             while extrema:
                 extremes = extrema.pop()
                 lows, highs = masked_extrema([e.values for e in extremes], [e.penalty for e in extremes])
                 names["final"] += [e.min_name for e in extremes] + [e.max_name for e in extremes]
                 parts["final"] += [lows, highs]
                 del extremes
-            stacked_names: list[str] = []
-            vectors: list[torch.Tensor] = []
-            # On an accelerator and in a compiled graph a view is free and a stack is a kernel
-            # more: values join the cats below as views. Eager on the CPU each view costs about
-            # as much as the small operator it serves: one stack per bucket instead.
-            as_views = self.form.batched or self.form.compiled
-            for bucket in ("final", "tokens", "sequences"):
-                if not parts[bucket]:
-                    continue
-                if bucket == "final" and as_views:  # never divided: straight into the one cat
-                    stacked_names += names[bucket]
-                    vectors += [p.reshape(1) if p.dim() == 0 else p for p in parts[bucket]]
-                    continue
-                vector = _joined(parts[bucket], as_views)
-                if bucket != "final":
-                    count = self.counts.of(bucket) if self.counts is not None else None
-                    if count is None:
-                        raise ValueError(
-                            f"metrics normalized by {bucket!r} need the global counts (MetricSet(catalog, counts=...))"
-                        )
-                    vector = vector / (count + EPS)
-                stacked_names += names[bucket]
-                vectors.append(vector)
-            if not vectors:
+            # Every value in one vector, bucket after bucket, by one join: a cat of views on an
+            # accelerator and in a compiled graph (a view is free there, a kernel is not), one
+            # stack of the 0-dim values eager on the CPU (there each view costs about as much as
+            # the small operator it serves). Then each global count's slice divided in place.
+            order: list[_Bucket] = [bucket for bucket in ("final", "tokens", "sequences") if parts[bucket]]
+            values = [p for bucket in order for p in parts[bucket]]
+            if not values:
                 self._stacked = ([], torch.zeros(0))
             else:
-                # cat promotes integer parts (counts, a mask's extremes) to the float dtype itself
-                vector = torch.cat(vectors) if len(vectors) > 1 else vectors[0]
+                vector = _joined(values, self.form.batched or self.form.compiled)
                 if vector.dtype != torch.float32 and vector.dtype != torch.float64:
-                    vector = vector.to(torch.float32)
-                self._stacked = (stacked_names, vector)
+                    vector = vector.to(torch.float32)  # a fresh tensor: integer parts only
+                start = 0
+                for bucket in order:
+                    end = start + len(names[bucket])
+                    if bucket != "final":
+                        if self.counts is None:
+                            raise ValueError(f"metrics normalized by {bucket!r} need the global counts ({_COUNTS})")
+                        if len(values) > 1:
+                            vector[start:end].div_(self.counts.divisor(bucket))  # the join's own tensor
+                        else:  # one value joins as a view of the declared tensor: not divided in place
+                            vector = vector / self.counts.divisor(bucket)
+                    start = end
+                self._stacked = ([n for bucket in order for n in names[bucket]], vector)
         # Drop the [B, T] rows, masks and penalties: only the [M] vector outlives the tensor
         # core (a compiled core would otherwise return every one of them as a graph output).
         # The counts too: views of the caller's tensors, which as outputs of a compiled core
@@ -376,7 +394,7 @@ class MetricSet:
             {"final": [], "tokens": [], "sequences": []},
             {"final": [], "tokens": [], "sequences": []},
         )
-        self._flat_masks, self._masked, self._extrema = [], [], {}
+        self._flat_masks, self._masked, self._extrema = [], [], []
         self.counts = None
         return self._stacked
 
