@@ -53,14 +53,14 @@ MUTANTS: list[Mutant] = [
     # ---- filter bounds are inclusive (docs/guide.md#rejection-sampling): the one bound check
     Mutant(
         M,
-        "return x != x.clamp(lower, upper)",
-        "return (x != x.clamp(lower, upper)) | (x == upper)",
+        "return clamped, x != clamped",
+        "return clamped, (x != clamped) | (x == upper)",
         "every bound check (filters, truncation, sequence decisions): upper bound made exclusive",
     ),
     Mutant(
         M,
-        "return x != x.clamp(lower, upper)",
-        "return (x != x.clamp(lower, upper)) | (x == lower)",
+        "return clamped, x != clamped",
+        "return clamped, (x != clamped) | (x == lower)",
         "every bound check: lower bound made exclusive",
     ),
     Mutant(
@@ -161,14 +161,14 @@ MUTANTS: list[Mutant] = [
     # ---- truncation
     Mutant(
         TR,
-        "lower = 0.0 if lower is None else lower",
-        "lower = 0.0",
+        "clamp_marking_outside(w, 0.0 if lower is None else lower, upper)",
+        "clamp_marking_outside(w, 0.0, upper)",
         "tis ignores truncated_importance_sampling_ratio_min",
     ),
     Mutant(
         TR,
-        "return w.clamp(lower, upper), oob.to(w.dtype)",
-        "return w.clamp(lower, None), oob.to(w.dtype)",
+        "clamp_marking_outside(w, 0.0 if lower is None else lower, upper)",
+        "clamp_marking_outside(w, 0.0 if lower is None else lower, None)",
         "tis does not clamp above",
     ),
     Mutant(
@@ -283,8 +283,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         SAN,
-        "inputs_finite = any_bad.neg_().add_(1.0)",
-        "inputs_finite = 1.0 - bad[1]",
+        "inputs_finite = torch.rsub(any_bad, 1.0)",
+        "inputs_finite = 1.0 - d_bad",
         "a token with a non-finite curr or reference log-prob stays in the loss",
     ),
     Mutant(
@@ -332,14 +332,14 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         MS,
-        "vector = vector / (count + EPS)",
-        "vector = vector",
+        "vector[start:end].div_(self.counts.divisor(bucket))",
+        "vector[start:end]",
         "normalized totals not divided by their global count",
     ),
     Mutant(
         MS,
-        'return {"tokens": self.tokens, "sequences": self.sequences}.get(normalization)',
-        'return {"tokens": self.sequences, "sequences": self.tokens}.get(normalization)',
+        "vector[start:end].div_(self.counts.divisor(bucket))",
+        'vector[start:end].div_(self.counts.divisor("sequences" if bucket == "tokens" else "tokens"))',
         "token metrics divided by the sequence count and vice versa",
     ),
     Mutant(
@@ -378,8 +378,8 @@ MUTANTS: list[Mutant] = [
     Mutant(P, "return log_ratio.square() / 2", "return log_ratio.square()", "KL penalty k2 without the 1/2"),
     Mutant(
         P,
-        "return torch.expm1(log_ratio) - log_ratio",
-        "return torch.expm1(-log_ratio) + log_ratio",
+        "k3 = torch.expm1(log_ratio)\n",
+        "log_ratio = -log_ratio\n        k3 = torch.expm1(log_ratio)\n",
         "KL penalty k3 in the reverse direction",
     ),
     Mutant(
@@ -615,8 +615,8 @@ MUTANTS: list[Mutant] = [
     Mutant(P, 'k3":\n        return -log_ratio', 'k3":\n        return log_ratio', "KL k3 gradient, wrong sign"),
     Mutant(
         P,
-        "slope = torch.where(kl.abs() <= output_clamp, slope, 0.0)",
-        "slope = torch.where(kl.abs() < output_clamp, slope, 0.0)",
+        "slope = slope.masked_fill_((kl.abs() <= output_clamp).logical_not_(), 0.0)",
+        "slope = slope.masked_fill_((kl.abs() < output_clamp).logical_not_(), 0.0)",
         "KL output clamp stops the gradient on its bound too (a clamp passes it there)",
     ),
     Mutant(P, "return 1 - log_ratio", "return -log_ratio", "KL k1 gradient without the weight's own term"),
@@ -628,8 +628,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         P,
-        "slope = torch.where(kl.abs() <= output_clamp, slope, 0.0)",
-        "slope = slope * (kl.abs() <= output_clamp)",
+        "slope = slope.masked_fill_((kl.abs() <= output_clamp).logical_not_(), 0.0)",
+        "slope = slope.mul_(kl.abs() <= output_clamp)",
         "KL output clamp stops an overflowed gradient by a product: 0 * inf = NaN",
     ),
     # ---- sequence packing: the microbatch totals a per-sequence call reads (tests/nemo_rl/test_packing.py)
@@ -871,9 +871,9 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         PM,
-        "kl_estimate(torch.stack([d, d.neg()]), kl_type)",
-        "kl_estimate(torch.stack([d.neg(), d]), kl_type)",
-        "gen_kl_error and policy_kl_error swapped (GPU form: both ways in one [2, B, T] pass)",
+        '"gen_kl_error",\n    "policy_kl_error",',
+        '"policy_kl_error",\n    "gen_kl_error",',
+        "gen_kl_error and policy_kl_error swapped",
     ),
     Mutant(
         FO,
