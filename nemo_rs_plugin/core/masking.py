@@ -62,23 +62,18 @@ def nonfinite(x: torch.Tensor) -> torch.Tensor:
     return (x - x).nan_to_num_(nan=1.0, posinf=1.0, neginf=1.0)  # one [B, T] allocation
 
 
-def out_of_bounds(x: torch.Tensor, lower: Optional[float], upper: Optional[float]) -> torch.Tensor:
+def out_of_bounds(
+    x: torch.Tensor, lower: Optional[float], upper: Optional[float], clamped: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Boolean: ``x`` outside the inclusive ``[lower, upper]`` (a ``None`` bound is open); NaN is outside.
 
     The one bound check of the package (filters, truncation, sequence decisions): ``x`` differs
-    from its clamp exactly when it lies outside, and ``NaN != NaN``. Two kernels, no host sync.
+    from its clamp exactly when it lies outside, and ``NaN != NaN``. Two kernels, no host sync;
+    one where the caller has ``clamped``, ``x.clamp(lower, upper)`` (token TIS keeps it as the weight).
     """
     if lower is None and upper is None:
         return x != x
-    return clamp_marking_outside(x, lower, upper)[1]
-
-
-def clamp_marking_outside(
-    x: torch.Tensor, lower: Optional[float], upper: Optional[float]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` clamped to ``[lower, upper]`` (one bound at least) and :func:`out_of_bounds` of it, from one clamp."""
-    clamped = x.clamp(lower, upper)
-    return clamped, x != clamped
+    return x != (x.clamp(lower, upper) if clamped is None else clamped)
 
 
 def finite_exp(x: torch.Tensor) -> torch.Tensor:

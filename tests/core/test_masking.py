@@ -74,6 +74,11 @@ def test_out_of_bounds_is_inclusive_a_none_bound_is_open_and_nan_is_outside():
     assert out_of_bounds(x, None, 2.0).tolist() == [False, False, False, False, True, True]
     assert out_of_bounds(x, 0.5, None).tolist() == [True, False, False, False, False, True]
     assert out_of_bounds(x, None, None).tolist() == [False] * 5 + [True]
+    # the caller's clamp (token TIS keeps it as the weight) is read, not recomputed
+    for lower, upper in ((0.5, 2.0), (None, 2.0), (0.5, None)):
+        given = out_of_bounds(x, lower, upper, x.clamp(lower, upper))
+        assert given.tolist() == out_of_bounds(x, lower, upper).tolist()
+    assert out_of_bounds(x, 0.5, 2.0, torch.zeros_like(x)).all()  # read: every entry differs from it
 
 
 def test_nonfinite_entries_become_zero_and_pass_no_gradient():

@@ -53,14 +53,14 @@ MUTANTS: list[Mutant] = [
     # ---- filter bounds are inclusive (docs/guide.md#rejection-sampling): the one bound check
     Mutant(
         M,
-        "return clamped, x != clamped",
-        "return clamped, (x != clamped) | (x == upper)",
+        "return x != (x.clamp(lower, upper) if clamped is None else clamped)",
+        "return (x != (x.clamp(lower, upper) if clamped is None else clamped)) | (x == upper)",
         "every bound check (filters, truncation, sequence decisions): upper bound made exclusive",
     ),
     Mutant(
         M,
-        "return clamped, x != clamped",
-        "return clamped, (x != clamped) | (x == lower)",
+        "return x != (x.clamp(lower, upper) if clamped is None else clamped)",
+        "return (x != (x.clamp(lower, upper) if clamped is None else clamped)) | (x == lower)",
         "every bound check: lower bound made exclusive",
     ),
     Mutant(
@@ -161,14 +161,14 @@ MUTANTS: list[Mutant] = [
     # ---- truncation
     Mutant(
         TR,
-        "clamp_marking_outside(w, 0.0 if lower is None else lower, upper)",
-        "clamp_marking_outside(w, 0.0, upper)",
+        "lower = 0.0 if lower is None else lower",
+        "lower = 0.0",
         "tis ignores truncated_importance_sampling_ratio_min",
     ),
     Mutant(
         TR,
-        "clamp_marking_outside(w, 0.0 if lower is None else lower, upper)",
-        "clamp_marking_outside(w, 0.0 if lower is None else lower, None)",
+        "clamped = w.clamp(lower, upper)",
+        "clamped = w.clamp(lower, None)",
         "tis does not clamp above",
     ),
     Mutant(

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from nemo_rs_plugin.core.masking import clamp_marking_outside, out_of_bounds
+from nemo_rs_plugin.core.masking import out_of_bounds
 
 __all__ = ["TRUNCATIONS", "Truncation", "truncation", "truncations_text"]
 
@@ -79,8 +79,9 @@ class Truncation:
 
 
 def _clamp(w: torch.Tensor, lower: Optional[float], upper: Optional[float], _: Optional[torch.Tensor]):
-    clamped, oob = clamp_marking_outside(w, 0.0 if lower is None else lower, upper)
-    return clamped, oob.to(w.dtype)
+    lower = 0.0 if lower is None else lower
+    clamped = w.clamp(lower, upper)
+    return clamped, out_of_bounds(w, lower, upper, clamped).to(w.dtype)
 
 
 def _zero_outside(w: torch.Tensor, lower: Optional[float], upper: Optional[float], _: Optional[torch.Tensor]):
