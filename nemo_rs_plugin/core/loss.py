@@ -96,6 +96,8 @@ class CorrectedPGLoss:
         self.per_call_metrics = per_call_metrics
         cfg = self.cfg
         self.objective = Objective(cfg)
+        # Each filter's registry entries, looked up here once instead of on every call.
+        self.filter_stages = tuple(f.resolved() for f in cfg.rejection_sampling)
         self.kl_coef = self.objective.kl_coef  # 0 without the KL term: the reference log-probs are not read
         # Every metric this configuration returns, read off the catalog (no run): what
         # metric_normalizations() reports; with the loss's own diagnostics, what each metric set
@@ -248,6 +250,7 @@ class CorrectedPGLoss:
             advantages=clean.advantages,
             metrics=metrics,
             batch_norm_factor=None if microbatch is None else microbatch.batch_norm_factor,
+            stages=self.filter_stages,
         )
         totals = microbatch if microbatch is not None else self.objective.totals_of(corr, masks, x.rewards)
 
@@ -286,6 +289,7 @@ class CorrectedPGLoss:
                 log_probs=PolicyLogProbs(curr=x.curr, prev=clean.prev_raw, gen=x.generation),
                 advantages=clean.advantages,
                 metrics=MetricSet(self.declared_specs, form=form),
+                stages=self.filter_stages,
             )
             return self.objective.totals_of(corr, clean.masks, x.rewards)
 

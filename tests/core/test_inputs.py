@@ -577,3 +577,19 @@ def test_the_loss_dtype_is_read_without_building_the_inputs(cfg, monkeypatch):
 
     monkeypatch.setattr(LossInputs, "from_nemo_rl", not_built)
     assert [loss.loss_dtype(x, d) for x, d in cases] == expected
+
+
+def test_inputs_already_in_the_loss_dtype_are_not_rebuilt_and_the_others_are_cast():
+    """``to_dtype`` runs on every call: inputs with nothing to cast are returned as they are (no
+    object or cast per field); one float field in another dtype casts that field, differentiably."""
+    lp, data, _, _ = random_batch(2, 6)
+    x = CorrectedPGLoss({}).inputs_from_nemo_rl(lp.requires_grad_(True), data)
+    assert x.to_dtype(torch.float32) is x  # the masks are integer: never cast
+    y = x.to_dtype(torch.float64)
+    assert y is not x and y.curr.dtype == y.advantages.dtype == y.sample_mask.dtype == torch.float64
+    assert y.token_mask.dtype == x.token_mask.dtype  # an integer mask stays as it is
+    y.curr.sum().backward()
+    assert lp.grad is not None and lp.grad.dtype == torch.float32
+    half = type(x)(**{**x.__dict__, "advantages": x.advantages.half()})
+    z = half.to_dtype(torch.float32)
+    assert z is not half and z.advantages.dtype == torch.float32 and z.curr is half.curr

@@ -122,3 +122,64 @@ def test_a_level_that_names_no_kind_is_one_line_on_the_level(stage, expected):
 def test_a_field_error_inside_a_stage_is_located_without_the_kind():
     [line] = problems_of({"level": "sequence", "agg": "median", "upper": 1.0})
     assert line.startswith("loss_fn.rejection_sampling.0.agg: got 'median'"), line
+
+
+RESOLVED_CASES = [
+    {"level": "token", "lower": 0.5, "upper": 2.0},
+    {"level": "token", "statistic": "kl_k3", "upper": 0.5, "log_ratio": "curr-gen", "applies_to": "policy_gradient"},
+    {"level": "token", "statistic": "prob_diff", "lower": -0.2, "upper": 0.2, "advantage_sign": "positive"},
+    {"level": "sequence", "agg": "any", "lower": 0.0, "upper": 4.0},
+    {
+        "level": "sequence",
+        "statistic": "ratio",
+        "lower": 0.9,
+        "upper": 1.1,
+        "advantage_sign": "negative",
+        "name": "opsm",
+    },
+]
+
+
+@pytest.mark.parametrize("fields", RESOLVED_CASES, ids=lambda f: "-".join(str(v) for v in f.values()))
+def test_a_resolved_stage_holds_what_its_filter_reads_and_the_filter_code_reads_it_alike(fields):
+    import dataclasses
+
+    import torch
+
+    from nemo_rs_plugin.core.correction.filters import (
+        PolicyLogProbs,
+        filter_statistic,
+        plan_sequence_filter,
+        plan_token_filter,
+    )
+    from nemo_rs_plugin.core.masking import TokenMasks
+    from nemo_rs_plugin.core.settings.rejection_filter import FilterStage
+
+    f = RejectionFilter(**fields)
+    stage = f.resolved()
+    assert isinstance(stage, FilterStage)
+    for field in dataclasses.fields(FilterStage):
+        assert getattr(stage, field.name) == getattr(f, field.name), field.name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stage.label = "other"  # type: ignore[misc]
+    pickle.loads(pickle.dumps(f))  # the configuration stays plain data: nothing resolved is cached on it
+
+    g = torch.Generator().manual_seed(0)
+    curr, prev, gen = (-torch.rand(3, 6, generator=g, dtype=torch.float64) for _ in range(3))
+    ones = torch.ones(3, 6, dtype=torch.float64)
+    masks = TokenMasks.build(torch.ones(3, 6, dtype=torch.long), torch.ones(3, dtype=torch.float64), ones, ones)
+
+    log_probs = PolicyLogProbs(curr=curr, prev=prev, gen=gen)
+    signs = torch.tensor([[1.0, -1.0, 1.0, -1.0, 1.0, -1.0]] * 3, dtype=torch.float64)
+    negative, positive = (signs < 0).double(), (signs > 0).double()
+    results = []
+    for settings in (f, stage):
+        stat, finite = filter_statistic(settings, prev - gen, masks, log_probs)
+        if stage.level_entry.whole_sequences:
+            s = plan_sequence_filter(settings, stat, finite, masks.valid_bin, negative, torch.finfo(stat.dtype).max)
+            results.append([t for t in dataclasses.astuple(s) if isinstance(t, torch.Tensor)])
+        else:
+            s, kept = plan_token_filter(settings, stat, finite, masks.valid_bin, negative, positive)
+            results.append([kept, s.rejected])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

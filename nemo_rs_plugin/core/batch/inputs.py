@@ -61,41 +61,32 @@ class LossInputs:
                 "advantages, prev_logprobs, generation_logprobs, token_mask, sample_mask, ...)"
             )
         lp_shape = tuple(getattr(next_token_logprobs, "shape", ()))
-        want = f"({lp_shape[0]}, {lp_shape[1] + 1})" if len(lp_shape) == 2 else "[B, S]"
-
-        def col(key: str) -> torch.Tensor:
-            t = _required(data, key)
-            # [B, 1]: one advantage per sequence, which slicing would leave [B, 0]
-            per_sequence = key == "advantages" and t.dim() == 2 and t.shape[1] == 1 and lp_shape[1:] != (0,)
-            if t.dim() != 2 or per_sequence:
-                hint = ""
-                if key == "advantages" and t.dim() == 1:
-                    hint = (
-                        "; one advantage per token, as NeMo-RL's GRPO stores them: broadcast a "
-                        "per-sequence advantage with advantages.unsqueeze(-1).expand(-1, S)"
-                    )
-                if per_sequence:
-                    hint = (
-                        "; one advantage per token, as NeMo-RL's GRPO stores them: broadcast a "
-                        "per-sequence advantage with advantages.expand(-1, S)"
-                    )
-                raise ValueError(
-                    f"data[{key!r}]: got shape {tuple(t.shape)}; expected [B, S] = {want}, "
-                    f"position 0 dropped to align with next_token_logprobs {lp_shape}{hint}"
-                )
-            return t[:, 1:]
-
-        unfiltered = data.get("curr_logprobs_unfiltered") if need_reference else None
+        keys = ["prev_logprobs"] if need_prev else []
+        keys.append("generation_logprobs")
+        if need_reference:
+            keys.append("reference_policy_logprobs")
+        keys += ["advantages", "token_mask"]
+        # One loop, no helper per field: it runs on every call.
+        sliced: dict[str, torch.Tensor] = {}
+        for key in keys:
+            t = data[key] if key in data else None
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or (key == "advantages" and t.shape[1] == 1):
+                _check_field(data, key, lp_shape)  # raises the field's error (not a tensor: always)
+                assert isinstance(t, torch.Tensor)
+            sliced[key] = t[:, 1:]
+        sample_mask = data["sample_mask"] if "sample_mask" in data else None
+        if not isinstance(sample_mask, torch.Tensor):
+            sample_mask = _required(data, "sample_mask")  # raises
         return cls(
             curr=next_token_logprobs,
-            prev=col("prev_logprobs") if need_prev else None,
-            generation=col("generation_logprobs"),
-            reference=col("reference_policy_logprobs") if need_reference else None,
-            advantages=col("advantages"),
-            token_mask=col("token_mask"),
-            sample_mask=_required(data, "sample_mask"),
+            prev=sliced.get("prev_logprobs"),
+            generation=sliced["generation_logprobs"],
+            reference=sliced.get("reference_policy_logprobs"),
+            advantages=sliced["advantages"],
+            token_mask=sliced["token_mask"],
+            sample_mask=sample_mask,
             rewards=data.get("rewards"),
-            curr_unfiltered=unfiltered,
+            curr_unfiltered=data.get("curr_logprobs_unfiltered") if need_reference else None,
         )
 
     @staticmethod
@@ -174,8 +165,25 @@ class LossInputs:
     def to_dtype(self, dtype: torch.dtype) -> "LossInputs":
         """Float tensors cast to ``dtype`` (differentiably; a no-op for those already in it).
 
-        Integer and boolean masks stay as they are; ``rewards`` is only compared with 0.
+        Integer and boolean masks stay as they are; ``rewards`` is only compared with 0. These
+        inputs themselves where nothing needs a cast (the common case, on every call).
         """
+        fields = (
+            self.curr,
+            self.prev,
+            self.generation,
+            self.reference,
+            self.advantages,
+            self.token_mask,
+            self.sample_mask,
+            self.curr_unfiltered,
+            self.nonfinite_logit_rows,
+        )
+        for t in fields:  # a loop, not any(...): no generator frame per field
+            if t is not None and t.dtype != dtype and t.is_floating_point():
+                break
+        else:
+            return self
         return LossInputs(
             curr=_cast(self.curr, dtype),
             prev=_cast(self.prev, dtype),
@@ -284,6 +292,30 @@ def _required(data: Mapping[str, Any], key: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"data[{key!r}]: got {type(t).__name__}; expected a torch.Tensor")
     return t
+
+
+def _check_field(data: Mapping[str, Any], key: str, lp_shape: tuple) -> None:
+    """Raise the error of a per-token field that is missing, not a tensor, or not ``[B, S]`` (else nothing)."""
+    t = _required(data, key)
+    want = f"({lp_shape[0]}, {lp_shape[1] + 1})" if len(lp_shape) == 2 else "[B, S]"
+    # [B, 1]: one advantage per sequence, which slicing would leave [B, 0]
+    per_sequence = key == "advantages" and t.dim() == 2 and t.shape[1] == 1 and lp_shape[1:] != (0,)
+    if t.dim() != 2 or per_sequence:
+        hint = ""
+        if key == "advantages" and t.dim() == 1:
+            hint = (
+                "; one advantage per token, as NeMo-RL's GRPO stores them: broadcast a "
+                "per-sequence advantage with advantages.unsqueeze(-1).expand(-1, S)"
+            )
+        if per_sequence:
+            hint = (
+                "; one advantage per token, as NeMo-RL's GRPO stores them: broadcast a "
+                "per-sequence advantage with advantages.expand(-1, S)"
+            )
+        raise ValueError(
+            f"data[{key!r}]: got shape {tuple(t.shape)}; expected [B, S] = {want}, "
+            f"position 0 dropped to align with next_token_logprobs {lp_shape}{hint}"
+        )
 
 
 def _global_count(name: str, value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -26,7 +26,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -43,7 +42,7 @@ from nemo_rs_plugin.core.registries.aggregations import StageInputs
 from nemo_rs_plugin.core.registries.filter_options import LogRatio
 from nemo_rs_plugin.core.registries.filter_statistics import PROBABILITY_CLAMP, filter_statistic_entry
 from nemo_rs_plugin.core.reporting.metrics import MetricSet
-from nemo_rs_plugin.core.settings.config import RejectionFilter
+from nemo_rs_plugin.core.settings.rejection_filter import StageSettings
 
 __all__ = [
     "PROBABILITY_CLAMP",
@@ -125,22 +124,14 @@ def filter_log_ratio(
     return sanitize(d_raw), 1.0 - nonfinite(d_raw), target, behaviour
 
 
-def _log_bound(v: Optional[float]) -> Optional[float]:
-    if v is None:
-        return None
-    return -math.inf if v == 0 else math.log(v)
-
-
-def filter_bounds(f: RejectionFilter) -> tuple[Optional[float], Optional[float]]:
-    """Bounds in the space the statistic lives in (log space for ratios)."""
-    if filter_statistic_entry(f.statistic).log_space:
-        return _log_bound(f.lower), _log_bound(f.upper)
-    return f.lower, f.upper
+def filter_bounds(f: StageSettings) -> tuple[Optional[float], Optional[float]]:
+    """Bounds in the space the statistic lives in (log space for ratios): the stage's ``bounds``."""
+    return f.bounds
 
 
 # ------------------------------------------------------------------ plan (local)
 def plan_filters(
-    filters: Sequence[RejectionFilter],
+    filters: Sequence[StageSettings],
     d: torch.Tensor,  # [B, T] prev - gen, sanitised, detached
     masks: TokenMasks,
     negative: Optional[torch.Tensor],  # [B, T] 0/1 negative advantage; None if no filter is conditioned
@@ -180,10 +171,10 @@ def plan_filters(
 
 
 def filter_statistic(
-    f: RejectionFilter, d: torch.Tensor, masks: TokenMasks, log_probs: Optional[PolicyLogProbs]
+    f: StageSettings, d: torch.Tensor, masks: TokenMasks, log_probs: Optional[PolicyLogProbs]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, T]`` the filter's statistic (finite) and the 0/1 mask of where its log-ratio was finite."""
-    entry = filter_statistic_entry(f.statistic)
+    entry = f.statistic_entry
     fd, f_finite, target, behaviour = filter_log_ratio(
         f.log_ratio_entry, d, masks.d_finite, log_probs, entry.needs_probabilities
     )
@@ -195,7 +186,7 @@ def filter_statistic(
 
 
 def plan_token_filter(
-    f: RejectionFilter,
+    f: StageSettings,
     stat: torch.Tensor,  # [B, T]
     f_finite: torch.Tensor,  # [B, T] 0/1
     alive: torch.Tensor,  # [B, T] 0/1 valid tokens the earlier token filters kept
@@ -203,7 +194,7 @@ def plan_token_filter(
     positive: Optional[torch.Tensor] = None,  # [B, T] 0/1
 ) -> tuple[TokenStageStatistics, torch.Tensor]:
     """The token filter's per-row statistics and the tokens still alive after it."""
-    lo, hi = filter_bounds(f)
+    lo, hi = f.bounds
     # Tokens this filter may reject: all, or only those whose advantage has the filter's sign
     # (None: the caller has no advantages, as in calibration; every token is eligible).
     sign = f.sign_entry
@@ -220,7 +211,7 @@ def plan_token_filter(
 
 
 def plan_sequence_filter(
-    f: RejectionFilter,
+    f: StageSettings,
     stat: torch.Tensor,  # [B, T]
     f_finite: torch.Tensor,  # [B, T] 0/1
     alive: torch.Tensor,  # [B, T] 0/1 valid tokens the earlier token filters kept
@@ -247,10 +238,12 @@ def plan_sequence_filter(
 
 
 # ------------------------------------------------------------------ decisions (reduced statistics)
-def _sequence_rejects(f: RejectionFilter, s: SequenceStage) -> torch.Tensor:
+def _sequence_rejects(f: StageSettings, s: SequenceStage) -> torch.Tensor:
     """``[B]`` bool: the sequence filter rejects the row, decided on reduced statistics."""
-    lo, hi = filter_bounds(f)
-    low, high = sequence_filter_statistic(f, s)
+    lo, hi = f.bounds
+    entry = f.aggregation_entry
+    assert entry is not None, "a sequence filter has an aggregation"
+    low, high = entry.finalize(s)  # sequence_filter_statistic, without the call
     if low is high:
         reject = out_of_bounds(low, lo, hi)
     else:  # any: some valid token outside the bounds
@@ -260,7 +253,7 @@ def _sequence_rejects(f: RejectionFilter, s: SequenceStage) -> torch.Tensor:
     return reject & (s.count > 0)
 
 
-def sequence_filter_statistic(f: RejectionFilter, s: SequenceStage) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_filter_statistic(f: StageSettings, s: SequenceStage) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B]`` (statistic compared with ``lower``, statistic compared with ``upper``), reduced rows.
 
     The aggregation of the filter over the stage's tokens, in the bounds' space (log space
@@ -284,7 +277,7 @@ class RejectionOutcome:
 
 
 def apply_filters(
-    filters: Sequence[RejectionFilter],
+    filters: Sequence[StageSettings],
     stats: SequenceStatistics,  # reduced
     sample_mask: torch.Tensor,  # [B]
     metrics: MetricSet,

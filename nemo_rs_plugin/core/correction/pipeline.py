@@ -11,7 +11,7 @@ microbatch totals and the one-call API (``nemo-rs simulate``, the tests) all go 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -29,6 +29,7 @@ from nemo_rs_plugin.core.masking import TokenMasks, row_dot, sanitize
 from nemo_rs_plugin.core.reporting.metric_catalog import declared_specs
 from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet
 from nemo_rs_plugin.core.settings.config import RSClippedPGLossConfig
+from nemo_rs_plugin.core.settings.rejection_filter import StageSettings
 
 __all__ = [
     "CorrectionPlan",
@@ -138,6 +139,8 @@ class CorrectionPlan:
     statistics: Optional[SequenceStatistics]  # local; None when no per-sequence statistic is needed
     # [B, T] tokens whose policy-gradient term no policy-gradient-only filter removed (None: no such filter)
     policy_gradient_keep: Optional[torch.Tensor] = None
+    # the filters, as plan_correction was given them: apply_correction decides with the same ones
+    stages: Sequence[StageSettings] = ()
 
     def reduce(self, groups: SequenceGroups = NO_GROUPS) -> Optional[SequenceStatistics]:
         """All per-sequence statistics through one SUM (and one MAX) collective; ``None`` if there are none."""
@@ -151,17 +154,21 @@ def plan_correction(
     *,
     log_probs: Optional[PolicyLogProbs] = None,
     advantages: Optional[torch.Tensor] = None,
+    stages: Optional[Sequence[StageSettings]] = None,
 ) -> CorrectionPlan:
     """Token-filter decisions (local) and the local per-sequence statistics of everything else.
 
     ``d = prev - gen`` (``[B, T]``, non-finite entries already 0). ``log_probs`` is needed by
     filters whose ``log_ratio`` is not ``prev-gen`` or whose statistic lives in probability
-    space; ``advantages`` by advantage-conditioned filters. Nothing here reads a statistic of
-    another rank.
+    space; ``advantages`` by advantage-conditioned filters. ``stages``: ``cfg.rejection_sampling``
+    resolved once (:meth:`~nemo_rs_plugin.core.settings.rejection_filter.RejectionFilter.resolved`,
+    the loss's); ``None`` reads the configuration's. Nothing here reads a statistic of another rank.
     """
     d = d.detach()
+    if stages is None:
+        stages = cfg.rejection_sampling
     negative = positive = None  # [B, T] 0/1 tokens with a negative / positive advantage
-    signs = {f.sign_entry.sign for f in cfg.rejection_sampling if f.sign_entry is not None}
+    signs = {f.sign_entry.sign for f in stages if f.sign_entry is not None}
     if signs:
         if advantages is None:
             raise ValueError(
@@ -174,8 +181,10 @@ def plan_correction(
         if 1.0 in signs:
             positive = (clean_advantages > 0).to(d.dtype)
     if not needs_sequence_statistics(cfg):
-        return CorrectionPlan(d=d, masks=masks, alive=None, negative=negative, ratio_mask=None, statistics=None)
-    stages, alive, policy_gradient_keep = plan_filters(cfg.rejection_sampling, d, masks, negative, log_probs, positive)
+        return CorrectionPlan(
+            d=d, masks=masks, alive=None, negative=negative, ratio_mask=None, statistics=None, stages=stages
+        )
+    stage_statistics, alive, policy_gradient_keep = plan_filters(stages, d, masks, negative, log_probs, positive)
     ratio_mask = None
     if cfg.sequence_level_importance_ratios:
         # The GSPO ratio averages over the row's token_mask tokens with finite inputs, less
@@ -191,7 +200,7 @@ def plan_correction(
         token_mask=masks.token_mask.sum(-1).to(d.dtype),
         nonfinite=masks.nonfinite_d_per_sequence(),
         kept=kept_per_row,
-        stages=stages,
+        stages=stage_statistics,
         kept_negative=(alive * masks.valid * negative).sum(-1) if negative is not None else None,
         ratio_tokens=ratio_mask.sum(-1).to(d.dtype) if ratio_mask is not None else None,
     )
@@ -203,6 +212,7 @@ def plan_correction(
         ratio_mask=ratio_mask,
         statistics=statistics,
         policy_gradient_keep=policy_gradient_keep,
+        stages=stages,
     )
 
 
@@ -228,26 +238,27 @@ def apply_correction(
     """
     masks = plan.masks
     sample_mask = masks.sample_mask
+    level_entry = cfg.is_level_entry  # read four times below: looked up once
     sequences = ratio = None
     seq_in_loss = has_tokens = None  # [B] 0/1 rows no filter dropped, rows with a valid token (None: not read)
     if stats is None:  # token level, token-level loss, no filter: nothing reads a sequence
         keep = masks.inputs_finite
         loss_tokens = masks.where_inputs_finite(masks.valid)
     else:
-        if not cfg.rejection_sampling or plan.alive is None:  # alive: set with the statistics
+        if not plan.stages or plan.alive is None:  # alive: set with the statistics
             keep, kept_per_row = masks.inputs_finite, stats.kept
         else:  # sequence decisions, the combined mask, per-stage metrics
-            outcome = apply_filters(cfg.rejection_sampling, stats, sample_mask, metrics)
+            outcome = apply_filters(plan.stages, stats, sample_mask, metrics)
             keep = masks.where_inputs_finite(plan.alive * outcome.sequence_kept.unsqueeze(-1))
             if outcome.conditional_rows is not None and plan.negative is not None:  # set together
                 keep = keep * (1.0 - outcome.conditional_rows.unsqueeze(-1) * plan.negative)
             seq_in_loss, kept_per_row = outcome.sequence_in_loss, outcome.kept_tokens
         # [B, T] valid tokens that reach the loss (without filters keep is inputs_finite)
-        loss_tokens = masks.valid * keep if cfg.rejection_sampling else masks.where_inputs_finite(masks.valid)
+        loss_tokens = masks.valid * keep if plan.stages else masks.where_inputs_finite(masks.valid)
         # Computed where read only (each is a kernel on every call): the weights' units of a
         # per-sequence level, the kept counts of rejection_denominator: kept.
         kept_denominators = cfg.denominator_entry.counts_kept
-        if not cfg.is_level_entry.per_token or kept_denominators:
+        if not level_entry.per_token or kept_denominators:
             has_tokens = (stats.valid > 0).to(stats.valid.dtype)
         kept_tokens = kept_sequences = None
         if kept_denominators and has_tokens is not None:  # has_tokens: set just above
@@ -258,13 +269,13 @@ def apply_correction(
             ratio = RatioTokens(plan.ratio_mask, stats.ratio_tokens)
 
     # ---- IS weights at the chosen level, truncation, batch normalisation ----
-    level = cfg.effective_is_level
+    level = level_entry.name
     d_finite = None if masks.all_finite else masks.d_finite
     raw_weight = is_weights(level, plan.d, d_finite, stats)
     weight = apply_truncation(cfg, raw_weight, stats, masks, metrics)
     # The units a weight belongs to: valid tokens, or sequences with a valid token (a
     # per-sequence level always has statistics: is_weights raised otherwise).
-    if cfg.is_level_entry.per_token or has_tokens is None:
+    if level_entry.per_token or has_tokens is None:
         weight_units = masks.valid
     else:
         weight_units = sample_mask * has_tokens
@@ -275,7 +286,7 @@ def apply_correction(
         else:
             weight, factor = batch_normalize_weights(weight, weight_units, level, cfg.is_batch_normalization, groups)
         metrics.add("is_batch_norm_factor", factor)
-    if cfg.is_level_entry.per_token:
+    if level_entry.per_token:
         record_token_weight_metrics(metrics, raw_weight, weight, masks, loss_tokens)
     else:
         record_sequence_weight_metrics(metrics, raw_weight, weight, weight_units, seq_in_loss)
@@ -305,13 +316,15 @@ def compute_correction(
     advantages: Optional[torch.Tensor] = None,
     metrics: Optional[MetricSet] = None,
     batch_norm_factor: Optional[torch.Tensor] = None,
+    stages: Optional[Sequence[StageSettings]] = None,
 ) -> CorrectionResult:
     """The whole correction of one microbatch: :func:`plan_correction`, the reduction, :func:`apply_correction`.
 
     ``d = prev - gen`` (``[B, T]``, non-finite entries already replaced by 0; ``masks.d_finite``
     marks them); ``counts`` are NeMo-RL's global valid tokens and sequences, for a metric set of
     its own in the device's form; ``metrics``: declare into this one instead (the loss's; then
-    ``counts`` may be ``None``). ``batch_norm_factor``: as :func:`apply_correction`.
+    ``counts`` may be ``None``). ``batch_norm_factor``: as :func:`apply_correction`; ``stages``: as
+    :func:`plan_correction`.
 
     Order: token filters are local decisions and run first; each sequence filter aggregates
     over the valid tokens kept by the token filters listed *before* it (SkyRL's order when a
@@ -325,5 +338,5 @@ def compute_correction(
     """
     if metrics is None:
         metrics = MetricSet(declared_specs(cfg), counts=counts, form=EvaluationForm.for_device(d.device))
-    plan = plan_correction(cfg, d, masks, log_probs=log_probs, advantages=advantages)
+    plan = plan_correction(cfg, d, masks, log_probs=log_probs, advantages=advantages, stages=stages)
     return apply_correction(cfg, plan, plan.reduce(groups), metrics, groups, batch_norm_factor)

@@ -328,15 +328,21 @@ class RSClippedPGLossConfig(NeMoRLLossFields):
 
     @property
     def effective_is_level(self) -> str:
-        """The IS level in force: explicit, or NeMo-RL's tie to the GSPO flag."""
-        if self.is_correction_level is not None:
-            return self.is_correction_level
-        return "sequence" if self.sequence_level_importance_ratios else "token"
+        """The IS level in force: explicit, or NeMo-RL's tie to the GSPO flag (:attr:`is_level_entry`'s name)."""
+        return self.is_level_entry.name
 
     @property
     def is_level_entry(self) -> ISLevel:
-        """The :data:`~nemo_rs_plugin.core.registries.is_levels.IS_LEVELS` entry of :attr:`effective_is_level`."""
-        return IS_LEVELS[self.effective_is_level]  # validated at construction: a plain lookup
+        """The :data:`~nemo_rs_plugin.core.registries.is_levels.IS_LEVELS` entry of the IS level in force.
+
+        ``is_correction_level``, or where it is unset NeMo-RL's tie to the GSPO flag (``sequence``
+        with ``sequence_level_importance_ratios``, else ``token``). Validated at construction: a
+        plain lookup, on every loss call.
+        """
+        level = self.is_correction_level
+        if level is None:
+            level = "sequence" if self.sequence_level_importance_ratios else "token"
+        return IS_LEVELS[level]
 
     @property
     def denominator_entry(self) -> Denominator:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -52,14 +53,20 @@ from nemo_rs_plugin.core.registries.filter_options import (
     LogRatio,
     Scope,
 )
-from nemo_rs_plugin.core.registries.filter_statistics import FILTER_STATISTICS, filter_statistics_text
+from nemo_rs_plugin.core.registries.filter_statistics import (
+    FILTER_STATISTICS,
+    FilterStatistic,
+    filter_statistics_text,
+)
 
 __all__ = [
     "AGGS_FOR_STATISTIC",
     "DEPRECATED_FILTER_FIELDS",
     "AnyRejectionFilter",
+    "FilterStage",
     "RejectionFilter",
     "SequenceFilter",
+    "StageSettings",
     "TokenFilter",
     "current_filter_fields",
     "filter_field",
@@ -325,6 +332,31 @@ class RejectionFilter(BaseModel):
         """How the stage aggregates its tokens' values: ``None`` for a token filter (a sequence filter has one)."""
         return None
 
+    def resolved(self) -> FilterStage:
+        """This stage's :class:`FilterStage`: its entries looked up once."""
+        return FilterStage(
+            label=self.label,
+            level_entry=self.level_entry,
+            scope_entry=self.scope_entry,
+            statistic_entry=self.statistic_entry,
+            log_ratio_entry=self.log_ratio_entry,
+            sign_entry=self.sign_entry,
+            aggregation_entry=self.aggregation_entry,
+            bounds=self.bounds,
+        )
+
+    @property
+    def statistic_entry(self) -> FilterStatistic:
+        """The :data:`~nemo_rs_plugin.core.registries.filter_statistics.FILTER_STATISTICS` entry of the statistic."""
+        return FILTER_STATISTICS[self.statistic]
+
+    @property
+    def bounds(self) -> tuple[Optional[float], Optional[float]]:
+        """``(lower, upper)`` in the space the statistic lives in: their logs for a ratio (``log 0 = -inf``)."""
+        if FILTER_STATISTICS[self.statistic].log_space:
+            return _log_bound(self.lower), _log_bound(self.upper)
+        return self.lower, self.upper
+
     @property
     def label(self) -> str:
         """Name used in metric keys, e.g. ``sequence_ratio_mean``, ``sequence_ratio_largest`` (``agg: max``)."""
@@ -370,6 +402,30 @@ class SequenceFilter(RejectionFilter):
         return problems
 
 
+@dataclass(frozen=True)
+class FilterStage:
+    """A stage's settings resolved to their registry entries, once: what a loss call reads of it.
+
+    The loss builds one per stage where it is built (:meth:`RejectionFilter.resolved`), so that a
+    call reads attributes instead of looking the entries up again on every call (about forty
+    Python calls with three filters). Each attribute is the :class:`RejectionFilter` property of
+    the same name, so the code of a filter (:mod:`nemo_rs_plugin.core.correction.filters`) takes
+    either: tests and tools pass the configuration's stages as they are.
+    """
+
+    label: str
+    level_entry: RejectionLevel
+    scope_entry: Scope
+    statistic_entry: FilterStatistic
+    log_ratio_entry: LogRatio
+    sign_entry: Optional[AdvantageSign]
+    aggregation_entry: Optional[SequenceAggregation]
+    bounds: tuple[Optional[float], Optional[float]]
+
+
+#: What the code of a filter reads a stage from: its configuration or its resolved settings.
+StageSettings = Union["RejectionFilter", FilterStage]
+
 #: Each level's kind of stage (the union's members, keyed as the discriminator reads them).
 FILTER_KINDS: dict[str, type[RejectionFilter]] = {"token": TokenFilter, "sequence": SequenceFilter}
 
@@ -377,6 +433,12 @@ FILTER_KINDS: dict[str, type[RejectionFilter]] = {"token": TokenFilter, "sequenc
 AnyRejectionFilter = Annotated[Union[TokenFilter, SequenceFilter], Field(discriminator="level")]
 
 _FILTER_ADAPTER: TypeAdapter[RejectionFilter] = TypeAdapter(AnyRejectionFilter)
+
+
+def _log_bound(v: Optional[float]) -> Optional[float]:
+    if v is None:
+        return None
+    return -math.inf if v == 0 else math.log(v)
 
 
 def parse_filter(entry: Any) -> RejectionFilter:
