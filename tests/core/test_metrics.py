@@ -378,3 +378,45 @@ def test_an_integer_count_beside_a_half_precision_value_keeps_its_digits():
     m.add_total("total", torch.tensor(2.0))
     out = m.finalize()
     assert out["count"] == 1_000_001.0 and out["half"] == 0.5
+
+
+def test_the_loss_and_the_metrics_divide_by_one_divisor_per_count():
+    """``count + 1e-8`` is computed once per call (``GlobalCounts.divisor``) and read by the loss's
+    aggregation and the metric vector alike: the same tensor, not a copy per reader."""
+    from nemo_rs_plugin import CorrectedPGLoss
+    from nemo_rs_plugin.core.batch.inputs import global_counts
+    from nemo_rs_plugin.core.loss_terms import objective as objective_module
+
+    counts = GlobalCounts(
+        tokens=torch.tensor(7.0, dtype=torch.float64), sequences=torch.tensor(2.0, dtype=torch.float64)
+    )
+    assert counts.divisor("tokens") is counts.divisor("tokens")
+    assert counts.divisor("tokens").item() == 7.0 + EPS and counts.divisor("sequences").item() == 2.0 + EPS
+
+    seen = []
+    aggregation = objective_module.Objective.aggregation
+
+    def recording(self, counts, *args):
+        agg = aggregation(self, counts, *args)
+        seen.append((agg.divisor, counts))
+        return agg
+
+    lp = -torch.rand(2, 5, dtype=torch.float64)
+    data = {
+        "advantages": torch.randn(2, 6, dtype=torch.float64),
+        "prev_logprobs": torch.cat([torch.zeros(2, 1, dtype=torch.float64), lp], 1),
+        "generation_logprobs": torch.cat([torch.zeros(2, 1, dtype=torch.float64), lp - 0.01], 1),
+        "reference_policy_logprobs": torch.cat([torch.zeros(2, 1, dtype=torch.float64), lp], 1),
+        "token_mask": torch.ones(2, 6, dtype=torch.long),
+        "sample_mask": torch.ones(2, dtype=torch.float64),
+    }
+    import unittest.mock
+
+    for token_level_loss, count in ((True, "tokens"), (False, "sequences")):
+        seen.clear()
+        loss = CorrectedPGLoss({"token_level_loss": token_level_loss}, batched_metrics=True)
+        with unittest.mock.patch.object(objective_module.Objective, "aggregation", recording):
+            loss(lp.clone().requires_grad_(True), data, torch.tensor(2.0), torch.tensor(10.0))
+        ((divisor, call_counts),) = seen
+        assert divisor is call_counts.divisor(count)  # the metrics' stack() reads this one too
+    assert global_counts(2, 10, torch.float64, torch.device("cpu")).divisor("tokens").item() == 10.0 + EPS
