@@ -107,6 +107,20 @@ class CorrectedPGLoss:
         # Warns (rate-limited, from the metrics already on the host) when filters eat the batch.
         self.rejection_monitor = RejectionMonitor() if cfg.rejection_sampling else None
 
+    def __getstate__(self) -> dict:
+        """Pickled (NeMo-RL ships its loss to Ray workers) without the resolved filter stages.
+
+        They hold registry entries, some of whose formulas are lambdas that pickle cannot name;
+        they are a function of the configuration, rebuilt on unpickling.
+        """
+        state = dict(self.__dict__)
+        del state["filter_stages"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.filter_stages = tuple(f.resolved() for f in self.cfg.rejection_sampling)
+
     # ------------------------------------------------------------------ public API
     def __call__(
         self,

@@ -183,3 +183,21 @@ def test_a_resolved_stage_holds_what_its_filter_reads_and_the_filter_code_reads_
             results.append([kept, s.rejected])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_a_loss_with_resolved_stages_pickles_and_rebuilds_them():
+    """NeMo-RL pickles its loss to the Ray workers: the stages (whose entries hold lambdas) are
+    left out and rebuilt from the configuration, and the restored loss computes the same."""
+    import torch
+
+    from nemo_rs_plugin import CorrectedPGLoss
+    from tests.conftest import random_batch
+
+    loss = CorrectedPGLoss({"rejection_sampling": RESOLVED_CASES[:4]})
+    with pytest.raises(Exception):
+        pickle.dumps(loss.filter_stages)  # why the loss leaves them out
+    restored = pickle.loads(pickle.dumps(loss))
+    assert restored.filter_stages == loss.filter_stages and restored.filter_stages is not loss.filter_stages
+    lp, data, gvs, gvt = random_batch(3, 8)
+    (a, ma), (b, mb) = (fn(lp, data, gvs, gvt) for fn in (loss, restored))
+    assert torch.equal(a, b) and ma == mb

@@ -421,8 +421,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "nemo_rs_plugin/core/settings/config.py",
-        'return "sequence" if self.sequence_level_importance_ratios else "token"',
-        'return "token"',
+        'level = "sequence" if self.sequence_level_importance_ratios else "token"',
+        'level = "token"',
         "unset is_correction_level ignores the GSPO flag (NeMo-RL's sequence weight)",
     ),
     # ---- the peer modes: peer statistics, log-ratio choice, advantage condition, batch normalisation
