@@ -43,6 +43,7 @@ from nemo_rs_plugin.core.reporting.health import RejectionMonitor
 from nemo_rs_plugin.core.reporting.metric_catalog import declared_specs, metric_specs
 from nemo_rs_plugin.core.reporting.metrics import MetricSet
 from nemo_rs_plugin.core.settings.config import ConfigWarning, RSClippedPGLossConfig
+from nemo_rs_plugin.core.settings.rejection_filter import resolved_stages
 
 #: The warning of a section that asks :class:`CorrectedPGLoss` itself to record (it never does).
 RECORDS_NOTHING = (
@@ -97,7 +98,7 @@ class CorrectedPGLoss:
         cfg = self.cfg
         self.objective = Objective(cfg)
         # Each filter's registry entries, looked up here once instead of on every call.
-        self.filter_stages = tuple(f.resolved() for f in cfg.rejection_sampling)
+        self.filter_stages = resolved_stages(cfg.rejection_sampling)
         self.kl_coef = self.objective.kl_coef  # 0 without the KL term: the reference log-probs are not read
         # Every metric this configuration returns, read off the catalog (no run): what
         # metric_normalizations() reports; with the loss's own diagnostics, what each metric set
@@ -119,7 +120,7 @@ class CorrectedPGLoss:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.filter_stages = tuple(f.resolved() for f in self.cfg.rejection_sampling)
+        self.filter_stages = resolved_stages(self.cfg.rejection_sampling)
 
     # ------------------------------------------------------------------ public API
     def __call__(

@@ -380,6 +380,22 @@ def test_an_integer_count_beside_a_half_precision_value_keeps_its_digits():
     assert out["count"] == 1_000_001.0 and out["half"] == 0.5
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["cpu-form", "gpu-form"])
+def test_integer_values_only_are_divided_in_their_counts_dtype(batched):
+    """A metric vector of integer parts only is cast to the dtype a division by its count gives (the
+    divisor's: float64 counts keep 2^24 + 1 exact), float32 where nothing is divided."""
+    f64 = torch.float64
+    counts = GlobalCounts(tokens=torch.tensor(3.0, dtype=f64), sequences=torch.tensor(1.0, dtype=f64))
+    m = _metrics(counts, batched, total=MetricSpec("tokens", "sum", False), raw=RAW)
+    m.add_total("total", torch.tensor(3 * (2**24 + 1)))
+    m.add("raw", torch.tensor(5))
+    names, vector = m.stack()
+    assert vector.dtype == f64 and vector[names.index("total")].item() == 3 * (2**24 + 1) / (3.0 + EPS)
+    alone = _metrics(counts, batched, raw=RAW)
+    alone.add("raw", torch.tensor(2**24 + 1))
+    assert alone.stack()[1].dtype == torch.float32  # nothing divided: float32, as before
+
+
 def test_the_loss_and_the_metrics_divide_by_one_divisor_per_count():
     """``count + 1e-8`` is computed once per call (``GlobalCounts.divisor``) and read by the loss's
     aggregation and the metric vector alike: the same tensor, not a copy per reader."""
@@ -412,11 +428,25 @@ def test_the_loss_and_the_metrics_divide_by_one_divisor_per_count():
     }
     import unittest.mock
 
+    divisor_of = GlobalCounts.divisor
+    read: list[tuple[str, torch.Tensor]] = []
+
+    def reading(self, count):
+        divisor = divisor_of(self, count)
+        read.append((count, divisor))
+        return divisor
+
     for token_level_loss, count in ((True, "tokens"), (False, "sequences")):
-        seen.clear()
+        seen.clear(), read.clear()
         loss = CorrectedPGLoss({"token_level_loss": token_level_loss}, batched_metrics=True)
         with unittest.mock.patch.object(objective_module.Objective, "aggregation", recording):
-            loss(lp.clone().requires_grad_(True), data, torch.tensor(2.0), torch.tensor(10.0))
+            with unittest.mock.patch.object(GlobalCounts, "divisor", reading):
+                loss(lp.clone().requires_grad_(True), data, torch.tensor(2.0), torch.tensor(10.0))
         ((divisor, call_counts),) = seen
-        assert divisor is call_counts.divisor(count)  # the metrics' stack() reads this one too
+        assert divisor is call_counts._divisors[count]
+        # every read of a count's divisor is the one tensor; with a token-level loss the loss and
+        # the metric vector's division (stack()) both read the tokens' (a sequence-level loss's
+        # metrics here are token means only)
+        assert all(d is call_counts._divisors[c] for c, d in read)
+        assert len([d for c, d in read if c == "tokens"]) >= (2 if token_level_loss else 1)
     assert global_counts(2, 10, torch.float64, torch.device("cpu")).divisor("tokens").item() == 10.0 + EPS

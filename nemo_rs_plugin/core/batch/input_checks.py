@@ -205,7 +205,7 @@ def _count_token_mask_entries(metrics: MetricSet, token_mask: torch.Tensor, dtyp
     """``token_mask`` entries other than 0 and 1: found on the device, refused on the host (:func:`judge_inputs`).
 
     A bool mask holds nothing else. An integer mask holds 0 and 1 only when its smallest entry
-    is at least 0 and its largest at most 1: one ``aminmax``, no ``[B, T]`` temporary. A float
+    is at least 0 and its largest at most 1: one ``amin`` and one ``amax``, no ``[B, T]`` temporary. A float
     mask may also hold fractions in between, so its other entries are counted elementwise.
     """
     if token_mask.dtype == torch.bool or not token_mask.numel():

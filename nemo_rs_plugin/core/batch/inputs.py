@@ -9,6 +9,7 @@ the metrics, are in :mod:`nemo_rs_plugin.core.batch.input_checks`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, overload
 
@@ -168,34 +169,13 @@ class LossInputs:
         Integer and boolean masks stay as they are; ``rewards`` is only compared with 0. These
         inputs themselves where nothing needs a cast (the common case, on every call).
         """
-        fields = (
-            self.curr,
-            self.prev,
-            self.generation,
-            self.reference,
-            self.advantages,
-            self.token_mask,
-            self.sample_mask,
-            self.curr_unfiltered,
-            self.nonfinite_logit_rows,
-        )
-        for t in fields:  # a loop, not any(...): no generator frame per field
-            if t is not None and t.dtype != dtype and t.is_floating_point():
+        for name in _CAST_FIELDS:  # a loop, not any(...): no generator frame per field
+            t = getattr(self, name)
+            if t is not None and t.dtype != dtype and t.is_floating_point():  # what _cast casts
                 break
         else:
             return self
-        return LossInputs(
-            curr=_cast(self.curr, dtype),
-            prev=_cast(self.prev, dtype),
-            generation=_cast(self.generation, dtype),
-            reference=_cast(self.reference, dtype),
-            advantages=_cast(self.advantages, dtype),
-            token_mask=_cast(self.token_mask, dtype),
-            sample_mask=_cast(self.sample_mask, dtype),
-            rewards=self.rewards,
-            curr_unfiltered=_cast(self.curr_unfiltered, dtype),
-            nonfinite_logit_rows=_cast(self.nonfinite_logit_rows, dtype),
-        )
+        return dataclasses.replace(self, **{name: _cast(getattr(self, name), dtype) for name in _CAST_FIELDS})
 
     def validate(self) -> None:
         """Raise a clear error on shape or dtype mismatches (mixed float dtypes are fine)."""
@@ -253,6 +233,10 @@ def stack_padded(rows: Sequence[torch.Tensor], widths: Optional[Sequence[int]] =
     if widths is not None:
         rows = [r if r.shape[-1] == w else F.pad(r, (0, w - r.shape[-1])) for r, w in zip(rows, widths)]
     return rows[0] if len(rows) == 1 else torch.cat(list(rows), 0)
+
+
+#: The fields ``to_dtype`` casts: every one but ``rewards`` (only compared with 0).
+_CAST_FIELDS = tuple(f.name for f in dataclasses.fields(LossInputs) if f.name != "rewards")
 
 
 @overload

@@ -165,9 +165,11 @@ def _sanitized_per_input(
 
 
 def _masks(x: LossInputs, d_bad: torch.Tensor, any_bad: torch.Tensor) -> TokenMasks:
-    """The token masks from where ``d`` and where any log-prob input is not finite (``any_bad``, consumed)."""
+    """The token masks from where ``d`` and where any log-prob input is not finite (``any_bad``)."""
     d_finite = 1.0 - d_bad
-    inputs_finite = torch.rsub(any_bad, 1.0)  # 1 - any_bad, one operator
+    # 1 - any_bad in one operator (rsub has no in-place form: a [B, T] beside any_bad here, early
+    # in the call, below its peak; neg_().add_(1.0) would be two operators)
+    inputs_finite = torch.rsub(any_bad, 1.0)
     return TokenMasks.build(x.token_mask, x.sample_mask, d_finite, inputs_finite)
 
 

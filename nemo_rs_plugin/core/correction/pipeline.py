@@ -167,6 +167,11 @@ def plan_correction(
     d = d.detach()
     if stages is None:
         stages = cfg.rejection_sampling
+    elif len(stages) != len(cfg.rejection_sampling):  # the rest of the call reads the configuration's
+        raise ValueError(
+            f"stages: {len(stages)} given for the configuration's {len(cfg.rejection_sampling)} "
+            "rejection_sampling stages; pass resolved_stages(cfg.rejection_sampling)"
+        )
     negative = positive = None  # [B, T] 0/1 tokens with a negative / positive advantage
     signs = {f.sign_entry.sign for f in stages if f.sign_entry is not None}
     if signs:

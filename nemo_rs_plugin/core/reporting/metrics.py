@@ -9,12 +9,14 @@ Most metrics are masked sums over the same few masks divided by the same global 
 they are declared, not computed, where they are defined, and :meth:`MetricSet.stack`
 evaluates them together, in the form that suits the device (:mod:`nemo_rs_plugin.core.evaluation`): on
 a GPU, where each small operator is a kernel launch, per mask one ``stack`` and one
-matrix-vector product and all masked extrema in one ``amin`` and one ``amax`` (a handful of
-kernels whatever the number of metrics); on a CPU, where copying rows into a matrix costs more
-than it saves, one dot product per row, no copy, each mask cast and flattened once per call.
-Either way one division per global count, and every value held as given until one ``stack``
-per count, without gradient: no ``detach``, reshape or cast per metric (in eager mode each
-such view costs about a microsecond of host time, as much as the small operator it serves).
+matrix-vector product and the masked extrema of one mask in one ``amin`` and one ``amax`` (a
+handful of kernels whatever the number of metrics); on a CPU, where copying rows into a matrix
+costs more than it saves, one dot product per row, no copy, each mask cast and flattened once
+per call. Rows given as an iterator (built for their metric alone) are reduced as each is built,
+in both forms: one product per row, one row alive. Either way every value is held as given until
+one join of them all (without gradient: no ``detach``, reshape or cast per metric; in eager mode
+each such view costs about a microsecond of host time, as much as the small operator it serves),
+and each global count's slice of it is divided once.
 
 Each metric carries, from its entry in the metric catalog (``core/reporting/metric_catalog.py``; a
 declaration names the metric and gives its value, nothing else):
@@ -90,7 +92,7 @@ class GlobalCounts:
     sequences: torch.Tensor
     #: ``count + 1e-8`` per normalization, computed once per call on first use: the loss's terms
     #: and the metrics divide by the same one (an operator each time otherwise).
-    _divisors: dict = field(default_factory=dict, compare=False, repr=False)
+    _divisors: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def divisor(self, count: Literal["tokens", "sequences"]) -> torch.Tensor:
         """``count + 1e-8``, what a total normalized by ``count`` is divided by."""
@@ -347,7 +349,7 @@ class MetricSet:
         names, parts = self._names, self._parts
         with torch.no_grad():
             # The GPU form's rows, one product per mask, then its extremes, one amin and one amax
-            # per rank and dtype: each group let go as soon as it is reduced, so that the [B, T]
+            # per penalty, rank and dtype: each group let go as soon as it is reduced, so that the [B, T]
             # rows of one group are not alive beside the stack of the next (the call's peak memory).
             masked, self._masked = self._masked, []
             while masked:
@@ -373,7 +375,12 @@ class MetricSet:
             else:
                 vector = _joined(values, self.form.batched or self.form.compiled)
                 if vector.dtype != torch.float32 and vector.dtype != torch.float64:
-                    vector = vector.to(torch.float32)  # a fresh tensor: integer parts only
+                    # Integer parts only: a fresh tensor in the dtype a division by the count gives
+                    # (its divisor's), float32 where nothing is divided.
+                    divided = [bucket for bucket in order if bucket != "final"]
+                    counts = self.counts
+                    dtype = counts.divisor(divided[0]).dtype if divided and counts is not None else torch.float32
+                    vector = vector.to(dtype)
                 start = 0
                 for bucket in order:
                     end = start + len(names[bucket])

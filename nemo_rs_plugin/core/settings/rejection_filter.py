@@ -68,6 +68,7 @@ __all__ = [
     "SequenceFilter",
     "StageSettings",
     "TokenFilter",
+    "resolved_stages",
     "current_filter_fields",
     "filter_field",
     "parse_filter",
@@ -353,7 +354,7 @@ class RejectionFilter(BaseModel):
     @property
     def bounds(self) -> tuple[Optional[float], Optional[float]]:
         """``(lower, upper)`` in the space the statistic lives in: their logs for a ratio (``log 0 = -inf``)."""
-        if FILTER_STATISTICS[self.statistic].log_space:
+        if self.statistic_entry.log_space:
             return _log_bound(self.lower), _log_bound(self.upper)
         return self.lower, self.upper
 
@@ -421,6 +422,11 @@ class FilterStage:
     sign_entry: Optional[AdvantageSign]
     aggregation_entry: Optional[SequenceAggregation]
     bounds: tuple[Optional[float], Optional[float]]
+
+
+def resolved_stages(filters: "tuple[RejectionFilter, ...]") -> tuple[FilterStage, ...]:
+    """Each stage of ``filters`` (a configuration's ``rejection_sampling``), :meth:`RejectionFilter.resolved`."""
+    return tuple(f.resolved() for f in filters)
 
 
 #: What the code of a filter reads a stage from: its configuration or its resolved settings.
