@@ -32,6 +32,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -334,17 +335,8 @@ class RejectionFilter(BaseModel):
         return None
 
     def resolved(self) -> FilterStage:
-        """This stage's :class:`FilterStage`: its entries looked up once."""
-        return FilterStage(
-            label=self.label,
-            level_entry=self.level_entry,
-            scope_entry=self.scope_entry,
-            statistic_entry=self.statistic_entry,
-            log_ratio_entry=self.log_ratio_entry,
-            sign_entry=self.sign_entry,
-            aggregation_entry=self.aggregation_entry,
-            bounds=self.bounds,
-        )
+        """This stage's :class:`FilterStage`: its entries looked up once, each by the property of its name."""
+        return FilterStage(**{field.name: getattr(self, field.name) for field in dataclasses.fields(FilterStage)})
 
     @property
     def statistic_entry(self) -> FilterStatistic:
