@@ -101,12 +101,16 @@ def sanitize(x: torch.Tensor) -> torch.Tensor:
     Replacing *before* any arithmetic matters for gradients: masking a NaN after ``exp`` still
     back-propagates ``0 * NaN = NaN``; a value replaced up front receives an exact zero.
     """
-    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.nan_to_num(x, nan=_REPLACED, posinf=_REPLACED, neginf=_REPLACED)
 
 
 def sanitize_(x: torch.Tensor) -> torch.Tensor:
     """:func:`sanitize` in place, for a tensor the caller owns and reads no more as it was (no gradient)."""
-    return x.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    return x.nan_to_num_(nan=_REPLACED, posinf=_REPLACED, neginf=_REPLACED)
+
+
+#: What :func:`sanitize` and :func:`sanitize_` put in place of NaN and +-inf.
+_REPLACED = 0.0
 
 
 @dataclass(frozen=True)

@@ -62,14 +62,9 @@ class LossInputs:
                 "advantages, prev_logprobs, generation_logprobs, token_mask, sample_mask, ...)"
             )
         lp_shape = tuple(getattr(next_token_logprobs, "shape", ()))
-        keys = ["prev_logprobs"] if need_prev else []
-        keys.append("generation_logprobs")
-        if need_reference:
-            keys.append("reference_policy_logprobs")
-        keys += ["advantages", "token_mask"]
         # One loop, no helper per field: it runs on every call.
         sliced: dict[str, torch.Tensor] = {}
-        for key in keys:
+        for key in _per_token_keys(need_prev, need_reference):
             t = data[key] if key in data else None
             if not isinstance(t, torch.Tensor) or t.dim() != 2 or (key == "advantages" and t.shape[1] == 1):
                 _check_field(data, key, lp_shape)  # raises the field's error (not a tensor: always)
@@ -100,11 +95,9 @@ class LossInputs:
         loss's dtype (nemo_rs_plugin.nemo_rl.loss_fn): slicing and checking five fields there cost
         more than the rest of such a call. The last call checks the whole microbatch's fields.
         """
-        keys = ["generation_logprobs", "advantages", "token_mask"]
-        if need_prev:
-            keys.append("prev_logprobs")
+        keys = _per_token_keys(need_prev, need_reference)
         if need_reference:
-            keys += ["reference_policy_logprobs", "curr_logprobs_unfiltered"]
+            keys.append("curr_logprobs_unfiltered")  # read as given by from_nemo_rl, never sliced
         return compute_dtype(next_token_logprobs, *[data.get(k) for k in keys])
 
     @classmethod
@@ -267,6 +260,15 @@ def compute_dtype(*inputs: Any) -> torch.dtype:
         if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
             return torch.float64
     return torch.float32
+
+
+def _per_token_keys(need_prev: bool, need_reference: bool) -> list[str]:
+    """The ``[B, S]`` fields of NeMo-RL's data dict a call slices, in the order their errors are raised."""
+    keys = ["prev_logprobs"] if need_prev else []
+    keys.append("generation_logprobs")
+    if need_reference:
+        keys.append("reference_policy_logprobs")
+    return keys + ["advantages", "token_mask"]
 
 
 def _required(data: Mapping[str, Any], key: str) -> torch.Tensor:
