@@ -41,7 +41,7 @@ from nemo_rs_plugin.core.loss_terms.objective import Objective
 from nemo_rs_plugin.core.loss_terms.parity_metrics import record_nemo_rl_metrics
 from nemo_rs_plugin.core.reporting.health import RejectionMonitor
 from nemo_rs_plugin.core.reporting.metric_catalog import declared_specs, metric_specs
-from nemo_rs_plugin.core.reporting.metrics import MetricSet
+from nemo_rs_plugin.core.reporting.metrics import MetricLayout, MetricSet
 from nemo_rs_plugin.core.settings.config import ConfigWarning, RSClippedPGLossConfig
 from nemo_rs_plugin.core.settings.rejection_filter import resolved_stages
 
@@ -105,6 +105,8 @@ class CorrectedPGLoss:
         # reads a declaration's normalization, reduction and per-call flag from.
         self.metric_specs = metric_specs(cfg)
         self.declared_specs = declared_specs(cfg)
+        # ... resolved once into where each declared value waits and how each call reports them.
+        self.metric_layout = MetricLayout(self.declared_specs, per_call_metrics)
         # Warns (rate-limited, from the metrics already on the host) when filters eat the batch.
         self.rejection_monitor = RejectionMonitor() if cfg.rejection_sampling else None
 
@@ -241,7 +243,7 @@ class CorrectedPGLoss:
         x = x.to_dtype(x.compute_dtype())
         cfg = self.cfg
         counts = global_counts(global_valid_seqs, global_valid_toks, x.curr.dtype, x.curr.device)
-        metrics = MetricSet(self.declared_specs, form=form, compute_per_call=self.per_call_metrics)
+        metrics = MetricSet(self.metric_layout, form=form)
         # Set, not passed: a compiled core rebuilds the objects it returns from their constructor's
         # arguments, and the counts (views of the caller's tensors, dropped by stack()) would then
         # be graph outputs, rebuilt as aliases of its inputs on every call.
@@ -303,7 +305,7 @@ class CorrectedPGLoss:
                 groups,
                 log_probs=PolicyLogProbs(curr=x.curr, prev=clean.prev_raw, gen=x.generation),
                 advantages=clean.advantages,
-                metrics=MetricSet(self.declared_specs, form=form),
+                metrics=MetricSet(self.metric_layout, form=form),  # dropped: its per-call metrics need not be computed
                 stages=self.filter_stages,
             )
             return self.objective.totals_of(corr, clean.masks, x.rewards)

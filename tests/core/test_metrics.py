@@ -11,7 +11,7 @@ from nemo_rs_plugin.core.evaluation import EvaluationForm
 from nemo_rs_plugin.core.masking import EPS, extrema_penalty
 from nemo_rs_plugin.core.reporting.metric_catalog import MetricSpec
 from nemo_rs_plugin.core.reporting.metric_kernels import ClippedExtreme, EffectiveSampleSize
-from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricSet
+from nemo_rs_plugin.core.reporting.metrics import GlobalCounts, MetricLayout, MetricSet
 from tests.support.references import tensors_reachable
 
 #: The specs these tests declare under (the loss reads its own from metric_catalog.declared_specs).
@@ -359,7 +359,9 @@ def test_the_cpu_form_casts_each_mask_once_and_holds_values_without_a_copy():
             m.add_masked_total(f"r{i}", row, mask)
         m.add("v", with_grad)
         names, vector = m.stack()
-    assert ops.counts.get("_to_copy", 0) == 1, ops.counts  # the mask, once
+    # the mask, once; and the float32 value, once, to the float64 the vector promotes to (a stack of
+    # mixed dtypes would copy every part through its slow path)
+    assert ops.counts.get("_to_copy", 0) == 2, ops.counts
     assert ops.counts.get("dot", 0) == 5, ops.counts
     assert ops.counts.get("detach", 0) == 0, ops.counts
     assert not vector.requires_grad
@@ -378,6 +380,116 @@ def test_an_integer_count_beside_a_half_precision_value_keeps_its_digits():
     m.add_total("total", torch.tensor(2.0))
     out = m.finalize()
     assert out["count"] == 1_000_001.0 and out["half"] == 0.5
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["cpu-form", "gpu-form"])
+def test_integer_parts_are_cast_once_to_the_vectors_float_dtype_before_the_join(batched):
+    """Integer values beside float ones are cast to the float dtype the join promotes to, one cast
+    each, before one stack (CPU) or cat: a join of mixed dtypes copies every part through torch's
+    slow path. The values are those of the promotion (float64 where a part is float64)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class EveryOperator(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket).removeprefix("aten.")
+            self.counts[name] = self.counts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    for wide in (torch.float32, torch.float64):
+        m = _metrics(None, batched, **{f"v{i}": RAW for i in range(6)})
+        values = [torch.tensor(0.25, dtype=wide), torch.tensor(7), torch.tensor(0.5, dtype=wide), torch.tensor(2**20)]
+        values += [torch.tensor(1.5, dtype=wide), torch.tensor(3, dtype=torch.int32)]
+        with EveryOperator() as ops:
+            for i, value in enumerate(values):
+                m.add(f"v{i}", value)
+            names, vector = m.stack()
+        assert ops.counts.get("_to_copy", 0) == 3, ops.counts  # the three integers, once each
+        assert ops.counts.get("stack" if not batched else "cat", 0) == 1, ops.counts
+        assert vector.dtype == wide
+        assert vector.tolist() == [0.25, 7.0, 0.5, float(2**20), 1.5, 3.0]
+
+
+def test_a_layout_resolves_the_catalog_once_and_reports_each_sequence_of_declarations_once():
+    """The loss builds one MetricLayout; each call's set takes its names out of a copy of its table,
+    and how a sequence of declarations is reported is worked out on its first call only."""
+    counts = GlobalCounts(tokens=torch.tensor(4.0), sequences=torch.tensor(2.0))
+    specs = {"a": MetricSpec("tokens", "sum", False), "lo": LOW, "_ess_units": RAW, "z": RAW, "ess": DERIVED}
+    layout = MetricLayout(specs)
+    assert layout.buckets == {"a": "tokens", "lo": "final", "_ess_units": "final", "z": "final", "ess": "derived"}
+    results = []
+    for _ in range(3):
+        m = MetricSet(layout, counts=counts)
+        m.add_total("a", torch.tensor(2.0))
+        m.add("lo", torch.tensor(torch.finfo(torch.float32).max))  # no unit: reported as inf
+        m.add("_ess_units", torch.tensor(5.0))
+        m.add_zero("z")
+        results.append((m.finalize(), m.diagnostics))
+    assert results[0] == results[1] == results[2]
+    assert results[0][0] == {"a": pytest.approx(0.5), "lo": math.inf, "z": 0.0}
+    assert results[0][1].ess_units == 5.0  # the hidden entry, as a diagnostic
+    assert len(layout._reports) == 1  # one sequence of declarations, reported once
+    ((key, first),) = layout._reports.items()
+    assert layout.report(*key) is first  # found, not worked out again
+    # the per-call flag is the layout's: a set cannot be built against it
+    without = MetricLayout(specs, compute_per_call=False)
+    assert without.buckets["lo"] is None
+    with pytest.raises(ValueError, match="compute_per_call: got True, but the layout given was built with False"):
+        MetricSet(without, compute_per_call=True)
+    m = MetricSet(without, counts=counts)
+    m.add("lo", torch.tensor(1.0))
+    assert m.finalize() == {} and m.per_call_names() == ["lo"]
+    # the reports kept are bounded
+    for i in range(MetricLayout.MAX_REPORTS + 5):
+        layout.report(["a"] * (i + 1), [])  # distinct sequences
+    assert len(layout._reports) <= MetricLayout.MAX_REPORTS
+
+
+def test_a_refused_declaration_leaves_the_name_as_it_was():
+    """A derived metric declared as computed is refused and stays declarable by derive(); a name
+    declared once is refused the second time by every kind of declaration."""
+    m = _metrics(ess=DERIVED, x=RAW, pair_a=RAW, pair_b=RAW)
+    with pytest.raises(ValueError, match="derived on the host"):
+        m.add("ess", torch.tensor(1.0))
+    with pytest.raises(ValueError, match="derived on the host"):
+        m.add_total("ess", torch.tensor(1.0))
+    with pytest.raises(ValueError, match="derived on the host"):
+        m.add_masked_totals(["ess"], [torch.ones(2)], torch.ones(2))
+    with pytest.raises(ValueError, match="derived on the host"):
+        m.add_masked_extrema("x", "ess", torch.ones(2), torch.zeros(2))
+    m.derive("ess", EffectiveSampleSize("x", "x", "x"))
+    m.add_total("x", torch.tensor(1.0))
+    for declare in (
+        lambda: m.add("x", torch.tensor(1.0)),
+        lambda: m.add_total("x", torch.tensor(1.0)),
+        lambda: m.add_zero("x"),
+        lambda: m.derive("ess"),
+        lambda: m.add_masked_totals(["pair_a", "x"], [torch.ones(2), torch.ones(2)], torch.ones(2)),
+    ):
+        with pytest.raises(KeyError, match="declared twice"):
+            declare()
+    # a refused group left its names free
+    m.add_masked_totals(["pair_a", "pair_b"], [torch.ones(2), torch.ones(2)], torch.ones(2))
+
+
+def test_a_pickled_layout_refuses_what_the_original_refuses():
+    """NeMo-RL pickles its loss into each Ray worker: the layout comes back rebuilt from its catalog
+    (its markers are compared by identity), without the reports kept so far."""
+    import pickle
+
+    layout = MetricLayout({"ess": DERIVED, "x": RAW}, compute_per_call=False)
+    layout.report(["x"], ["x"])
+    copy = pickle.loads(pickle.dumps(layout))
+    assert copy.buckets == layout.buckets and not copy._reports and copy.computes_per_call is False
+    m = MetricSet(copy)
+    with pytest.raises(ValueError, match="derived on the host"):
+        m.add("ess", torch.tensor(1.0))
+    m.add("x", torch.tensor(2.0))
+    m.derive("ess", EffectiveSampleSize("x", "x", "x"))
+    assert m.finalize() == {"x": 2.0, "ess": 1.0}  # 2^2 / (2 * 2)
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["cpu-form", "gpu-form"])
