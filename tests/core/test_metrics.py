@@ -475,6 +475,46 @@ def test_a_refused_declaration_leaves_the_name_as_it_was():
     m.add_masked_totals(["pair_a", "pair_b"], [torch.ones(2), torch.ones(2)], torch.ones(2))
 
 
+def test_a_name_twice_in_one_group_and_a_derived_per_call_metric_are_refused_without_a_trace():
+    """A group naming a metric twice is refused as declared twice and leaves its names free; a
+    derived per-call metric is refused as computed also where per-call metrics are not computed
+    (the NeMo-RL loss), and derive() declares it without a value."""
+    m = _metrics(a=RAW, b=RAW, lo=LOW, hi=HIGH)
+    with pytest.raises(KeyError, match="'a' declared twice"):
+        m.add_masked_totals(["a", "a"], [torch.ones(2), torch.ones(2)], torch.ones(2))
+    with pytest.raises(KeyError, match="'lo' declared twice"):
+        m.add_masked_extrema("lo", "lo", torch.ones(2), torch.zeros(2))
+    m.add("a", torch.tensor(1.0))
+    m.add_masked_extrema("lo", "hi", torch.ones(2), torch.zeros(2))
+    assert m.finalize() == {"a": 1.0, "lo": 1.0, "hi": 1.0}
+    per_call_derived = DERIVED._replace(per_call=True)
+    for computed in (True, False):
+        off = MetricSet({"ess": per_call_derived, "x": RAW}, compute_per_call=computed)
+        with pytest.raises(ValueError, match="derived on the host"):
+            off.add("ess", torch.tensor(1.0))
+        with pytest.raises(ValueError, match="derived on the host"):
+            off.add_masked_totals(["ess"], [torch.ones(2)], torch.ones(2))
+        off.add("x", torch.tensor(2.0))
+        off.derive("ess", EffectiveSampleSize("x", "x", "x"))
+        assert len(off._derived) == (1 if computed else 0)  # uncomputed: no formula kept to evaluate
+        assert off.finalize() == ({"x": 2.0, "ess": 1.0} if computed else {"x": 2.0})
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["cpu-form", "gpu-form"])
+def test_integer_values_of_several_dtypes_are_divided_in_their_counts_dtype(batched):
+    """Integer parts of different dtypes (int64, int32, bool) and no float one are joined as integers
+    and cast once to the divisor's dtype, as one integer dtype is: float64 counts keep 2^24 + 1."""
+    f64 = torch.float64
+    counts = GlobalCounts(tokens=torch.tensor(3.0, dtype=f64), sequences=torch.tensor(1.0, dtype=f64))
+    m = _metrics(counts, batched, total=MetricSpec("tokens", "sum", False), small=RAW, flag=RAW)
+    m.add_total("total", torch.tensor(3 * (2**24 + 1)))
+    m.add("small", torch.tensor(5, dtype=torch.int32))
+    m.add("flag", torch.tensor(True))
+    names, vector = m.stack()
+    assert vector.dtype == f64
+    assert dict(zip(names, vector.tolist())) == {"total": 3 * (2**24 + 1) / (3.0 + EPS), "small": 5.0, "flag": 1.0}
+
+
 def test_a_pickled_layout_refuses_what_the_original_refuses():
     """NeMo-RL pickles its loss into each Ray worker: the layout comes back rebuilt from its catalog
     (its markers are compared by identity), without the reports kept so far."""

@@ -111,7 +111,10 @@ class GlobalCounts:
 
 #: What a name's entry in a layout's table is when no value of it is computed on the device.
 _DERIVED = "derived"  # computed on the host (derive(), add_zero()); never a bucket
+_DERIVED_UNCOMPUTED = "derived, per call, uncomputed"  # the same, a per-call metric the set does not compute
 _REFUSED = "refused"  # not declarable here: not in the catalog, declared already, or after stack()
+#: The entries a declaration of a value computed on the device (add, add_total, ...) refuses.
+_NOT_ON_DEVICE = frozenset((_DERIVED, _DERIVED_UNCOMPUTED, _REFUSED))
 
 
 class _Report(NamedTuple):
@@ -137,7 +140,8 @@ class MetricLayout:
     ``buckets[name]``: the global count (``tokens``, ``sequences``) its declared sum is divided
     by, ``final`` (its normalization is ``none``), ``None`` (a per-call metric the set does not
     compute), or ``derived`` (computed on the host: only :meth:`MetricSet.derive` and
-    :meth:`MetricSet.add_zero` declare it).
+    :meth:`MetricSet.add_zero` declare it; a per-call one the set does not compute has a marker
+    of its own, refused as computed all the same).
     """
 
     #: Distinct sequences of declarations whose reports are kept (a configuration makes a few:
@@ -149,17 +153,21 @@ class MetricLayout:
         self.computes_per_call = compute_per_call
         self.buckets: dict[str, Optional[str]] = {}
         for name, spec in catalog.items():
-            if spec.per_call and not compute_per_call:
+            uncomputed = spec.per_call and not compute_per_call
+            if spec.reduction == "derived":
+                self.buckets[name] = _DERIVED_UNCOMPUTED if uncomputed else _DERIVED
+            elif uncomputed:
                 self.buckets[name] = None
-            elif spec.reduction == "derived":
-                self.buckets[name] = _DERIVED
             else:
                 self.buckets[name] = "final" if spec.normalization == "none" else spec.normalization
         self._reports: dict[tuple, _Report] = {}
 
     def __reduce__(self) -> tuple:
-        """Pickled as what builds it (NeMo-RL ships its loss to Ray workers): the table's markers
-        are compared by identity, and an unpickled string is a copy, not the module's constant."""
+        """Pickled as what builds it (NeMo-RL ships its loss to Ray workers), without its reports.
+
+        The table's markers are compared by identity, and an unpickled string is a copy, not the
+        module's constant: rebuilt, the table holds the constants again.
+        """
         return (MetricLayout, (self.catalog, self.computes_per_call))
 
     def report(self, declared: list[str], stacked: list[str]) -> _Report:
@@ -258,11 +266,14 @@ class MetricSet:
         """
         if not names:
             return None
+        if len(set(names)) < len(names):
+            repeated = next(name for i, name in enumerate(names) if name in names[:i])
+            raise KeyError(f"metric {repeated!r} declared twice")
         free = self._free
         shared = free.get(names[0], _REFUSED)
         for name in names:  # a loop, not a comprehension: no frame of its own (Python 3.11)
             bucket = free.get(name, _REFUSED)
-            if bucket is _REFUSED or bucket is _DERIVED:
+            if bucket in _NOT_ON_DEVICE:
                 self._refuse(name, bucket)
             if bucket != shared:
                 raise ValueError(f"metrics {list(names)} declared together differ in normalization or per-call flag")
@@ -280,12 +291,13 @@ class MetricSet:
             raise RuntimeError(f"metric {name!r} declared after MetricSet.stack()")
         if name in self._order:
             raise KeyError(f"metric {name!r} declared twice")
-        if bucket is _DERIVED:
+        if bucket is _DERIVED or bucket is _DERIVED_UNCOMPUTED:
             raise ValueError(f"metric {name!r} is derived on the host (its catalog entry): declare it by derive()")
         raise KeyError(f"metric {name!r} is not in the catalog for this configuration ({_CATALOGS})")
 
     # Each single declaration below takes its name out of ``_free`` itself (one lookup, no call):
-    # it runs for every metric of every call. Anything but a bucket or None is refused there.
+    # it runs for every metric of every call. A value computed on the device refuses the entries
+    # of _NOT_ON_DEVICE (derived, or not declarable); derive() refuses only the latter.
 
     def add(self, name: str, value: torch.Tensor) -> None:
         """Record a final 0-dim value (never synced here, never divided by a count).
@@ -296,7 +308,7 @@ class MetricSet:
         once, without gradient (no ``detach`` or reshape per value).
         """
         bucket = self._free.get(name, _REFUSED)
-        if bucket is _REFUSED or bucket is _DERIVED:
+        if bucket in _NOT_ON_DEVICE:
             self._refuse(name, bucket)
         del self._free[name]
         self._order.append(name)
@@ -307,7 +319,7 @@ class MetricSet:
     def add_total(self, name: str, total: torch.Tensor) -> None:
         """Record a 0-dim sum; its value is ``total / (count + 1e-8)`` for the count of its normalization."""
         bucket = self._free.get(name, _REFUSED)
-        if bucket is _REFUSED or bucket is _DERIVED:
+        if bucket in _NOT_ON_DEVICE:
             self._refuse(name, bucket)
         del self._free[name]
         self._order.append(name)
@@ -418,7 +430,7 @@ class MetricSet:
             self._refuse(name, bucket)
         del self._free[name]
         self._order.append(name)
-        if bucket is not None:
+        if bucket is not None and bucket is not _DERIVED_UNCOMPUTED:
             self._derived.append((name, formula))
 
     #: ``add_zero(name)``: a metric that is 0 by construction (a term that is off, a count known to
@@ -555,23 +567,28 @@ def _joined(parts: list[torch.Tensor], as_views: bool) -> torch.Tensor:
     value); else one ``stack`` of the 0-dim values (the eager CPU form, where every declaration
     is reduced or reshaped to 0-dim as it is made). One part is a view.
 
-    Parts of different dtypes are cast first to the floating dtype they promote to (float64
-    where one is, else float32): a half-precision part would otherwise round an integer count
-    to half precision before the vector is promoted (the loss computes in float32 or float64,
-    so only a direct caller meets this), and on the CPU a stack of mixed dtypes copies every
-    part through a slower path (23 us against 6.5 for 30 values; the casts of the loss's four
-    integer counts cost 4). The dtypes are read once per part: each read is a Python attribute
-    access, and a few per part cost as much as the stack.
+    Where a part is floating and the dtypes differ (or a part is half precision), every part is
+    cast first to float64 where one part is float64, else float32: what the join's promotion
+    gives, except that a half-precision part is widened instead of rounding an integer count to
+    half precision on the way (the loss computes in float32 or float64, so only a direct caller
+    meets this); and on the CPU a stack of mixed dtypes copies every part through a slower path
+    (23 us against 6.5 for 30 values; the casts of the loss's four integer counts cost 4).
+    Integer parts alone are joined as they are (``MetricSet.stack`` casts the vector to its
+    divisor's dtype). The dtypes are read once per part: each read is a Python attribute access,
+    and a few per part cost as much as the stack.
     """
-    if len(parts) == 1:
-        return parts[0].reshape(-1)  # a view: no kernel for one part
     dtypes = set()
-    for p in parts:  # a loop, not a comprehension: no frame of its own (Python 3.11)
+    for p in parts:  # loops, not comprehensions: no frame of their own (Python 3.11)
         dtypes.add(p.dtype)
     if len(dtypes) > 1 or torch.float16 in dtypes or torch.bfloat16 in dtypes:
-        wide = torch.float64 if torch.float64 in dtypes else torch.float32
-        if len(dtypes) > 1 or wide not in dtypes:
+        floating = False
+        for dtype in dtypes:
+            floating = floating or dtype.is_floating_point
+        if floating:
+            wide = torch.float64 if torch.float64 in dtypes else torch.float32
             parts = [p if p.dtype == wide else p.to(wide) for p in parts]
+    if len(parts) == 1:
+        return parts[0].reshape(-1)  # a view: no kernel for one part
     if not as_views:
         return torch.stack(parts)
     return torch.cat([q.reshape(1) if q.dim() == 0 else q for q in parts])
