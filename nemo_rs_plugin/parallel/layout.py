@@ -49,5 +49,5 @@ def shift_left(x: torch.Tensor, fill: float = 0) -> torch.Tensor:
     Aligns per-token data with the position that predicts it, before sharding (the next
     token may live on another rank).
     """
-    pad = torch.full_like(x[:, :1], fill)
-    return torch.cat([x[:, 1:], pad], dim=1)
+    # One operator (NeMo-RL's packing wrapper calls this per field of every sequence), not a fill and a cat.
+    return torch.nn.functional.pad(x[:, 1:], (0, 1), value=fill)

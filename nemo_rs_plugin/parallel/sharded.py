@@ -204,8 +204,9 @@ def _pad_sequences(data: Mapping[str, Any], length: int) -> dict:
     out = {}
     for key, value in data.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == S:
-            pad = value.new_zeros((value.shape[0], length - S) + tuple(value.shape[2:]))
-            out[key] = torch.cat([value, pad], dim=1)
+            # One operator per field (this runs per sequence under packing), not a zeros and a cat;
+            # F.pad's widths run from the last dimension back: the trailing ones unpadded.
+            out[key] = torch.nn.functional.pad(value, (0, 0) * (value.dim() - 2) + (0, length - S))
         else:
             out[key] = value
     return out

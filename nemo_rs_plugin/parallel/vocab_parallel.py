@@ -55,6 +55,11 @@ def chunk_size_problem(value: Any, field: str = "policy.logprob_chunk_size") -> 
     )
 
 
+def _joined_chunks(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks' ``[B, C]`` rows as one ``[B, T]``: the one chunk itself, else one ``cat``."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def _float32_chunk(chunk: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """A fresh float32 ``chunk - shift``: the one ``[B, C, V_local]`` float32 buffer of a step."""
     if chunk.dtype == torch.float32:
@@ -73,34 +78,34 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
     def forward(  # noqa: D102
         ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any, chunk_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T, v_local = logits.shape
+        T, v_local = logits.shape[1], logits.shape[2]
         tp = dist.get_world_size(group) if group is not None else 1
         start = dist.get_rank(group) * v_local if tp > 1 else 0
         # NeMo-RL's rule for a target outside the vocabulary (its vocab range mask): log-prob 0;
         # here also no gradient (the output does not depend on the logits there).
         valid = (target >= 0) & (target < tp * v_local)
-        held = (target >= start) & (target < start + v_local)  # this shard holds the target
-        local_idx = torch.where(held, target - start, torch.zeros_like(target)).unsqueeze(-1)
+        # This shard holds the target (without TP the one shard holds every valid one).
+        held = (target >= start) & (target < start + v_local) if tp > 1 else valid
+        local_idx = torch.where(held, target - start if start else target, 0).unsqueeze(-1)
         # Per position of this shard: the shift m (the row maximum; 0 for a row of -inf, a shard
         # whose columns are all masked, where -inf - -inf would be nan), log sum_v exp(z_v - m)
-        # (-inf exactly for such a row) and z_y - m.
-        shift = torch.empty(B, T, dtype=torch.float32, device=logits.device)
-        lse_rel = torch.empty_like(shift)
-        target_rel = torch.empty_like(shift)
-        # A row holding a NaN or +inf logit has a NaN or +inf maximum (amax propagates NaN).
-        local_bad = torch.empty(B, T, dtype=torch.bool, device=logits.device)
+        # (-inf exactly for such a row), z_y - m, and whether the row's logits hold a NaN or +inf
+        # or no finite value (its maximum is NaN, +inf or -inf: amax propagates NaN). Kept per
+        # chunk and joined once (one chunk, the common case under packing: nothing joined or copied).
+        shift_parts, lse_parts, target_parts, bad_parts = [], [], [], []
         for s in range(0, T, chunk_size):
             e = s + chunk_size
             chunk = logits[:, s:e]
             m = chunk.amax(-1, keepdim=True).to(torch.float32)
-            # NaN or +inf somewhere, or -inf everywhere (no finite logit: softmax 0/0)
-            local_bad[:, s:e] = ~(m < float("inf")).squeeze(-1) | (m == float("-inf")).squeeze(-1)
+            bad_parts.append(torch.isfinite(m).logical_not_().squeeze(-1))
             m.masked_fill_(m == float("-inf"), 0.0)
-            shift[:, s:e] = m.squeeze(-1)
-            target_rel[:, s:e] = chunk.gather(-1, local_idx[:, s:e]).squeeze(-1).to(torch.float32) - shift[:, s:e]
+            shift_chunk = m.squeeze(-1)
+            shift_parts.append(shift_chunk)
+            target_parts.append(chunk.gather(-1, local_idx[:, s:e]).squeeze(-1).to(torch.float32).sub_(shift_chunk))
             z = _float32_chunk(chunk, m)
-            lse_rel[:, s:e] = z.exp_().sum(-1).log_()
+            lse_parts.append(z.exp_().sum(-1).log_())
             del z
+        shift, lse_rel, target_rel, local_bad = map(_joined_chunks, (shift_parts, lse_parts, target_parts, bad_parts))
         if tp == 1:
             logprobs, lse_minus_shift = target_rel - lse_rel, lse_rel
             bad = local_bad
@@ -132,6 +137,7 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         ctx.save_for_backward(logits, shift, lse_minus_shift, local_idx, valid, held, bad)
         ctx.mark_non_differentiable(bad)
         ctx.chunk_size = chunk_size
+        ctx.held_is_valid = tp == 1  # one shard: the target's gradient needs no second mask
         return logprobs, bad
 
     @staticmethod
@@ -139,7 +145,7 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         logits, shift, lse_minus_shift, local_idx, valid, held, bad = ctx.saved_tensors
         chunk_size = ctx.chunk_size
         grad = grad.to(torch.float32) * valid  # no gradient where the target is outside the vocabulary
-        target_grad = grad * held
+        target_grad = grad if ctx.held_is_valid else grad * held
         grad_logits = torch.empty_like(logits)
         in_place = logits.dtype == torch.float32
         for s in range(0, logits.shape[1], chunk_size):

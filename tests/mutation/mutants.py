@@ -850,6 +850,24 @@ MUTANTS: list[Mutant] = [
         "",
         "a NaN/+inf logit's row keeps its NaN softmax in the backward (issue 49: NaN gradient, finite loss)",
     ),
+    Mutant(
+        VP,
+        "bad_parts.append(torch.isfinite(m).logical_not_().squeeze(-1))",
+        "bad_parts.append(torch.isnan(m).squeeze(-1))",
+        "a row of +inf logits, or of -inf only, not counted as non-finite (its NaN log-prob unflagged)",
+    ),
+    Mutant(
+        VP,
+        "    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)",
+        "    return parts[0]",
+        "several chunks: only the first chunk's positions kept (the shapes disagree past it)",
+    ),
+    Mutant(
+        VP,
+        "        target_grad = grad if ctx.held_is_valid else grad * held",
+        "        target_grad = grad",
+        "TP: the target's gradient added on every rank, not only on the one holding the target",
+    ),
     # ---- the filter options' registries (core/registries/filter_options.py): each flag is what the loss does
     Mutant(
         FO,
