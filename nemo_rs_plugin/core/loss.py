@@ -34,7 +34,7 @@ from nemo_rs_plugin.core.batch.inputs import LossInputs, global_counts
 from nemo_rs_plugin.core.batch.microbatch import MicrobatchTotals, missing_totals
 from nemo_rs_plugin.core.batch.sanitizing import nonfinite_logit_metric, nonfinite_metrics, sanitize_inputs
 from nemo_rs_plugin.core.compiled import core_fn
-from nemo_rs_plugin.core.correction import PolicyLogProbs, compute_correction
+from nemo_rs_plugin.core.correction import PolicyLogProbs, apply_correction, compute_correction, plan_correction
 from nemo_rs_plugin.core.distributed import NO_GROUPS, SequenceGroups
 from nemo_rs_plugin.core.evaluation import ROW_BY_ROW, EvaluationForm, evaluation_form
 from nemo_rs_plugin.core.loss_terms.objective import Objective
@@ -258,17 +258,19 @@ class CorrectedPGLoss:
         count_positive_logprobs(metrics, clean, cfg.force_on_policy_ratio)
 
         # ---- the off-policy correction: plan (local) -> reduce (one collective) -> apply ----
-        corr = compute_correction(
+        plan = plan_correction(
             cfg,
             clean.d,
             masks,
-            groups,
             log_probs=PolicyLogProbs(curr=x.curr.detach(), prev=clean.prev_raw.detach(), gen=x.generation),
             advantages=clean.advantages,
-            metrics=metrics,
-            batch_norm_factor=None if microbatch is None else microbatch.batch_norm_factor,
             stages=self.filter_stages,
         )
+        reduced = plan.reduce(groups)  # every per-sequence statistic, over the ranks that split a sequence
+        corr = apply_correction(
+            cfg, plan, reduced, metrics, groups, None if microbatch is None else microbatch.batch_norm_factor
+        )
+        del plan, reduced  # their [B, T] rows (the token filters' masks, the statistics) end here: the peak comes later
         totals = microbatch if microbatch is not None else self.objective.totals_of(corr, masks, x.rewards)
 
         objective = self.objective

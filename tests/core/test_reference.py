@@ -241,18 +241,18 @@ def nemo_rl_data(batch: dict) -> dict:
 def captured_correction():
     """Record the :class:`CorrectionResult` the loss computes (masks and weights it used)."""
     seen = []
-    original = loss_module.compute_correction
+    original = loss_module.apply_correction  # the loss's step 4: its result is the correction's
 
     def spy(*args, **kwargs):
         out = original(*args, **kwargs)
         seen.append(out)
         return out
 
-    loss_module.compute_correction = spy
+    loss_module.apply_correction = spy
     try:
         yield seen
     finally:
-        loss_module.compute_correction = original
+        loss_module.apply_correction = original
 
 
 def run_package(cfg: dict, batch: dict):

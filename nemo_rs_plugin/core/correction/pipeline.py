@@ -4,8 +4,9 @@
 statistic; :meth:`CorrectionPlan.reduce` passes all of them through one collective
 (:meth:`~nemo_rs_plugin.core.correction.statistics.SequenceStatistics.reduce`);
 :func:`apply_correction` derives masks, weights and metrics from the reduced statistics only.
-:func:`compute_correction` chains them, the one place they are chained: the loss's call, its
-microbatch totals and the one-call API (``nemo-rs simulate``, the tests) all go through it.
+The loss's call (``CorrectedPGLoss._tensors``) calls the three in order, where its reader follows
+them; :func:`compute_correction` chains them in one call for the loss's microbatch totals and
+the one-call API (``nemo-rs simulate``, the tests).
 """
 
 from __future__ import annotations
@@ -307,9 +308,9 @@ def apply_correction(
     )
 
 
-# The one place plan -> reduce -> apply is written: the loss's call (its metric set, the
-# microbatch's batch-normalisation factor), its microbatch totals and the one-call public API
-# (tools/simulate, the tests, which pass the loss's inputs by name and get a metric set of their own).
+# plan -> reduce -> apply in one call: the loss's microbatch totals and the one-call public API
+# (tools/simulate, the tests, which pass the loss's inputs by name and get a metric set of their
+# own). The loss's own call writes the three steps out, in order, where its reader follows them.
 def compute_correction(
     cfg: RSClippedPGLossConfig,
     d: torch.Tensor,
