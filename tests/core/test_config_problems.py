@@ -316,6 +316,24 @@ def test_a_filter_s_old_metric_field_is_read_as_its_statistic_and_warned_about()
     assert m_new["rs_seq_rejected_frac"] == 0.5 and torch.equal(loss_old, loss_new) and m_old == m_new
 
 
+def test_a_dump_names_each_concept_once_and_reads_back_as_the_same_filter_without_a_warning():
+    """The old spellings are read into their one name and left out of ``model_dump`` (what ``simulate``,
+    ``check`` and the lab re-validate and print): the dump reads back as the same filter, silently."""
+    old = {"level": "token", "metric": "kl_k3", "upper": 0.5, "negative_advantages_only": True}
+    with pytest.warns(ConfigWarning, match="deprecated"):
+        read = RSClippedPGLossConfig.from_any({**IS_ON, "rejection_sampling": [old]})
+    dumped = read.model_dump()
+    [stage] = dumped["rejection_sampling"]
+    assert "metric" not in stage and "negative_advantages_only" not in stage
+    assert (stage["statistic"], stage["advantage_sign"]) == ("kl_k3", "negative")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = RSClippedPGLossConfig.from_any(dumped)
+    assert again.rejection_sampling[0].label == read.rejection_sampling[0].label
+    assert again.model_dump() == dumped
+    assert "metric" not in read.model_dump_json() and "negative_advantages_only" not in read.model_dump_json()
+
+
 def test_a_filter_s_metric_and_statistic_that_disagree_are_refused_by_name():
     [line] = problems_of(
         {"rejection_sampling": [{"level": "token", "metric": "kl_k3", "statistic": "ratio", "upper": 1}]}

@@ -188,7 +188,9 @@ class RejectionFilter(BaseModel):
             f"``p = exp(log pi)``): {filter_statistics_text()}."
         ),
     )
-    metric: Optional[FilterStatisticName] = None
+    # The deprecated spellings are read into their one name (the validators below) and left out of a
+    # dump (model_dump, what tools re-validate and print), which names each concept once.
+    metric: Optional[FilterStatisticName] = Field(default=None, exclude=True)
     """Deprecated spelling of ``statistic`` (accepted, warned about: ``nemo-rs check`` says how to
     update); the name collided with the logged metrics."""
     lower: Optional[float] = None
@@ -200,7 +202,7 @@ class RejectionFilter(BaseModel):
     (default; trainer before the update over the inference engine), ``gen-prev`` (the
     reverse: AReaL's KL direction, VERL's k1 band on gen/prev), ``curr-gen`` or
     ``curr-prev`` (the detached current policy: TRL's and slime's OPSM)."""
-    negative_advantages_only: bool = False
+    negative_advantages_only: bool = Field(default=False, exclude=True)
     """Deprecated spelling of ``advantage_sign: negative`` (accepted, warned about: ``nemo-rs check``
     says how to update). TRL ``off_policy_mask_threshold``, slime ``use_opsm``."""
     advantage_sign: Optional[FilterAdvantageSign] = None
