@@ -665,8 +665,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         MS,
-        "elif per_call or not spec.per_call:",
-        "elif True:",
+        "(report.public if per_call else report.public_per_call_off)",
+        "report.public",
         "the NeMo-RL loss returns the per-call metrics, which NeMo-RL then sums",
     ),
     # ---- sequence packing: the wrapper's calls gathered into one (nemo_rs_plugin/nemo_rl/packing.py)

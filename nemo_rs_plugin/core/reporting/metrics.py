@@ -567,28 +567,32 @@ def _joined(parts: list[torch.Tensor], as_views: bool) -> torch.Tensor:
     value); else one ``stack`` of the 0-dim values (the eager CPU form, where every declaration
     is reduced or reshaped to 0-dim as it is made). One part is a view.
 
-    Where a part is floating and the dtypes differ (or a part is half precision), every part is
-    cast first to float64 where one part is float64, else float32: what the join's promotion
-    gives, except that a half-precision part is widened instead of rounding an integer count to
-    half precision on the way (the loss computes in float32 or float64, so only a direct caller
-    meets this); and on the CPU a stack of mixed dtypes copies every part through a slower path
-    (23 us against 6.5 for 30 values; the casts of the loss's four integer counts cost 4).
-    Integer parts alone are joined as they are (``MetricSet.stack`` casts the vector to its
-    divisor's dtype). The dtypes are read once per part: each read is a Python attribute access,
-    and a few per part cost as much as the stack.
+    A half-precision part is widened to float32 first: joined with an integer count, it would
+    round the count to half precision before the vector is promoted (the loss computes in float32
+    or float64, so only a direct caller meets this). In the CPU form's stack, where a part is
+    floating and the dtypes differ, every part is cast first to the dtype the stack would promote
+    them to (float64 where one part is, else float32): a stack of mixed dtypes copies every part
+    through a slower path (23 us against 6.5 for 30 values; the casts of the loss's four integer
+    counts cost 4). The ``cat`` promotes them itself: a cast there is an operator (a kernel on an
+    accelerator) per integer part. Integer parts alone are joined as they are (``MetricSet.stack``
+    casts the vector to its divisor's dtype). The dtypes are read once per part: each read is a
+    Python attribute access, and a few per part cost as much as the stack.
     """
     dtypes = set()
     for p in parts:  # loops, not comprehensions: no frame of their own (Python 3.11)
         dtypes.add(p.dtype)
-    if len(dtypes) > 1 or torch.float16 in dtypes or torch.bfloat16 in dtypes:
+    if torch.float16 in dtypes or torch.bfloat16 in dtypes:
+        parts = [p.float() if p.dtype == torch.float16 or p.dtype == torch.bfloat16 else p for p in parts]
+        dtypes = {torch.float32 if d == torch.float16 or d == torch.bfloat16 else d for d in dtypes}
+    if len(parts) == 1:
+        return parts[0].reshape(-1)  # a view: no kernel for one part
+    if as_views:
+        return torch.cat([q.reshape(1) if q.dim() == 0 else q for q in parts])
+    if len(dtypes) > 1:
         floating = False
         for dtype in dtypes:
             floating = floating or dtype.is_floating_point
         if floating:
             wide = torch.float64 if torch.float64 in dtypes else torch.float32
             parts = [p if p.dtype == wide else p.to(wide) for p in parts]
-    if len(parts) == 1:
-        return parts[0].reshape(-1)  # a view: no kernel for one part
-    if not as_views:
-        return torch.stack(parts)
-    return torch.cat([q.reshape(1) if q.dim() == 0 else q for q in parts])
+    return torch.stack(parts)
