@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_rs_plugin.core.evaluation import EvaluationForm
 from nemo_rs_plugin.core.masking import EPS, extrema_penalty
@@ -23,6 +24,19 @@ DERIVED = MetricSpec("none", "derived", False)
 def _metrics(counts=None, batched=False, **specs: MetricSpec) -> MetricSet:
     """A metric set whose catalog is ``specs`` (every name the test declares)."""
     return MetricSet(specs, counts=counts, form=EvaluationForm(batched=batched))
+
+
+class EveryOperator(TorchDispatchMode):
+    """Counts each aten operator dispatched inside it, by name (``counts``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket).removeprefix("aten.")
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def _batch(seed: int = 0):
@@ -336,18 +350,6 @@ def test_the_cpu_form_casts_each_mask_once_and_holds_values_without_a_copy():
     row costs one dot product, and values are held as given: no ``detach``, reshape or cast per
     metric (in eager mode each is about a microsecond of host time, as much as the small operator
     it serves: docs/performance.md#per-call-cost-under-packing)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class EveryOperator(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.counts: dict[str, int] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func.overloadpacket).removeprefix("aten.")
-            self.counts[name] = self.counts.get(name, 0) + 1
-            return func(*args, **(kwargs or {}))
-
     values, mask = _batch()
     rows = list(values.double().unbind(0))  # float64 rows over a float32 mask: the mask is cast
     weight = torch.ones((), requires_grad=True)
@@ -388,18 +390,6 @@ def test_integer_parts_are_cast_once_before_the_cpu_forms_stack_and_promoted_by_
     promotes to, one cast each, before one stack (a stack of mixed dtypes copies every part through
     torch's slow path); in the GPU form the one cat promotes them itself (a cast would be a kernel
     per part). The values are those of the promotion either way (float64 where a part is float64)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class EveryOperator(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.counts: dict[str, int] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func.overloadpacket).removeprefix("aten.")
-            self.counts[name] = self.counts.get(name, 0) + 1
-            return func(*args, **(kwargs or {}))
-
     for wide in (torch.float32, torch.float64):
         m = _metrics(None, batched, **{f"v{i}": RAW for i in range(6)})
         values = [torch.tensor(0.25, dtype=wide), torch.tensor(7), torch.tensor(0.5, dtype=wide), torch.tensor(2**20)]
