@@ -23,7 +23,7 @@ __all__ = ["ONE_SEQUENCE_CALL_COST", "QWEN3_VOCABULARY", "packing_problems", "pa
 
 #: A lone B = 1 call against NeMo-RL's loss (benchmarks/bench_packing.py --compiled; docs/performance.md).
 ONE_SEQUENCE_CALL_COST = (
-    "1.29-1.36x NeMo-RL's loss per call eager, 0.54-0.67x with loss_fn.compile: true (forward + backward, "
+    "1.29-1.37x NeMo-RL's loss per call eager, 0.54-0.67x with loss_fn.compile: true (forward + backward, "
     "512 tokens, one CPU thread); on an H200 1.1-1.2x eager, 0.35x compiled (host time per call)"
 )
 
