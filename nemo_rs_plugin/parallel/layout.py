@@ -49,5 +49,8 @@ def shift_left(x: torch.Tensor, fill: float = 0) -> torch.Tensor:
     Aligns per-token data with the position that predicts it, before sharding (the next
     token may live on another rank).
     """
-    # One operator (NeMo-RL's packing wrapper calls this per field of every sequence), not a fill and a cat.
-    return torch.nn.functional.pad(x[:, 1:], (0, 1), value=fill)
+    if x.shape[1] == 0:
+        return x.clone()  # no position, so no last one to fill
+    # One operator (NeMo-RL's packing wrapper calls this per field of every sequence), not a fill
+    # and a cat; F.pad's widths run from the last dimension back: dimension 1 only.
+    return torch.nn.functional.pad(x[:, 1:], (0, 0) * (x.dim() - 2) + (0, 1), value=fill)

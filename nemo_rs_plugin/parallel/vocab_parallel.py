@@ -93,7 +93,7 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         # or no finite value (its maximum is NaN, +inf or -inf: amax propagates NaN). Kept per
         # chunk and joined once (one chunk, the common case under packing: nothing joined or copied).
         shift_parts, lse_parts, target_parts, bad_parts = [], [], [], []
-        for s in range(0, T, chunk_size):
+        for s in range(0, max(T, 1), chunk_size):  # at least one chunk: no position gives [B, 0] rows
             e = s + chunk_size
             chunk = logits[:, s:e]
             m = chunk.amax(-1, keepdim=True).to(torch.float32)
@@ -106,6 +106,7 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
             lse_parts.append(z.exp_().sum(-1).log_())
             del z
         shift, lse_rel, target_rel, local_bad = map(_joined_chunks, (shift_parts, lse_parts, target_parts, bad_parts))
+        del shift_parts, lse_parts, target_parts, bad_parts  # several chunks: not alive beside their join
         if tp == 1:
             logprobs, lse_minus_shift = target_rel - lse_rel, lse_rel
             bad = local_bad

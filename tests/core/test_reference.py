@@ -241,7 +241,7 @@ def nemo_rl_data(batch: dict) -> dict:
 def captured_correction():
     """Record the :class:`CorrectionResult` the loss computes (masks and weights it used)."""
     seen = []
-    original = loss_module.apply_correction  # the loss's step 4: its result is the correction's
+    original = loss_module.apply_correction  # the correction's last step (apply): its result is the correction's
 
     def spy(*args, **kwargs):
         out = original(*args, **kwargs)

@@ -281,3 +281,19 @@ def test_nonfinite_logits_are_counted_at_every_position_and_warned_of_once(monke
     assert [w.category for w in seen].count(InputWarning) == 1, [str(w.message) for w in seen]
     _, clean = sharded_loss(loss_fn, logits, data, gvs, gvt)
     assert clean["nonfinite_logit_rows_count"] == 0
+
+
+def test_an_empty_sequence_and_a_wider_field_keep_their_shapes():
+    """No position: ``[B, 0]`` log-probs and flags, a ``[B, 0, V]`` gradient (at least one chunk runs);
+    ``shift_left`` moves dimension 1 of any rank and leaves an empty sequence empty."""
+    from nemo_rs_plugin.parallel.layout import shift_left
+    from nemo_rs_plugin.parallel.vocab_parallel import target_logprobs_and_nonfinite_rows
+
+    logits = torch.randn(2, 0, 8, requires_grad=True)
+    logprobs, flagged = target_logprobs_and_nonfinite_rows(logits, torch.zeros(2, 0, dtype=torch.long), None, 4)
+    assert logprobs.shape == flagged.shape == (2, 0)
+    logprobs.sum().backward()
+    assert logits.grad is not None and logits.grad.shape == (2, 0, 8)
+    wide = torch.arange(30.0).reshape(2, 5, 3)
+    assert torch.equal(shift_left(wide, -1.0), torch.cat([wide[:, 1:], torch.full((2, 1, 3), -1.0)], dim=1))
+    assert shift_left(torch.ones(2, 0, dtype=torch.long)).shape == (2, 0)
