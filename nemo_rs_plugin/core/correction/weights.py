@@ -172,7 +172,8 @@ def _record_tails(metrics: MetricSet, raw_weight: torch.Tensor, penalty: torch.T
     count: they add up over calls, microbatches and ranks.
     """
     # count_nonzero, not sum(dtype=...): a float sum of a bool tensor casts it into a [B, T] temporary.
-    # Integer counts: the CPU form's MetricSet.stack casts them to the metrics' float dtype (the GPU form's cat promotes them).
+    # Integer counts: the CPU form's MetricSet.stack casts them to the metrics' float dtype (the GPU
+    # form's cat promotes them).
     low = torch.count_nonzero((raw_weight + penalty) < 1.0 / WEIGHT_TAIL)
     high = torch.count_nonzero((raw_weight - penalty) > WEIGHT_TAIL)
     metrics.add_total("is_weight_raw_low_frac", low)
