@@ -16,7 +16,6 @@ import torch
 from nemo_rs_plugin.core.correction.filters import (
     PolicyLogProbs,
     apply_filters,
-    filter_bounds,
     filter_log_ratio,
     plan_filters,
     plan_token_filter,
@@ -59,9 +58,9 @@ def _decide(filters, d, valid, d_finite=None):
 
 
 def test_ratio_bounds_are_logs_and_a_zero_lower_bound_is_minus_infinity():
-    assert filter_bounds(TOKEN_BAND) == (log(0.5), log(2.0))
-    assert filter_bounds(RejectionFilter(level="token", lower=0.0, upper=3.0)) == (-math.inf, log(3.0))
-    assert filter_bounds(RejectionFilter(level="token", statistic="kl_k3", upper=0.5)) == (None, 0.5)  # not a ratio
+    assert TOKEN_BAND.bounds == (log(0.5), log(2.0))
+    assert RejectionFilter(level="token", lower=0.0, upper=3.0).bounds == (-math.inf, log(3.0))
+    assert RejectionFilter(level="token", statistic="kl_k3", upper=0.5).bounds == (None, 0.5)  # not a ratio
 
 
 def test_a_token_ratio_filter_keeps_tokens_on_its_bounds_and_rejects_those_beyond():

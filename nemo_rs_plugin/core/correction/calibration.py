@@ -42,7 +42,6 @@ import torch
 
 from nemo_rs_plugin.core.correction.filters import (
     PolicyLogProbs,
-    filter_bounds,
     filter_statistic,
     plan_sequence_filter,
     plan_token_filter,
@@ -221,7 +220,7 @@ def _stages(filters, prev, gen, mask, choose) -> list[CalibratedStage]:
 
 
 def _sequence_rejected_frac(f: RejectionFilter, low: torch.Tensor, high: torch.Tensor) -> float:
-    """Fraction of rows the filter's bounds reject (the loss's bound rule, :func:`filter_bounds`)."""
-    lo, hi = filter_bounds(f)
+    """Fraction of rows the filter's bounds reject (the loss's bound rule, the filter's ``bounds``)."""
+    lo, hi = f.bounds
     rejected = out_of_bounds(low, lo, None) | out_of_bounds(high, None, hi)
     return float(rejected.double().mean()) if rejected.numel() else 0.0

@@ -49,7 +49,6 @@ __all__ = [
     "PolicyLogProbs",
     "RejectionOutcome",
     "apply_filters",
-    "filter_bounds",
     "filter_log_ratio",
     "filter_statistic",
     "plan_filters",
@@ -122,11 +121,6 @@ def filter_log_ratio(
         return d, d_finite, target, behaviour
     d_raw = target_raw - behaviour_raw
     return sanitize(d_raw), 1.0 - nonfinite(d_raw), target, behaviour
-
-
-def filter_bounds(f: StageSettings) -> tuple[Optional[float], Optional[float]]:
-    """Bounds in the space the statistic lives in (log space for ratios): the stage's ``bounds``."""
-    return f.bounds
 
 
 # ------------------------------------------------------------------ plan (local)
@@ -241,9 +235,7 @@ def plan_sequence_filter(
 def _sequence_rejects(f: StageSettings, s: SequenceStage) -> torch.Tensor:
     """``[B]`` bool: the sequence filter rejects the row, decided on reduced statistics."""
     lo, hi = f.bounds
-    entry = f.aggregation_entry
-    assert entry is not None, "a sequence filter has an aggregation"
-    low, high = entry.finalize(s)  # sequence_filter_statistic, without the call
+    low, high = sequence_filter_statistic(f, s)
     if low is high:
         reject = out_of_bounds(low, lo, hi)
     else:  # any: some valid token outside the bounds
